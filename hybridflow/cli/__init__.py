@@ -1,0 +1,1 @@
+"""L6: the ``hybridflow`` command line."""

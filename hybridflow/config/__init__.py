@@ -1,0 +1,1 @@
+"""L1: the configuration schema, YAML loading, dotted overrides, verl aliases and validation."""

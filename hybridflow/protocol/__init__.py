@@ -1,0 +1,1 @@
+"""L0: the ``Batch`` that flows between the driver and the workers."""

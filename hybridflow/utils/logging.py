@@ -1,0 +1,31 @@
+"""Logging set-up: library modules log, only rank 0 talks to the console."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def get_logger(name: str) -> logging.Logger:
+    """Return the package logger for ``name`` (a module's ``__name__``)."""
+    return logging.getLogger(name)
+
+
+def rank() -> int:
+    """Return this process's global rank from the environment (0 when not distributed)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def setup_console_logging(level: str | int = "INFO") -> None:
+    """Send hybridflow's log records to stderr on rank 0; other ranks only show warnings and errors."""
+    root = logging.getLogger("hybridflow")
+    if any(getattr(h, "_hybridflow", False) for h in root.handlers):
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
+    handler._hybridflow = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(level if rank() == 0 else logging.WARNING)
+    root.propagate = False
