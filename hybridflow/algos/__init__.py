@@ -1,1 +1,128 @@
-"""L2: pure tensor math for RL post-training, with verl's ``core_algos`` names."""
+"""L2: pure tensor math for RL post-training, under the names of verl's ``core_algos``.
+
+Porting verl code means changing one import: ``from verl.trainer.ppo import core_algos`` becomes
+``from hybridflow import algos as core_algos``. Functions take tensors and plain values; where verl passes a
+config object, any attribute object or mapping with the same field names works.
+"""
+
+from hybridflow.algos.advantage import (
+    ADV_ESTIMATOR_REGISTRY,
+    AdvantageEstimator,
+    compute_gae_advantage_return,
+    compute_gdpo_outcome_advantage,
+    compute_gpg_outcome_advantage,
+    compute_grpo_outcome_advantage,
+    compute_grpo_passk_outcome_advantage,
+    compute_grpo_vectorized_outcome_advantage,
+    compute_opo_outcome_advantage,
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
+    compute_reinforce_plus_plus_outcome_advantage,
+    compute_remax_outcome_advantage,
+    compute_rloo_outcome_advantage,
+    compute_rloo_vectorized_outcome_advantage,
+    get_adv_estimator_fn,
+    register_adv_est,
+)
+from hybridflow.algos.aggregation import (
+    LOSS_AGG_MODES,
+    agg_loss,
+    local_batch_info,
+)
+from hybridflow.algos.kl import (
+    VALID_KL_PENALTIES,
+    AdaptiveKLController,
+    FixedKLController,
+    compute_kl_in_reward,
+    compute_rewards,
+    get_kl_controller,
+    kl_penalty,
+    kl_penalty_forward,
+)
+from hybridflow.algos.policy_loss import (
+    POLICY_LOSS_REGISTRY,
+    PolicyLossConfig,
+    compute_entropy_loss,
+    compute_policy_loss_cispo,
+    compute_policy_loss_clip_cov,
+    compute_policy_loss_gpg,
+    compute_policy_loss_gspo,
+    compute_policy_loss_kl_cov,
+    compute_policy_loss_reinforce,
+    compute_policy_loss_vanilla,
+    get_policy_loss_fn,
+    register_policy_loss,
+)
+from hybridflow.algos.rollout_correction import (
+    ROLLOUT_IS_MODES,
+    ROLLOUT_RS_MODES,
+    compute_offpolicy_metrics,
+    compute_rollout_correction_and_rejection_mask,
+    compute_rollout_correction_weights,
+    compute_rollout_rejection_mask,
+)
+from hybridflow.algos.value_loss import (
+    compute_value_loss,
+)
+from hybridflow.utils.torch_functional import (
+    entropy_from_logits,
+    logprobs_from_logits,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
+
+__all__ = [
+    "ADV_ESTIMATOR_REGISTRY",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSS_REGISTRY",
+    "ROLLOUT_IS_MODES",
+    "ROLLOUT_RS_MODES",
+    "VALID_KL_PENALTIES",
+    "AdaptiveKLController",
+    "AdvantageEstimator",
+    "FixedKLController",
+    "PolicyLossConfig",
+    "agg_loss",
+    "compute_entropy_loss",
+    "compute_gae_advantage_return",
+    "compute_gdpo_outcome_advantage",
+    "compute_gpg_outcome_advantage",
+    "compute_grpo_outcome_advantage",
+    "compute_grpo_passk_outcome_advantage",
+    "compute_grpo_vectorized_outcome_advantage",
+    "compute_kl_in_reward",
+    "compute_offpolicy_metrics",
+    "compute_opo_outcome_advantage",
+    "compute_policy_loss_cispo",
+    "compute_policy_loss_clip_cov",
+    "compute_policy_loss_gpg",
+    "compute_policy_loss_gspo",
+    "compute_policy_loss_kl_cov",
+    "compute_policy_loss_reinforce",
+    "compute_policy_loss_vanilla",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_remax_outcome_advantage",
+    "compute_rewards",
+    "compute_rloo_outcome_advantage",
+    "compute_rloo_vectorized_outcome_advantage",
+    "compute_rollout_correction_and_rejection_mask",
+    "compute_rollout_correction_weights",
+    "compute_rollout_rejection_mask",
+    "compute_value_loss",
+    "entropy_from_logits",
+    "get_adv_estimator_fn",
+    "get_kl_controller",
+    "get_policy_loss_fn",
+    "kl_penalty",
+    "kl_penalty_forward",
+    "local_batch_info",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "register_adv_est",
+    "register_policy_loss",
+]
