@@ -236,6 +236,10 @@ class Batch:
     def __contains__(self, key: object) -> bool:
         return key in self.tensors or key in self.non_tensors
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """The tensor or non-tensor field ``key``, or ``default`` when the batch has no such field."""
+        return self[key] if key in self else default  # noqa: SIM401 (this is get itself)
+
     def __iter__(self) -> Iterator[Any]:
         raise TypeError("Batch is not iterable; use batch.keys() for field names or batch.split(1) for rows")
 

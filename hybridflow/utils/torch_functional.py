@@ -59,7 +59,9 @@ class _ChunkedLogProb(torch.autograd.Function):
         for s in range(0, logits.shape[0], chunk):
             block = logits[s : s + chunk].float()  # (r, V)
             lse[s : s + chunk] = torch.logsumexp(block, dim=-1)
-            out[s : s + chunk] = block.gather(-1, labels[s : s + chunk, None]).squeeze(-1) - lse[s : s + chunk]
+            out[s : s + chunk] = (
+                block.gather(-1, labels[s : s + chunk, None]).squeeze(-1) - lse[s : s + chunk]
+            )
         ctx.save_for_backward(logits, labels, lse)
         ctx.chunk = chunk
         return out
@@ -85,7 +87,9 @@ def logprobs_from_logits(
     ``logits`` is ``(..., V)`` in any float dtype and ``labels`` is ``(...)``; the result is ``(...)``.
     """
     if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on leading dims")
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on leading dims"
+        )
     lead = labels.shape
     flat_logits = logits.reshape(-1, logits.shape[-1])  # (R, V)
     flat_labels = labels.reshape(-1).long()  # (R,)

@@ -390,3 +390,11 @@ def test_load_of_unsafe_objects_needs_opt_in(tmp_path):
     with pytest.raises(ValueError, match="weights_only=False"):
         Batch.load(tmp_path / "c.pt")
     assert [o.v for o in Batch.load(tmp_path / "c.pt", weights_only=False)["o"]] == [1, 2]
+
+
+def test_get_returns_default_for_missing_keys() -> None:
+    b = Batch({"x": torch.zeros(2, 3)}, {"uid": ["a", "b"]})
+    assert b.get("x").shape == (2, 3)
+    assert list(b.get("uid")) == ["a", "b"]
+    assert b.get("missing") is None
+    assert b.get("missing", 5) == 5

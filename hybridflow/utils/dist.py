@@ -1,0 +1,72 @@
+"""torch.distributed helpers: start a process group (gloo on CPU, NCCL on GPU) and small collectives."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free right now (for single-node rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    """NCCL when CUDA is available, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int]:
+    """Join (or create) the default process group and return ``(rank, world_size)``.
+
+    Reads the usual ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` variables; without them it makes
+    a one-rank group on localhost, so FSDP2 code runs unchanged in a single process.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(
+            int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % torch.cuda.device_count()
+        )
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    logger.info("process group: backend=%s rank=%d world=%d", backend, dist.get_rank(), dist.get_world_size())
+    return dist.get_rank(), dist.get_world_size()
+
+
+def world_size() -> int:
+    """The default group's size, or 1 outside torch.distributed."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _all_reduce(x: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return x.clone()
+    # NCCL only reduces CUDA tensors; gloo takes CPU ones. The result comes back on x's device.
+    comm_device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    y = x.to(comm_device, copy=True)
+    dist.all_reduce(y, op=op)
+    return y.to(x.device)
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over all ranks (a copy of ``x`` outside torch.distributed)."""
+    return _all_reduce(x, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """Maximum of ``x`` over all ranks (a copy of ``x`` outside torch.distributed)."""
+    return _all_reduce(x, dist.ReduceOp.MAX)

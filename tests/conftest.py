@@ -1,0 +1,24 @@
+"""Shared pytest set-up: marker-based skips for GPU and Ray tests, and a quiet, deterministic torch."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip `gpu` tests without CUDA and `ray` tests without Ray installed."""
+    has_cuda = torch.cuda.is_available()
+    has_ray = importlib.util.find_spec("ray") is not None
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        if "ray" in item.keywords and not has_ray:
+            item.add_marker(pytest.mark.skip(reason="needs Ray: pip install 'hybridflow[ray]'"))
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_torch() -> None:
+    torch.manual_seed(0)
