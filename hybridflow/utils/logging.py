@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -18,14 +19,24 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at emit time (so redirection and test capture keep working)."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def setup_console_logging(level: str | int = "INFO") -> None:
     """Send hybridflow's log records to stderr on rank 0; other ranks only show warnings and errors."""
     root = logging.getLogger("hybridflow")
-    if any(getattr(h, "_hybridflow", False) for h in root.handlers):
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
-    handler._hybridflow = True  # type: ignore[attr-defined]
-    root.addHandler(handler)
     root.setLevel(level if rank() == 0 else logging.WARNING)
-    root.propagate = False
+    if any(isinstance(h, _StderrHandler) for h in root.handlers):
+        return
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
+    root.addHandler(handler)

@@ -1,0 +1,75 @@
+"""The ``hybridflow`` command: argparse with one subcommand per module.
+
+A subcommand is a module listed in COMMANDS that defines ``NAME``, ``HELP``, ``add_arguments(parser)``
+and ``run(args) -> int``. Modules import their heavy dependencies (torch, transformers) inside ``run``
+so that ``hybridflow --help`` and ``--version`` stay instant. User errors (a bad config, a missing file)
+print one ``error: ...`` line to stderr and exit with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+import yaml
+
+import hybridflow
+from hybridflow.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# Subcommand modules, in the order `hybridflow --help` lists them. Add a module here to add a command.
+COMMANDS: tuple[str, ...] = ("hybridflow.cli.config_cmd",)
+
+USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, yaml.YAMLError)
+EXIT_USER_ERROR = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="hybridflow",
+        description="RL post-training for LLMs on the HybridFlow design.",
+    )
+    parser.add_argument("--version", action="version", version=f"hybridflow {hybridflow.__version__}")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="Console log level (default INFO).",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        module = importlib.import_module(name)
+        sub = subparsers.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``hybridflow`` command line; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)  # --help and --version exit here, before anything heavy is imported
+    # hybridflow.utils imports torch, so it is loaded only once a command runs.
+    from hybridflow.utils.logging import setup_console_logging
+
+    setup_console_logging(args.log_level)
+    if not hasattr(args, "run"):
+        parser.print_help(sys.stderr)
+        return EXIT_USER_ERROR
+    try:
+        return int(args.run(args) or 0)
+    except USER_ERRORS as exc:
+        # The message already names the field or file and the fix; a traceback would bury it.
+        logger.debug("user error", exc_info=True)
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

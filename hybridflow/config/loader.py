@@ -1,0 +1,340 @@
+"""Build a Config from YAML files, mappings and Hydra-style ``key=value`` overrides.
+
+Everything goes through one path: the input is flattened into (dotted key, value) items, verl aliases
+are mapped to our fields, the items are laid over the defaults, each value is checked against its
+field's type, and the result is validated. All problems of one stage are reported together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import re
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hybridflow.config import aliases
+from hybridflow.config.errors import ConfigError, Problem
+from hybridflow.config.schema import Config, schema_index
+from hybridflow.config.validate import validate_config
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 safe loading, plus the exponent floats PyYAML reads as str (``1e-6``, ``2.0e3``)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def parse_value(text: str) -> Any:
+    """Parse one override value with YAML scalar rules: ints, floats (1e-6 too), bools, null, [lists]."""
+    if text.strip() == "":
+        return None
+    try:
+        return yaml.load(text, Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
+    except yaml.YAMLError:
+        return text  # an unparseable value is a plain string; the field's type check judges it
+
+
+@dataclass(frozen=True)
+class _Item:
+    path: str  # our dotted path (after alias resolution)
+    value: Any
+    given_as: str | None  # the verl key the user wrote, when it was an alias
+
+
+def _dict_leaf_prefix(path: str) -> str | None:
+    """The dict-typed field that ``path`` is (or lies inside), e.g. model.override_config."""
+    leaves, _ = schema_index()
+    parts = path.split(".")
+    for end in range(len(parts), 0, -1):
+        spec = leaves.get(".".join(parts[:end]))
+        if spec is not None:
+            return spec.path if typing.get_origin(spec.type) is dict else None
+    return None
+
+
+def _flatten(path: str, value: Any, out: list[_Item], problems: list[Problem]) -> None:
+    """Turn a (possibly nested) mapping under ``path`` into items, resolving verl aliases on the way."""
+    ours, verl_key = aliases.resolve_alias(path) if path else ("", None)
+    leaves, sections = schema_index()
+    if value is None and ours in sections:
+        return  # an empty YAML section ('trainer:' with every key commented out) changes nothing
+    free_form = ours in leaves or _dict_leaf_prefix(ours) is not None
+    if isinstance(value, Mapping) and (not path or ours in sections or not free_form):
+        if not value and path and not any(k.startswith(path + ".") for k in _all_keys()):
+            problems.append(_unknown(path))  # an empty mapping under a key that leads nowhere
+        for key, sub in value.items():
+            _flatten(f"{path}.{key}" if path else str(key), sub, out, problems)
+        return
+    if verl_key is not None:
+        translated = aliases.translate_value(verl_key, value)
+        note = f" (value {value!r} -> {translated!r})" if translated != value else ""
+        kind = "shorthand" if verl_key in aliases.SHORTHANDS else "verl key"
+        aliases.notice_once(path, f"{kind} '{path}' -> '{ours}'{note}")
+        out.append(_Item(ours, translated, path))
+        return
+    reason = aliases.ignored_reason(path)
+    if reason is not None:
+        aliases.notice_once(path, f"verl key '{path}' ignored: {reason}", logging.WARNING)
+        return
+    fix = aliases.unsupported_fix(path)
+    if fix is not None:
+        problems.append(Problem(path, "this verl key is not supported", fix))
+        return
+    out.append(_Item(ours, value, None))
+
+
+def _all_keys() -> list[str]:
+    leaves, sections = schema_index()
+    return [*leaves, *sections, *aliases.VERL_ALIASES]
+
+
+def _unknown(path: str) -> Problem:
+    """An unknown-key problem with 'did you mean' suggestions over our keys and the verl aliases."""
+    keys = _all_keys()
+    close = difflib.get_close_matches(path, keys, n=3, cutoff=0.6)
+    if not close:  # compare the last component: 'temprature' finds 'rollout.temperature'
+        last = path.rsplit(".", 1)[-1]
+        by_last = {k.rsplit(".", 1)[-1]: k for k in reversed(keys)}
+        close = [by_last[m] for m in difflib.get_close_matches(last, list(by_last), n=3, cutoff=0.75)]
+    fix = (
+        f"did you mean {' or '.join(repr(c) for c in close)}?" if close else "see docs/config.md for all keys"
+    )
+    return Problem(path, "unknown config key", fix)
+
+
+def _apply(tree: dict[str, Any], item: _Item, problems: list[Problem]) -> None:
+    """Set one item in the nested dict of values, or record why it cannot be set."""
+    leaves, sections = schema_index()
+    dict_leaf = _dict_leaf_prefix(item.path)
+    if item.path in sections:
+        problems.append(
+            Problem(
+                item.path,
+                f"is a section, not a value (got {item.value!r})",
+                f"set one of its keys, e.g. {_first_key(item.path)}=...",
+                item.given_as,
+            )
+        )
+        return
+    if item.path not in leaves and dict_leaf is None:
+        problems.append(_unknown(item.given_as or item.path))
+        return
+    node = tree
+    parts = item.path.split(".")
+    for i, part in enumerate(parts[:-1]):
+        inside_dict = dict_leaf is not None and len(".".join(parts[: i + 1])) >= len(dict_leaf)
+        if inside_dict and not isinstance(node.get(part), dict):
+            node[part] = {}  # a new sub-mapping inside a free-form dict field
+        node = node[part]
+    node[parts[-1]] = item.value
+
+
+def _first_key(section: str) -> str:
+    leaves, _ = schema_index()
+    return next(p for p in leaves if p.startswith(section + "."))
+
+
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        names = [_type_name(a) for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(names) + " or null"
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0]).removeprefix('an ').removeprefix('a ')}s"
+    if origin is dict:
+        return "a mapping"
+    return _TYPE_WORDS.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp`` and convert where lossless (int -> float, x -> [x])."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg)
+            except _Mismatch:
+                pass
+        raise _Mismatch
+    if origin is list:
+        if value is None:
+            raise _Mismatch
+        items = value if isinstance(value, (list, tuple)) else [value]  # 'logger=console' means [console]
+        return [_coerce(v, typing.get_args(tp)[0]) for v in items]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise _Mismatch
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # experiment_name=123 is the string '123'
+    raise _Mismatch
+
+
+def _build(
+    cls: type, values: Mapping[str, Any], prefix: str, given: dict[str, str], problems: list[Problem]
+) -> Any:
+    """Instantiate dataclass ``cls`` from nested ``values``, checking every leaf's type."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        path, tp, value = f"{prefix}{f.name}", hints[f.name], values[f.name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[f.name] = _build(tp, value, path + ".", given, problems)
+            continue
+        try:
+            kwargs[f.name] = _coerce(value, tp)
+        except _Mismatch:
+            spec = schema_index()[0][path]
+            example = (
+                yaml.safe_dump(spec.default, default_flow_style=True).strip().removesuffix("...").strip()
+            )
+            problems.append(
+                Problem(
+                    path,
+                    f"expected {_type_name(tp)}, got {value!r} ({type(value).__name__})",
+                    f"e.g. {path}={example} (the default)",
+                    given.get(path),
+                )
+            )
+    return cls(**kwargs)
+
+
+def _resolve(items: Iterable[_Item], problems: list[Problem]) -> Config:
+    """Lay the items over the defaults, type-check, validate; raise ConfigError listing every problem."""
+    tree = Config().to_dict()
+    given: dict[str, str] = {}
+    for item in items:
+        _apply(tree, item, problems)
+        given.pop(item.path, None)  # the last writer of a field decides how the user spelled it
+        if item.given_as is not None:
+            given[item.path] = item.given_as
+    if problems:
+        raise ConfigError(problems)
+    cfg = _build(Config, tree, "", given, problems)
+    if problems:
+        raise ConfigError(problems)
+    problems.extend(
+        dataclasses.replace(p, given_as=p.given_as or given.get(p.path)) for p in validate_config(cfg)
+    )
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def parse_overrides(overrides: Iterable[str]) -> list[tuple[str, Any]]:
+    """Split ``key=value`` overrides (Hydra's ``+key`` and ``++key`` forms too) into (key, value)."""
+    pairs = []
+    for text in overrides:
+        key, sep, raw = text.partition("=")
+        key = key.strip().lstrip("+")
+        if not sep or not key or key.startswith("~"):
+            raise ConfigError(
+                [
+                    Problem(
+                        key.lstrip("~") or text,
+                        f"override {text!r} is not of the form key=value",
+                        "write e.g. rollout.n=8",
+                    )
+                ]
+            )
+        pairs.append((key, parse_value(raw)))
+    return pairs
+
+
+def _read_yaml(path: str | Path) -> Mapping[str, Any]:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"config file '{path}' not found (looked in {file.resolve().parent})")
+    try:
+        with file.open() as stream:
+            data = yaml.load(stream, Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        what = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(
+            [Problem(str(path), f"is not valid YAML ({where}{what})", "fix the YAML syntax there")]
+        ) from None
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            [
+                Problem(
+                    str(path),
+                    f"must hold a mapping of sections, got {type(data).__name__}",
+                    "start the file with e.g. 'rollout:'",
+                )
+            ]
+        )
+    return data
+
+
+def config_from_dict(data: Mapping[str, Any], overrides: list[str] | None = None) -> Config:
+    """Build and validate a Config from a nested mapping (verl keys accepted) and optional overrides."""
+    problems: list[Problem] = []
+    items: list[_Item] = []
+    _flatten("", data, items, problems)
+    for key, value in parse_overrides(overrides or []):
+        _flatten(key, value, items, problems)
+    return _resolve(items, problems)
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a Config: the defaults, then the YAML file ``path`` (if any), then ``key=value`` overrides."""
+    data = _read_yaml(path) if path is not None else {}
+    return config_from_dict(data, overrides)
+
+
+def save_config(cfg: Config, path: str | Path) -> Path:
+    """Write the resolved config as YAML (it loads back with load_config); parent directories are made."""
+    file = Path(path)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(to_yaml(cfg))
+    return file
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as a YAML document, sections in schema order."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)

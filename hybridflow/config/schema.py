@@ -1,0 +1,491 @@
+"""The configuration schema: one dataclass per section, every field with a one-line help string.
+
+Sizes (batch sizes, lengths, devices) default to the built-in tiny CPU demo; algorithmic settings
+(clipping, KL, loss aggregation, sampling, optimizer) default to verl's values, so a verl user finds the
+numbers they know. Fields whose default is ``None`` are resolved from other fields; the help says how.
+"""
+
+# ruff: noqa: RUF009 - option() and section() return dataclasses.field(...), which ruff cannot see
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def option(default: Any, help: str) -> Any:
+    """A dataclass field with its default and a one-line help string (``metadata["help"]``)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=functools.partial(copy.deepcopy, default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def section(cls: type, help: str, **overrides: Any) -> Any:
+    """A nested-section field: a fresh ``cls(**overrides)`` per instance, with a help string."""
+    return field(default_factory=functools.partial(cls, **overrides), metadata={"help": help})
+
+
+@dataclass
+class ModelConfig:
+    """The policy model (actor, reference and rollout share it)."""
+
+    path: str | None = option(
+        None, "Local Hugging Face model directory; null builds the built-in tiny model."
+    )
+    tokenizer_path: str | None = option(None, "Tokenizer directory; null uses model.path.")
+    tiny_arch: str = option("qwen2", "Architecture of the built-in tiny model when model.path is null.")
+    trust_remote_code: bool = option(False, "Allow custom modelling code shipped with the checkpoint.")
+    override_config: dict[str, Any] = option({}, "Keys set on the HF model config after loading it.")
+    attn_implementation: str = option("sdpa", "Attention implementation passed to transformers.")
+    enable_gradient_checkpointing: bool = option(False, "Recompute activations in backward to save memory.")
+    use_remove_padding: bool = option(
+        False, "Pack sequences without pad tokens for log-prob and update passes."
+    )
+    custom_chat_template: str | None = option(None, "Jinja chat template that replaces the tokenizer's own.")
+
+
+@dataclass
+class DataConfig:
+    """Prompt datasets, lengths and the number of prompts per step."""
+
+    train_files: list[str] | None = option(None, "Training parquet/jsonl files; null uses the built-in task.")
+    val_files: list[str] | None = option(None, "Validation parquet/jsonl files; null uses the built-in task.")
+    task: str = option("arithmetic", "Built-in synthetic task used when train_files is null.")
+    task_train_size: int = option(2000, "Number of generated training problems of the built-in task.")
+    task_val_size: int = option(200, "Number of generated held-out problems of the built-in task.")
+    prompt_key: str = option("prompt", "Dataset column holding the prompt (chat messages or text).")
+    response_key: str = option("response", "Dataset column holding the target response (SFT only).")
+    reward_fn_key: str = option("data_source", "Dataset column that selects the reward function.")
+    max_prompt_length: int = option(128, "Maximum prompt length in tokens.")
+    max_response_length: int = option(64, "Maximum generated response length in tokens.")
+    train_batch_size: int = option(16, "Prompts per training step (each sampled rollout.n times).")
+    val_batch_size: int | None = option(None, "Prompts per validation batch; null validates in one batch.")
+    gen_batch_size: int | None = option(
+        None, "Prompts per generation round with dynamic sampling; null = train_batch_size."
+    )
+    shuffle: bool = option(True, "Shuffle the training prompts each epoch (seeded by trainer.seed).")
+    filter_overlong_prompts: bool = option(
+        False, "Drop prompts longer than max_prompt_length (count logged)."
+    )
+    truncation: str = option("error", "What to do with an over-long prompt: error, left, right or middle.")
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling settings for validation generation."""
+
+    n: int = option(1, "Samples per validation prompt.")
+    temperature: float = option(0.0, "Sampling temperature (0 with do_sample=false is greedy).")
+    top_p: float = option(1.0, "Nucleus sampling mass; 1.0 disables it.")
+    top_k: int = option(-1, "Top-k cut-off; -1 (or 0) disables it.")
+    do_sample: bool = option(False, "Sample (true) or decode greedily (false).")
+
+
+@dataclass
+class RolloutConfig:
+    """The built-in rollout engine and its sampling settings."""
+
+    engine: str = option(
+        "native", "Generation engine: native (built-in, fast) or hf (transformers generate)."
+    )
+    n: int = option(8, "Responses sampled per prompt (the group size of GRPO/RLOO).")
+    temperature: float = option(1.0, "Sampling temperature; log-probs are taken at logits / temperature.")
+    top_p: float = option(1.0, "Nucleus sampling mass; 1.0 disables it.")
+    top_k: int = option(-1, "Top-k cut-off; -1 (or 0) disables it.")
+    min_p: float = option(0.0, "Min-p cut-off relative to the most likely token; 0 disables it.")
+    do_sample: bool = option(True, "Sample (true) or decode greedily (false).")
+    ignore_eos: bool = option(False, "Keep generating after EOS up to the response length (benchmarks).")
+    stop_token_ids: list[int] = option([], "Extra token ids that end a response besides EOS.")
+    dtype: str = option(
+        "auto", "Generation dtype: auto (the training compute dtype), bfloat16, float16, float32."
+    )
+    gpu_memory_utilization: float = option(0.5, "Fraction of GPU memory the KV cache may use, in (0, 1].")
+    max_num_seqs: int = option(1024, "Most sequences decoded at once (continuous-batching slots).")
+    max_num_batched_tokens: int = option(8192, "Token budget of one prefill chunk.")
+    max_model_len: int | None = option(
+        None, "KV-cache context length; null = max_prompt_length + max_response_length."
+    )
+    tensor_model_parallel_size: int = option(1, "Tensor-parallel size of one rollout replica.")
+    free_cache_engine: bool = option(
+        True, "Free the KV cache after generation so training gets the memory back."
+    )
+    enforce_eager: bool = option(False, "Disable CUDA graphs for decode (debugging).")
+    log_prob_micro_batch_size_per_gpu: int = option(
+        16, "Sequences per GPU per forward when recomputing old log-probs."
+    )
+    log_prob_use_dynamic_bsz: bool = option(False, "Size old-log-prob micro-batches by tokens instead.")
+    log_prob_max_token_len_per_gpu: int = option(
+        16384, "Token budget per GPU per forward with dynamic batch size."
+    )
+    val_kwargs: SamplingConfig = section(SamplingConfig, "Sampling settings used for validation.")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = option(1e-6, "Peak learning rate.")
+    weight_decay: float = option(0.01, "AdamW decoupled weight decay.")
+    betas: list[float] = option([0.9, 0.999], "AdamW betas [beta1, beta2].")
+    eps: float = option(1e-8, "AdamW epsilon.")
+    lr_scheduler_type: str = option("constant", "Schedule after warm-up: constant or cosine.")
+    lr_warmup_steps: int = option(-1, "Linear warm-up steps; -1 uses lr_warmup_steps_ratio.")
+    lr_warmup_steps_ratio: float = option(
+        0.0, "Warm-up as a fraction of the total steps (when lr_warmup_steps < 0)."
+    )
+    min_lr_ratio: float = option(0.0, "Cosine schedule floor as a fraction of lr.")
+    num_cycles: float = option(0.5, "Number of cosine cycles over training (0.5 = one half-cosine decay).")
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP2 sharding, mixed precision and CPU offload of one role."""
+
+    param_offload: bool = option(False, "Keep parameters on CPU between phases.")
+    optimizer_offload: bool = option(False, "Keep optimizer state on CPU between phases.")
+    reshard_after_forward: bool = option(True, "Free gathered parameters after each layer's forward.")
+    fsdp_size: int = option(-1, "Ranks per FSDP shard group; -1 shards over all data-parallel ranks.")
+    param_dtype: str = option(
+        "auto", "Compute dtype: auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32."
+    )
+    reduce_dtype: str = option("float32", "Dtype of gradient reductions.")
+    master_dtype: str = option("float32", "Dtype of the sharded master weights and optimizer state.")
+
+
+@dataclass
+class PolicyLossConfig:
+    """Which policy loss the actor minimises and its extra knobs."""
+
+    loss_mode: str = option(
+        "vanilla", "Policy loss: vanilla, gspo, gpg, clip_cov, kl_cov, cispo or reinforce."
+    )
+    clip_cov_ratio: float = option(0.0002, "Fraction of tokens clipped by clip_cov.")
+    clip_cov_lb: float = option(1.0, "Lower covariance bound of clip_cov.")
+    clip_cov_ub: float = option(5.0, "Upper covariance bound of clip_cov.")
+    kl_cov_ratio: float = option(0.0002, "Fraction of tokens given the KL penalty by kl_cov.")
+    ppo_kl_coef: float = option(0.1, "KL penalty coefficient of kl_cov.")
+
+
+@dataclass
+class ActorConfig:
+    """The policy update: mini-batches, clipping, KL loss, entropy bonus, optimizer."""
+
+    ppo_mini_batch_size: int = option(
+        16, "Prompts per optimizer step (multiplied by rollout.n into samples)."
+    )
+    ppo_micro_batch_size_per_gpu: int = option(
+        8, "Samples per GPU per forward/backward (gradient accumulation)."
+    )
+    use_dynamic_bsz: bool = option(False, "Size micro-batches by tokens (ppo_max_token_len_per_gpu) instead.")
+    ppo_max_token_len_per_gpu: int = option(
+        16384, "Token budget per GPU per micro-batch with dynamic batch size."
+    )
+    ppo_epochs: int = option(1, "Passes over each batch of rollouts.")
+    shuffle: bool = option(False, "Shuffle samples between PPO epochs.")
+    clip_ratio: float = option(0.2, "PPO clip range epsilon.")
+    clip_ratio_low: float | None = option(None, "Lower clip range; null = clip_ratio.")
+    clip_ratio_high: float | None = option(None, "Upper clip range (DAPO clip-higher); null = clip_ratio.")
+    clip_ratio_c: float = option(3.0, "Dual-clip constant c (> 1) for negative advantages.")
+    loss_agg_mode: str = option(
+        "token-mean", "How token losses are aggregated (a true global mean for token-mean)."
+    )
+    loss_scale_factor: float | None = option(
+        None, "Fixed divisor for seq-mean-token-sum-norm; null = max_response_length."
+    )
+    entropy_coeff: float = option(0.0, "Entropy bonus coefficient.")
+    use_kl_loss: bool = option(False, "Add a KL(actor || reference) loss term (GRPO style).")
+    kl_loss_coef: float = option(0.001, "Coefficient of the KL loss.")
+    kl_loss_type: str = option(
+        "low_var_kl", "KL estimator of the KL loss (kl, abs, mse, low_var_kl, ... and '+' variants)."
+    )
+    grad_clip: float = option(1.0, "Gradient-norm clipping threshold.")
+    ulysses_sequence_parallel_size: int = option(
+        1, "Ulysses sequence-parallel size (needs use_remove_padding)."
+    )
+    policy_loss: PolicyLossConfig = section(PolicyLossConfig, "Policy loss mode and its parameters.")
+    optim: OptimConfig = section(OptimConfig, "Actor optimizer.")
+    fsdp: FSDPConfig = section(FSDPConfig, "Actor FSDP2 settings.")
+
+
+@dataclass
+class CriticModelConfig:
+    """The value model."""
+
+    path: str | None = option(None, "Critic checkpoint (causal LM or saved critic); null = model.path.")
+    enable_gradient_checkpointing: bool = option(False, "Recompute activations in backward to save memory.")
+    use_remove_padding: bool = option(False, "Pack sequences without pad tokens.")
+    override_config: dict[str, Any] = option({}, "Keys set on the critic's HF model config after loading it.")
+
+
+@dataclass
+class CriticConfig:
+    """The critic (value model) used by GAE."""
+
+    enable: bool | None = option(None, "Train a critic; null = only when algorithm.adv_estimator is gae.")
+    model: CriticModelConfig = section(CriticModelConfig, "Critic model.")
+    ppo_mini_batch_size: int | None = option(
+        None, "Prompts per critic optimizer step; null = actor.ppo_mini_batch_size."
+    )
+    ppo_micro_batch_size_per_gpu: int = option(8, "Samples per GPU per critic forward/backward.")
+    use_dynamic_bsz: bool = option(False, "Size micro-batches by tokens (ppo_max_token_len_per_gpu) instead.")
+    ppo_max_token_len_per_gpu: int = option(
+        32768, "Token budget per GPU per micro-batch with dynamic batch size."
+    )
+    ppo_epochs: int = option(1, "Passes over each batch for the critic.")
+    cliprange_value: float = option(0.5, "Value clip range around the old values.")
+    loss_agg_mode: str = option("token-mean", "How token value losses are aggregated.")
+    grad_clip: float = option(1.0, "Gradient-norm clipping threshold.")
+    ulysses_sequence_parallel_size: int = option(
+        1, "Ulysses sequence-parallel size (needs use_remove_padding)."
+    )
+    optim: OptimConfig = section(OptimConfig, "Critic optimizer.", lr=1e-5)
+    fsdp: FSDPConfig = section(FSDPConfig, "Critic FSDP2 settings.")
+
+
+@dataclass
+class RefConfig:
+    """The frozen reference policy."""
+
+    enable: bool | None = option(None, "Keep a reference model; null = when a KL loss or KL reward is on.")
+    log_prob_micro_batch_size_per_gpu: int = option(16, "Sequences per GPU per reference forward.")
+    log_prob_use_dynamic_bsz: bool = option(False, "Size reference micro-batches by tokens instead.")
+    log_prob_max_token_len_per_gpu: int = option(
+        16384, "Token budget per GPU per forward with dynamic batch size."
+    )
+    precompute: bool = option(False, "Compute reference log-probs once for the whole dataset (DPO/KTO).")
+    fsdp: FSDPConfig = section(FSDPConfig, "Reference FSDP2 settings (param_offload keeps it on CPU).")
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    """A user reward function loaded from a file or module."""
+
+    path: str | None = option(
+        None, "Python file or 'module:function' with the reward function; null = built-in scorers."
+    )
+    name: str = option("compute_score", "Function name in path (ignored when path is 'module:function').")
+    reward_kwargs: dict[str, Any] = option({}, "Extra keyword arguments passed to the function.")
+
+
+@dataclass
+class RewardModelConfig:
+    """A sequence-classification reward model."""
+
+    enable: bool = option(False, "Score responses with a reward model.")
+    path: str | None = option(None, "Reward model directory (sequence classification).")
+    trust_remote_code: bool = option(False, "Allow custom modelling code of the reward model.")
+    micro_batch_size_per_gpu: int = option(16, "Sequences per GPU per reward-model forward.")
+    max_length: int | None = option(None, "Truncate scored sequences to this length; null = no limit.")
+    param_offload: bool = option(False, "Keep the reward model on CPU between phases.")
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO soft overlong punishment."""
+
+    enable: bool = option(False, "Penalise responses that run into the last len tokens of the budget.")
+    len: int = option(0, "Length of the penalty buffer before max_response_length.")
+    penalty_factor: float = option(1.0, "Penalty at the very end of the buffer (linear ramp from 0).")
+    log: bool = option(False, "Log the overlong penalty metrics.")
+
+
+@dataclass
+class RewardConfig:
+    """How responses are scored."""
+
+    manager: str = option("naive", "Reward manager: naive (one call per sample), batch, dapo or prime.")
+    custom_function: CustomRewardFunctionConfig = section(CustomRewardFunctionConfig, "User reward function.")
+    model: RewardModelConfig = section(RewardModelConfig, "Reward model.")
+    overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig, "DAPO overlong penalty.")
+    on_error: str = option(
+        "raise", "A reward function that fails: raise (stop the run) or zero (score 0, logged)."
+    )
+    num_workers: int = option(0, "Processes scoring in parallel; 0 scores in the trainer process.")
+    timeout_s: float = option(60.0, "Seconds one reward call may take in the process pool.")
+
+
+@dataclass
+class KLControlConfig:
+    """The coefficient of the in-reward KL penalty."""
+
+    type: str = option("fixed", "KL controller: fixed or adaptive.")
+    kl_coef: float = option(0.001, "(Initial) KL coefficient.")
+    horizon: int = option(10000, "Adaptive controller horizon in samples.")
+    target_kl: float = option(0.1, "Adaptive controller target KL.")
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop groups whose rewards do not vary."""
+
+    enable: bool = option(False, "Drop zero-variance groups and generate more until the batch is full.")
+    metric: str = option(
+        "seq_reward", "Per-sequence metric whose variance is checked (e.g. seq_reward, acc)."
+    )
+    max_num_gen_batches: int = option(10, "Most generation rounds per step; 0 or less means unlimited.")
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Importance weighting and rejection for the rollout/trainer mismatch."""
+
+    rollout_is: str | None = option(None, "Truncated importance weights: null (off), token or sequence.")
+    rollout_is_threshold: float = option(2.0, "Upper truncation threshold of the importance weights.")
+    rollout_is_batch_normalize: bool = option(False, "Normalise importance weights to mean 1 over the batch.")
+    rollout_rs: str | None = option(None, "Rejection sampling: null (off), token, sequence or geometric.")
+    rollout_rs_threshold: float | None = option(
+        None, "Upper rejection threshold; null = rollout_is_threshold."
+    )
+    rollout_rs_threshold_lower: float | None = option(None, "Lower rejection threshold; null = 1 / upper.")
+    rollout_token_veto_threshold: float | None = option(
+        None, "Reject a sequence with any token ratio below this; null = off."
+    )
+    bypass_old_logprob_for_rollout: bool = option(
+        False, "Use rollout log-probs as the old policy (skip recompute)."
+    )
+    use_pure_rollout_correction: bool = option(
+        False, "Plain importance-weighted policy gradient, no PPO clip."
+    )
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimation and the KL penalty in the reward."""
+
+    adv_estimator: str = option("grpo", "Advantage estimator (grpo, gae, rloo, reinforce_plus_plus, ...).")
+    gamma: float = option(1.0, "Discount factor.")
+    lam: float = option(1.0, "GAE lambda.")
+    norm_adv_by_std_in_grpo: bool = option(True, "Divide GRPO advantages by the group std (false = Dr.GRPO).")
+    use_kl_in_reward: bool = option(False, "Subtract a KL penalty from the token rewards.")
+    kl_penalty: str = option("kl", "KL estimator of the in-reward penalty.")
+    kl_ctrl: KLControlConfig = section(KLControlConfig, "KL coefficient controller.")
+    filter_groups: FilterGroupsConfig = section(FilterGroupsConfig, "DAPO dynamic sampling.")
+    rollout_correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig, "Rollout correction.")
+
+
+@dataclass
+class TrainerConfig:
+    """The run: length, devices, checkpoints, validation and logging."""
+
+    total_epochs: int = option(1, "Passes over the training prompts.")
+    total_training_steps: int | None = option(None, "Stop after this many steps; null = total_epochs worth.")
+    project_name: str = option("hybridflow", "Project name (loggers, run directory).")
+    experiment_name: str = option("demo", "Experiment name (loggers, run directory).")
+    logger: list[str] = option(
+        ["console"], "Loggers: console, jsonl, tensorboard, wandb (jsonl is always on)."
+    )
+    default_local_dir: str | None = option(
+        None, "Run directory; null = runs/{project_name}/{experiment_name}."
+    )
+    save_freq: int = option(
+        -1, "Save a checkpoint every this many steps (and at the end); -1 = only at the end."
+    )
+    save_hf: bool = option(False, "Also export a Hugging Face model directory at every save.")
+    max_ckpt_to_keep: int | None = option(None, "Keep only the newest checkpoints; null keeps all.")
+    resume_mode: str = option(
+        "auto", "auto (latest checkpoint in the run directory), disable, or resume_path."
+    )
+    resume_from_path: str | None = option(
+        None, "Checkpoint directory to resume from with resume_mode=resume_path."
+    )
+    test_freq: int = option(-1, "Validate every this many steps; -1 = never during training.")
+    val_before_train: bool = option(True, "Validate once before the first step.")
+    val_only: bool = option(False, "Only validate, then exit.")
+    log_val_generations: int = option(0, "Validation generations printed to the log each time.")
+    rollout_data_dir: str | None = option(
+        None, "Directory for per-step JSONL dumps of generations; null = off."
+    )
+    validation_data_dir: str | None = option(None, "Directory for validation generation dumps; null = off.")
+    critic_warmup: int = option(0, "Steps that train only the critic before the actor starts.")
+    balance_batch: bool = option(True, "Reorder samples so data-parallel ranks get similar token counts.")
+    nnodes: int = option(1, "Number of nodes.")
+    n_gpus_per_node: int = option(1, "Devices per node (processes per node on CPU).")
+    device: str = option("auto", "Device type: auto (cuda when available, else cpu), cuda or cpu.")
+    backend: str = option("local", "Worker backend: local (in-process, one rank) or ray.")
+    ray_address: str | None = option(None, "Ray cluster to join; null starts a local Ray instance.")
+    placement: str = option("colocated", "Role placement: colocated (share devices) or split.")
+    nccl_timeout: int = option(600, "Timeout of collectives in seconds.")
+    seed: int = option(42, "Seed of data order, sampling and initialisation.")
+
+    @property
+    def world_size(self) -> int:
+        """The data-parallel world size: nnodes * n_gpus_per_node."""
+        return self.nnodes * self.n_gpus_per_node
+
+    def run_dir(self) -> str:
+        """The run directory: default_local_dir, or runs/{project_name}/{experiment_name}."""
+        if self.default_local_dir:
+            return self.default_local_dir
+        return f"runs/{self.project_name}/{self.experiment_name}"
+
+
+@dataclass
+class Config:
+    """The whole configuration of a hybridflow run."""
+
+    model: ModelConfig = section(ModelConfig, "Policy model.")
+    data: DataConfig = section(DataConfig, "Datasets and batch sizes.")
+    rollout: RolloutConfig = section(RolloutConfig, "Rollout engine and sampling.")
+    actor: ActorConfig = section(ActorConfig, "Policy update.")
+    critic: CriticConfig = section(CriticConfig, "Critic (value model).")
+    ref: RefConfig = section(RefConfig, "Reference policy.")
+    reward: RewardConfig = section(RewardConfig, "Reward functions and models.")
+    algorithm: AlgorithmConfig = section(AlgorithmConfig, "Advantage estimator and KL penalty.")
+    trainer: TrainerConfig = section(TrainerConfig, "Run length, devices, checkpoints, logging.")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as nested plain dicts and lists (what save_config writes)."""
+        return dataclasses.asdict(self)
+
+    @property
+    def use_critic(self) -> bool:
+        """Whether a critic is trained: critic.enable, or GAE when it is null."""
+        if self.critic.enable is not None:
+            return self.critic.enable
+        return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def use_reference(self) -> bool:
+        """Whether a reference policy is kept: ref.enable, or a KL loss / KL reward when it is null."""
+        if self.ref.enable is not None:
+            return self.ref.enable
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One leaf field of the schema: its dotted path, type, default and help string."""
+
+    path: str
+    type: Any
+    default: Any
+    help: str
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _walk(obj: Any, prefix: str, leaves: dict[str, FieldSpec], sections: dict[str, str]) -> None:
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        path = f"{prefix}{f.name}"
+        value = getattr(obj, f.name)  # the default instance, so nested overrides (critic lr) show
+        if _is_section(hints[f.name]):
+            sections[path] = f.metadata["help"]
+            _walk(value, path + ".", leaves, sections)
+        else:
+            leaves[path] = FieldSpec(path, hints[f.name], value, f.metadata["help"])
+
+
+@functools.cache
+def schema_index() -> tuple[dict[str, FieldSpec], dict[str, str]]:
+    """All leaf fields (dotted path -> FieldSpec) and all sections (dotted path -> help) of Config."""
+    leaves: dict[str, FieldSpec] = {}
+    sections: dict[str, str] = {}
+    _walk(Config(), "", leaves, sections)
+    return leaves, sections

@@ -1,0 +1,312 @@
+"""Range, enum and consistency checks of a Config; every problem names the field and the fix.
+
+Batch sizes follow verl's normalisation: ``ppo_mini_batch_size`` counts prompts, so one optimizer step
+sees ``ppo_mini_batch_size * rollout.n`` samples, split over ``dp = nnodes * n_gpus_per_node /
+ulysses_sequence_parallel_size`` data-parallel ranks; each rank then runs micro-batches of
+``ppo_micro_batch_size_per_gpu`` samples, which must divide its share.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from hybridflow.config.choices import CHOICES
+from hybridflow.config.errors import ConfigError, Problem
+from hybridflow.config.schema import Config, schema_index
+
+logger = logging.getLogger(__name__)
+
+# rule name -> (predicate, what it requires)
+_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    ">=1": (lambda v: v >= 1, "must be at least 1"),
+    ">=0": (lambda v: v >= 0, "must be 0 or more"),
+    ">0": (lambda v: v > 0, "must be greater than 0"),
+    ">1": (lambda v: v > 1, "must be greater than 1"),
+    ">=-1": (lambda v: v >= -1, "must be -1 (off) or more"),
+    "(0,1]": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "[0,1]": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+}
+
+# fmt: off
+_RANGES: dict[str, list[str]] = {
+    ">=1": [
+        "data.task_train_size", "data.task_val_size", "data.max_prompt_length", "data.max_response_length",
+        "data.train_batch_size", "data.val_batch_size", "data.gen_batch_size",
+        "rollout.n", "rollout.val_kwargs.n", "rollout.max_num_seqs", "rollout.max_num_batched_tokens",
+        "rollout.max_model_len", "rollout.tensor_model_parallel_size",
+        "rollout.log_prob_micro_batch_size_per_gpu", "rollout.log_prob_max_token_len_per_gpu",
+        "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_max_token_len_per_gpu",
+        "actor.ppo_epochs", "actor.ulysses_sequence_parallel_size",
+        "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu",
+        "critic.ppo_max_token_len_per_gpu", "critic.ppo_epochs", "critic.ulysses_sequence_parallel_size",
+        "ref.log_prob_micro_batch_size_per_gpu", "ref.log_prob_max_token_len_per_gpu",
+        "reward.model.micro_batch_size_per_gpu", "reward.model.max_length",
+        "algorithm.kl_ctrl.horizon",
+        "trainer.total_epochs", "trainer.total_training_steps", "trainer.max_ckpt_to_keep",
+        "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.nccl_timeout",
+    ],
+    ">=0": [
+        "rollout.temperature", "rollout.val_kwargs.temperature",
+        "actor.clip_ratio", "actor.clip_ratio_low", "actor.clip_ratio_high", "actor.kl_loss_coef",
+        "actor.optim.weight_decay", "critic.optim.weight_decay", "critic.cliprange_value",
+        "actor.optim.lr", "critic.optim.lr",  # lr=0 is the no-learning control run
+        "actor.policy_loss.ppo_kl_coef",
+        "reward.num_workers", "reward.overlong_buffer.len", "reward.overlong_buffer.penalty_factor",
+        "algorithm.kl_ctrl.kl_coef", "trainer.critic_warmup", "trainer.log_val_generations",
+    ],
+    ">0": [
+        "actor.optim.eps", "critic.optim.eps",
+        "actor.optim.num_cycles", "critic.optim.num_cycles", "actor.grad_clip", "critic.grad_clip",
+        "actor.loss_scale_factor", "reward.timeout_s",
+        "actor.policy_loss.clip_cov_ratio", "actor.policy_loss.kl_cov_ratio", "algorithm.kl_ctrl.target_kl",
+        "algorithm.rollout_correction.rollout_is_threshold",
+        "algorithm.rollout_correction.rollout_rs_threshold",
+        "algorithm.rollout_correction.rollout_rs_threshold_lower",
+        "algorithm.rollout_correction.rollout_token_veto_threshold",
+    ],
+    ">1": ["actor.clip_ratio_c"],
+    ">=-1": ["rollout.top_k", "rollout.val_kwargs.top_k"],
+    "(0,1]": ["rollout.gpu_memory_utilization", "rollout.top_p", "rollout.val_kwargs.top_p"],
+    "[0,1]": [
+        "rollout.min_p", "algorithm.gamma", "algorithm.lam",
+        "actor.optim.lr_warmup_steps_ratio", "critic.optim.lr_warmup_steps_ratio",
+        "actor.optim.min_lr_ratio", "critic.optim.min_lr_ratio",
+    ],
+}
+# fmt: on
+
+
+def get_path(cfg: Config, path: str) -> Any:
+    """The value at a dotted path, e.g. get_path(cfg, 'actor.optim.lr')."""
+    value: Any = cfg
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _example(path: str, rule: str) -> str:
+    default = schema_index()[0][path].default
+    ok, _ = _RULES[rule]
+    if default is not None and ok(default):
+        return f"e.g. {path}={default} (the default)"
+    return f"set {path} to a value that {_RULES[rule][1].removeprefix('must ')}"
+
+
+def _check_ranges(cfg: Config, out: list[Problem]) -> None:
+    for rule, paths in _RANGES.items():
+        ok, requirement = _RULES[rule]
+        for path in paths:
+            value = get_path(cfg, path)
+            if value is not None and not ok(value):  # None means 'derived from another field'
+                out.append(Problem(path, f"{requirement}, got {value!r}", _example(path, rule)))
+    for section in ("actor", "critic"):
+        betas = get_path(cfg, f"{section}.optim.betas")
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            out.append(
+                Problem(
+                    f"{section}.optim.betas",
+                    f"must be two numbers in [0, 1), got {betas!r}",
+                    f"e.g. {section}.optim.betas=[0.9,0.999]",
+                )
+            )
+
+
+def _check_choices(cfg: Config, out: list[Problem]) -> None:
+    for path, names in CHOICES.items():
+        value = get_path(cfg, path)
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None and v not in names:
+                out.append(Problem(path, f"unknown value {v!r}", f"use one of: {', '.join(names)}"))
+
+
+def _check_batches(cfg: Config, role: str, out: list[Problem]) -> None:
+    """verl's normalisation of one role's mini- and micro-batch against the data-parallel size."""
+    section = getattr(cfg, role)
+    mini = section.ppo_mini_batch_size
+    if mini is None:  # critic: same as the actor
+        mini = cfg.actor.ppo_mini_batch_size
+    micro, sp = section.ppo_micro_batch_size_per_gpu, section.ulysses_sequence_parallel_size
+    world, n, bsz = cfg.trainer.world_size, cfg.rollout.n, cfg.data.train_batch_size
+    if world % sp:
+        out.append(
+            Problem(
+                f"{role}.ulysses_sequence_parallel_size",
+                f"{sp} does not divide the world size {world} (trainer.nnodes * trainer.n_gpus_per_node)",
+                "choose a divisor of the world size",
+            )
+        )
+        return
+    if mini > bsz:
+        out.append(
+            Problem(
+                f"{role}.ppo_mini_batch_size",
+                f"{mini} prompts is larger than the batch (data.train_batch_size={bsz})",
+                f"set {role}.ppo_mini_batch_size <= {bsz}",
+            )
+        )
+        return
+    dp = world // sp
+    if (mini * n) % dp:
+        out.append(
+            Problem(
+                f"{role}.ppo_mini_batch_size",
+                f"{mini} prompts x rollout.n={n} = {mini * n} samples do not split over the data-parallel "
+                f"size {dp}",
+                f"make {role}.ppo_mini_batch_size * rollout.n a multiple of {dp}",
+            )
+        )
+        return
+    per_gpu = mini * n // dp
+    if not section.use_dynamic_bsz and per_gpu % micro:
+        largest = max(d for d in range(1, min(micro, per_gpu) + 1) if per_gpu % d == 0)
+        out.append(
+            Problem(
+                f"{role}.ppo_micro_batch_size_per_gpu",
+                f"{micro} does not divide the per-GPU mini-batch of {per_gpu} samples "
+                f"({role}.ppo_mini_batch_size={mini} x rollout.n={n} / data-parallel size {dp})",
+                f"use a divisor of {per_gpu}, e.g. {role}.ppo_micro_batch_size_per_gpu={largest}",
+            )
+        )
+
+
+def _check_consistency(cfg: Config, out: list[Problem]) -> None:
+    world, n, bsz = cfg.trainer.world_size, cfg.rollout.n, cfg.data.train_batch_size
+    if (bsz * n) % world:
+        out.append(
+            Problem(
+                "data.train_batch_size",
+                f"{bsz} prompts x rollout.n={n} = {bsz * n} samples do not split over the data-parallel size "
+                f"{world} (trainer.nnodes * trainer.n_gpus_per_node)",
+                f"make data.train_batch_size * rollout.n a multiple of {world}",
+            )
+        )
+    roles = ["actor", "critic"] if cfg.use_critic else ["actor"]
+    for role in roles:
+        _check_batches(cfg, role, out)
+    if not cfg.use_critic and cfg.algorithm.adv_estimator == "gae":
+        out.append(
+            Problem(
+                "critic.enable",
+                "algorithm.adv_estimator=gae needs a critic",
+                "set critic.enable=true (or null), or pick a critic-free estimator such as grpo",
+            )
+        )
+    for prefix in ("rollout", "rollout.val_kwargs"):
+        if get_path(cfg, f"{prefix}.do_sample") and get_path(cfg, f"{prefix}.temperature") == 0:
+            out.append(
+                Problem(
+                    f"{prefix}.temperature",
+                    f"is 0 while {prefix}.do_sample=true",
+                    f"set {prefix}.do_sample=false for greedy decoding, or a {prefix}.temperature > 0",
+                )
+            )
+    for role in roles:
+        padding_path = "model.use_remove_padding" if role == "actor" else "critic.model.use_remove_padding"
+        if get_path(cfg, f"{role}.ulysses_sequence_parallel_size") > 1 and not get_path(cfg, padding_path):
+            out.append(
+                Problem(
+                    f"{role}.ulysses_sequence_parallel_size",
+                    f"sequence parallelism needs {padding_path}=true",
+                    f"set {padding_path}=true, or {role}.ulysses_sequence_parallel_size=1",
+                )
+            )
+    _check_rollout(cfg, out)
+    _check_trainer(cfg, out)
+
+
+def _check_rollout(cfg: Config, out: list[Problem]) -> None:
+    r, d = cfg.rollout, cfg.data
+    if cfg.trainer.world_size % r.tensor_model_parallel_size:
+        out.append(
+            Problem(
+                "rollout.tensor_model_parallel_size",
+                f"{r.tensor_model_parallel_size} does not divide the world size {cfg.trainer.world_size}",
+                "choose a divisor of trainer.nnodes * trainer.n_gpus_per_node",
+            )
+        )
+    total = d.max_prompt_length + d.max_response_length
+    if r.max_model_len is not None and r.max_model_len < total:
+        out.append(
+            Problem(
+                "rollout.max_model_len",
+                f"{r.max_model_len} is shorter than max_prompt_length + max_response_length = {total}",
+                f"set rollout.max_model_len >= {total} (or null)",
+            )
+        )
+    if d.gen_batch_size is not None and d.gen_batch_size < d.train_batch_size:
+        out.append(
+            Problem(
+                "data.gen_batch_size",
+                f"{d.gen_batch_size} is smaller than data.train_batch_size={d.train_batch_size}",
+                f"set data.gen_batch_size >= {d.train_batch_size} (or null)",
+            )
+        )
+    ob = cfg.reward.overlong_buffer
+    if ob.enable and not 0 < ob.len < d.max_response_length:
+        out.append(
+            Problem(
+                "reward.overlong_buffer.len",
+                f"{ob.len} must be between 1 and data.max_response_length - 1 = {d.max_response_length - 1} "
+                "when the buffer is enabled",
+                f"e.g. reward.overlong_buffer.len={max(1, d.max_response_length // 4)}",
+            )
+        )
+    rc = cfg.algorithm.rollout_correction
+    upper = rc.rollout_rs_threshold if rc.rollout_rs_threshold is not None else rc.rollout_is_threshold
+    if rc.rollout_rs_threshold_lower is not None and rc.rollout_rs_threshold_lower >= upper:
+        out.append(
+            Problem(
+                "algorithm.rollout_correction.rollout_rs_threshold_lower",
+                f"{rc.rollout_rs_threshold_lower} is not below the upper threshold {upper}",
+                "set it below the upper threshold (or null for 1 / upper)",
+            )
+        )
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "grpo_passk") and r.n == 1:
+        logger.warning(
+            "algorithm.adv_estimator=%s with rollout.n=1: every group has one sample",
+            cfg.algorithm.adv_estimator,
+        )
+
+
+def _check_trainer(cfg: Config, out: list[Problem]) -> None:
+    t = cfg.trainer
+    if t.resume_mode == "resume_path" and not t.resume_from_path:
+        out.append(
+            Problem(
+                "trainer.resume_from_path",
+                "is empty while trainer.resume_mode=resume_path",
+                "set trainer.resume_from_path=DIR, or trainer.resume_mode=auto",
+            )
+        )
+    if cfg.reward.model.enable and not cfg.reward.model.path:
+        out.append(
+            Problem(
+                "reward.model.path",
+                "is empty while reward.model.enable=true",
+                "set reward.model.path=DIR (a sequence-classification checkpoint)",
+            )
+        )
+    if cfg.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
+        logger.warning(
+            "actor.use_kl_loss and algorithm.use_kl_in_reward are both on: the KL is penalised twice"
+        )
+
+
+def validate_config(cfg: Config) -> list[Problem]:
+    """Every range, enum and consistency problem of ``cfg`` (an empty list when it is usable)."""
+    out: list[Problem] = []
+    _check_ranges(cfg, out)
+    _check_choices(cfg, out)
+    if not out:  # consistency messages assume each value is in range on its own
+        _check_consistency(cfg, out)
+    return out
+
+
+def check_config(cfg: Config) -> Config:
+    """Raise ConfigError listing every problem of ``cfg``; return it unchanged when it is usable."""
+    problems = validate_config(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg

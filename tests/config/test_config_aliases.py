@@ -1,0 +1,224 @@
+"""verl keys: mapped in overrides and YAML, one notice per key, ignored and refused keys, docs in sync."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hybridflow.config import VERL_ALIASES, ConfigError, load_config, schema_index
+from hybridflow.config import aliases as aliases_module
+from hybridflow.config.reference import render_into
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def messages(self) -> list[str]:
+        return [r.getMessage() for r in self.records]
+
+
+@pytest.fixture
+def notices(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Records]:
+    """Fresh once-per-process memory, and the alias module's log records (independent of handlers)."""
+    monkeypatch.setattr(aliases_module, "_noticed", set())
+    log = logging.getLogger(aliases_module.__name__)
+    handler = _Records()
+    old_level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    yield handler
+    log.removeHandler(handler)
+    log.setLevel(old_level)
+
+
+def test_at_least_40_aliases_all_pointing_at_real_fields() -> None:
+    leaves, _ = schema_index()
+    assert len(VERL_ALIASES) >= 40
+    assert set(VERL_ALIASES.values()) <= set(leaves)
+    assert not set(VERL_ALIASES) & set(leaves)  # an alias never shadows one of our own keys
+
+
+# (verl override, our dotted key, expected value) — the keys of verl's example scripts.
+CASES = [
+    ("data.train_batch_size=32", "data.train_batch_size", 32),
+    ("data.max_prompt_length=256", "data.max_prompt_length", 256),
+    ("data.max_response_length=128", "data.max_response_length", 128),
+    ("data.train_files=/d/train.parquet", "data.train_files", ["/d/train.parquet"]),
+    ("data.val_files=[/d/a.parquet,/d/b.parquet]", "data.val_files", ["/d/a.parquet", "/d/b.parquet"]),
+    ("actor_rollout_ref.model.path=/models/qwen", "model.path", "/models/qwen"),
+    ("actor_rollout_ref.rollout.n=5", "rollout.n", 5),
+    ("actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "rollout.gpu_memory_utilization", 0.6),
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size=1", "rollout.tensor_model_parallel_size", 1),
+    ("actor_rollout_ref.rollout.temperature=0.9", "rollout.temperature", 0.9),
+    ("actor_rollout_ref.rollout.val_kwargs.n=4", "rollout.val_kwargs.n", 4),
+    ("actor_rollout_ref.actor.optim.lr=3e-6", "actor.optim.lr", 3e-6),
+    ("actor_rollout_ref.actor.optim.warmup_style=cosine", "actor.optim.lr_scheduler_type", "cosine"),
+    ("actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor.ppo_mini_batch_size", 8),
+    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor.ppo_micro_batch_size_per_gpu", 4),
+    ("actor_rollout_ref.actor.use_kl_loss=True", "actor.use_kl_loss", True),
+    ("actor_rollout_ref.actor.kl_loss_coef=0.01", "actor.kl_loss_coef", 0.01),
+    ("actor_rollout_ref.actor.kl_loss_type=mse", "actor.kl_loss_type", "mse"),
+    ("actor_rollout_ref.actor.entropy_coeff=0.001", "actor.entropy_coeff", 0.001),
+    ("actor_rollout_ref.actor.clip_ratio_high=0.28", "actor.clip_ratio_high", 0.28),
+    (
+        "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+        "model.enable_gradient_checkpointing",
+        True,
+    ),
+    ("actor_rollout_ref.model.use_remove_padding=True", "model.use_remove_padding", True),
+    ("actor_rollout_ref.actor.fsdp_config.param_offload=True", "actor.fsdp.param_offload", True),
+    (
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32",
+        "ref.log_prob_micro_batch_size_per_gpu",
+        32,
+    ),
+    ("actor_rollout_ref.ref.fsdp_config.param_offload=True", "ref.fsdp.param_offload", True),
+    ("critic.optim.lr=2e-5", "critic.optim.lr", 2e-5),
+    ("critic.model.path=/models/critic", "critic.model.path", "/models/critic"),
+    ("critic.model.fsdp_config.optimizer_offload=True", "critic.fsdp.optimizer_offload", True),
+    ("algorithm.adv_estimator=rloo", "algorithm.adv_estimator", "rloo"),
+    ("algorithm.kl_ctrl.kl_coef=0.002", "algorithm.kl_ctrl.kl_coef", 0.002),
+    ("algorithm.use_kl_in_reward=True", "algorithm.use_kl_in_reward", True),
+    ("trainer.total_epochs=15", "trainer.total_epochs", 15),
+    ("trainer.logger=['console','wandb']", "trainer.logger", ["console", "wandb"]),
+    ("trainer.project_name='verl_grpo_example_gsm8k'", "trainer.project_name", "verl_grpo_example_gsm8k"),
+    ("trainer.critic_warmup=0", "trainer.critic_warmup", 0),
+    ("trainer.max_actor_ckpt_to_keep=3", "trainer.max_ckpt_to_keep", 3),
+    ("custom_reward_function.path=/r/fn.py", "reward.custom_function.path", "/r/fn.py"),
+    ("custom_reward_function.name=my_score", "reward.custom_function.name", "my_score"),
+    ("reward_model.micro_batch_size_per_gpu=8", "reward.model.micro_batch_size_per_gpu", 8),
+    ("reward_model.model.path=/models/rm", "reward.model.path", "/models/rm"),
+    ("reward_model.overlong_buffer.len=16", "reward.overlong_buffer.len", 16),
+    ("actor_rollout_ref.nccl_timeout=1200", "trainer.nccl_timeout", 1200),
+]
+
+
+@pytest.mark.parametrize(("override", "ours", "expected"), CASES, ids=[c[0].split("=")[0] for c in CASES])
+def test_verl_override(override: str, ours: str, expected: object) -> None:
+    cfg = load_config(overrides=[override])
+    value = cfg
+    for part in ours.split("."):
+        value = getattr(value, part)
+    assert value == expected
+
+
+def test_verl_keys_as_nested_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "verl.yaml"
+    path.write_text(
+        "actor_rollout_ref:\n"
+        "  model:\n    path: /models/qwen\n    override_config:\n      rope_theta: 5000\n"
+        "  actor:\n    optim:\n      lr: 1e-6\n    fsdp_config:\n      param_offload: true\n"
+        "  rollout:\n    name: vllm\n    n: 4\n"
+        "    val_kwargs:\n      do_sample: true\n      temperature: 0.6\n"
+        "custom_reward_function:\n  path: fn.py\n"
+        "reward_model:\n  enable: true\n  model:\n    path: /models/rm\n"
+        "trainer:\n  max_critic_ckpt_to_keep: 2\n"
+    )
+    cfg = load_config(str(path))
+    assert cfg.model.path == "/models/qwen" and cfg.model.override_config == {"rope_theta": 5000}
+    assert cfg.actor.optim.lr == 1e-6 and cfg.actor.fsdp.param_offload is True
+    assert cfg.rollout.engine == "native" and cfg.rollout.n == 4
+    assert cfg.rollout.val_kwargs.do_sample is True and cfg.rollout.val_kwargs.temperature == 0.6
+    assert cfg.reward.custom_function.path == "fn.py"
+    assert cfg.reward.model.enable is True and cfg.reward.model.path == "/models/rm"
+    assert cfg.trainer.max_ckpt_to_keep == 2
+
+
+@pytest.mark.parametrize(("verl_value", "ours"), [("vllm", "native"), ("sglang", "native"), ("hf", "hf")])
+def test_rollout_name_value_translation(verl_value: str, ours: str) -> None:
+    assert load_config(overrides=[f"actor_rollout_ref.rollout.name={verl_value}"]).rollout.engine == ours
+
+
+def test_notice_once_per_key(notices: _Records) -> None:
+    load_config(overrides=["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.optim.lr=1e-5"])
+    load_config(overrides=["actor_rollout_ref.rollout.n=2"])
+    assert notices.messages() == [
+        "verl key 'actor_rollout_ref.rollout.n' -> 'rollout.n'",
+        "verl key 'actor_rollout_ref.actor.optim.lr' -> 'actor.optim.lr'",
+    ]
+    assert all(r.levelno == logging.INFO for r in notices.records)
+
+
+def test_value_translation_is_in_the_notice(notices: _Records) -> None:
+    load_config(overrides=["actor_rollout_ref.rollout.name=vllm"])
+    assert notices.messages() == [
+        "verl key 'actor_rollout_ref.rollout.name' -> 'rollout.engine' (value 'vllm' -> 'native')"
+    ]
+
+
+def test_shorthands(notices: _Records) -> None:
+    cfg = load_config(overrides=["actor.lr=2e-6", "critic.lr=3e-5"])
+    assert cfg.actor.optim.lr == 2e-6 and cfg.critic.optim.lr == 3e-5
+    assert notices.messages() == [
+        "shorthand 'actor.lr' -> 'actor.optim.lr'",
+        "shorthand 'critic.lr' -> 'critic.optim.lr'",
+    ]
+
+
+def test_our_own_keys_log_nothing(notices: _Records) -> None:
+    load_config(overrides=["rollout.n=4", "trainer.total_epochs=2"])
+    assert notices.records == []
+
+
+def test_ignored_verl_key_warns_and_changes_nothing(notices: _Records) -> None:
+    cfg = load_config(
+        overrides=[
+            "actor_rollout_ref.actor.fsdp_config.grad_offload=False",
+            "actor_rollout_ref.rollout.mode=sync",
+        ]
+    )
+    assert cfg == load_config()
+    assert [r.levelno for r in notices.records] == [logging.WARNING, logging.WARNING]
+    assert "verl key 'actor_rollout_ref.actor.fsdp_config.grad_offload' ignored" in notices.messages()[0]
+
+
+def test_global_micro_batch_is_refused_with_the_conversion() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=["actor_rollout_ref.actor.ppo_micro_batch_size=128"])
+    message = str(info.value)
+    assert message.startswith("actor_rollout_ref.actor.ppo_micro_batch_size: ")
+    assert "actor.ppo_micro_batch_size_per_gpu" in message and "n_gpus_per_node" in message
+
+
+def test_type_error_names_the_verl_key() -> None:
+    with pytest.raises(
+        ConfigError, match=r"^rollout\.n \(given as 'actor_rollout_ref\.rollout\.n'\): expected an integer"
+    ):
+        load_config(overrides=["actor_rollout_ref.rollout.n=abc"])
+
+
+def test_range_error_names_the_verl_key() -> None:
+    with pytest.raises(
+        ConfigError, match=r"^rollout\.n \(given as 'actor_rollout_ref\.rollout\.n'\): must be at least 1"
+    ):
+        load_config(overrides=["actor_rollout_ref.rollout.n=0"])
+
+
+def test_docs_list_every_alias() -> None:
+    doc = DOC.read_text()
+    missing = [key for key in VERL_ALIASES if f"`{key}`" not in doc]
+    assert not missing, (
+        f"docs/config.md lacks {missing}; run python -m hybridflow.config.reference docs/config.md"
+    )
+
+
+def test_docs_generated_blocks_are_current() -> None:
+    doc = DOC.read_text()
+    assert render_into(doc) == doc, "run: python -m hybridflow.config.reference docs/config.md"
+    leaves, _ = schema_index()
+    assert all(f"`{path}`" in doc for path in leaves)
+
+
+def test_render_into_refuses_a_document_without_markers() -> None:
+    with pytest.raises(ValueError, match="no generated block"):
+        render_into("# nothing here\n")
