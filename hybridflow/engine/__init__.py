@@ -1,0 +1,1 @@
+"""L3: per-rank compute: the FSDP2 training engine, the rollout engine and resharding."""

@@ -1,0 +1,200 @@
+"""The policy on one rank: response log-probs and the PPO-family update (the reference reuses it, forward-only)."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from hybridflow.algos.aggregation import agg_loss, local_batch_info
+from hybridflow.algos.kl import kl_penalty
+from hybridflow.algos.policy_loss import PolicyLossConfig, get_policy_loss_fn
+from hybridflow.config.schema import ActorConfig, FSDPConfig, OptimConfig
+from hybridflow.engine.micro_batch import check_batch, micro_batch_indices, restore_order
+from hybridflow.engine.packing import build_scoring_inputs, scatter_to_responses
+from hybridflow.engine.scorer import PolicyScorer, decoder_layers
+from hybridflow.engine.train_engine import TrainEngine
+from hybridflow.protocol import Batch
+from hybridflow.utils.dist import all_reduce_sum, world_size
+
+logger = logging.getLogger(__name__)
+
+SCORING_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+
+class ActorEngine:
+    """FSDP2 policy: ``compute_log_prob`` for old/reference log-probs and ``update_policy`` for PPO epochs."""
+
+    def __init__(
+        self,
+        lm: nn.Module,
+        actor: ActorConfig,
+        *,
+        rollout_n: int = 1,
+        use_remove_padding: bool = False,
+        gradient_checkpointing: bool = False,
+        total_steps: int = 1,
+        trainable: bool = True,
+        fsdp: FSDPConfig | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        self.actor = actor
+        self.rollout_n = rollout_n
+        self.remove_padding = use_remove_padding
+        if gradient_checkpointing:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        optim: OptimConfig | None = actor.optim if trainable else None
+        self.engine = TrainEngine(
+            PolicyScorer(lm),
+            decoder_layers(lm),
+            fsdp or actor.fsdp,
+            optim,
+            actor.grad_clip,
+            total_steps,
+            device,
+        )
+
+    @property
+    def module(self) -> nn.Module:
+        """The FSDP2-wrapped ``PolicyScorer`` (its ``.lm`` is the Hugging Face model)."""
+        return self.engine.module
+
+    def _score(
+        self, mb: Batch, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        mb = mb.to(self.engine.device)
+        B, R = mb["responses"].shape
+        inputs = build_scoring_inputs(
+            mb["input_ids"], mb["attention_mask"], mb["position_ids"], R, self.remove_padding
+        )
+        logp, ent = self.module(inputs, temperature, with_entropy)  # (M,), (M,)
+        logp = scatter_to_responses(logp, inputs.scatter_index, B, R)  # (B, R)
+        return logp, (None if ent is None else scatter_to_responses(ent, inputs.scatter_index, B, R))
+
+    @torch.no_grad()
+    def compute_log_prob(
+        self,
+        batch: Batch,
+        temperature: float = 1.0,
+        micro_batch_size: int = 16,
+        use_dynamic_bsz: bool = False,
+        max_token_len: int = 16384,
+        with_entropy: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """Log-probs (B, R) of ``responses`` under the current weights, and entropy when asked (CPU tensors)."""
+        check_batch(batch, SCORING_KEYS)
+        self.engine.onload()
+        self.module.eval()
+        parts = micro_batch_indices(batch, micro_batch_size, use_dynamic_bsz, max_token_len)
+        logps, ents = [], []
+        for idx in parts:
+            lp, ent = self._score(batch[idx], temperature, with_entropy)
+            logps.append(lp.cpu())
+            ents.append(None if ent is None else ent.cpu())
+        self.engine.offload()
+        out = {"log_probs": restore_order(logps, parts)}
+        if with_entropy:
+            out["entropys"] = restore_order(ents, parts)
+        return out
+
+    def _mini_batches(self, batch: Batch) -> list[Batch]:
+        size = self.actor.ppo_mini_batch_size * self.rollout_n // world_size()
+        if size < 1:
+            raise ValueError(
+                f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} x rollout.n={self.rollout_n} "
+                f"is smaller than the {world_size()} data-parallel ranks; raise ppo_mini_batch_size"
+            )
+        return batch.split(size)
+
+    def update_policy(self, batch: Batch, temperature: float = 1.0) -> dict[str, float]:
+        """Run ``ppo_epochs`` passes over the mini-batches of ``batch``; returns verl-named actor metrics."""
+        keys = (*SCORING_KEYS, "response_mask", "advantages", "old_log_probs")
+        check_batch(batch, keys + (("ref_log_prob",) if self.actor.use_kl_loss else ()))
+        self.engine.onload()
+        self.module.train()
+        minis = self._mini_batches(batch)
+        # On-policy (one epoch, one mini-batch): the ratio is exactly 1, so ppo_kl is exactly 0 on step 1.
+        on_policy = self.actor.ppo_epochs == 1 and len(minis) == 1
+        history: dict[str, list[float]] = defaultdict(list)
+        for _ in range(self.actor.ppo_epochs):
+            for mini in minis:
+                for key, value in self._update_mini_batch(mini, temperature, on_policy).items():
+                    history[key].append(value)
+        self.engine.lr_step()
+        self.engine.offload()
+        metrics = {key: sum(v) / len(v) for key, v in history.items()}
+        metrics["actor/lr"] = self.engine.lr
+        metrics["actor/skipped_steps"] = self.engine.skipped_steps  # non-finite grad norms so far
+        if self.actor.use_kl_loss:
+            metrics["actor/kl_coef"] = self.actor.kl_loss_coef
+        return metrics
+
+    def _loss_config(self, mini: Batch) -> PolicyLossConfig:
+        a = self.actor
+        counts = {k: int(all_reduce_sum(v)) for k, v in local_batch_info(mini["response_mask"]).items()}
+        return PolicyLossConfig(
+            loss_mode=a.policy_loss.loss_mode,
+            clip_ratio=a.clip_ratio,
+            clip_ratio_low=a.clip_ratio_low,
+            clip_ratio_high=a.clip_ratio_high,
+            clip_ratio_c=a.clip_ratio_c,
+            loss_agg_mode=a.loss_agg_mode,
+            clip_cov_ratio=a.policy_loss.clip_cov_ratio,
+            clip_cov_lb=a.policy_loss.clip_cov_lb,
+            clip_cov_ub=a.policy_loss.clip_cov_ub,
+            kl_cov_ratio=a.policy_loss.kl_cov_ratio,
+            ppo_kl_coef=a.policy_loss.ppo_kl_coef,
+            dp_size=world_size(),
+            loss_scale_factor=a.loss_scale_factor,
+            **counts,
+        )
+
+    def _micro_losses(
+        self, mini: Batch, temperature: float, on_policy: bool, cfg: PolicyLossConfig
+    ) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """Yield each micro-batch's loss and its metric contributions (already weighted to sum globally)."""
+        a = self.actor
+        agg = dict(
+            dp_size=cfg.dp_size,
+            batch_num_tokens=cfg.batch_num_tokens,
+            global_batch_size=cfg.global_batch_size,
+            loss_scale_factor=cfg.loss_scale_factor,
+        )
+        loss_fn = get_policy_loss_fn(a.policy_loss.loss_mode)
+        micro_size, max_tokens = a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu
+        for idx in micro_batch_indices(mini, micro_size, a.use_dynamic_bsz, max_tokens):
+            mb = mini[idx].to(self.engine.device)
+            mask = mb["response_mask"]  # (b, R)
+            logp, ent = self._score(mb, temperature, with_entropy=True)  # (b, R) each
+            old = logp.detach() if on_policy else mb["old_log_probs"]
+            weights = mb.get("rollout_is_weights")
+            pg_loss, pg_metrics = loss_fn(old, logp, mb["advantages"], mask, a.loss_agg_mode, cfg, weights)
+            entropy = agg_loss(ent, mask, a.loss_agg_mode, **agg)
+            loss = pg_loss - a.entropy_coeff * entropy if a.entropy_coeff else pg_loss
+            share = mask.sum() / max(cfg.batch_num_tokens, 1)  # this micro-batch's share of the tokens
+            parts = {
+                "actor/pg_loss": pg_loss.detach() / cfg.dp_size,
+                "actor/entropy": entropy.detach() / cfg.dp_size,
+            }
+            parts.update({k: v * share for k, v in pg_metrics.items()})
+            if a.use_kl_loss:
+                kl = agg_loss(
+                    kl_penalty(logp, mb["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode, **agg
+                )
+                loss = loss + a.kl_loss_coef * kl
+                parts["actor/kl_loss"] = kl.detach() / cfg.dp_size
+            yield loss, parts
+
+    def _update_mini_batch(self, mini: Batch, temperature: float, on_policy: bool) -> dict[str, float]:
+        cfg = self._loss_config(mini)
+        totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        for loss, parts in self._micro_losses(mini, temperature, on_policy, cfg):
+            loss.backward()
+            for key, value in parts.items():
+                totals[key] += value.detach().double().cpu()
+        metrics = {key: float(all_reduce_sum(value)) for key, value in sorted(totals.items())}
+        metrics["actor/grad_norm"] = self.engine.optimizer_step()
+        return metrics

@@ -1,0 +1,136 @@
+"""The critic on one rank: values of response states and the clipped value-loss update."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from hybridflow.algos.aggregation import local_batch_info
+from hybridflow.algos.value_loss import compute_value_loss
+from hybridflow.config.schema import CriticConfig
+from hybridflow.engine.micro_batch import check_batch, micro_batch_indices, restore_order
+from hybridflow.engine.packing import build_scoring_inputs, scatter_to_responses
+from hybridflow.engine.scorer import ValueScorer, decoder_layers
+from hybridflow.engine.train_engine import TrainEngine
+from hybridflow.protocol import Batch
+from hybridflow.utils.dist import all_reduce_sum, world_size
+
+logger = logging.getLogger(__name__)
+
+SCORING_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+
+class CriticEngine:
+    """FSDP2 value model: ``compute_values`` before the update, ``update_critic`` over mini-batches and epochs."""
+
+    def __init__(
+        self,
+        value_model: nn.Module,
+        critic: CriticConfig,
+        *,
+        ppo_mini_batch_size: int,
+        rollout_n: int = 1,
+        use_remove_padding: bool = False,
+        gradient_checkpointing: bool = False,
+        total_steps: int = 1,
+        device: torch.device | None = None,
+    ) -> None:
+        self.critic = critic
+        self.remove_padding = use_remove_padding
+        if gradient_checkpointing:
+            value_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.engine = TrainEngine(
+            ValueScorer(value_model),
+            decoder_layers(value_model),
+            critic.fsdp,
+            critic.optim,
+            critic.grad_clip,
+            total_steps,
+            device,
+        )
+        # After TrainEngine, which joins the process group: world_size() is now the data-parallel size.
+        self.mini_batch_size = ppo_mini_batch_size * rollout_n // world_size()
+        if self.mini_batch_size < 1:
+            raise ValueError(
+                f"critic.ppo_mini_batch_size={ppo_mini_batch_size} x rollout.n={rollout_n} is smaller than the "
+                f"{world_size()} data-parallel ranks; raise ppo_mini_batch_size"
+            )
+
+    @property
+    def module(self) -> nn.Module:
+        """The FSDP2-wrapped ``ValueScorer``."""
+        return self.engine.module
+
+    def _values(self, mb: Batch) -> torch.Tensor:
+        mb = mb.to(self.engine.device)
+        B, R = mb["responses"].shape
+        inputs = build_scoring_inputs(
+            mb["input_ids"], mb["attention_mask"], mb["position_ids"], R, self.remove_padding
+        )
+        return scatter_to_responses(self.module(inputs), inputs.scatter_index, B, R)  # (B, R)
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        """Values (B, R) of the states before each response token (0 where there is no token), on CPU."""
+        check_batch(batch, SCORING_KEYS)
+        self.engine.onload()
+        self.module.eval()
+        c = self.critic
+        parts = micro_batch_indices(
+            batch, c.ppo_micro_batch_size_per_gpu, c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu
+        )
+        values = [self._values(batch[idx]).cpu() for idx in parts]
+        self.engine.offload()
+        return restore_order(values, parts)
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        """Clipped value regression onto ``returns`` for ``ppo_epochs`` passes; returns verl-named metrics."""
+        check_batch(batch, (*SCORING_KEYS, "response_mask", "values", "returns"))
+        self.engine.onload()
+        self.module.train()
+        history: dict[str, list[float]] = defaultdict(list)
+        for _ in range(self.critic.ppo_epochs):
+            for mini in batch.split(self.mini_batch_size):
+                for key, value in self._update_mini_batch(mini).items():
+                    history[key].append(value)
+        self.engine.lr_step()
+        self.engine.offload()
+        metrics = {key: sum(v) / len(v) for key, v in history.items()}
+        metrics["critic/lr"] = self.engine.lr
+        metrics["critic/skipped_steps"] = self.engine.skipped_steps  # non-finite grad norms so far
+        return metrics
+
+    def _update_mini_batch(self, mini: Batch) -> dict[str, float]:
+        c = self.critic
+        counts = {k: int(all_reduce_sum(v)) for k, v in local_batch_info(mini["response_mask"]).items()}
+        totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        parts = micro_batch_indices(
+            mini, c.ppo_micro_batch_size_per_gpu, c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu
+        )
+        for idx in parts:
+            mb = mini[idx].to(self.engine.device)
+            mask = mb["response_mask"]  # (b, R)
+            vpreds = self._values(mb)  # (b, R)
+            vf_loss, vf_clipfrac = compute_value_loss(
+                vpreds,
+                mb["returns"],
+                mb["values"],
+                mask,
+                c.cliprange_value,
+                c.loss_agg_mode,
+                dp_size=world_size(),
+                **counts,
+            )
+            vf_loss.backward()
+            share = float(mask.sum()) / max(counts["batch_num_tokens"], 1)  # this micro-batch's token share
+            totals["critic/vf_loss"] += float(vf_loss.detach()) / world_size()
+            totals["critic/vf_clipfrac"] += float(vf_clipfrac) * share
+            totals["critic/vpred_mean"] += float((vpreds.detach() * mask).sum()) / max(
+                counts["batch_num_tokens"], 1
+            )
+        metrics = {key: float(all_reduce_sum(value)) for key, value in sorted(totals.items())}
+        metrics["critic/grad_norm"] = self.engine.optimizer_step()
+        return metrics

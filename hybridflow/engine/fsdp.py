@@ -1,0 +1,90 @@
+"""FSDP2 sharding of a wrapped model, parameter/optimizer offload between phases, and full state dicts."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from hybridflow.utils.dist import init_distributed
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def to_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Map a dtype name from the config ('bfloat16', 'bf16', 'float32', ...) to a torch dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(sorted(DTYPES))}")
+    return DTYPES[name]
+
+
+def shard_model(
+    root: nn.Module,
+    layers: list[nn.Module],
+    device: torch.device,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Apply ``fully_shard`` to each decoder layer, then to the root, over all ranks of the default group.
+
+    Master weights stay in the dtype the module was created in (fp32 for training); ``param_dtype`` is the
+    compute dtype FSDP2 casts to when it gathers a layer (bf16 on GPU), and gradients are reduced in
+    ``reduce_dtype`` (fp32) so the sum over ranks does not lose precision.
+    """
+    init_distributed()
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    root.to(device)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # The root (embeddings, final norm, LM head) is needed again at the start of backward: keep it gathered.
+    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    logger.info(
+        "FSDP2: %d layers sharded over %d ranks, compute %s, reduce %s",
+        len(layers),
+        dist.get_world_size(),
+        param_dtype,
+        reduce_dtype,
+    )
+    return root
+
+
+def move_model(model: nn.Module, device: torch.device | str) -> None:
+    """Move the (sharded) parameters and gradients of ``model`` to ``device`` in place."""
+    model.to(device)
+
+
+def move_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Move every optimizer state tensor (Adam moments) to ``device`` in place."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded state dict on CPU (every rank gets it; used for export and for tests)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global gradient 2-norm across all shards and ranks, clipping in place when ``max_norm`` > 0."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -1,0 +1,78 @@
+"""The modules FSDP2 wraps: a causal LM that scores response tokens, and a value model that scores states.
+
+Wrapping the Hugging Face model in our own root module means FSDP2's root hooks gather the embedding, the
+final norm and the LM head before our forward runs, so we can call the decoder and the head separately and
+never materialise logits for prompt tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridflow.engine.lm_head import score_hidden_states
+from hybridflow.engine.packing import ScoringInputs
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The transformer body of a Hugging Face model (``model.model`` for Llama-family models)."""
+    prefix = getattr(model, "base_model_prefix", "model")
+    body = getattr(model, prefix, None)
+    if body is None:
+        raise TypeError(
+            f"{type(model).__name__} has no '{prefix}' body module; it is not a supported HF model"
+        )
+    return body
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated decoder blocks (the modules FSDP2 shards one by one)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise TypeError(f"cannot find the decoder layers of {type(model).__name__} (no _no_split_modules)")
+    return layers
+
+
+def _hidden_rows(body: nn.Module, inputs: ScoringInputs) -> torch.Tensor:
+    out = body(
+        input_ids=inputs.input_ids,
+        attention_mask=inputs.attention_mask,
+        position_ids=inputs.position_ids,
+        use_cache=False,
+    )
+    hidden = out.last_hidden_state  # (b, t, H)
+    return hidden.reshape(-1, hidden.shape[-1])[inputs.gather_index]  # (M, H)
+
+
+class PolicyScorer(nn.Module):
+    """Causal LM wrapper: log-probs (and entropy) of the chosen response tokens at ``logits / temperature``."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(
+        self, inputs: ScoringInputs, temperature: float = 1.0, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return ``(log_probs (M,), entropy (M,) or None)`` in float32 for ``inputs.labels``."""
+        rows = _hidden_rows(decoder_of(self.lm), inputs)  # (M, H)
+        head = self.lm.get_output_embeddings()
+        return score_hidden_states(rows, head, inputs.labels, temperature, with_entropy)
+
+
+class ValueScorer(nn.Module):
+    """Value model wrapper (backbone + scalar head): one value per scored position."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: ScoringInputs) -> torch.Tensor:
+        """Return the values (M,) in float32 at ``inputs.gather_index``."""
+        rows = _hidden_rows(decoder_of(self.model), inputs)  # (M, H)
+        head = getattr(self.model, "score", None)
+        if head is None:
+            raise TypeError(f"{type(self.model).__name__} has no 'score' head; load it with load_value_model")
+        # A fresh tensor, not a view: FSDP2 hooks backward on the root's output and warns about views.
+        return head(rows).float().squeeze(-1).clone()  # (M,)

@@ -1,0 +1,132 @@
+"""One FSDP2-sharded module with its optimizer and LR schedule: stepping, clipping, offload between phases."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch import nn
+
+from hybridflow.config.schema import FSDPConfig, OptimConfig
+from hybridflow.engine.fsdp import grad_norm_and_clip, move_model, move_optimizer, shard_model, to_dtype
+from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
+
+logger = logging.getLogger(__name__)
+
+
+def default_device() -> torch.device:
+    """This rank's CUDA device when there is one, else the CPU."""
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """Resolve ``fsdp.param_dtype``: 'auto' is bfloat16 on GPU and float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return to_dtype(name)
+
+
+def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
+    """Warm-up steps from ``lr_warmup_steps``, or from ``lr_warmup_steps_ratio`` when that is negative."""
+    return (
+        optim.lr_warmup_steps
+        if optim.lr_warmup_steps >= 0
+        else int(optim.lr_warmup_steps_ratio * total_steps)
+    )
+
+
+class TrainEngine:
+    """Holds a sharded module and (when trainable) its AdamW and schedule; the roles call into it."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        layers: list[nn.Module],
+        fsdp: FSDPConfig,
+        optim: OptimConfig | None,
+        grad_clip: float = 1.0,
+        total_steps: int = 1,
+        device: torch.device | None = None,
+    ) -> None:
+        self.device = device or default_device()
+        self.fsdp = fsdp
+        self.grad_clip = grad_clip
+        self.compute_dtype = compute_dtype(fsdp.param_dtype, self.device)
+        module.to(to_dtype(fsdp.master_dtype))
+        self.module = shard_model(
+            module,
+            layers,
+            self.device,
+            self.compute_dtype,
+            to_dtype(fsdp.reduce_dtype),
+            fsdp.reshard_after_forward,
+        )
+        self.optimizer = self.scheduler = None
+        if optim is not None:
+            self.optimizer = build_optimizer(
+                self.module.parameters(), optim.lr, optim.weight_decay, tuple(optim.betas), optim.eps
+            )
+            self.scheduler = build_lr_scheduler(
+                self.optimizer,
+                optim.lr_scheduler_type,
+                warmup_steps(optim, total_steps),
+                total_steps,
+                optim.min_lr_ratio,
+            )
+        self.skipped_steps = 0
+        self.on_device = True
+        self.offload()
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step uses."""
+        return self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
+
+    def optimizer_step(self) -> float:
+        """Clip and step; a non-finite gradient norm skips the step (counted). Returns the pre-clip norm."""
+        assert self.optimizer is not None, "optimizer_step on a forward-only engine"
+        norm = grad_norm_and_clip([p for p in self.module.parameters() if p.grad is not None], self.grad_clip)
+        norm_value = float(norm)
+        if math.isfinite(norm_value):
+            self.optimizer.step()
+        else:
+            self.skipped_steps += 1
+            logger.warning(
+                "non-finite grad norm (%s): optimizer step skipped (%d so far)",
+                norm_value,
+                self.skipped_steps,
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm_value
+
+    def lr_step(self) -> None:
+        """Advance the learning-rate schedule by one training step."""
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def onload(self) -> None:
+        """Bring offloaded parameters / optimizer state back to the device before a phase that needs them."""
+        if self.on_device:
+            return
+        if self.fsdp.param_offload:
+            move_model(self.module, self.device)
+        if self.fsdp.optimizer_offload and self.optimizer is not None:
+            move_optimizer(self.optimizer, self.device)
+        self.on_device = True
+
+    def offload(self) -> None:
+        """Move parameters / optimizer state to CPU as configured, handing the device memory to other phases."""
+        if not self.on_device or self.device.type == "cpu":
+            return
+        if self.fsdp.param_offload:
+            move_model(self.module, "cpu")
+        if self.fsdp.optimizer_offload and self.optimizer is not None:
+            move_optimizer(self.optimizer, "cpu")
+        self.on_device = not (self.fsdp.param_offload or self.fsdp.optimizer_offload)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
