@@ -83,5 +83,6 @@ def test_critic_values_and_updates_match_across_layouts() -> None:
         "critic/vpred_mean",
         "critic/grad_norm",
         "critic/lr",
+        "critic/skipped_steps",
     }
     assert one["metrics"]["critic/vf_loss"] > 0
