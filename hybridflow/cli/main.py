@@ -22,7 +22,7 @@ from hybridflow.config import ConfigError
 logger = logging.getLogger(__name__)
 
 # Subcommand modules, in the order `hybridflow --help` lists them. Add a module here to add a command.
-COMMANDS: tuple[str, ...] = ("hybridflow.cli.config_cmd",)
+COMMANDS: tuple[str, ...] = ("hybridflow.cli.config_cmd", "hybridflow.cli.generate_cmd")
 
 USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, yaml.YAMLError)
 EXIT_USER_ERROR = 2

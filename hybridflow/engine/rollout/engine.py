@@ -1,0 +1,250 @@
+"""The built-in rollout engine: continuous batching over a slot KV cache, on the trainer's own weights."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hybridflow.engine.rollout.kv_cache import KVCache
+from hybridflow.engine.rollout.model import LlamaRunner, supports
+from hybridflow.engine.rollout.sampling import SamplingParams, make_generator, sample
+from hybridflow.engine.rollout.scheduler import PrefillChunk, PromptGroup, SlotScheduler
+from hybridflow.engine.rollout.state import REASONS, DecodeState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationOutput:
+    """One sampled response."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # log-prob of each sampled token, see sampling.sample for the exact distribution
+    finish_reason: str  # "eos", "stop" or "length"
+
+
+class RolloutEngine:
+    """Generates from token-id prompts with a model it does not own: it reads the HF module's parameters.
+
+    ``generate`` allocates the KV cache, runs the prompts through continuous batching (waves when they do
+    not all fit), and frees the cache again so training gets the memory back.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dtype: torch.dtype | None = None,
+        max_num_seqs: int = 1024,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        sync_interval: int = 16,
+    ) -> None:
+        self.runner = LlamaRunner(model, dtype, max_model_len)
+        self.device = next(model.parameters()).device
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.sync_interval = sync_interval
+
+    def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> int:
+        """Validate the prompts; return the cache length each slot needs."""
+        if not prompts:
+            raise ValueError("no prompts to generate from")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        longest = max(len(p) for p in prompts)
+        max_len = self.max_model_len or longest + params.max_new_tokens
+        limit = self.runner.max_position_embeddings
+        if longest >= max_len or longest >= limit:
+            raise ValueError(
+                f"a prompt of {longest} tokens leaves no room to generate within the context of "
+                f"{min(max_len, limit)} tokens; shorten it or raise max_model_len (data.max_prompt_length)"
+            )
+        return min(max_len, limit)
+
+    def _num_slots(self, sequences: int, max_len: int) -> int:
+        """Slots for this call: bounded by max_num_seqs, the work, and the memory budget on GPU."""
+        slots = min(self.max_num_seqs, sequences)
+        if self.device.type == "cuda":
+            per_slot = (
+                KVCache.bytes_per_token(
+                    self.runner.num_layers, self.runner.num_kv_heads, self.runner.head_dim, self.runner.dtype
+                )
+                * max_len
+            )
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            budget = self.gpu_memory_utilization * total - torch.cuda.memory_allocated(self.device)
+            fit = int(budget // per_slot)
+            if fit < 1:
+                raise ValueError(
+                    f"no KV-cache slot of {max_len} tokens fits in rollout.gpu_memory_utilization="
+                    f"{self.gpu_memory_utilization} of the GPU; raise it or lower max_model_len"
+                )
+            slots = min(slots, fit)
+        return slots
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, progress: Callable[[int], None] | None = None
+    ) -> list[list[GenerationOutput]]:
+        """``params.n`` responses for each prompt, in prompt order (greedy when ``params.greedy``).
+
+        ``progress`` is called with the number of sequences that just finished, at each host sync.
+        """
+        max_len = self._check_prompts(prompts, params)
+        self.runner.refresh()  # the trainer may have stepped since the last call: re-cast in place
+        groups = [PromptGroup(i, list(p), params.n) for i, p in enumerate(prompts)]
+        slots = self._num_slots(len(prompts) * params.n, max_len)
+        sched = SlotScheduler(slots, self.max_num_batched_tokens, groups)
+        cache = KVCache(
+            self.runner.num_layers,
+            slots,
+            max_len,
+            self.runner.num_kv_heads,
+            self.runner.head_dim,
+            self.runner.dtype,
+            self.device,
+        )
+        eos = [] if params.ignore_eos else list(params.eos_token_ids)
+        state = DecodeState(slots, params.max_new_tokens, list(params.stop_token_ids), eos, self.device)
+        generator = make_generator(params.seed, self.device)
+        results: list[list[GenerationOutput | None]] = [[None] * params.n for _ in prompts]
+        try:
+            while not sched.done:
+                for call in sched.admit():
+                    self._prefill(call, cache, state, params, generator, max_len)
+                steps = self._steps_before_sync(state, sched.num_running, params)
+                for _ in range(steps):
+                    self._decode_step(sched.num_running, cache, state, params, generator)
+                finished = self._retire(sched, cache, state, results)
+                if progress is not None and finished:
+                    progress(finished)
+        finally:
+            cache.free()
+        return results  # type: ignore[return-value]
+
+    def _prefill(
+        self,
+        call: list[PrefillChunk],
+        cache: KVCache,
+        state: DecodeState,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        max_len: int,
+    ) -> None:
+        width = max(c.length for c in call)
+        ids = torch.zeros(len(call), width, dtype=torch.long)  # (b, t) right-padded
+        for row, c in enumerate(call):
+            ids[row, : c.length] = torch.tensor(c.group.token_ids[c.start : c.start + c.length])
+        dev = self.device
+        lengths = torch.tensor([c.length for c in call], device=dev)
+        slot_ids = torch.tensor([c.group.first_slot for c in call], device=dev)
+        starts = torch.tensor([c.start for c in call], device=dev)
+        logits = self.runner.prefill(ids.to(dev), lengths, slot_ids, starts, cache)  # (b, V)
+        finished = [row for row, c in enumerate(call) if c.last]
+        if not finished:
+            return
+        groups = [call[row].group for row in finished]
+        for g in groups:  # prefix sharing: the n samples reuse the prompt's cache entries
+            cache.copy_slot(g.first_slot, list(range(g.first_slot + 1, g.first_slot + g.n)), len(g.token_ids))
+        n_per = torch.tensor([g.n for g in groups], device=dev)
+        rows = torch.repeat_interleave(logits[torch.tensor(finished, device=dev)], n_per, dim=0)  # (sum n, V)
+        slots = torch.tensor([g.first_slot + s for g in groups for s in range(g.n)], device=dev)
+        prompt_len = torch.tensor([len(g.token_ids) for g in groups for _ in range(g.n)], device=dev)
+        state.start(slots, prompt_len, max_len)
+        tokens, logprobs = sample(rows, params, generator)
+        state.record(slots, tokens, logprobs, advance=False)
+
+    def _decode_step(
+        self,
+        num_running: int,
+        cache: KVCache,
+        state: DecodeState,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> None:
+        live = slice(0, num_running)
+        logits = self.runner.decode(state.last_token[live], state.position[live], cache)  # (B, V)
+        tokens, logprobs = sample(logits, params, generator)
+        state.record(live, tokens, logprobs, advance=True)
+
+    def _steps_before_sync(self, state: DecodeState, num_running: int, params: SamplingParams) -> int:
+        """Decode steps to run before looking at the host again (one sync per call, never per token)."""
+        if num_running == 0:
+            return 0
+        live = slice(0, num_running)
+        left = torch.where(state.done[live], 0, state.limit[live] - state.gen_len[live])
+        soonest = int(left[~state.done[live]].min()) if bool((~state.done[live]).any()) else 0
+        if params.ignore_eos or (not params.eos_token_ids and not params.stop_token_ids):
+            return soonest  # no early stops: the first length-finish is known exactly
+        return min(self.sync_interval, soonest)
+
+    def _retire(
+        self,
+        sched: SlotScheduler,
+        cache: KVCache,
+        state: DecodeState,
+        results: list[list[GenerationOutput | None]],
+    ) -> int:
+        """Collect finished sequences, free and compact their slots; returns how many finished."""
+        live = slice(0, sched.num_running)
+        finished = state.done[live].nonzero().flatten().tolist()
+        if not finished:
+            return 0
+        idx = torch.tensor(finished, device=self.device)
+        lens = state.gen_len[idx].tolist()
+        reasons = state.reason[idx].tolist()
+        tokens = state.tokens[idx].tolist()
+        logprobs = state.logprobs[idx].tolist()
+        for k, slot in enumerate(finished):
+            prompt, sample_idx = sched.owner[slot]
+            n = lens[k]
+            results[prompt][sample_idx] = GenerationOutput(
+                tokens[k][:n], logprobs[k][:n], REASONS[reasons[k]]
+            )
+        for src, dst in sched.release(finished):
+            cache.move_slot(src, dst)
+            state.move(src, dst)
+        return len(finished)
+
+
+class HFRollout:
+    """The same ``generate`` interface over transformers' ``generate`` (``rollout.engine=hf``, or a fallback)."""
+
+    def __init__(self, model: nn.Module, pad_token_id: int = 0) -> None:
+        self.model = model
+        self.pad_token_id = pad_token_id
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, progress: Callable[[int], None] | None = None
+    ) -> list[list[GenerationOutput]]:
+        """``params.n`` responses for each prompt through HF ``generate``."""
+        from hybridflow.engine.rollout.hf_fallback import hf_generate
+
+        out = hf_generate(self.model, prompts, params, self.pad_token_id)
+        if progress is not None:
+            progress(len(prompts) * params.n)
+        return out
+
+
+def make_rollout(
+    model: nn.Module, engine: str = "native", pad_token_id: int = 0, **kwargs
+) -> RolloutEngine | HFRollout:
+    """The built-in engine when the architecture is supported (else HF ``generate`` with a notice)."""
+    if engine not in ("native", "hf"):
+        raise ValueError(f"unknown rollout engine {engine!r}; use native or hf")
+    if engine == "native":
+        if supports(model, kwargs.get("max_model_len")):
+            return RolloutEngine(model, **kwargs)
+        logger.warning(
+            "the built-in rollout engine does not cover this model (the reason is logged above); using HF "
+            "generate, which is much slower"
+        )
+    return HFRollout(model, pad_token_id)

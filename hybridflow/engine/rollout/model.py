@@ -1,0 +1,474 @@
+"""A Llama-family forward (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) that runs on a Hugging Face module's weights.
+
+The runner loads nothing of its own: it binds the HF module's parameters by reference, so the rollout
+engine generates with exactly the weights the trainer holds. Where the generation dtype differs from the
+parameters' (fp32 masters, bf16 generation) each weight is cast once into a buffer allocated at
+construction, and ``refresh()`` copies the current values into those buffers in place, so their addresses
+(and any CUDA graph captured on them) stay valid across train/generate switches.
+
+The math follows transformers' modeling_llama / modeling_qwen2 / modeling_qwen3 op for op: RMSNorm in
+float32 then cast back before the weight multiply, RoPE tables computed in float32 from the module's own
+``rotary_emb`` (which carries rope scaling such as llama3's or yarn's ``attention_scaling``) and cast to the
+compute dtype, SiLU-gated MLP, attention through SDPA with ``enable_gqa=True`` so K/V are never repeated.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridflow.engine.rollout.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+# These RoPE types recompute inv_freq from the current sequence length inside HF's forward
+# (transformers' dynamic_rope_update): data-dependent, so not capturable; HF generate handles them.
+_DYNAMIC_ROPE = ("dynamic", "longrope")
+_FALLBACK_HINT = "set rollout.engine=hf to generate with HF generate instead"
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def check_supported(config: Any, max_len: int | None = None) -> None:
+    """Raise ValueError naming the reason if the fast path cannot run this HF config exactly.
+
+    ``max_len`` (the longest sequence the engine will hold) lets a Mistral config with a sliding window
+    through when no sequence can be longer than the window, where sliding attention equals full attention.
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILY:
+        raise ValueError(
+            f"model_type {model_type!r} is not in the Llama family the rollout engine runs "
+            f"({', '.join(FAMILY)}); {_FALLBACK_HINT}"
+        )
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only SiLU-gated MLPs); {_FALLBACK_HINT}")
+    layer_types = getattr(config, "layer_types", None) or []
+    if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+        raise ValueError(
+            f"sliding-window attention (use_sliding_window=true) is not supported; {_FALLBACK_HINT}"
+        )
+    window = getattr(config, "sliding_window", None) if model_type == "mistral" else None
+    if window is not None and (max_len is None or max_len > window):
+        raise ValueError(
+            f"this Mistral config uses a sliding window of {window} tokens, which the rollout engine does not "
+            f"implement; sequences of at most {window} tokens are exact (pass max_len), otherwise "
+            f"{_FALLBACK_HINT}"
+        )
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else None
+    if not isinstance(rope_type, str) or any(d in rope_type for d in _DYNAMIC_ROPE):
+        raise ValueError(
+            f"rope type {rope_type!r} changes its frequencies with the sequence length and is not "
+            f"supported (default, linear, llama3 and yarn are); {_FALLBACK_HINT}"
+        )
+    if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial rotary embeddings are not supported; {_FALLBACK_HINT}")
+
+
+def _check_structure(hf_model: nn.Module) -> None:
+    """Raise ValueError unless the module has the HF *ForCausalLM layout the runner binds to."""
+    base = getattr(hf_model, "model", None)
+    missing = [n for n in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(base, n)]
+    if base is None or missing or not hasattr(hf_model, "lm_head"):
+        raise ValueError(
+            f"{type(hf_model).__name__} lacks the HF *ForCausalLM layout (model.embed_tokens, model.layers, "
+            f"model.norm, model.rotary_emb, lm_head); pass the causal LM itself, not its base model or a wrapper"
+        )
+
+
+def supports(hf_model: nn.Module, max_len: int | None = None) -> bool:
+    """Whether ``LlamaRunner`` can run this HF causal LM exactly (the reason is logged when not)."""
+    try:
+        check_supported(getattr(hf_model, "config", None), max_len)
+        _check_structure(hf_model)
+    except ValueError as err:
+        logger.warning("fast rollout path unavailable: %s", err)
+        return False
+    return True
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The plain tensor behind a parameter; for an FSDP2 DTensor, its local shard (which must be whole)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        local = param.to_local()
+        if local.shape != param.shape:
+            raise ValueError(
+                f"a parameter is sharded ({tuple(local.shape)} of {tuple(param.shape)}): the runner reads "
+                "whole weights, i.e. FSDP2 at world size 1; gather the weights into a rollout replica first"
+            )
+        return local.detach()
+    return param.detach()
+
+
+def _reshard_fsdp(model: nn.Module) -> None:
+    """Put FSDP2 modules in their sharded state, so module attributes are the persistent sharded params.
+
+    An unsharded (all-gathered) parameter is a temporary whose storage FSDP frees on the next reshard;
+    binding to it would leave the runner reading freed memory.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF RMSNorm: normalise in float32, cast back to the input dtype, then scale (the order matters in bf16)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE in HF's rotate-half convention: x (b, h, t, D), cos/sin (b, 1, t, D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _project(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor] | None, splits: list[int]
+) -> list[torch.Tensor]:
+    """Apply a group of linear layers, fused (one weight, split after) or separate (one weight each)."""
+    if len(weights) == 1:
+        y = F.linear(x, weights[0], None if biases is None else biases[0])
+        return list(y.split(splits, dim=-1)) if len(splits) > 1 else [y]
+    biases = biases if biases is not None else [None] * len(weights)
+    return [F.linear(x, w, b) for w, b in zip(weights, biases)]
+
+
+@dataclass
+class _LayerWeights:
+    """One decoder layer's bound tensors; each projection group is [fused] or [one per projection]."""
+
+    input_norm: torch.Tensor
+    qkv: list[torch.Tensor]
+    qkv_bias: list[torch.Tensor] | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: list[torch.Tensor]
+    o_bias: list[torch.Tensor] | None
+    post_norm: torch.Tensor
+    gate_up: list[torch.Tensor]
+    gate_up_bias: list[torch.Tensor] | None
+    down: list[torch.Tensor]
+    down_bias: list[torch.Tensor] | None
+
+
+class LlamaRunner:
+    """Prefill and decode for a Llama-family HF causal LM, on its own parameters, with a slot KV cache.
+
+    Weights: when a parameter already has the generation ``dtype`` the runner uses the parameter's tensor
+    itself (zero copies). Otherwise it casts into buffers made once here; q/k/v and gate/up are then fused
+    into one buffer each (the cast copies anyway, so fusing is free and saves two GEMM launches per layer),
+    while the zero-copy path keeps them separate (fusing there would cost a full weight copy). Call
+    ``refresh()`` after every optimizer step, before generating.
+    """
+
+    def __init__(
+        self, hf_model: nn.Module, dtype: torch.dtype | None = None, max_len: int | None = None
+    ) -> None:
+        config = hf_model.config
+        check_supported(config, max_len)
+        _check_structure(hf_model)
+        # A Mistral window is harmless only while no cached sequence is longer than it (check_supported).
+        self.max_cache_len = (
+            getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
+        )
+        self.config = config
+        self._model = hf_model
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.vocab_size = config.vocab_size
+        self.max_position_embeddings = config.max_position_embeddings
+        self.eps = config.rms_norm_eps
+        self.scaling = self.head_dim**-0.5
+        embed = _local(hf_model.model.embed_tokens.weight)
+        self.dtype = embed.dtype if dtype is None else dtype
+        self.device = embed.device
+        self._bind_all()
+
+    # ---- weight binding -------------------------------------------------------------------------------
+
+    def _bind(self, parts: list[tuple[nn.Module, str]], fuse: bool | None = None) -> list[torch.Tensor]:
+        """Bind parameters given as (module, name): by reference if dtype and device match, else by a cast.
+
+        ``fuse=None`` fuses the group into one buffer only when it must be copied anyway; True always
+        copies into one buffer (the biases of a fused weight group); False never fuses. Tied parameters
+        (the same object) are bound once.
+        """
+        params = [getattr(m, n) for m, n in parts]
+        key = (fuse, tuple(id(p) for p in params))
+        if key not in self._memo:
+            srcs = [_local(p) for p in params]
+            cast = any(s.dtype != self.dtype or s.device != self.device for s in srcs)
+            if fuse or (fuse is None and cast):
+                self._memo[key] = [self._alloc(srcs, parts)]
+            elif cast:
+                self._memo[key] = [self._alloc([s], [part]) for s, part in zip(srcs, parts)]
+            else:
+                self._aliases += [(s, m, n) for s, (m, n) in zip(srcs, parts)]
+                self._memo[key] = srcs
+        return self._memo[key]
+
+    def _alloc(self, srcs: list[torch.Tensor], parts: list[tuple[nn.Module, str]]) -> torch.Tensor:
+        """One buffer holding ``srcs`` stacked on dim 0 in the runner's dtype; remembered for refresh()."""
+        rows = [s.shape[0] for s in srcs]
+        buf = torch.empty((sum(rows), *srcs[0].shape[1:]), dtype=self.dtype, device=self.device)
+        for view, src, (module, name) in zip(buf.split(rows), srcs, parts):
+            view.copy_(src)
+            self._copies.append((view, module, name))
+        return buf
+
+    def _bind_layer(self, layer: nn.Module) -> _LayerWeights:
+        """Bind one decoder layer, checking the projection shapes against the config."""
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_mods = [attn.q_proj, attn.k_proj, attn.v_proj]
+        rows = [_local(m.weight).shape[0] for m in [*qkv_mods, mlp.gate_proj, mlp.up_proj]]
+        if rows != self._qkv_splits + self._mlp_splits:
+            raise ValueError(
+                f"q/k/v/gate/up projections have {rows} rows; the config implies "
+                f"{self._qkv_splits + self._mlp_splits}"
+            )
+        qkv = self._bind([(m, "weight") for m in qkv_mods])
+        gate_up = self._bind([(mlp.gate_proj, "weight"), (mlp.up_proj, "weight")])
+
+        def bias(mods: list[nn.Module], fused: bool) -> list[torch.Tensor] | None:
+            if getattr(mods[0], "bias", None) is None:
+                return None
+            # A fused weight needs a fused bias; otherwise each bias is bound alone (alias or cast).
+            return self._bind([(m, "bias") for m in mods], fuse=fused)
+
+        q_norm = getattr(attn, "q_norm", None)
+        k_norm = getattr(attn, "k_norm", None)
+        return _LayerWeights(
+            input_norm=self._bind([(layer.input_layernorm, "weight")])[0],
+            qkv=qkv,
+            qkv_bias=bias(qkv_mods, len(qkv) == 1),
+            q_norm=None if q_norm is None else self._bind([(q_norm, "weight")])[0],
+            k_norm=None if k_norm is None else self._bind([(k_norm, "weight")])[0],
+            o=self._bind([(attn.o_proj, "weight")]),
+            o_bias=bias([attn.o_proj], False),
+            post_norm=self._bind([(layer.post_attention_layernorm, "weight")])[0],
+            gate_up=gate_up,
+            gate_up_bias=bias([mlp.gate_proj, mlp.up_proj], len(gate_up) == 1),
+            down=self._bind([(mlp.down_proj, "weight")]),
+            down_bias=bias([mlp.down_proj], False),
+        )
+
+    @torch.no_grad()
+    def _bind_all(self) -> None:
+        """(Re)bind every weight; allocates the cast buffers."""
+        _reshard_fsdp(self._model)
+        self._memo: dict[tuple, list[torch.Tensor]] = {}
+        self._aliases: list[tuple[torch.Tensor, nn.Module, str]] = []  # zero-copy: (tensor, module, name)
+        self._copies: list[tuple[torch.Tensor, nn.Module, str]] = []  # cast buffers: (view, module, name)
+        self._qkv_splits = [d * self.head_dim for d in (self.num_heads, self.num_kv_heads, self.num_kv_heads)]
+        self._mlp_splits = [self.config.intermediate_size] * 2
+        base = self._model.model
+        self.embed = self._bind([(base.embed_tokens, "weight")])[0]
+        self.layers = [self._bind_layer(layer) for layer in base.layers]
+        self.norm = self._bind([(base.norm, "weight")])[0]
+        # Tied embeddings: lm_head.weight is the embedding Parameter, so the memo returns the same tensor.
+        self.lm_head = self._bind([(self._model.lm_head, "weight")])[0]
+        rotary = base.rotary_emb
+        # The module's own inv_freq and attention_scaling carry the rope scaling (llama3, yarn, linear).
+        self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32).clone()  # (D/2,)
+        self.attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        if self.inv_freq.numel() * 2 != self.head_dim:
+            raise ValueError(f"rotary dim {self.inv_freq.numel() * 2} != head_dim {self.head_dim}")
+
+    @torch.no_grad()
+    def refresh(self) -> bool:
+        """Copy the module's current weights into the cast buffers in place (no allocation).
+
+        Returns True when parameter storage moved (offload/reload, FSDP re-initialisation) so the runner
+        had to rebind: tensor addresses changed and any captured CUDA graph must be re-captured.
+        """
+        _reshard_fsdp(self._model)
+        if any(_local(getattr(m, n)).data_ptr() != t.data_ptr() for t, m, n in self._aliases):
+            logger.info("model parameters moved since the runner bound them; rebinding")
+            self._bind_all()
+            return True
+        for dst, module, name in self._copies:
+            dst.copy_(_local(getattr(module, name)))
+        return False
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Every distinct tensor the forward reads (for checks: data pointers, memory)."""
+        seen: dict[int, torch.Tensor] = {}
+        for tensors in self._memo.values():
+            for t in tensors:
+                seen.setdefault(id(t), t)
+        return list(seen.values())
+
+    def make_cache(self, num_slots: int, max_len: int) -> KVCache:
+        """Allocate a KV cache shaped for this model, in the runner's dtype and device."""
+        return KVCache(
+            self.num_layers, num_slots, max_len, self.num_kv_heads, self.head_dim, self.dtype, self.device
+        )
+
+    def cache_bytes_per_token(self) -> int:
+        """KV-cache bytes per cached token for this model (sizing by a memory fraction)."""
+        return KVCache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    # ---- forward -------------------------------------------------------------------------------------
+
+    def _layer(self, idx: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend):
+        """One decoder layer on h (b, t, hidden); ``attend`` writes the cache and runs attention."""
+        w = self.layers[idx]
+        b, t, _ = h.shape
+        x = _rms_norm(h, w.input_norm, self.eps)
+        q, k, v = _project(x, w.qkv, w.qkv_bias, self._qkv_splits)
+        q = q.view(b, t, self.num_heads, self.head_dim)  # (b, t, H, D)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)  # (b, t, KVH, D)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, KVH, t, D)
+        if w.q_norm is not None:  # Qwen3: RMSNorm over each head's D before RoPE
+            q = _rms_norm(q, w.q_norm, self.eps)
+            k = _rms_norm(k, w.k_norm, self.eps)
+        q = _rotate(q.transpose(1, 2), cos, sin)  # (b, H, t, D)
+        k = _rotate(k.transpose(1, 2), cos, sin)  # (b, KVH, t, D)
+        o = attend(idx, q, k, v).transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
+        h = h + _project(o, w.o, w.o_bias, [0])[0]
+        x = _rms_norm(h, w.post_norm, self.eps)
+        gate, up = _project(x, w.gate_up, w.gate_up_bias, self._mlp_splits)
+        return h + _project(F.silu(gate) * up, w.down, w.down_bias, [0])[0]
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Embed (b, t) ids at (b, t) positions and run all layers; returns pre-norm hidden (b, t, hidden)."""
+        h = F.embedding(input_ids, self.embed)  # (b, t, hidden)
+        # RoPE exactly as HF: float32 angles, cos/sin scaled by attention_scaling, then cast to the dtype.
+        freqs = positions[..., None].float() * self.inv_freq  # (b, t, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (b, t, D)
+        cos = (emb.cos() * self.attention_scaling).to(h.dtype)[:, None]  # (b, 1, t, D)
+        sin = (emb.sin() * self.attention_scaling).to(h.dtype)[:, None]  # (b, 1, t, D)
+        for idx in range(self.num_layers):
+            h = self._layer(idx, h, cos, sin, attend)
+        return h
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head on (b, hidden) -> float32 logits (b, V)."""
+        return F.linear(_rms_norm(h, self.norm, self.eps), self.lm_head).float()
+
+    def _check_cache(self, cache: KVCache) -> None:
+        if not cache.is_allocated:
+            raise ValueError("the KV cache was freed; allocate a new one (runner.make_cache)")
+        if self.max_cache_len is not None and cache.max_len > self.max_cache_len:
+            raise ValueError(
+                f"KV cache length {cache.max_len} exceeds this model's limit of {self.max_cache_len}"
+            )
+        want = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        got = (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype)
+        if got != want:
+            raise ValueError(
+                f"KV cache (layers, kv heads, head dim, dtype) {got} does not match the model's {want}"
+            )
+
+    @torch.no_grad()
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        lengths: torch.Tensor,
+        slots: torch.Tensor,
+        start_pos: torch.Tensor,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """Run right-padded chunks (b, t) into cache ``slots`` at ``start_pos``; return last-token logits (b, V).
+
+        Row i's valid tokens ``input_ids[i, :lengths[i]]`` sit at positions start_pos[i] + j. Their K/V are
+        written into the slot; a chunk with start_pos > 0 continues a chunked prefill and attends to its
+        slot's cached prefix as well as causally to itself. Logits are float32. Not graph-captured: it syncs
+        with the host for input checks and for the indices of the valid tokens.
+        """
+        self._check_cache(cache)
+        b, t = input_ids.shape
+        lengths, slots, start_pos = (x.to(self.device, torch.long) for x in (lengths, slots, start_pos))
+        lens, starts, slot_list = lengths.tolist(), start_pos.tolist(), slots.tolist()
+        if any(n < 1 or n > t for n in lens) or any(s < 0 for s in starts):
+            raise ValueError(f"prefill lengths must be in [1, {t}] and start_pos >= 0; got {lens}, {starts}")
+        kv_end = max(s + n for s, n in zip(starts, lens))
+        if kv_end > cache.max_len:
+            raise ValueError(f"prefill reaches position {kv_end} beyond the cache length {cache.max_len}")
+        if len(set(slot_list)) != b or not all(0 <= s < cache.num_slots for s in slot_list):
+            raise ValueError(f"prefill slots must be distinct and in [0, {cache.num_slots}); got {slot_list}")
+
+        steps = torch.arange(t, device=self.device)
+        positions = start_pos[:, None] + steps  # (b, t)
+        rows, cols = (steps[None] < lengths[:, None]).nonzero(as_tuple=True)  # (n,) each: valid tokens
+        write_slots, write_pos = slots[rows], positions[rows, cols]  # (n,)
+        fresh = not any(starts)
+        mask = None
+        if not fresh:
+            # A continuation chunk sees its slot's prefix and itself causally: key position <= query position.
+            mask = (
+                torch.arange(kv_end, device=self.device) <= positions[:, None, :, None]
+            )  # (b, 1, t, kv_end)
+
+        def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k_cache, v_cache = cache.k[idx], cache.v[idx]  # (S, KVH, L, D)
+            k_cache[write_slots, :, write_pos] = k[rows, :, cols]  # (n, KVH, D)
+            v_cache[write_slots, :, write_pos] = v[rows, :, cols]
+            if fresh:
+                # Right padding only appends keys after every valid query, so plain causal attention on the
+                # chunk is exact for the valid rows (and lets SDPA use its flash kernel).
+                return F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True
+                )
+            keys = k_cache[slots, :, :kv_end]  # (b, KVH, kv_end, D)
+            values = v_cache[slots, :, :kv_end]
+            return F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
+            )
+
+        h = self._forward(input_ids.to(self.device), positions, attend)  # (b, t, hidden)
+        last = h[torch.arange(b, device=self.device), lengths - 1]  # (b, hidden)
+        return self._logits(last)
+
+    @torch.no_grad()
+    def decode(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int | None = None
+    ) -> torch.Tensor:
+        """One decode step for the sequences in cache slots 0..B-1; returns float32 logits (B, V).
+
+        Token b is written at ``positions[b]`` of slot b and attends to positions <= positions[b]. Shapes
+        depend only on B and ``kv_len`` (default: the cache length; a smaller bound that exceeds every
+        position reads less of the cache), with no host sync or value-dependent branch: CUDA-graph safe.
+        """
+        self._check_cache(cache)
+        batch = input_ids.shape[0]
+        kv_len = cache.max_len if kv_len is None else kv_len
+        if batch > cache.num_slots or not 0 < kv_len <= cache.max_len:
+            raise ValueError(
+                f"decode batch {batch} must be <= {cache.num_slots} slots, kv_len {kv_len} in [1, {cache.max_len}]"
+            )
+        slot_ids = torch.arange(batch, device=self.device)  # (B,)
+        mask = (torch.arange(kv_len, device=self.device) <= positions[:, None])[
+            :, None, None, :
+        ]  # (B, 1, 1, L)
+
+        def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k_cache, v_cache = cache.k[idx], cache.v[idx]  # (S, KVH, L, D)
+            k_cache[slot_ids, :, positions] = k[:, :, 0]  # (B, KVH, D)
+            v_cache[slot_ids, :, positions] = v[:, :, 0]
+            keys = k_cache[:batch, :, :kv_len]  # (B, KVH, L, D)
+            values = v_cache[:batch, :, :kv_len]
+            return F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
+            )
+
+        h = self._forward(input_ids[:, None], positions[:, None], attend)  # (B, 1, hidden)
+        return self._logits(h[:, 0])

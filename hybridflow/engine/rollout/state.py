@@ -1,0 +1,83 @@
+"""Per-slot decoding state kept on the device, so a decode step needs no host synchronisation."""
+
+from __future__ import annotations
+
+import torch
+
+# Finish reasons, stored as small ints on the device and named on the host.
+RUNNING, EOS, STOP, LENGTH = 0, 1, 2, 3
+REASONS = {EOS: "eos", STOP: "stop", LENGTH: "length"}
+
+
+class DecodeState:
+    """Tensors indexed by cache slot: the token to feed next, its position, and the tokens generated so far.
+
+    Output buffers have one spare column (index ``max_new``): a finished sequence that keeps riding along in
+    the decode batch until the next host sync writes there, so it never overwrites its real tokens.
+    """
+
+    def __init__(
+        self, num_slots: int, max_new: int, stop_ids: list[int], eos_ids: list[int], device: torch.device
+    ):
+        self.max_new = max_new
+        self.last_token = torch.zeros(num_slots, dtype=torch.long, device=device)  # (S,)
+        self.position = torch.zeros(num_slots, dtype=torch.long, device=device)  # (S,) next cache position
+        self.gen_len = torch.zeros(num_slots, dtype=torch.long, device=device)  # (S,)
+        self.limit = torch.zeros(num_slots, dtype=torch.long, device=device)  # (S,) most tokens allowed
+        self.done = torch.ones(num_slots, dtype=torch.bool, device=device)  # (S,)
+        self.reason = torch.zeros(num_slots, dtype=torch.long, device=device)  # (S,)
+        self.tokens = torch.zeros(num_slots, max_new + 1, dtype=torch.long, device=device)  # (S, W + 1)
+        self.logprobs = torch.zeros(num_slots, max_new + 1, dtype=torch.float32, device=device)  # (S, W + 1)
+        self.eos_ids = torch.tensor(eos_ids, dtype=torch.long, device=device)
+        self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
+        self._rows = torch.arange(num_slots, device=device)
+
+    def start(self, slots: torch.Tensor, prompt_len: torch.Tensor, max_len: int) -> None:
+        """Reset ``slots`` for new sequences whose prompts (``prompt_len`` tokens) are in the cache."""
+        self.position[slots] = prompt_len
+        self.gen_len[slots] = 0
+        self.limit[slots] = torch.clamp(max_len - prompt_len, max=self.max_new)
+        self.done[slots] = False
+        self.reason[slots] = RUNNING
+
+    def record(
+        self, idx: torch.Tensor | slice, tokens: torch.Tensor, logprobs: torch.Tensor, advance: bool
+    ) -> None:
+        """Append sampled ``tokens`` (and log-probs) to the sequences in ``idx``; mark the finished ones.
+
+        ``advance`` moves the feed position on by one: true after a decode step (the fed token now sits in
+        the cache), false after prefill (the first sampled token goes right after the prompt).
+        """
+        active = ~self.done[idx]  # (b,)
+        rows = self._rows[idx]  # (b,)
+        col = torch.where(
+            active, self.gen_len[idx], self.max_new
+        )  # (b,) finished rows write the spare column
+        self.tokens[rows, col] = tokens
+        self.logprobs[rows, col] = logprobs
+        self.gen_len[idx] += active
+        is_eos = active & torch.isin(tokens, self.eos_ids)
+        is_stop = active & torch.isin(tokens, self.stop_ids) & ~is_eos
+        at_limit = active & (self.gen_len[idx] >= self.limit[idx]) & ~is_eos & ~is_stop
+        reason = torch.where(
+            is_eos, EOS, torch.where(is_stop, STOP, torch.where(at_limit, LENGTH, self.reason[idx]))
+        )
+        self.reason[idx] = reason
+        self.done[idx] |= is_eos | is_stop | at_limit
+        self.last_token[idx] = tokens
+        if advance:  # a finished row stops, so it never writes past its slot's cache length
+            self.position[idx] += ~self.done[idx] & active
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot ``src``'s state into slot ``dst`` (slot compaction)."""
+        for t in (
+            self.last_token,
+            self.position,
+            self.gen_len,
+            self.limit,
+            self.done,
+            self.reason,
+            self.tokens,
+            self.logprobs,
+        ):
+            t[dst] = t[src]

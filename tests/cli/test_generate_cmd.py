@@ -1,0 +1,105 @@
+"""`hybridflow generate` on a tiny model saved to disk."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hybridflow.cli.main import main
+from hybridflow.models import build_tiny_model_and_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny")
+    build_tiny_model_and_tokenizer(out_dir=out, arch="qwen2")
+    return out
+
+
+def write_prompts(path: Path, rows: list) -> Path:
+    path.write_text("\n".join(json.dumps(r) if not isinstance(r, str) else r for r in rows) + "\n")
+    return path
+
+
+def test_generate_writes_one_line_per_sample(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    prompts = write_prompts(
+        tmp_path / "p.jsonl",
+        [
+            {"prompt": "12+7="},
+            {"prompt": [{"role": "user", "content": "hi"}]},
+            {"messages": [{"role": "user", "content": "3*4"}]},
+        ],
+    )
+    out = tmp_path / "out" / "gen.jsonl"
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(model_dir),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "5",
+            "--seed",
+            "1",
+            "--ignore-eos",
+        ]
+    )
+    assert code == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(r["prompt_index"], r["sample_index"]) for r in lines] == [
+        (i, s) for i in range(3) for s in range(2)
+    ]
+    for r in lines:
+        assert len(r["token_ids"]) == len(r["logprobs"]) == 5
+        assert r["finish_reason"] == "length"
+        assert all(lp <= 0 for lp in r["logprobs"])
+        assert isinstance(r["text"], str)
+    assert "tokens/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "rows,extra,message",
+    [
+        (["{not json"], [], "p.jsonl:1: not valid JSON"),
+        ([{"prompt": ""}], [], "p.jsonl:1: the prompt is empty"),
+        ([{"text": "x"}], [], 'p.jsonl:1: expected an object with "prompt"'),
+        ([{"prompt": "x"}], ["--n", "0"], "n"),
+    ],
+)
+def test_bad_inputs_exit_2_with_the_row(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture, rows: list, extra: list, message: str
+) -> None:
+    prompts = write_prompts(tmp_path / "p.jsonl", rows)
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(model_dir),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(tmp_path / "o.jsonl"),
+            *extra,
+        ]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_unknown_model_directory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"prompt": "x"}])
+    code = main(
+        ["generate", "--model", str(tmp_path / "nope"), "--prompts", str(prompts), "--out", "o.jsonl"]
+    )
+    assert code == 2
+    assert "nope" in capsys.readouterr().err

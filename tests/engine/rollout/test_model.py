@@ -1,0 +1,442 @@
+"""The Llama-family runner and the slot KV cache against HF forward / generate on tiny float32 models."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import gc
+import weakref
+
+import pytest
+import torch
+from dist_util import run_world
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from hybridflow.engine.rollout.kv_cache import KVCache
+from hybridflow.engine.rollout.model import LlamaRunner, check_supported, supports
+from hybridflow.models import build_tiny_model
+
+VOCAB = 96
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+HEADS = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def _build(model_cls: type, config: object) -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        return model_cls(config).eval()
+
+
+@functools.cache
+def tiny(arch: str) -> torch.nn.Module:
+    """Shared tiny float32 models; tests that change weights deep-copy them first."""
+    if arch in ("qwen2", "llama"):
+        return build_tiny_model(arch, seed=1, **SMALL, **HEADS)
+    if arch == "qwen3":  # q/k norm, head_dim (16) decoupled from hidden / heads (8), untied
+        return _build(Qwen3ForCausalLM, Qwen3Config(**SMALL, **HEADS, **NO_SPECIAL, head_dim=16))
+    if arch == "llama3_rope":  # llama3 rope scaling with an original context short enough to matter
+        rope = dict(
+            rope_type="llama3",
+            factor=4.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+            rope_theta=500000.0,
+        )
+        config = LlamaConfig(
+            **SMALL, **HEADS, **NO_SPECIAL, rope_parameters=rope, attention_bias=True, mlp_bias=True
+        )
+        return _build(LlamaForCausalLM, config)
+    if arch == "qwen2_yarn":  # yarn: attention_scaling != 1 multiplies cos/sin
+        rope = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=10000.0)
+        return _build(Qwen2ForCausalLM, Qwen2Config(**SMALL, **HEADS, **NO_SPECIAL, rope_parameters=rope))
+    if arch == "mistral":
+        return _build(MistralForCausalLM, MistralConfig(**SMALL, **HEADS, **NO_SPECIAL, sliding_window=None))
+    raise AssertionError(arch)
+
+
+ARCHS = ["qwen2", "llama", "qwen3", "llama3_rope", "qwen2_yarn", "mistral"]
+
+
+def prompts(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=gen) for n in lengths]
+
+
+def right_pad(seqs: list[torch.Tensor], width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad with a token that is not 0, so any leak of the padding into valid rows shows."""
+    width = width or max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), 5, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+    return ids, torch.tensor([len(s) for s in seqs])
+
+
+@torch.no_grad()
+def hf_last_logits(model: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor:
+    return model(seq[None]).logits[0, -1].float()
+
+
+def longs(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long)
+
+
+# ---- prefill / decode against HF ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_logits_match_hf_forward(arch: str) -> None:
+    model = tiny(arch)
+    runner = LlamaRunner(model)
+    cache = runner.make_cache(num_slots=4, max_len=32)
+    seqs = prompts([9, 5, 1, 20])
+    ids, lengths = right_pad(seqs)
+    slots = longs(2, 0, 3, 1)
+    logits = runner.prefill(ids, lengths, slots, longs(0, 0, 0, 0), cache)
+    assert logits.dtype == torch.float32 and logits.shape == (4, VOCAB)
+    for i, seq in enumerate(seqs):
+        torch.testing.assert_close(logits[i], hf_last_logits(model, seq), atol=1e-4, rtol=0)
+    # Only valid positions were written: the rest of each slot is still the zeros it was allocated with.
+    for i, slot in enumerate(slots.tolist()):
+        n = int(lengths[i])
+        assert cache.k[0][slot, :, :n].abs().sum() > 0 and cache.v[-1][slot, :, :n].abs().sum() > 0
+        assert not cache.k[0][slot, :, n:].any() and not cache.v[-1][slot, :, n:].any()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3_rope"])
+def test_prefill_in_two_chunks_equals_one_chunk(arch: str) -> None:
+    runner = LlamaRunner(tiny(arch))
+    seqs = prompts([12, 9], seed=1)
+    whole = runner.make_cache(2, 24)
+    ids, lengths = right_pad(seqs)
+    one = runner.prefill(ids, lengths, longs(0, 1), longs(0, 0), whole)
+
+    chunked = runner.make_cache(2, 24)
+    # First chunks of 5 and 9 (the second prompt is complete after it), then the rest of the first prompt
+    # together with nothing else; then both again in one mixed call: a continuation row and a fresh row.
+    runner.prefill(*right_pad([seqs[0][:5], seqs[1]]), longs(0, 1), longs(0, 0), chunked)
+    rest = runner.prefill(*right_pad([seqs[0][5:]]), longs(0), longs(5), chunked)
+    torch.testing.assert_close(rest[0], one[0], atol=1e-5, rtol=0)
+    for layer in range(runner.num_layers):
+        torch.testing.assert_close(chunked.k[layer][:, :, :12], whole.k[layer][:, :, :12], atol=1e-5, rtol=0)
+        torch.testing.assert_close(chunked.v[layer][:, :, :12], whole.v[layer][:, :, :12], atol=1e-5, rtol=0)
+
+    mixed = runner.make_cache(3, 24)
+    runner.prefill(*right_pad([seqs[0][:7]]), longs(2), longs(0), mixed)
+    both = runner.prefill(*right_pad([seqs[0][7:], seqs[1]]), longs(2, 0), longs(7, 0), mixed)
+    torch.testing.assert_close(both, one, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "llama3_rope"])
+def test_greedy_prefill_and_batched_decode_reproduce_hf_generate(arch: str) -> None:
+    model = tiny(arch)
+    runner = LlamaRunner(model)
+    steps = 10
+    seqs = prompts([7, 3, 11], seed=2)
+    expected = []
+    for seq in seqs:
+        out = model.generate(
+            seq[None], do_sample=False, max_new_tokens=steps, min_new_tokens=steps, pad_token_id=0
+        )
+        assert out.shape[1] == len(seq) + steps
+        expected.append(out[0, len(seq) :].tolist())
+
+    cache = runner.make_cache(3, 32)
+    ids, lengths = right_pad(seqs)
+    logits = runner.prefill(ids, lengths, longs(0, 1, 2), longs(0, 0, 0), cache)
+    positions = lengths.clone()  # each slot continues at its own position
+    got = []
+    for _ in range(steps):
+        token = logits.argmax(-1)
+        got.append(token)
+        logits = runner.decode(token, positions, cache)
+        positions += 1
+    assert torch.stack(got, 1).tolist() == expected
+
+
+def test_decode_with_a_shorter_kv_len_equals_the_full_cache() -> None:
+    runner = LlamaRunner(tiny("llama"))
+    cache = runner.make_cache(2, 64)
+    ids, lengths = right_pad(prompts([6, 4], seed=3))
+    runner.prefill(ids, lengths, longs(0, 1), longs(0, 0), cache)
+    token = longs(3, 4)
+    full = runner.decode(token, lengths, cache)
+    short = runner.decode(token, lengths, cache, kv_len=8)  # rewrites the same K/V at the same positions
+    torch.testing.assert_close(short, full, atol=1e-6, rtol=0)
+
+
+def test_copy_slot_then_decode_from_both_slots_and_move_slot() -> None:
+    model = tiny("qwen2")
+    runner = LlamaRunner(model)
+    cache = runner.make_cache(4, 32)
+    (seq,) = prompts([8], seed=4)
+    runner.prefill(seq[None], longs(8), longs(0), longs(0), cache)
+    cache.copy_slot(0, [1, 2], length=8)
+    tokens, positions = longs(11, 11, 12), longs(8, 8, 8)
+    logits = runner.decode(tokens, positions, cache)
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        logits[2], hf_last_logits(model, torch.cat([seq, longs(12)])), atol=1e-4, rtol=0
+    )
+
+    # Compaction: slot 2's sequence (prompt + 12) moves to slot 0 and goes on from there alone.
+    cache.move_slot(2, 0, length=9)
+    nxt = runner.decode(longs(13), longs(9), cache)
+    torch.testing.assert_close(
+        nxt[0], hf_last_logits(model, torch.cat([seq, longs(12, 13)])), atol=1e-4, rtol=0
+    )
+
+
+# ---- weights: zero copy, cast buffers, refresh ----------------------------------------------------------
+
+
+def _param_ptrs(model: torch.nn.Module) -> set[int]:
+    return {p.data_ptr() for p in model.parameters()}
+
+
+def test_same_dtype_binds_the_parameters_themselves() -> None:
+    model = copy.deepcopy(tiny("qwen2"))
+    runner = LlamaRunner(model)
+    assert {t.data_ptr() for t in runner.weight_tensors()} == _param_ptrs(model)
+    assert runner.lm_head is runner.embed  # tied embeddings are bound once
+    assert len(runner.layers[0].qkv) == 3  # no fused copy on the zero-copy path
+    ids = prompts([6], seed=5)[0][None]
+    before = runner.prefill(ids, longs(6), longs(0), longs(0), runner.make_cache(1, 8))
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(2.0)
+    after = runner.prefill(ids, longs(6), longs(0), longs(0), runner.make_cache(1, 8))
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after[0], hf_last_logits(model, ids[0]), atol=1e-4, rtol=0)
+
+
+def test_bf16_cast_buffers_are_refreshed_in_place() -> None:
+    model = copy.deepcopy(tiny("llama3_rope"))  # untied, with q/k/v and MLP biases
+    runner = LlamaRunner(model, dtype=torch.bfloat16)
+    tensors = runner.weight_tensors()
+    ptrs = [t.data_ptr() for t in tensors]
+    assert all(t.dtype == torch.bfloat16 for t in tensors)
+    assert not set(ptrs) & _param_ptrs(model)
+    assert len(runner.layers[0].qkv) == 1 and len(runner.layers[0].qkv_bias) == 1  # fused into the cast
+
+    ids = prompts([10], seed=6)[0][None]
+    cache = runner.make_cache(1, 16)
+    assert cache.dtype == torch.bfloat16
+
+    def run() -> torch.Tensor:
+        return runner.prefill(ids, longs(10), longs(0), longs(0), cache)
+
+    before = run()
+    ref_bf16 = hf_last_logits(copy.deepcopy(model).to(torch.bfloat16), ids[0])
+    assert (before[0] - ref_bf16).abs().max() < 0.05  # same bf16 math, up to rounding order
+
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.bias.add_(0.5)
+        model.lm_head.weight.mul_(-1.0)
+    torch.testing.assert_close(run(), before, atol=0, rtol=0)  # buffers are copies until refreshed
+    assert runner.refresh() is False
+    assert [t.data_ptr() for t in runner.weight_tensors()] == ptrs
+    refreshed = run()
+    fresh = LlamaRunner(model, dtype=torch.bfloat16).prefill(ids, longs(10), longs(0), longs(0), cache)
+    torch.testing.assert_close(refreshed, fresh, atol=0, rtol=0)
+    assert not torch.allclose(refreshed, before, atol=1e-2)
+
+
+def test_refresh_rebinds_when_parameter_storage_moves() -> None:
+    model = copy.deepcopy(tiny("llama"))
+    runner = LlamaRunner(model)
+    weight = model.model.layers[0].mlp.up_proj.weight
+    weight.data = weight.data * 3.0  # new storage, as an offload/reload round trip would give
+    assert runner.refresh() is True
+    ids = prompts([5], seed=7)[0][None]
+    got = runner.prefill(ids, longs(5), longs(0), longs(0), runner.make_cache(1, 8))
+    torch.testing.assert_close(got[0], hf_last_logits(model, ids[0]), atol=1e-4, rtol=0)
+
+
+def _fsdp_world(rank: int) -> dict[str, float | bool]:
+    from torch.distributed.tensor import DTensor
+
+    from hybridflow.engine.fsdp import shard_model
+
+    torch.manual_seed(0)
+    model = build_tiny_model("qwen2", seed=1, **SMALL, **HEADS)
+    ids = torch.randint(1, VOCAB, (2, 9))
+    with torch.no_grad():
+        ref = model(ids).logits[:, -1]
+    shard_model(model, list(model.model.layers), torch.device("cpu"))
+    is_dtensor = isinstance(model.model.layers[0].self_attn.q_proj.weight, DTensor)
+    same, cast = LlamaRunner(model), LlamaRunner(model, dtype=torch.bfloat16)
+
+    def last(runner: LlamaRunner) -> torch.Tensor:
+        cache = runner.make_cache(2, 16)
+        return runner.prefill(ids, longs(9, 9), longs(0, 1), longs(0, 0), cache)
+
+    err_before = float((last(same) - ref).abs().max())
+    # One training step through FSDP2 changes the sharded parameters in place.
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(ids).logits.float().pow(2).mean().backward()
+    opt.step()
+    with torch.no_grad():
+        ref_after = model(ids).logits[:, -1]
+    same.refresh()
+    cast.refresh()
+    return {
+        "is_dtensor": is_dtensor,
+        "err_before": err_before,
+        "err_after": float((last(same) - ref_after).abs().max()),
+        "moved": float((ref_after - ref).abs().max()),
+        "cast_vs_fresh": float((last(cast) - last(LlamaRunner(model, dtype=torch.bfloat16))).abs().max()),
+    }
+
+
+@pytest.mark.slow
+def test_runner_reads_fsdp2_parameters_at_world_size_1() -> None:
+    (res,) = run_world(1, _fsdp_world)
+    assert res["is_dtensor"]
+    assert res["err_before"] < 1e-4
+    assert res["moved"] > 1e-3  # the step really changed the model
+    assert res["err_after"] < 1e-4
+    assert res["cast_vs_fresh"] == 0.0
+
+
+# ---- KV cache ---------------------------------------------------------------------------------------------
+
+
+def test_kv_cache_sizes() -> None:
+    assert (
+        KVCache.bytes_per_token(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+        == 2 * 3 * 2 * 8 * 2
+    )
+    cache = KVCache(3, num_slots=4, max_len=10, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    assert cache.k[1].shape == (4, 2, 10, 8) and len(cache.v) == 3
+    assert cache.nbytes() == 4 * 10 * KVCache.bytes_per_token(3, 2, 8, torch.float32)
+    assert LlamaRunner(tiny("qwen3")).cache_bytes_per_token() == 2 * 2 * 2 * 16 * 4
+
+
+def test_copy_and_move_slot_touch_only_the_given_positions() -> None:
+    cache = KVCache(2, num_slots=4, max_len=6, num_kv_heads=1, head_dim=2)
+    for layer in range(2):
+        cache.k[layer].copy_(torch.randn(4, 1, 6, 2))
+        cache.v[layer].copy_(torch.randn(4, 1, 6, 2))
+    old_k = [k.clone() for k in cache.k]
+    old_v = [v.clone() for v in cache.v]
+    cache.copy_slot(0, [1, 3], length=4)
+    for layer in range(2):
+        for new, old in ((cache.k[layer], old_k[layer]), (cache.v[layer], old_v[layer])):
+            for dst in (1, 3):
+                assert torch.equal(new[dst, :, :4], old[0, :, :4])
+                assert torch.equal(new[dst, :, 4:], old[dst, :, 4:])
+            assert torch.equal(new[0], old[0]) and torch.equal(new[2], old[2])
+    cache.move_slot(2, 0)
+    assert torch.equal(cache.k[1][0], old_k[1][2]) and torch.equal(cache.v[0][0], old_v[0][2])
+    with pytest.raises(ValueError, match="out of range"):
+        cache.copy_slot(0, [4])
+    with pytest.raises(ValueError, match="equals the source"):
+        cache.copy_slot(1, [1])
+
+
+def test_free_drops_the_cache_tensors() -> None:
+    runner = LlamaRunner(tiny("qwen2"))
+    cache = runner.make_cache(2, 16)
+    view, base = weakref.ref(cache.k[0]), weakref.ref(cache.k[0]._base)
+    cache.free()
+    gc.collect()
+    assert view() is None and base() is None
+    assert cache.nbytes() == 0 and not cache.is_allocated
+    with pytest.raises(ValueError, match="freed"):
+        runner.decode(longs(1), longs(0), cache)
+    with pytest.raises(ValueError, match="freed"):
+        cache.copy_slot(0, [1])
+
+
+# ---- what the fast path refuses -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config,match",
+    [
+        (GPT2Config(), "not in the Llama family"),
+        (Qwen2Config(use_sliding_window=True), "sliding-window"),
+        (Qwen3Config(use_sliding_window=True), "sliding-window"),
+        (MistralConfig(sliding_window=64), "sliding window of 64"),
+        (LlamaConfig(hidden_act="gelu"), "hidden_act"),
+        (LlamaConfig(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)), "rope type"),
+    ],
+)
+def test_unsupported_configs_raise_a_clear_error(config: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match) as err:
+        check_supported(config)
+    assert "rollout.engine=hf" in str(err.value)
+
+
+def test_supports_and_the_mistral_window_bound() -> None:
+    assert supports(tiny("qwen2")) and supports(tiny("qwen3"))
+    assert not supports(tiny("qwen2").model)  # the base model has no lm_head
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=32))
+    assert not supports(gpt2)
+    with pytest.raises(ValueError, match="not in the Llama family"):
+        LlamaRunner(gpt2)
+
+    windowed = _build(MistralForCausalLM, MistralConfig(**SMALL, **HEADS, **NO_SPECIAL, sliding_window=16))
+    check_supported(windowed.config, max_len=16)  # no sequence can outgrow the window: exact
+    assert not supports(windowed)
+    with pytest.raises(ValueError, match="sliding window of 16"):
+        LlamaRunner(windowed)
+    runner = LlamaRunner(windowed, max_len=16)
+    with pytest.raises(ValueError, match="exceeds this model's limit of 16"):
+        runner.prefill(longs(1, 2)[None], longs(2), longs(0), longs(0), runner.make_cache(1, 32))
+
+
+# ---- GPU: CUDA-graph capture of decode, memory hand-back (run with ``pytest -m gpu``) -------------------
+
+
+@pytest.mark.gpu
+def test_decode_replays_from_a_cuda_graph_without_host_syncs() -> None:
+    model = copy.deepcopy(tiny("qwen3")).cuda()
+    runner = LlamaRunner(model, dtype=torch.bfloat16)
+    cache = runner.make_cache(4, 32)
+    ids, lengths = right_pad(prompts([7, 3, 11, 5], seed=8))
+    runner.prefill(ids.cuda(), lengths.cuda(), longs(0, 1, 2, 3).cuda(), longs(0, 0, 0, 0).cuda(), cache)
+    tokens, positions = longs(1, 2, 3, 4).cuda(), lengths.cuda()
+    eager_cache = copy.deepcopy(cache)
+    torch.cuda.set_sync_debug_mode("error")  # any host sync inside decode raises
+    try:
+        expected = runner.decode(tokens, positions, eager_cache)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
+        runner.decode(tokens, positions, copy.deepcopy(cache))
+    torch.cuda.current_stream().wait_stream(stream)
+    static_tokens, static_pos = tokens.clone(), positions.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_logits = runner.decode(static_tokens, static_pos, cache)
+    # Capture only records: the cache is written at replay. Replay with the same inputs gives eager's result.
+    graph.replay()
+    torch.testing.assert_close(static_logits, expected, atol=0, rtol=0)
+    torch.testing.assert_close(cache.k[1], eager_cache.k[1], atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_free_returns_the_cache_memory_to_the_allocator() -> None:
+    runner = LlamaRunner(copy.deepcopy(tiny("qwen2")).cuda(), dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    cache = runner.make_cache(64, 1024)
+    assert torch.cuda.memory_allocated() - before >= cache.nbytes() > 0
+    cache.free()
+    assert torch.cuda.memory_allocated() == before
