@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hybridflow.engine.rollout.graphs import DecodeGraphs
 from hybridflow.engine.rollout.kv_cache import KVCache
 from hybridflow.engine.rollout.model import LlamaRunner, supports
 from hybridflow.engine.rollout.sampling import SamplingParams, make_generator, sample
@@ -43,14 +44,24 @@ class RolloutEngine:
         max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.5,
         sync_interval: int = 16,
+        enforce_eager: bool = False,
+        compile_decode: bool = False,
     ) -> None:
         self.runner = LlamaRunner(model, dtype, max_model_len)
+        # torch.compile fuses the decode step's elementwise work (norms, RoPE, SiLU*mul); it compiles once
+        # per batch bucket (tens of seconds each), so it pays off for long runs and benchmarks.
+        self._decode = (
+            torch.compile(self.runner.decode, fullgraph=True, dynamic=False)
+            if compile_decode
+            else self.runner.decode
+        )
         self.device = next(model.parameters()).device
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.gpu_memory_utilization = gpu_memory_utilization
         self.sync_interval = sync_interval
+        self.use_graphs = not enforce_eager and self.device.type == "cuda"
 
     def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> int:
         """Validate the prompts; return the cache length each slot needs."""
@@ -116,17 +127,26 @@ class RolloutEngine:
         state = DecodeState(slots, params.max_new_tokens, list(params.stop_token_ids), eos, self.device)
         generator = make_generator(params.seed, self.device)
         results: list[list[GenerationOutput | None]] = [[None] * params.n for _ in prompts]
+        graphs = None
+        if self.use_graphs:
+            graphs = DecodeGraphs(
+                lambda b: self._decode_step(b, cache, state, params, generator), slots, generator
+            )
         try:
             while not sched.done:
                 for call in sched.admit():
                     self._prefill(call, cache, state, params, generator, max_len)
                 steps = self._steps_before_sync(state, sched.num_running, params)
                 for _ in range(steps):
-                    self._decode_step(sched.num_running, cache, state, params, generator)
+                    if graphs is not None:
+                        graphs.run(sched.num_running)
+                    else:
+                        self._decode_step(sched.num_running, cache, state, params, generator)
                 finished = self._retire(sched, cache, state, results)
                 if progress is not None and finished:
                     progress(finished)
         finally:
+            del graphs  # graphs hold the cache tensors: drop them before freeing it
             cache.free()
         return results  # type: ignore[return-value]
 
@@ -171,7 +191,7 @@ class RolloutEngine:
         generator: torch.Generator | None,
     ) -> None:
         live = slice(0, num_running)
-        logits = self.runner.decode(state.last_token[live], state.position[live], cache)  # (B, V)
+        logits = self._decode(state.last_token[live], state.position[live], cache)  # (B, V)
         tokens, logprobs = sample(logits, params, generator)
         state.record(live, tokens, logprobs, advance=True)
 
@@ -212,6 +232,7 @@ class RolloutEngine:
         for src, dst in sched.release(finished):
             cache.move_slot(src, dst)
             state.move(src, dst)
+        state.park(sched.num_running)
         return len(finished)
 
 

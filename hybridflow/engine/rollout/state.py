@@ -68,6 +68,10 @@ class DecodeState:
         if advance:  # a finished row stops, so it never writes past its slot's cache length
             self.position[idx] += ~self.done[idx] & active
 
+    def park(self, first_free: int) -> None:
+        """Mark slots from ``first_free`` on as done, so padding rows of a graphed step stay inert."""
+        self.done[first_free:] = True
+
     def move(self, src: int, dst: int) -> None:
         """Copy slot ``src``'s state into slot ``dst`` (slot compaction)."""
         for t in (

@@ -1,0 +1,121 @@
+"""Generated tokens/s of the built-in rollout engine against HF ``generate`` (GPU; not a timed test).
+
+    python benchmarks/rollout.py --batches 64 256 --prompt-len 128 --new-tokens 512 [--compile] [--hf-tokens 64]
+
+Qwen2.5-0.5B shape, random weights, bf16, fixed lengths (``ignore_eos``). Each configuration runs once to
+warm up (kernels, CUDA graphs, compilation) and is then timed ``--repeats`` times; the median is reported.
+The HBM roofline of a decode step is (weight bytes + KV bytes in context) / 4.3 TB/s (DESIGN.md section 7).
+HF ``generate`` is timed with ``--hf-tokens`` new tokens (its speed per token barely depends on the count);
+0 skips it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from hybridflow.engine.rollout.engine import RolloutEngine
+from hybridflow.engine.rollout.sampling import SamplingParams
+
+HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy bandwidth of the H200
+
+
+def build_model() -> Qwen2ForCausalLM:
+    """Qwen2.5-0.5B-shaped model with random weights in bf16 on the GPU."""
+    cfg = Qwen2Config(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+
+
+def roofline_tokens_per_s(model: torch.nn.Module, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """Decode tokens/s if every step only streamed weights and the KV cache in context at HBM speed."""
+    cfg = model.config
+    weight_bytes = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * 2
+    weight_bytes += cfg.vocab_size * cfg.hidden_size * 2  # the (tied) LM head is read every step
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
+    mean_context = prompt_len + new_tokens / 2
+    step_s = (weight_bytes + batch * mean_context * kv_per_token) / HBM_BYTES_PER_S
+    return batch / step_s
+
+
+def time_engine(engine, prompts: list[list[int]], params: SamplingParams, repeats: int) -> float:
+    engine.generate(prompts, params)  # warm-up: graphs, compilation, allocator
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = engine.generate(prompts, params)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    tokens = sum(len(s.token_ids) for g in out for s in g)
+    return tokens / statistics.median(times)
+
+
+def time_hf(model, prompts: list[list[int]], new_tokens: int) -> float:
+    ids = torch.tensor(prompts, device="cuda")
+    kw = dict(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        pad_token_id=0,
+    )
+    model.generate(ids[:, :8], max_new_tokens=4, do_sample=True, pad_token_id=0)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    torch.cuda.synchronize()
+    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / (time.perf_counter() - start)
+
+
+def main() -> None:
+    """Run the benchmark and print one row per configuration."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile'd decode")
+    ap.add_argument("--hf-tokens", type=int, default=64)
+    args = ap.parse_args()
+    model = build_model()
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    print(f"{'batch':>6} {'engine':>22} {'tok/s':>10} {'roofline':>9} {'of roofline':>12}")
+    variants = [("graphs", dict(compile_decode=False))]
+    if args.compile:
+        variants.append(("graphs+compile", dict(compile_decode=True)))
+    g = torch.Generator().manual_seed(0)
+    for batch in args.batches:
+        prompts = torch.randint(100, 150000, (batch, args.prompt_len), generator=g).tolist()
+        params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=0)
+        roof = roofline_tokens_per_s(model, batch, args.prompt_len, args.new_tokens)
+        for name, kw in variants:
+            engine = RolloutEngine(model, max_num_seqs=batch, gpu_memory_utilization=0.9, **kw)
+            tps = time_engine(engine, prompts, params, args.repeats)
+            print(f"{batch:>6} {name:>22} {tps:>10,.0f} {roof:>9,.0f} {tps / roof:>11.1%}", flush=True)
+        if args.hf_tokens:
+            tps = time_hf(model, prompts, args.hf_tokens)
+            print(
+                f"{batch:>6} {'HF generate (' + str(args.hf_tokens) + ' tok)':>22} {tps:>10,.0f} {roof:>9,.0f} "
+                f"{tps / roof:>11.1%}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
