@@ -1,0 +1,318 @@
+"""``RewardManager``: scores a batch of responses with a reward function and checks what it returns.
+
+Three kinds of reward function:
+  * ``naive`` (verl's default): ``fn(data_source=, solution_str=, ground_truth=, extra_info=, **reward_kwargs)``
+    called once per sample, returning a number or a dict with a numeric ``"score"`` (other numeric or bool
+    entries become per-sample extras; non-numeric entries such as a predicted string are dropped).
+  * ``batch``: ``fn(data_sources=, solution_strs=, ground_truths=, extra_infos=, **reward_kwargs)`` called
+    once with lists, returning one such value per sample (``reward.manager=batch``).
+  * ``token``: ``fn(prompt_ids, response_ids, tokenizer, **reward_kwargs)`` per sample, on token ids, so
+    nothing is decoded. Chosen explicitly with ``kind="token"``, or detected: a function given with the
+    default ``kind="naive"`` whose parameters include ``prompt_ids`` and ``response_ids`` is a token
+    function. Detection is by parameter names only.
+
+Errors: a call that raises, returns NaN/inf, or returns anything but an int/float/bool or a dict with a
+numeric ``"score"`` raises ``RewardError`` naming the sample index, its data source and the function. With
+``on_error="zero"`` the sample scores 0 instead, a warning is logged, and the extras always carry
+``reward/errors`` (1.0 for each failed sample, 0.0 otherwise; its sum is the error count).
+
+``num_workers > 0`` scores naive and token functions in a spawned process pool, one sample per task, with a
+``timeout_s`` limit per sample (a timeout is an error like the others). The function must be picklable (a
+module-level function of an importable module) or come from a file: pass ``(path, name)``, or a function
+returned by ``load_reward_function``, and the workers load the file themselves. Without a pool there is no
+timeout. Batch functions always run in the calling process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import numbers
+import pickle
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+from hybridflow.rewards.loader import (
+    describe_function,
+    file_source,
+    is_token_reward_function,
+    load_reward_function,
+)
+from hybridflow.rewards.pool import ScoringPool
+from hybridflow.rewards.scorer import default_compute_score
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("naive", "batch", "token")
+ON_ERROR = ("raise", "zero")
+ERRORS_KEY = "reward/errors"
+
+
+class RewardError(ValueError):
+    """A reward function failed on a sample (raised, timed out, or returned a non-finite or wrong value)."""
+
+
+class _BadResult(Exception):
+    """A reward function returned something that is not a usable score (internal)."""
+
+
+def _extra_value(value: Any) -> float | None:
+    """A per-sample extra as a float: numbers and bools (numpy scalars included); None for anything else."""
+    if isinstance(value, numbers.Real) or (hasattr(value, "dtype") and getattr(value, "shape", None) == ()):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+def _check_result(value: Any) -> tuple[float, dict[str, float]]:
+    """``(score, numeric extras)`` from a returned number or dict; _BadResult for anything else."""
+    extras: dict[str, float] = {}
+    if isinstance(value, Mapping):
+        if "score" not in value:
+            raise _BadResult(f"returned a dict without a 'score' key (keys: {sorted(map(str, value))})")
+        for key, item in value.items():
+            number = _extra_value(item) if key != "score" else None
+            if number is not None:
+                extras[str(key)] = number
+        value = value["score"]
+    # numbers.Real covers int, float, bool, numpy scalars and Fraction; not str, None, tensors or complex.
+    if not isinstance(value, numbers.Real):
+        hint = " (call .item() on a tensor)" if hasattr(value, "item") else ""
+        raise _BadResult(f"returned a score of type {type(value).__name__}, expected a float{hint}")
+    score = float(value)
+    if not math.isfinite(score):
+        raise _BadResult(f"returned a non-finite score {score}")
+    return score, extras
+
+
+def _call_payload(compute_score: Callable | tuple[str, str] | None) -> tuple[Callable, Callable | tuple]:
+    """The function to call here, and what a pool worker needs to get the same function."""
+    if compute_score is None:
+        return default_compute_score, default_compute_score
+    if isinstance(compute_score, tuple):
+        if len(compute_score) != 2 or not all(isinstance(s, str) for s in compute_score):
+            raise TypeError(f"compute_score as a tuple must be (path, name), got {compute_score!r}")
+        fn = load_reward_function(*compute_score)
+    elif callable(compute_score):
+        fn = compute_score
+    else:
+        raise TypeError(f"compute_score must be a function or a (path, name) pair, got {compute_score!r}")
+    source = file_source(fn)
+    return fn, (source if source is not None else fn)
+
+
+def _as_list(values: Sequence | None, n: int, name: str) -> list:
+    """``values`` as a list of length ``n`` (None -> n Nones); ValueError on a length mismatch."""
+    if values is None:
+        return [None] * n
+    values = list(values)
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} entries but the batch has {n} samples")
+    return values
+
+
+class RewardManager:
+    """Scores a batch of responses with one reward function (kinds, errors and pool: module docstring)."""
+
+    def __init__(
+        self,
+        compute_score: Callable | tuple[str, str] | None = None,
+        kind: str = "naive",
+        on_error: str = "raise",
+        num_workers: int = 0,
+        timeout_s: float = 60.0,
+        fn_name: str | None = None,
+        reward_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"reward manager kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        if on_error not in ON_ERROR:
+            raise ValueError(f"reward on_error must be 'raise' or 'zero', got {on_error!r}")
+        if not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"reward num_workers must be an int >= 0 (0 = no pool), got {num_workers!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"reward timeout_s must be > 0 seconds, got {timeout_s!r}")
+        fn, self._payload = _call_payload(compute_score)
+        if kind == "naive" and is_token_reward_function(fn):
+            kind = "token"
+            logger.info("reward function %s takes prompt_ids/response_ids: scoring token ids", fn_name or fn)
+        self.compute_score = fn
+        self.kind = kind
+        self.on_error = on_error
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self.fn_name = fn_name or describe_function(fn)
+        self.reward_kwargs = dict(reward_kwargs or {})
+        self._pool: ScoringPool | None = None
+        self._pool_tokenizer: Any = None
+        if num_workers > 0 and kind != "batch":
+            self._check_picklable()
+
+    def _check_picklable(self) -> None:
+        """Fail early, with the fix, when the function cannot be sent to worker processes."""
+        try:
+            pickle.dumps((self._payload, self.reward_kwargs))
+        except Exception as exc:
+            raise TypeError(
+                f"reward function {self.fn_name} cannot be sent to reward worker processes ({exc}); define it "
+                "at module level in an importable module or a .py file and pass (path, name), or set "
+                "reward.num_workers=0"
+            ) from exc
+
+    def score(
+        self,
+        data_sources: Sequence[str] | None,
+        solution_strs: Sequence[str] | None,
+        ground_truths: Sequence[Any] | None,
+        extra_infos: Sequence[dict | None] | None = None,
+        prompt_ids: Sequence[Any] | None = None,
+        response_ids: Sequence[Any] | None = None,
+        tokenizer: Any = None,
+    ) -> tuple[list[float], dict[str, list[float]]]:
+        """Per-sample scores and per-sample extras (key -> list, 0.0 where a sample lacks the key).
+
+        Token functions read ``prompt_ids``/``response_ids`` (one sequence of valid token ids per sample,
+        padding already removed) and ``tokenizer``; the text arguments may then be None.
+        """
+        if self.kind == "token":
+            if prompt_ids is None or response_ids is None:
+                raise ValueError(f"token reward function {self.fn_name} needs prompt_ids and response_ids")
+            n = len(response_ids)
+        elif solution_strs is None:
+            raise ValueError(f"reward function {self.fn_name} needs solution_strs (the decoded responses)")
+        else:
+            n = len(solution_strs)
+        sources = _as_list(data_sources, n, "data_sources")
+        texts = _as_list(solution_strs, n, "solution_strs")
+        truths = _as_list(ground_truths, n, "ground_truths")
+        infos = _as_list(extra_infos, n, "extra_infos")
+        if self.kind == "batch":
+            outcomes: Iterable = self._batch_outcomes(sources, texts, truths, infos)
+        elif self.kind == "token":
+            prompts, responses = (
+                _as_list(prompt_ids, n, "prompt_ids"),
+                _as_list(response_ids, n, "response_ids"),
+            )
+            calls = [((prompts[i], responses[i]), self.reward_kwargs) for i in range(n)]
+            outcomes = self._outcomes(calls, (tokenizer,))
+        else:
+            calls = [
+                ((), dict(data_source=s, solution_str=t, ground_truth=g, extra_info=e, **self.reward_kwargs))
+                for s, t, g, e in zip(sources, texts, truths, infos)
+            ]
+            outcomes = self._outcomes(calls, ())
+        return self._collect(outcomes, sources)
+
+    def _outcomes(self, calls: list[tuple[tuple, dict]], extra_args: tuple) -> Iterable[tuple[bool, Any]]:
+        """Outcomes of per-sample calls: in the pool, or lazily here (so a raise stops at the first error)."""
+        if self.num_workers > 0:
+            return self._get_pool(extra_args).run(calls)
+        return self._call_here(calls, extra_args)
+
+    def _call_here(self, calls: list[tuple[tuple, dict]], extra_args: tuple) -> Iterator[tuple[bool, Any]]:
+        for args, kwargs in calls:
+            try:
+                yield True, self.compute_score(*args, *extra_args, **kwargs)
+            except Exception as exc:
+                yield False, exc
+
+    def _get_pool(self, extra_args: tuple) -> ScoringPool:
+        """The pool, (re)started when first needed or when the tokenizer it holds changes."""
+        tokenizer = extra_args[0] if extra_args else None
+        if self._pool is not None and self._pool_tokenizer is not tokenizer:
+            self.close()
+        if self._pool is None:
+            self._pool = ScoringPool(self.num_workers, self._payload, self.timeout_s, extra_args)
+            self._pool_tokenizer = tokenizer
+        return self._pool
+
+    def _batch_outcomes(
+        self, sources: list, texts: list, truths: list, infos: list
+    ) -> list[tuple[bool, Any]]:
+        """One call with lists; a failure of the call itself fails every sample."""
+        n = len(texts)
+        try:
+            values = self.compute_score(
+                data_sources=sources,
+                solution_strs=texts,
+                ground_truths=truths,
+                extra_infos=infos,
+                **self.reward_kwargs,
+            )
+            if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__"):
+                raise _BadResult(f"batch reward function returned a {type(values).__name__}, expected a list")
+            if len(values) != n:
+                raise _BadResult(f"batch reward function returned {len(values)} scores for {n} samples")
+        except Exception as exc:
+            if self.on_error == "raise":
+                raise RewardError(
+                    f"batch reward function {self.fn_name} failed on a batch of {n} samples (data sources: "
+                    f"{', '.join(sorted(set(map(str, sources))))}): {type(exc).__name__}: {exc}. Fix the "
+                    "function, or set reward.on_error=zero to score failing samples 0"
+                ) from exc
+            return [(False, exc)] * n
+        return [(True, v) for v in values]
+
+    def _collect(
+        self, outcomes: Iterable[tuple[bool, Any]], sources: list
+    ) -> tuple[list[float], dict[str, list[float]]]:
+        """Check each outcome; raise RewardError on the first failure, or score it 0 (on_error=zero)."""
+        scores: list[float] = []
+        per_sample: list[dict[str, float]] = []
+        errors: list[float] = []
+        failures: list[str] = []
+        for i, (ok, value) in enumerate(outcomes):
+            try:
+                if not ok:
+                    raise _BadResult(f"raised {type(value).__name__}: {value}")
+                score, extras = _check_result(value)
+                errors.append(0.0)
+            except _BadResult as bad:
+                message = (
+                    f"reward function {self.fn_name} failed on sample {i} (data_source={sources[i]!r}): {bad}"
+                )
+                if self.on_error == "raise":
+                    raise RewardError(
+                        f"{message}. Fix the function, or set reward.on_error=zero to score failing samples 0"
+                    ) from (value if not ok else None)
+                failures.append(message)
+                score, extras = 0.0, {}
+                errors.append(1.0)
+            scores.append(score)
+            per_sample.append(extras)
+        keys = dict.fromkeys(k for extras in per_sample for k in extras)
+        extra_lists = {k: [extras.get(k, 0.0) for extras in per_sample] for k in keys}
+        if self.on_error == "zero":
+            extra_lists[ERRORS_KEY] = errors
+        if failures:
+            logger.warning(
+                "%d of %d samples scored 0 after a reward error; first: %s",
+                len(failures),
+                len(scores),
+                failures[0],
+            )
+        return scores, extra_lists
+
+    def close(self) -> None:
+        """Stop the worker processes, if any (a later ``score`` starts new ones)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+            self._pool_tokenizer = None
+
+    def __enter__(self) -> RewardManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Workers are separate processes; do not leave them behind when the manager is dropped.
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            # At interpreter shutdown the modules close() needs may already be gone.
+            with contextlib.suppress(Exception):
+                pool.close()
