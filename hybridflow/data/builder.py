@@ -1,0 +1,50 @@
+"""Datasets from the ``data`` config section: the configured files, or the built-in task when there are none."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hybridflow.config import DataConfig
+from hybridflow.data.rl_dataset import RLDataset
+from hybridflow.data.rows import BUILT_IN, Rows, load_rows
+from hybridflow.data.tasks import make_task
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def load_split_rows(
+    data: DataConfig, split: str, seed: int, task_kwargs: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """Rows of 'train' or 'val': ``data.train_files``/``val_files``, else the built-in task's train/test split."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    files = data.train_files if split == "train" else data.val_files
+    if files:
+        return load_rows(files)
+    size = data.task_train_size if split == "train" else data.task_val_size
+    task_split = "train" if split == "train" else "test"
+    rows = make_task(data.task, task_split, size, seed, **(task_kwargs or {}))
+    return Rows(rows)
+
+
+def build_rl_dataset(
+    data: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    split: str,
+    seed: int,
+    task_kwargs: dict[str, Any] | None = None,
+) -> RLDataset:
+    """The RL prompt dataset of ``split`` ('train' or 'val') with the config's length and truncation rules."""
+    rows = load_split_rows(data, split, seed, task_kwargs)
+    files = data.train_files if split == "train" else data.val_files
+    return RLDataset(
+        rows,
+        tokenizer,
+        prompt_key=data.prompt_key,
+        max_prompt_length=data.max_prompt_length,
+        truncation=data.truncation,
+        filter_overlong_prompts=data.filter_overlong_prompts,
+        source=None if files else f"{BUILT_IN} {data.task} ({split})",
+        reward_fn_key=data.reward_fn_key,
+    )

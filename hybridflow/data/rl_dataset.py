@@ -1,0 +1,230 @@
+"""The RL prompt dataset: validated rows, chat-templated and tokenized once, and the left-padding collate.
+
+rows = load_rows("train.parquet")                      # or make_task("arithmetic", "train", 2000, 0)
+ds = RLDataset(rows, tokenizer, max_prompt_length=128, filter_overlong_prompts=True)
+batch = collate_prompts([ds[i] for i in idx], tokenizer.pad_token_id)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from hybridflow.data.rows import (
+    DataError,
+    RowOrigin,
+    check_extra_info,
+    check_ground_truth,
+    check_prompt,
+    check_str_field,
+    lookup,
+    origins_of,
+    row_error,
+    source_name,
+)
+from hybridflow.protocol import Batch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+TRUNCATIONS = ("error", "left", "right", "middle")
+
+
+def truncate(ids: list[int], max_length: int, side: str) -> list[int]:
+    """Cut ``ids`` to ``max_length`` tokens: 'left' keeps the end, 'right' the start, 'middle' both ends."""
+    if len(ids) <= max_length:
+        return ids
+    if side == "left":
+        return ids[len(ids) - max_length :]
+    if side == "right":
+        return ids[:max_length]
+    if side == "middle":
+        head = max_length // 2
+        return ids[:head] + ids[len(ids) - (max_length - head) :]
+    raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {side!r}")
+
+
+def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]]) -> str:
+    """The prompt text the model sees: chat messages through the chat template with the generation prompt."""
+    if isinstance(prompt, str):
+        return prompt
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            "the prompts are chat messages but the tokenizer has no chat template; set "
+            "model.custom_chat_template, or give text prompts"
+        )
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+
+
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str | list[dict]]
+) -> list[list[int]]:
+    """Token ids of each prompt: chat prompts templated (specials come from the template), text as is."""
+    chat = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
+    text = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+    out: list[list[int]] = [[] for _ in prompts]
+    if chat:
+        rendered = [render_prompt(tokenizer, prompts[i]) for i in chat]
+        # The template already holds the special tokens (BOS, turn markers): do not add them twice.
+        for i, ids in zip(chat, tokenizer(rendered, add_special_tokens=False)["input_ids"]):
+            out[i] = list(ids)
+    if text:
+        for i, ids in zip(text, tokenizer([prompts[i] for i in text])["input_ids"]):
+            out[i] = list(ids)
+    return out
+
+
+class RLDataset:
+    """Validated, tokenized RL prompts; ``ds[i]`` is a dict ready for ``collate_prompts``.
+
+    Each item holds ``input_ids`` (list[int]), ``raw_prompt`` (the messages or text), ``data_source``,
+    ``ground_truth``, ``extra_info`` and ``index`` (``extra_info["index"]`` when present, else the row's
+    number in its source). Prompts longer than ``max_prompt_length`` tokens are dropped when
+    ``filter_overlong_prompts`` (the count is logged and kept in ``num_filtered``), otherwise truncated
+    per ``truncation`` ('left', 'right', 'middle'; count in ``num_truncated``) or, for 'error', refused.
+    Errors name the row's file, row and jsonl line as ``load_rows`` recorded them; rows given as a plain
+    list are named ``source`` (default 'built-in') and their position.
+    """
+
+    def __init__(
+        self,
+        rows: Sequence[dict[str, Any]],
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_key: str = "prompt",
+        max_prompt_length: int = 1024,
+        truncation: str = "error",
+        filter_overlong_prompts: bool = False,
+        source: str | None = None,
+        reward_fn_key: str = "data_source",
+    ) -> None:
+        if truncation not in TRUNCATIONS:
+            raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
+        if max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+        origins = origins_of(rows, source)
+        self.source = source_name(origins, source)
+        if not rows:
+            raise DataError(f"{self.source}: no rows; the dataset is empty", file=self.source)
+        self.max_prompt_length = max_prompt_length
+        items = [self._validate(row, o, prompt_key, reward_fn_key) for row, o in zip(rows, origins)]
+        ids = encode_prompts(tokenizer, [it["raw_prompt"] for it in items])
+        self.items: list[dict[str, Any]] = []
+        self.origins: list[RowOrigin] = []
+        self.num_filtered = self.num_truncated = 0
+        for item, origin, prompt_ids in zip(items, origins, ids):
+            if len(prompt_ids) > max_prompt_length:
+                if filter_overlong_prompts:
+                    self.num_filtered += 1
+                    continue
+                if truncation == "error":
+                    raise row_error(
+                        origin,
+                        f"prompt has {len(prompt_ids)} tokens, more than max_prompt_length="
+                        f"{max_prompt_length}; raise data.max_prompt_length, set "
+                        "data.filter_overlong_prompts=true, or set data.truncation=left|right|middle",
+                    )
+                prompt_ids = truncate(prompt_ids, max_prompt_length, truncation)
+                self.num_truncated += 1
+            item["input_ids"] = prompt_ids
+            self.items.append(item)
+            self.origins.append(origin)
+        self._log_counts(len(rows))
+
+    @staticmethod
+    def _validate(row: Any, origin: RowOrigin, prompt_key: str, reward_fn_key: str) -> dict[str, Any]:
+        if not isinstance(row, dict):
+            raise row_error(origin, f"a row must be a dict, got {type(row).__name__}")
+        extra_info = check_extra_info(row.get("extra_info"), origin)
+        index = extra_info.get("index")
+        return {
+            "raw_prompt": check_prompt(lookup(row, prompt_key), origin, prompt_key),
+            "data_source": check_str_field(lookup(row, reward_fn_key), origin, reward_fn_key),
+            "ground_truth": check_ground_truth(lookup(row, "reward_model.ground_truth"), origin),
+            "extra_info": extra_info,
+            "index": index if isinstance(index, int) else origin.row,
+        }
+
+    def _log_counts(self, total: int) -> None:
+        if self.num_filtered:
+            logger.info(
+                "%s: filtered out %d of %d prompts longer than %d tokens",
+                self.source,
+                self.num_filtered,
+                total,
+                self.max_prompt_length,
+            )
+        if self.num_truncated:
+            logger.info(
+                "%s: truncated %d of %d prompts to %d tokens",
+                self.source,
+                self.num_truncated,
+                total,
+                self.max_prompt_length,
+            )
+        if not self.items:
+            raise DataError(
+                f"{self.source}: all {total} prompts are longer than max_prompt_length="
+                f"{self.max_prompt_length}; raise data.max_prompt_length",
+                file=self.source,
+            )
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.items[i]
+
+    def data_sources(self) -> list[str]:
+        """The distinct data sources present, sorted."""
+        return sorted({it["data_source"] for it in self.items})
+
+    def where(self, i: int) -> str:
+        """Where item ``i`` came from, e.g. 'train.jsonl: row 3 (line 4)'."""
+        return self.origins[i].describe()
+
+    def require_data_sources(self, known: Collection[str] | Callable[[str], bool], hint: str = "") -> None:
+        """Raise DataError naming the first row whose data_source is not ``known`` (a set or predicate)."""
+        is_known = known if callable(known) else known.__contains__
+        for item, origin in zip(self.items, self.origins):
+            if not is_known(item["data_source"]):
+                listed = "" if callable(known) else f" (known: {sorted(known)})"
+                raise row_error(
+                    origin,
+                    f"no reward function for data_source {item['data_source']!r}{listed}. {hint}".rstrip(),
+                )
+
+
+def collate_prompts(items: Sequence[dict[str, Any]], pad_token_id: int) -> Batch:
+    """Left-pad prompts to the longest in the batch: input_ids, attention_mask, position_ids (B, P)."""
+    if not items:
+        raise ValueError("collate_prompts needs at least one item")
+    width = max(len(it["input_ids"]) for it in items)
+    input_ids = torch.full((len(items), width), pad_token_id, dtype=torch.long)  # (B, P)
+    attention_mask = torch.zeros((len(items), width), dtype=torch.long)  # (B, P)
+    for b, it in enumerate(items):
+        n = len(it["input_ids"])
+        if n:
+            # Left padding: every prompt ends at the last column, where generation continues.
+            input_ids[b, width - n :] = torch.as_tensor(it["input_ids"], dtype=torch.long)
+            attention_mask[b, width - n :] = 1
+    position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)  # (B, P), 0 on the left padding
+    non_tensors = {
+        key: _objects([it[key] for it in items])
+        for key in ("data_source", "ground_truth", "extra_info", "raw_prompt", "index")
+    }
+    return Batch(
+        {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}, non_tensors
+    )
+
+
+def _objects(values: list[Any]) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)  # filled one by one so lists/dicts stay single elements
+    for i, v in enumerate(values):
+        out[i] = v
+    return out

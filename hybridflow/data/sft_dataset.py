@@ -1,0 +1,156 @@
+"""The SFT dataset: prompt + response token ids with a loss mask on the response, and its collate.
+
+The response is where the chat template puts the assistant's turn: for a chat prompt the whole
+conversation (prompt + assistant reply) is rendered, and the response tokens are what follows the prompt
+rendering (the reply and the template's end-of-turn token, e.g. ``<|im_end|>``), so SFT teaches the model
+to stop exactly as the rollout engine expects. Text prompts get ``response + eos_token``.
+
+Rows can be prompt/response files or verl-schema rows (built-in tasks, the GSM8K conversion): when
+``response_key`` is absent the reference answer in ``extra_info.answer`` is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hybridflow.data.rl_dataset import encode_prompts, render_prompt, truncate
+from hybridflow.data.rows import (
+    DataError,
+    RowOrigin,
+    check_prompt,
+    is_missing,
+    lookup,
+    origins_of,
+    row_error,
+    source_name,
+)
+from hybridflow.protocol import Batch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+SFT_TRUNCATIONS = ("error", "left", "right")
+FALLBACK_RESPONSE_KEY = "extra_info.answer"
+
+
+def render_response(
+    tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]], response: str
+) -> str:
+    """The text after the prompt rendering: the reply plus the chat end token (or EOS for text prompts)."""
+    if not isinstance(prompt, str):
+        prompt_text = render_prompt(tokenizer, prompt)
+        messages = [*prompt, {"role": "assistant", "content": response}]
+        full = tokenizer.apply_chat_template(messages, tokenize=False)
+        if full.startswith(prompt_text):
+            tail = full[len(prompt_text) :]
+            stripped = tail.rstrip()
+            # Drop the whitespace a template puts between turns after the end token: the rollout stops
+            # at the end token, so the model never needs to produce what follows it.
+            if stripped != tail and any(stripped.endswith(t) for t in tokenizer.all_special_tokens):
+                return stripped
+            return tail
+        # Templates that rewrite earlier turns (e.g. strip reasoning) do not extend the prompt: fall back.
+    return response + (tokenizer.eos_token or "")
+
+
+class SFTDataset:
+    """Tokenized prompt/response pairs; ``ds[i]`` has ``input_ids`` and ``loss_mask`` (1 on response tokens)."""
+
+    def __init__(
+        self,
+        rows: Sequence[dict[str, Any]],
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_key: str = "prompt",
+        response_key: str = "response",
+        max_length: int = 512,
+        truncation: str = "error",
+        source: str | None = None,
+    ) -> None:
+        if truncation not in SFT_TRUNCATIONS:
+            raise ValueError(f"SFT truncation must be one of {SFT_TRUNCATIONS}, got {truncation!r}")
+        if max_length < 2:
+            raise ValueError(f"max_length must be >= 2, got {max_length}")
+        origins = origins_of(rows, source)
+        self.source = source_name(origins, source)
+        if not rows:
+            raise DataError(f"{self.source}: no rows; the dataset is empty", file=self.source)
+        pairs = [self._validate(r, o, prompt_key, response_key) for r, o in zip(rows, origins)]
+        prompt_ids = encode_prompts(tokenizer, [p for p, _ in pairs])
+        tails = [render_response(tokenizer, p, r) for p, r in pairs]
+        response_ids = tokenizer(tails, add_special_tokens=False)["input_ids"]
+        self.items: list[dict[str, Any]] = []
+        self.num_truncated = 0
+        for origin, p_ids, r_ids in zip(origins, prompt_ids, response_ids):
+            self.items.append(self._item(origin, list(p_ids), list(r_ids), max_length, truncation))
+
+    @staticmethod
+    def _validate(row: Any, origin: RowOrigin, prompt_key: str, response_key: str) -> tuple[Any, str]:
+        if not isinstance(row, dict):
+            raise row_error(origin, f"a row must be a dict, got {type(row).__name__}")
+        prompt = check_prompt(lookup(row, prompt_key), origin, prompt_key)
+        response = lookup(row, response_key)
+        if is_missing(response):
+            response = lookup(row, FALLBACK_RESPONSE_KEY)
+        if is_missing(response):
+            raise row_error(
+                origin,
+                f"missing column {response_key!r} (and no {FALLBACK_RESPONSE_KEY}); set data.response_key "
+                "to the column holding the target response",
+            )
+        if not isinstance(response, str) or not response.strip():
+            raise row_error(origin, f"the response must be a non-empty str, got {type(response).__name__}")
+        return prompt, response
+
+    def _item(
+        self, origin: RowOrigin, p_ids: list[int], r_ids: list[int], max_length: int, truncation: str
+    ) -> dict[str, Any]:
+        ids, mask = p_ids + r_ids, [0] * len(p_ids) + [1] * len(r_ids)
+        if len(ids) > max_length:
+            if truncation == "error":
+                raise row_error(
+                    origin,
+                    f"prompt + response is {len(ids)} tokens, more than max_length={max_length}; raise "
+                    "max_length or set truncation=left|right",
+                )
+            ids, mask = truncate(ids, max_length, truncation), truncate(mask, max_length, truncation)
+            self.num_truncated += 1
+            if not any(mask):
+                raise row_error(origin, f"no response token is left after truncation to {max_length} tokens")
+        return {"input_ids": ids, "loss_mask": mask}
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.items[i]
+
+
+def collate_sft(items: Sequence[dict[str, Any]], pad_id: int) -> Batch:
+    """Right-pad to the longest sequence: input_ids, attention_mask, position_ids, loss_mask (B, L).
+
+    ``loss_mask[b, t] == 1`` where ``input_ids[b, t]`` is a response token (aligned with the inputs, not
+    with the logits: the logit at t - 1 predicts token t, so a trainer shifts both by one).
+    """
+    if not items:
+        raise ValueError("collate_sft needs at least one item")
+    width = max(len(it["input_ids"]) for it in items)
+    input_ids = torch.full((len(items), width), pad_id, dtype=torch.long)  # (B, L)
+    attention_mask = torch.zeros((len(items), width), dtype=torch.long)  # (B, L)
+    loss_mask = torch.zeros((len(items), width), dtype=torch.long)  # (B, L)
+    for b, it in enumerate(items):
+        n = len(it["input_ids"])
+        input_ids[b, :n] = torch.as_tensor(it["input_ids"], dtype=torch.long)
+        attention_mask[b, :n] = 1
+        loss_mask[b, :n] = torch.as_tensor(it["loss_mask"], dtype=torch.long)
+    position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)  # (B, L)
+    return Batch(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "loss_mask": loss_mask,
+        }
+    )

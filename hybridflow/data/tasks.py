@@ -1,0 +1,189 @@
+"""Built-in synthetic tasks in verl's row schema: no download, seeded, disjoint train/test splits.
+
+Every problem belongs to exactly one split, decided by a stable hash of the problem itself (CRC32 of its
+canonical key), not by the seed or the sizes: about one problem in five is a test problem. So
+``make_task(name, "train", ...)`` and ``make_task(name, "test", ...)`` never share a problem, whatever
+seeds and sizes are used; the seed only picks which problems of the split are drawn, and in what order.
+Problems are unique within one split.
+
+Prompts are short single user turns because the demo model is character-level (one token per char).
+Each row also carries the reference SFT response in ``extra_info["answer"]``.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Callable
+from fractions import Fraction
+from typing import Any
+
+TEST_BUCKETS = 5  # one problem in TEST_BUCKETS is a test problem
+SPLITS = ("train", "test")
+_OPS = "+-*/"
+_PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
+
+
+def in_test_split(task: str, key: str) -> bool:
+    """Whether the problem with canonical ``key`` belongs to the test split of ``task`` (stable hash)."""
+    return zlib.crc32(f"{task}:{key}".encode()) % TEST_BUCKETS == 0
+
+
+def _check_args(size: int, split: str, ops: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    if not isinstance(size, int) or size < 0:
+        raise ValueError(f"size must be a non-negative int, got {size!r}")
+    if not ops or any(op not in _OPS for op in ops):
+        raise ValueError(f"ops must be a non-empty string of operators from {_OPS!r}, got {ops!r}")
+
+
+def _draw_unique(
+    task: str, size: int, seed: int, split: str, draw: Callable[[random.Random], tuple[str, Any] | None]
+) -> list[Any]:
+    """Draw ``size`` distinct problems of ``split``; ``draw`` returns (key, problem) or None to reject."""
+    rng = random.Random(f"{task}:{split}:{seed}")  # str seeds are stable across runs and processes
+    want_test = split == "test"
+    seen: set[str] = set()
+    out = []
+    budget = 200 * size + 1000
+    while len(out) < size and budget > 0:
+        budget -= 1
+        drawn = draw(rng)
+        if drawn is None:
+            continue
+        key, problem = drawn
+        if key in seen or in_test_split(task, key) != want_test:
+            continue
+        seen.add(key)
+        out.append(problem)
+    if len(out) < size:
+        raise ValueError(
+            f"{task}: could only draw {len(out)} distinct {split} problems of the {size} asked for; "
+            "lower the size or make the task larger (more digits, operators or numbers)"
+        )
+    return out
+
+
+def _row(task: str, split: str, index: int, content: str, ground_truth: Any, answer: str) -> dict[str, Any]:
+    return {
+        "data_source": task,
+        "prompt": [{"role": "user", "content": content}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": ground_truth},
+        "extra_info": {"split": split, "index": index, "answer": answer},
+    }
+
+
+def make_arithmetic(
+    size: int, seed: int, split: str = "train", digits: int = 2, ops: str = "+-", allow_negative: bool = False
+) -> list[dict[str, Any]]:
+    """Problems 'What is a op b?' with ``digits``-digit operands, answered as '#### <int>'.
+
+    ``-`` orders the operands so the result is >= 0 unless ``allow_negative``; ``/`` only makes exact
+    divisions (a = b * q with b, q of ``digits`` digits, b != 0). Ground truth: the result as a str.
+    """
+    _check_args(size, split, ops)
+    if not isinstance(digits, int) or digits < 1:
+        raise ValueError(f"digits must be an int >= 1, got {digits!r}")
+    lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+
+    def draw(rng: random.Random) -> tuple[str, tuple[int, str, int, int]] | None:
+        op = rng.choice(ops)
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        if op == "+":
+            result = a + b
+        elif op == "-":
+            if a < b and not allow_negative:
+                a, b = b, a
+            result = a - b
+        elif op == "*":
+            result = a * b
+        else:
+            if b == 0:
+                return None
+            a, result = a * b, a  # a / b is exact by construction
+        return f"{a}{op}{b}", (a, op, b, result)
+
+    rows = []
+    for i, (a, op, b, result) in enumerate(_draw_unique("arithmetic", size, seed, split, draw)):
+        content = f"What is {a} {op} {b}? Answer as #### <number>."
+        rows.append(_row("arithmetic", split, i, content, str(result), f"#### {result}"))
+    return rows
+
+
+def _apply(op: str, x: Fraction, y: Fraction) -> Fraction | None:
+    if op == "+":
+        return x + y
+    if op == "-":
+        return x - y
+    if op == "*":
+        return x * y
+    return None if y == 0 else x / y
+
+
+def _countdown_expression(rng: random.Random, numbers: list[int], ops: str) -> tuple[str, int] | None:
+    """A random left-to-right expression using every number once; None unless all steps stay integral."""
+    order = numbers[:]
+    rng.shuffle(order)
+    text, value, top = str(order[0]), Fraction(order[0]), 3  # top: precedence of the outermost operator
+    for n in order[1:]:
+        op = rng.choice(ops)
+        value = _apply(op, value, Fraction(n))
+        if value is None or value.denominator != 1:
+            return None  # keep every intermediate integral so the reference answer evaluates exactly
+        left = f"({text})" if top < _PRECEDENCE[op] else text
+        text, top = f"{left} {op} {n}", _PRECEDENCE[op]
+    return text, int(value)
+
+
+def make_countdown(
+    size: int,
+    seed: int,
+    split: str = "train",
+    num_count: int = 3,
+    max_number: int = 20,
+    ops: str = "+-*",
+    max_target: int = 100,
+) -> list[dict[str, Any]]:
+    """Countdown: combine ``num_count`` numbers in [1, max_number] once each with ``ops`` to hit the target.
+
+    The target is the value (in [1, max_target]) of a random expression over all the numbers, which is
+    also the reference answer '<answer>expr</answer>'. Ground truth: {"target": int, "numbers": [int]}.
+    """
+    _check_args(size, split, ops)
+    if num_count < 2 or max_number < 1 or max_target < 1:
+        raise ValueError(
+            f"need num_count >= 2, max_number >= 1 and max_target >= 1; got {num_count}, {max_number}, "
+            f"{max_target}"
+        )
+
+    def draw(rng: random.Random) -> tuple[str, tuple[list[int], int, str]] | None:
+        numbers = [rng.randint(1, max_number) for _ in range(num_count)]
+        made = _countdown_expression(rng, numbers, ops)
+        if made is None or not 1 <= made[1] <= max_target:
+            return None
+        expr, target = made
+        return f"{sorted(numbers)}={target}", (numbers, target, expr)
+
+    rows = []
+    op_list = " ".join(ops)
+    for i, (numbers, target, expr) in enumerate(_draw_unique("countdown", size, seed, split, draw)):
+        nums = ", ".join(map(str, numbers))
+        content = f"Use {nums} once each with {op_list} to make {target}. Answer as <answer>...</answer>."
+        ground_truth = {"target": target, "numbers": numbers}
+        rows.append(_row("countdown", split, i, content, ground_truth, f"<answer>{expr}</answer>"))
+    return rows
+
+
+TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {
+    "arithmetic": make_arithmetic,
+    "countdown": make_countdown,
+}
+
+
+def make_task(name: str, split: str, size: int, seed: int, **kwargs: Any) -> list[dict[str, Any]]:
+    """Rows of a built-in task's ``split``; ``kwargs`` set its difficulty (see make_arithmetic/make_countdown)."""
+    if name not in TASKS:
+        raise ValueError(f"unknown built-in task {name!r}; use one of {sorted(TASKS)}")
+    return TASKS[name](size=size, seed=seed, split=split, **kwargs)
