@@ -1,0 +1,288 @@
+"""Experiment tracking: metrics.jsonl, the per-step console line, curves.png, and optional tensorboard/wandb.
+
+The driver calls ``Tracker.log(step, metrics)`` once per step (and again for validation metrics). Only rank 0
+tracks: on other ranks a ``Tracker`` accepts calls and does nothing, so the same driver code runs everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+import os
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from hybridflow.utils.logging import rank as env_rank
+from hybridflow.utils.plot import save_line_charts
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+_OPTIONAL = {"tensorboard": "tensorboard", "wandb": "wandb"}  # logger name -> module it needs
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "curves.png"
+
+# The console line: (label, metric key, format). Missing metrics are left out of the line.
+CONSOLE_FIELDS = (
+    ("Loss", "actor/pg_loss", "{:.4g}"),
+    ("Reward", "critic/score/mean", "{:.4g}"),
+    ("Time", "perf/time_per_step", "{:.2f}s"),
+)
+# curves.png: panel title -> {series name: metric key}; validation accuracy is added per data source.
+PLOT_PANELS: dict[str, dict[str, str]] = {
+    "reward": {"critic/score/mean": "critic/score/mean"},
+    "validation accuracy": {},
+    "response length": {"response_length/mean": "response_length/mean"},
+    "KL": {"actor/ppo_kl": "actor/ppo_kl", "actor/kl_loss": "actor/kl_loss"},
+    "step time": {"perf/time_per_step": "perf/time_per_step"},
+}
+_VAL_KEY = re.compile(r"^val-core/(?P<source>.+)/(?P<var>acc|reward)/mean@(?P<n>\d+)$")
+
+
+def check_loggers(names: Sequence[str]) -> list[str]:
+    """Validate logger names and return them deduplicated, with "jsonl" (always on) included."""
+    if isinstance(names, str):
+        raise TypeError(f"loggers must be a list of names, e.g. [{names!r}], not a string")
+    out = []
+    for name in [*names, "jsonl"]:
+        if name not in SUPPORTED_LOGGERS:
+            raise ValueError(f"unknown logger {name!r}; supported loggers: {', '.join(SUPPORTED_LOGGERS)}")
+        module = _OPTIONAL.get(name)
+        if module is not None and importlib.util.find_spec(module) is None:
+            raise ValueError(
+                f"logger {name!r} needs the {module} package: pip install 'hybridflow[{name}]' "
+                f"(or drop {name!r} from trainer.logger)"
+            )
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def validation_accuracy(metrics: Mapping[str, float]) -> dict[str, float]:
+    """Validation accuracy per data source found in ``metrics`` ("val" for a plain ``val/accuracy``).
+
+    verl logs ``val-core/{data_source}/{acc|reward}/mean@N``; per source an ``acc`` entry wins over
+    ``reward`` (a reward may include format bonuses), and the smallest N wins (mean@1 is greedy accuracy).
+    """
+    best: dict[str, tuple[tuple[bool, int], float]] = {}
+    if "val/accuracy" in metrics:
+        best["val"] = ((False, 0), metrics["val/accuracy"])
+    for key, value in metrics.items():
+        m = _VAL_KEY.match(key)
+        if m is None:
+            continue
+        rank_key = (m["var"] != "acc", int(m["n"]))
+        source = m["source"]
+        if source not in best or rank_key < best[source][0]:
+            best[source] = (rank_key, value)
+    return {source: float(v) for source, (_, v) in best.items()}
+
+
+def format_step_line(step: int, total_steps: int, metrics: Mapping[str, float]) -> str:
+    """The console line, e.g. ``Step 3/100 | Loss: 0.012 | Reward: 0.72 | Time: 0.58s | Val acc: 0.45``."""
+    parts = [f"Step {step}/{total_steps}"]
+    parts += [f"{label}: {fmt.format(metrics[key])}" for label, key, fmt in CONSOLE_FIELDS if key in metrics]
+    accuracy = validation_accuracy(metrics)
+    for source, value in accuracy.items():
+        label = "Val acc" if len(accuracy) == 1 else f"Val acc ({source})"
+        parts.append(f"{label}: {value:.4g}")
+    return " | ".join(parts)
+
+
+def _clean(metrics: Mapping[str, Any]) -> dict[str, float | None]:
+    """Metrics as plain floats (numpy/torch scalars included); NaN and inf become None (JSON null)."""
+    out: dict[str, float | None] = {}
+    for key, value in metrics.items():
+        if key == "step":
+            raise ValueError("'step' is reserved in metrics.jsonl; pass the step as log(step, metrics)")
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"metric {key!r} must be a number (float, int, numpy or one-element torch scalar), "
+                f"got {type(value).__name__}"
+            ) from None
+        out[key] = v if math.isfinite(v) else None
+    return out
+
+
+class Tracker:
+    """Writes every step's metrics to ``{run_dir}/metrics.jsonl`` and the chosen loggers; plots curves.png.
+
+    ``loggers`` is drawn from console, jsonl (always on), tensorboard and wandb. ``plot_every`` refreshes
+    ``curves.png`` every that many steps (0: only at ``close()``). ``resume_step=None`` starts a fresh
+    metrics.jsonl; an int keeps the earlier lines with ``step <= resume_step`` (and plots them), so a resumed
+    run's file matches an uninterrupted one. ``use_tqdm=None`` shows a progress bar when stderr is a terminal.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        total_steps: int,
+        loggers: Sequence[str] = ("console", "jsonl"),
+        plot_every: int = 1,
+        *,
+        resume_step: int | None = None,
+        project_name: str = "hybridflow",
+        experiment_name: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        use_tqdm: bool | None = None,
+        rank: int | None = None,
+    ) -> None:
+        self.loggers = check_loggers(loggers)
+        if plot_every < 0:
+            raise ValueError(f"plot_every must be >= 0 (0 = plot only at close), got {plot_every}")
+        self.run_dir = Path(run_dir)
+        self.total_steps = total_steps
+        self.plot_every = plot_every
+        self.title = experiment_name or self.run_dir.name
+        self.active = (env_rank() if rank is None else rank) == 0
+        self._curves: dict[str, dict[str, list[tuple[float, float | None]]]] = {p: {} for p in PLOT_PANELS}
+        self._last_step: int | None = None
+        self._file = self._bar = self._tb = self._wandb = None
+        if not self.active:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = self._open_metrics_file(resume_step)
+        console = "console" in self.loggers
+        if console and (sys.stderr.isatty() if use_tqdm is None else use_tqdm):
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=resume_step or 0, desc="Training", file=sys.stderr)
+        if "tensorboard" in self.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        if "wandb" in self.loggers:
+            import wandb
+
+            self._wandb = wandb.init(
+                project=project_name, name=experiment_name, dir=str(self.run_dir), config=dict(config or {})
+            )
+
+    @property
+    def metrics_path(self) -> Path:
+        """Path of the JSON-lines metrics file."""
+        return self.run_dir / METRICS_FILE
+
+    @property
+    def plot_path(self) -> Path:
+        """Path of the curves PNG."""
+        return self.run_dir / PLOT_FILE
+
+    def _open_metrics_file(self, resume_step: int | None) -> TextIO:
+        """Open metrics.jsonl for appending, keeping only the lines a resumed run continues from."""
+        kept: list[str] = []
+        dropped = 0
+        if self.metrics_path.exists():
+            for line in self.metrics_path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                    keep = resume_step is not None and int(row["step"]) <= resume_step
+                except (ValueError, KeyError, TypeError):
+                    keep = False  # a torn last line from a killed run, or not ours
+                if keep:
+                    kept.append(line)
+                    step = int(row.pop("step"))
+                    self._record(
+                        step, {k: v for k, v in row.items() if v is None or isinstance(v, (int, float))}
+                    )
+                else:
+                    dropped += 1
+        if dropped:
+            logger.info(
+                "%s: dropped %d line(s) of an earlier run (resume_step=%s)",
+                self.metrics_path,
+                dropped,
+                resume_step,
+            )
+        tmp = self.metrics_path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.metrics_path)  # atomic: a crash here leaves the old file or the trimmed one
+        return self.metrics_path.open("a", encoding="utf-8")
+
+    def _record(self, step: int, metrics: Mapping[str, float | None]) -> None:
+        """Append this step's plotted metrics to the curves (None/NaN are kept as gaps)."""
+        for panel, series in PLOT_PANELS.items():
+            for name, key in series.items():
+                if key in metrics:
+                    self._add_point(panel, name, step, metrics[key])
+        finite = {k: v for k, v in metrics.items() if v is not None}
+        for source, value in validation_accuracy(finite).items():
+            self._add_point("validation accuracy", source, step, value)
+
+    def _add_point(self, panel: str, name: str, step: int, value: float | None) -> None:
+        points = self._curves[panel].setdefault(name, [])
+        while points and points[-1][0] > step:  # a replayed step after a resume replaces the old tail
+            points.pop()
+        points.append((float(step), value))
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record one step's metrics: a metrics.jsonl line, the console line, the loggers, and maybe a plot."""
+        clean = _clean(metrics)  # validates on every rank, so a bad metric fails the same way everywhere
+        if not self.active:
+            return
+        step = int(step)
+        assert self._file is not None, "log() after close()"
+        self._file.write(json.dumps({"step": step, **clean}, allow_nan=False) + "\n")
+        self._file.flush()
+        self._record(step, clean)
+        self._last_step = step
+        if "console" in self.loggers:
+            # non-finite values show as nan on the console rather than vanishing from the line
+            self._console(step, {k: math.nan if v is None else v for k, v in clean.items()})
+        if self._tb is not None:
+            for key, value in clean.items():
+                if value is not None:
+                    self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in clean.items() if v is not None}, step=step)
+        if self.plot_every and step % self.plot_every == 0:
+            self.plot()
+
+    def _console(self, step: int, metrics: Mapping[str, float]) -> None:
+        line = format_step_line(step, self.total_steps, metrics)
+        if self._bar is None:
+            logger.info("%s", line)
+            return
+        self._bar.update(max(step - self._bar.n, 0))
+        self._bar.write(line, file=sys.stderr)
+
+    def plot(self) -> Path | None:
+        """Refresh ``{run_dir}/curves.png`` from the metrics logged so far; returns its path (None off rank 0)."""
+        if not self.active:
+            return None
+        panels = {name: series for name, series in self._curves.items() if series}
+        if not panels:
+            panels = {"reward": {"critic/score/mean": []}}
+        steps = "" if self._last_step is None else f"  step {self._last_step}/{self.total_steps}"
+        try:
+            return save_line_charts(self.plot_path, panels, title=f"{self.title}{steps}")
+        except OSError as e:  # a full disk must not stop training over a picture
+            logger.warning("could not write %s: %s", self.plot_path, e)
+            return None
+
+    def close(self) -> None:
+        """Write the final plot and close the metrics file and loggers (safe to call twice)."""
+        if not self.active or self._file is None:
+            return
+        self.plot()
+        self._file.close()
+        self._file = None
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,181 @@
+"""Tracker: metrics.jsonl lines, the console line, curves.png, logger validation and resume trimming."""
+
+import json
+import logging
+import math
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from hybridflow.trainer.tracking import Tracker, check_loggers, format_step_line, validation_accuracy
+from hybridflow.utils.plot import PALETTE
+
+LOGGER = "hybridflow.trainer.tracking"
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def png_pixels(data: bytes) -> np.ndarray:
+    """Decode an 8-bit RGB PNG written with filter type 0 (CRCs checked) into (H, W, 3)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, size = 8, b"", None
+    while pos < len(data):
+        (n,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + n]
+        assert struct.unpack(">I", data[pos + 8 + n : pos + 12 + n])[0] == zlib.crc32(kind + body)
+        if kind == b"IHDR":
+            size = struct.unpack(">II", body[:8])
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + n
+    w, h = size
+    rows = np.frombuffer(zlib.decompress(idat), dtype=np.uint8).reshape(h, 1 + 3 * w)
+    assert (rows[:, 0] == 0).all()
+    return rows[:, 1:].reshape(h, w, 3)
+
+
+def has_colour(img, colour):
+    return bool((img == np.array(colour, dtype=np.uint8)).all(axis=-1).any())
+
+
+def test_jsonl_lines_with_plain_floats_and_null_for_nan(tmp_path):
+    with Tracker(tmp_path, total_steps=10, loggers=["console"], plot_every=0, use_tqdm=False) as t:
+        t.log(1, {"actor/pg_loss": np.float32(0.5), "critic/score/mean": torch.tensor(0.25), "n": 3})
+        t.log(2, {"actor/pg_loss": float("nan"), "x": -math.inf, "y": 1.5})
+    rows = read_jsonl(tmp_path / "metrics.jsonl")  # jsonl is on although only console was asked for
+    assert rows == [
+        {"step": 1, "actor/pg_loss": 0.5, "critic/score/mean": 0.25, "n": 3.0},
+        {"step": 2, "actor/pg_loss": None, "x": None, "y": 1.5},
+    ]
+    assert "NaN" not in (tmp_path / "metrics.jsonl").read_text()  # strict JSON, readable by any parser
+
+
+def test_console_line_format(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    t = Tracker(tmp_path, total_steps=100, plot_every=0, use_tqdm=False)
+    t.log(3, {"actor/pg_loss": 0.012, "critic/score/mean": 0.72, "perf/time_per_step": 0.58, "other": 9.0})
+    t.log(4, {"critic/score/mean": 0.5})
+    t.log(5, {"actor/pg_loss": float("nan")})
+    t.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER and r.getMessage().startswith("Step")]
+    assert lines == [
+        "Step 3/100 | Loss: 0.012 | Reward: 0.72 | Time: 0.58s",
+        "Step 4/100 | Reward: 0.5",
+        "Step 5/100 | Loss: nan",
+    ]
+
+
+def test_console_line_shows_validation_accuracy():
+    assert format_step_line(0, 20, {"val/accuracy": 0.25}) == "Step 0/20 | Val acc: 0.25"
+    metrics = {"val-core/arith/reward/mean@1": 0.5, "val-core/openai/gsm8k/acc/mean@1": 0.125}
+    assert format_step_line(7, 20, {"perf/time_per_step": 1.234, **metrics}) == (
+        "Step 7/20 | Time: 1.23s | Val acc (arith): 0.5 | Val acc (openai/gsm8k): 0.125"
+    )
+
+
+def test_validation_accuracy_prefers_acc_then_smallest_n():
+    metrics = {
+        "val-core/a/reward/mean@1": 0.9,
+        "val-core/a/acc/mean@4": 0.4,
+        "val-core/a/acc/mean@1": 0.3,
+        "val-core/b/reward/mean@8": 0.6,
+        "val-core/b/reward/best@8/mean": 1.0,
+        "val-aux/c/reward/mean@1": 0.2,
+    }
+    assert validation_accuracy(metrics) == {"a": 0.3, "b": 0.6}
+
+
+def test_no_console_logger_means_no_lines(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    with Tracker(tmp_path, total_steps=5, loggers=["jsonl"], plot_every=0) as t:
+        t.log(1, {"critic/score/mean": 1.0})
+    assert not [r for r in caplog.records if r.getMessage().startswith("Step")]
+    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 1
+
+
+def test_plot_is_written_and_shows_the_series(tmp_path):
+    t = Tracker(tmp_path, total_steps=4, loggers=[], plot_every=2)
+    t.log(1, {"critic/score/mean": 0.1, "actor/ppo_kl": 0.0, "perf/time_per_step": 0.5})
+    assert not (tmp_path / "curves.png").exists()  # plot_every=2: not yet
+    t.log(
+        2, {"critic/score/mean": 0.3, "actor/ppo_kl": 0.01, "actor/kl_loss": 0.02, "perf/time_per_step": 0.5}
+    )
+    assert (tmp_path / "curves.png").exists()
+    t.log(3, {"critic/score/mean": float("nan"), "val-core/arith/reward/mean@1": 0.4})
+    t.close()
+    img = png_pixels((tmp_path / "curves.png").read_bytes())
+    assert img.shape[0] > 100 and img.shape[1] > 100
+    assert has_colour(img, PALETTE[0]) and has_colour(img, PALETTE[1])  # KL has two series
+
+
+def test_plot_without_any_metric_still_writes_a_png(tmp_path):
+    Tracker(tmp_path, total_steps=3, loggers=[]).close()
+    assert png_pixels((tmp_path / "curves.png").read_bytes()).ndim == 3
+
+
+def test_unknown_and_uninstalled_loggers(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="supported loggers: console, jsonl, tensorboard, wandb"):
+        Tracker(tmp_path, total_steps=1, loggers=["console", "mlflow"])
+    with pytest.raises(TypeError, match="list of names"):
+        check_loggers("console")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    with pytest.raises(ValueError, match=r"pip install 'hybridflow\[wandb\]'"):
+        check_loggers(["wandb"])
+    with pytest.raises(ValueError, match=r"pip install 'hybridflow\[tensorboard\]'"):
+        check_loggers(["tensorboard"])
+    assert check_loggers(["console", "console"]) == ["console", "jsonl"]
+    assert not (tmp_path / "metrics.jsonl").exists()  # a bad logger fails before anything is written
+
+
+def test_bad_metric_values_raise(tmp_path):
+    with Tracker(tmp_path, total_steps=1, loggers=[], plot_every=0) as t:
+        with pytest.raises(TypeError, match="'name' must be a number"):
+            t.log(1, {"name": "grpo"})
+        with pytest.raises(ValueError, match="reserved"):
+            t.log(1, {"step": 1.0})
+    with pytest.raises(ValueError, match="plot_every"):
+        Tracker(tmp_path, total_steps=1, plot_every=-1)
+
+
+def test_other_ranks_write_nothing(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    with Tracker(tmp_path / "run", total_steps=2, rank=1, use_tqdm=False) as t:
+        t.log(1, {"critic/score/mean": 1.0})
+        assert t.plot() is None
+    assert not (tmp_path / "run").exists()
+    assert not [r for r in caplog.records if r.getMessage().startswith("Step")]
+
+
+def test_fresh_run_truncates_and_resume_keeps_earlier_steps(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    with Tracker(tmp_path, total_steps=6, loggers=[], plot_every=0) as t:
+        for step in range(1, 6):
+            t.log(step, {"critic/score/mean": step / 10})
+    with path.open("a") as f:
+        f.write('{"step": 6, "critic/sco')  # a line torn by a kill
+    with Tracker(tmp_path, total_steps=6, loggers=[], plot_every=0, resume_step=3) as t:
+        t.log(4, {"critic/score/mean": 0.0})
+    assert [(r["step"], r["critic/score/mean"]) for r in read_jsonl(path)] == [
+        (1, 0.1),
+        (2, 0.2),
+        (3, 0.3),
+        (4, 0.0),
+    ]
+    with Tracker(tmp_path, total_steps=6, loggers=[], plot_every=0) as t:
+        t.log(1, {"critic/score/mean": 0.7})
+    assert read_jsonl(path) == [{"step": 1, "critic/score/mean": 0.7}]
+
+
+def test_tqdm_mode_writes_the_line_above_a_bar(tmp_path, capsys, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    with Tracker(tmp_path, total_steps=10, plot_every=0, use_tqdm=True) as t:
+        t.log(2, {"critic/score/mean": 0.5})
+    err = capsys.readouterr().err
+    assert "Step 2/10 | Reward: 0.5" in err
+    assert "2/10" in err.replace("Step 2/10", "")  # the bar's own counter
+    assert not [r for r in caplog.records if r.getMessage().startswith("Step")]  # not logged twice
