@@ -132,6 +132,34 @@ class ActorEngine:
             metrics["actor/kl_coef"] = self.actor.kl_loss_coef
         return metrics
 
+    def update_sft(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step per mini-batch of negative log-likelihood on the response tokens (SFT)."""
+        check_batch(batch, (*SCORING_KEYS, "response_mask"))
+        self.engine.onload()
+        self.module.train()
+        losses, norms = [], []
+        for mini in self._mini_batches(batch):
+            counts = {k: int(all_reduce_sum(v)) for k, v in local_batch_info(mini["response_mask"]).items()}
+            total = torch.zeros((), dtype=torch.float64)
+            a = self.actor
+            for idx in micro_batch_indices(
+                mini, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu
+            ):
+                mb = mini[idx].to(self.engine.device)
+                logp, _ = self._score(mb, 1.0, with_entropy=False)  # (b, R)
+                loss = -agg_loss(logp, mb["response_mask"], "token-mean", dp_size=world_size(), **counts)
+                loss.backward()
+                total += float(loss.detach()) / world_size()
+            losses.append(float(all_reduce_sum(total)))
+            norms.append(self.engine.optimizer_step())
+        self.engine.lr_step()
+        self.engine.offload()
+        return {
+            "sft/loss": sum(losses) / len(losses),
+            "sft/grad_norm": sum(norms) / len(norms),
+            "sft/lr": self.engine.lr,
+        }
+
     def _loss_config(self, mini: Batch) -> PolicyLossConfig:
         a = self.actor
         counts = {k: int(all_reduce_sum(v)) for k, v in local_batch_info(mini["response_mask"]).items()}
