@@ -22,7 +22,12 @@ from hybridflow.config import ConfigError
 logger = logging.getLogger(__name__)
 
 # Subcommand modules, in the order `hybridflow --help` lists them. Add a module here to add a command.
-COMMANDS: tuple[str, ...] = ("hybridflow.cli.config_cmd", "hybridflow.cli.generate_cmd")
+COMMANDS: tuple[str, ...] = (
+    "hybridflow.cli.train_cmd",
+    "hybridflow.cli.sft_cmd",
+    "hybridflow.cli.generate_cmd",
+    "hybridflow.cli.config_cmd",
+)
 
 USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, yaml.YAMLError)
 EXIT_USER_ERROR = 2

@@ -57,6 +57,9 @@ class DataConfig:
     task: str = option("arithmetic", "Built-in synthetic task used when train_files is null.")
     task_train_size: int = option(2000, "Number of generated training problems of the built-in task.")
     task_val_size: int = option(200, "Number of generated held-out problems of the built-in task.")
+    task_kwargs: dict[str, Any] = option(
+        {}, "Keyword arguments of the built-in task generator (e.g. digits, ops)."
+    )
     prompt_key: str = option("prompt", "Dataset column holding the prompt (chat messages or text).")
     response_key: str = option("response", "Dataset column holding the target response (SFT only).")
     reward_fn_key: str = option("data_source", "Dataset column that selects the reward function.")

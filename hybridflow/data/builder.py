@@ -24,7 +24,7 @@ def load_split_rows(
         return load_rows(files)
     size = data.task_train_size if split == "train" else data.task_val_size
     task_split = "train" if split == "train" else "test"
-    rows = make_task(data.task, task_split, size, seed, **(task_kwargs or {}))
+    rows = make_task(data.task, task_split, size, seed, **{**data.task_kwargs, **(task_kwargs or {})})
     return Rows(rows)
 
 

@@ -14,6 +14,7 @@ from hybridflow.algos.kl import kl_penalty
 from hybridflow.algos.policy_loss import PolicyLossConfig, get_policy_loss_fn
 from hybridflow.config.schema import ActorConfig, FSDPConfig, OptimConfig
 from hybridflow.engine.micro_batch import check_batch, micro_batch_indices, restore_order
+from hybridflow.engine.packed_attention import use_packed_attention
 from hybridflow.engine.packing import build_scoring_inputs, scatter_to_responses
 from hybridflow.engine.scorer import PolicyScorer, decoder_layers
 from hybridflow.engine.train_engine import TrainEngine
@@ -44,6 +45,8 @@ class ActorEngine:
         self.actor = actor
         self.rollout_n = rollout_n
         self.remove_padding = use_remove_padding
+        if use_remove_padding:
+            use_packed_attention(lm)
         if gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         optim: OptimConfig | None = actor.optim if trainable else None
@@ -63,14 +66,14 @@ class ActorEngine:
         return self.engine.module
 
     def _score(
-        self, mb: Batch, temperature: float, with_entropy: bool
+        self, mb: Batch, temperature: float, with_entropy: bool, entropy_grad: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         mb = mb.to(self.engine.device)
         B, R = mb["responses"].shape
         inputs = build_scoring_inputs(
             mb["input_ids"], mb["attention_mask"], mb["position_ids"], R, self.remove_padding
         )
-        logp, ent = self.module(inputs, temperature, with_entropy)  # (M,), (M,)
+        logp, ent = self.module(inputs, temperature, with_entropy, entropy_grad)  # (M,), (M,)
         logp = scatter_to_responses(logp, inputs.scatter_index, B, R)  # (B, R)
         return logp, (None if ent is None else scatter_to_responses(ent, inputs.scatter_index, B, R))
 
@@ -133,32 +136,26 @@ class ActorEngine:
         return metrics
 
     def update_sft(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step per mini-batch of negative log-likelihood on the response tokens (SFT)."""
+        """One optimizer step of negative log-likelihood on the response tokens of ``batch`` (SFT)."""
         check_batch(batch, (*SCORING_KEYS, "response_mask"))
         self.engine.onload()
         self.module.train()
-        losses, norms = [], []
-        for mini in self._mini_batches(batch):
-            counts = {k: int(all_reduce_sum(v)) for k, v in local_batch_info(mini["response_mask"]).items()}
-            total = torch.zeros((), dtype=torch.float64)
-            a = self.actor
-            for idx in micro_batch_indices(
-                mini, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu
-            ):
-                mb = mini[idx].to(self.engine.device)
-                logp, _ = self._score(mb, 1.0, with_entropy=False)  # (b, R)
-                loss = -agg_loss(logp, mb["response_mask"], "token-mean", dp_size=world_size(), **counts)
-                loss.backward()
-                total += float(loss.detach()) / world_size()
-            losses.append(float(all_reduce_sum(total)))
-            norms.append(self.engine.optimizer_step())
+        a = self.actor
+        counts = {k: int(all_reduce_sum(v)) for k, v in local_batch_info(batch["response_mask"]).items()}
+        total = torch.zeros((), dtype=torch.float64)
+        for idx in micro_batch_indices(
+            batch, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu
+        ):
+            mb = batch[idx].to(self.engine.device)
+            logp, _ = self._score(mb, 1.0, with_entropy=False)  # (b, R)
+            loss = -agg_loss(logp, mb["response_mask"], "token-mean", dp_size=world_size(), **counts)
+            loss.backward()
+            total += float(loss.detach()) / world_size()
+        metrics = {"sft/loss": float(all_reduce_sum(total)), "sft/grad_norm": self.engine.optimizer_step()}
         self.engine.lr_step()
         self.engine.offload()
-        return {
-            "sft/loss": sum(losses) / len(losses),
-            "sft/grad_norm": sum(norms) / len(norms),
-            "sft/lr": self.engine.lr,
-        }
+        metrics["sft/lr"] = self.engine.lr
+        return metrics
 
     def _loss_config(self, mini: Batch) -> PolicyLossConfig:
         a = self.actor
@@ -196,7 +193,8 @@ class ActorEngine:
         for idx in micro_batch_indices(mini, micro_size, a.use_dynamic_bsz, max_tokens):
             mb = mini[idx].to(self.engine.device)
             mask = mb["response_mask"]  # (b, R)
-            logp, ent = self._score(mb, temperature, with_entropy=True)  # (b, R) each
+            # The entropy is always reported; it needs a gradient only when it is in the loss.
+            logp, ent = self._score(mb, temperature, True, entropy_grad=a.entropy_coeff != 0)  # (b, R) each
             old = logp.detach() if on_policy else mb["old_log_probs"]
             weights = mb.get("rollout_is_weights")
             pg_loss, pg_metrics = loss_fn(old, logp, mb["advantages"], mask, a.loss_agg_mode, cfg, weights)

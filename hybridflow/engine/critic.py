@@ -12,6 +12,7 @@ from hybridflow.algos.aggregation import local_batch_info
 from hybridflow.algos.value_loss import compute_value_loss
 from hybridflow.config.schema import CriticConfig
 from hybridflow.engine.micro_batch import check_batch, micro_batch_indices, restore_order
+from hybridflow.engine.packed_attention import use_packed_attention
 from hybridflow.engine.packing import build_scoring_inputs, scatter_to_responses
 from hybridflow.engine.scorer import ValueScorer, decoder_layers
 from hybridflow.engine.train_engine import TrainEngine
@@ -40,6 +41,8 @@ class CriticEngine:
     ) -> None:
         self.critic = critic
         self.remove_padding = use_remove_padding
+        if use_remove_padding:
+            use_packed_attention(value_model)
         if gradient_checkpointing:
             value_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine = TrainEngine(

@@ -15,13 +15,21 @@ HEAD_CHUNK_ROWS = 2048
 
 
 def _score_chunk(
-    hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, temperature: float, with_entropy: bool
+    hidden: torch.Tensor,
+    head: nn.Module,
+    labels: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     logits = head(hidden).float() / temperature  # (r, V) float32: log-softmax needs the range
     lse = torch.logsumexp(logits, dim=-1)  # (r,)
     logp = logits.gather(-1, labels[:, None]).squeeze(-1) - lse  # (r,)
     if not with_entropy:
         return logp, torch.zeros_like(logp)
+    if not entropy_grad:  # a metric only: no backward through the softmax over V
+        with torch.no_grad():
+            return logp, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # (r,)
     return logp, entropy
 
@@ -33,13 +41,24 @@ def score_hidden_states(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_rows: int = HEAD_CHUNK_ROWS,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of each label under ``head(hidden) / temperature`` and optionally the entropy, in float32."""
+    """Log-prob of each label under ``head(hidden) / temperature`` and optionally the entropy, in float32.
+
+    ``entropy_grad=False`` returns the entropy detached (for the metric), skipping its backward.
+    """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     logps, ents = [], []
     for s in range(0, hidden.shape[0], chunk_rows):
-        args = (hidden[s : s + chunk_rows], head, labels[s : s + chunk_rows], temperature, with_entropy)
+        args = (
+            hidden[s : s + chunk_rows],
+            head,
+            labels[s : s + chunk_rows],
+            temperature,
+            with_entropy,
+            entropy_grad,
+        )
         if torch.is_grad_enabled() and hidden.requires_grad:
             lp, ent = checkpoint(_score_chunk, *args, use_reentrant=False)
         else:

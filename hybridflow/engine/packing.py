@@ -23,6 +23,7 @@ class ScoringInputs:
     gather_index: torch.Tensor  # (M,) rows of the flattened hidden states that score a response token
     labels: torch.Tensor  # (M,) the response tokens being scored
     scatter_index: torch.Tensor  # (M,) flat positions in (B * R) where each score belongs
+    seq_bounds: list[int] | None = None  # packed: start of each sequence in (1, S), then S
 
 
 def check_scoring_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int) -> None:
@@ -63,6 +64,11 @@ def build_scoring_inputs(
     flat_mask = mask.reshape(-1)  # (B*T,)
     packed_pos = torch.cumsum(flat_mask.long(), 0) - 1  # (B*T,) packed row of each kept token
     keep = flat_mask.nonzero(as_tuple=True)[0]  # (S,)
+    lengths = mask.sum(-1).tolist()  # one host sync per micro-batch: the bounds every layer needs
+    bounds = [0]
+    for n in lengths:
+        if n:
+            bounds.append(bounds[-1] + n)
     return ScoringInputs(
         input_ids=input_ids.reshape(-1)[keep][None],  # (1, S)
         position_ids=position_ids.reshape(-1)[keep][None],  # (1, S)
@@ -70,6 +76,7 @@ def build_scoring_inputs(
         gather_index=packed_pos[padded_rows],  # (M,)
         labels=labels,
         scatter_index=scatter_index,
+        seq_bounds=bounds,
     )
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from hybridflow.engine.lm_head import score_hidden_states
+from hybridflow.engine.packed_attention import BOUNDS_KWARG
 from hybridflow.engine.packing import ScoringInputs
 
 
@@ -35,11 +36,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def _hidden_rows(body: nn.Module, inputs: ScoringInputs) -> torch.Tensor:
+    extra = {} if inputs.seq_bounds is None else {BOUNDS_KWARG: inputs.seq_bounds}
     out = body(
         input_ids=inputs.input_ids,
         attention_mask=inputs.attention_mask,
         position_ids=inputs.position_ids,
         use_cache=False,
+        **extra,
     )
     hidden = out.last_hidden_state  # (b, t, H)
     return hidden.reshape(-1, hidden.shape[-1])[inputs.gather_index]  # (M, H)
@@ -53,12 +56,18 @@ class PolicyScorer(nn.Module):
         self.lm = lm
 
     def forward(
-        self, inputs: ScoringInputs, temperature: float = 1.0, with_entropy: bool = False
+        self,
+        inputs: ScoringInputs,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        entropy_grad: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return ``(log_probs (M,), entropy (M,) or None)`` in float32 for ``inputs.labels``."""
         rows = _hidden_rows(decoder_of(self.lm), inputs)  # (M, H)
         head = self.lm.get_output_embeddings()
-        return score_hidden_states(rows, head, inputs.labels, temperature, with_entropy)
+        return score_hidden_states(
+            rows, head, inputs.labels, temperature, with_entropy, entropy_grad=entropy_grad
+        )
 
 
 class ValueScorer(nn.Module):

@@ -121,8 +121,9 @@ class TrainEngine:
 
     def offload(self) -> None:
         """Move parameters / optimizer state to CPU as configured, handing the device memory to other phases."""
-        if not self.on_device or self.device.type == "cpu":
-            return
+        offloads = self.fsdp.param_offload or self.fsdp.optimizer_offload
+        if not offloads or not self.on_device or self.device.type == "cpu":
+            return  # nothing moves: keep the allocator's cache (emptying it costs a device sync)
         if self.fsdp.param_offload:
             move_model(self.module, "cpu")
         if self.fsdp.optimizer_offload and self.optimizer is not None:

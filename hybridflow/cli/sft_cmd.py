@@ -1,0 +1,34 @@
+"""``hybridflow sft CONFIG.yaml [key=value ...] --out DIR``: supervised fine-tuning to a model directory."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+NAME = "sft"
+HELP = "Supervised fine-tuning on prompt/response rows (loss on the response only)."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """A YAML config, overrides, and the output directory."""
+    parser.add_argument(
+        "args",
+        nargs="*",
+        metavar="[CONFIG] [key=value ...]",
+        help="YAML config and overrides (model.path, data.train_files, actor.optim.lr, ...).",
+    )
+    parser.add_argument("--out", default=None, help="Output model directory (default: {run_dir}/sft_model).")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train and save a Hugging Face model directory."""
+    from hybridflow.cli.config_cmd import split_file_and_overrides
+    from hybridflow.config import load_config
+    from hybridflow.trainer.jobs import sft_job
+
+    path, overrides = split_file_and_overrides(args.args)
+    cfg = load_config(path, overrides)
+    out = Path(args.out or Path(cfg.trainer.run_dir()) / "sft_model")
+    metrics = sft_job(cfg, out)
+    print(f"SFT done: loss {metrics['sft/loss']:.4f}; model saved to {out}")
+    return 0

@@ -1,0 +1,37 @@
+"""``hybridflow train [CONFIG.yaml] [key=value ...]``: the built-in demo with no config, else an RL run."""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "train"
+HELP = "Train with PPO/GRPO and friends (no config: the built-in CPU demo)."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """An optional YAML config followed by key=value overrides."""
+    parser.add_argument(
+        "args",
+        nargs="*",
+        metavar="[CONFIG] [key=value ...]",
+        help="YAML config (omit it for the demo), then overrides such as rollout.n=8.",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo or the configured job, printing the before/after table for the demo."""
+    from hybridflow.cli.config_cmd import split_file_and_overrides
+
+    path, overrides = split_file_and_overrides(args.args)
+    if path is None:
+        from hybridflow.trainer.demo import format_table, run_demo
+
+        print(format_table(run_demo(overrides)))
+        return 0
+    from hybridflow.config import load_config
+    from hybridflow.trainer.jobs import rl_job
+
+    cfg = load_config(path, overrides)
+    history = rl_job(cfg)
+    print(f"done: {len(history)} steps; metrics in {cfg.trainer.run_dir()}/metrics.jsonl")
+    return 0

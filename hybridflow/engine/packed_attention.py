@@ -1,0 +1,77 @@
+"""Attention for packed (remove-padding) batches that never builds a dense mask.
+
+Given packed position ids and no attention mask, transformers builds a dense (S, S) block-diagonal mask;
+with a mask SDPA can neither use its causal kernels nor GQA without repeating K/V, and it computes every
+score: at 16k tokens that was ~1.2 s of a 2.2 s training step on an H200. Here each packed sequence gets
+its own causal SDPA call on a slice of the packed tensors (GQA native), so the work is exactly the
+block-diagonal part. The sequence bounds travel as a host-side list (no device sync per layer).
+
+Registered with transformers under ``hybridflow_packed``. Calls without bounds (e.g. HF ``generate`` with
+an attention mask) fall through to transformers' own SDPA attention and mask.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+PACKED_ATTENTION = "hybridflow_packed"
+BOUNDS_KWARG = "packed_seq_bounds"
+
+
+def packed_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """No mask for packed or unpadded inputs (the attention is causal per sequence); SDPA's otherwise."""
+    if attention_mask is None:
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def packed_attention(
+    module: nn.Module,
+    query: torch.Tensor,  # (1, H, S, D)
+    key: torch.Tensor,  # (1, KVH, S, D)
+    value: torch.Tensor,  # (1, KVH, S, D)
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention within each packed sequence; returns (1, S, H, D) like transformers' SDPA path."""
+    bounds = kwargs.pop(BOUNDS_KWARG, None)
+    if bounds is None:
+        if attention_mask is None and query.shape[2] > 1:
+            is_causal = True  # an unpadded batch: plain causal attention
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
+        )
+    parts = []
+    for start, end in itertools.pairwise(bounds):
+        parts.append(
+            F.scaled_dot_product_attention(
+                query[:, :, start:end],
+                key[:, :, start:end],
+                value[:, :, start:end],
+                is_causal=True,
+                scale=scaling,
+                dropout_p=dropout if module.training else 0.0,
+                enable_gqa=True,
+            )
+        )  # (1, H, s, D)
+    out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # (1, H, S, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+AttentionMaskInterface.register(PACKED_ATTENTION, packed_mask)
+
+
+def use_packed_attention(model: nn.Module) -> None:
+    """Switch a Hugging Face model to the packed attention (it still serves padded calls unchanged)."""
+    model.set_attn_implementation(PACKED_ATTENTION)

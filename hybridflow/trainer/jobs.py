@@ -1,0 +1,98 @@
+"""Whole runs: SFT to a model directory, PPO-family RL from one, and the built-in demo that chains them."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridflow.config import Config, save_config
+from hybridflow.data import load_split_rows
+from hybridflow.engine.fsdp import full_state_dict
+from hybridflow.models import load_causal_lm, load_tokenizer
+from hybridflow.trainer.builder import Components, build_components, eos_ids_of, load_policy
+from hybridflow.trainer.ppo import PPOTrainer
+from hybridflow.trainer.sft import encode_pairs, run_sft
+from hybridflow.trainer.tracking import Tracker
+from hybridflow.utils.seed import set_seed
+from hybridflow.workers.actor import ActorWorker
+
+logger = logging.getLogger(__name__)
+
+
+def save_hf_model(actor: ActorWorker, tokenizer: Any, base: torch.nn.Module | str, out_dir: Path) -> Path:
+    """Write the actor's current weights as a Hugging Face model directory (with the tokenizer)."""
+    state = {k.removeprefix("lm."): v for k, v in full_state_dict(actor.engine.module).items()}
+    model = load_causal_lm(base) if isinstance(base, str) else base
+    model.load_state_dict(state, strict=False)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def sft_job(
+    cfg: Config,
+    out_dir: Path,
+    model: torch.nn.Module | None = None,
+    tokenizer: Any = None,
+    rows: list[dict] | None = None,
+) -> dict[str, float]:
+    """Supervised fine-tuning of ``model.path`` (or the given model) on the train rows; saves to ``out_dir``."""
+    set_seed(cfg.trainer.seed)
+    if model is None:
+        model, tokenizer = load_policy(cfg)
+    base = copy.deepcopy(model)  # a clean module to receive the trained weights for saving
+    rows = rows if rows is not None else load_split_rows(cfg.data, "train", cfg.trainer.seed)
+    end = eos_ids_of(model, tokenizer)[-1]  # the chat end token for chat models (last of the stop ids)
+    prompts, responses = encode_pairs(tokenizer, rows, end)
+    steps = (
+        cfg.trainer.total_training_steps
+        or max(1, len(rows) // cfg.data.train_batch_size) * cfg.trainer.total_epochs
+    )
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    actor = ActorWorker(model, cfg, steps, pad)
+    tracker = Tracker(out_dir, steps, loggers=cfg.trainer.logger, plot_every=0)
+    history = run_sft(
+        actor,
+        prompts,
+        responses,
+        steps,
+        cfg.data.train_batch_size,
+        pad,
+        cfg.trainer.seed,
+        on_step=tracker.log,
+    )
+    tracker.close()
+    save_hf_model(actor, tokenizer, base, out_dir)
+    save_config(cfg, out_dir / "sft_config.yaml")
+    return history[-1]
+
+
+def rl_job(
+    cfg: Config, components: Components | None = None, reward_fn: Any = None
+) -> list[dict[str, float]]:
+    """PPO-family training as configured; writes config.yaml, metrics.jsonl and curves.png to the run dir."""
+    set_seed(cfg.trainer.seed)
+    run_dir = Path(cfg.trainer.run_dir())
+    save_config(cfg, run_dir / "config.yaml")
+    components = components or build_components(cfg, reward_fn=reward_fn)
+    with Tracker(
+        run_dir,
+        components.total_steps,
+        loggers=cfg.trainer.logger,
+        experiment_name=cfg.trainer.experiment_name,
+    ) as tracker:
+        history = PPOTrainer(cfg, components, tracker).fit()
+    components.scorer.close()
+    return history
+
+
+def load_components_from(path: Path, cfg: Config, reward_fn: Any = None) -> Components:
+    """Components with the policy loaded from a saved model directory."""
+    model = load_causal_lm(str(path))
+    tokenizer = load_tokenizer(str(path))
+    return build_components(cfg, model, tokenizer, reward_fn=reward_fn)

@@ -1,0 +1,57 @@
+"""verl-named metrics of one training step, computed from the step's batch."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.protocol import Batch
+
+
+def _stats(name: str, values: torch.Tensor) -> dict[str, float]:
+    if values.numel() == 0:
+        return {}
+    values = values.float()
+    return {
+        f"{name}/mean": float(values.mean()),
+        f"{name}/max": float(values.max()),
+        f"{name}/min": float(values.min()),
+    }
+
+
+def compute_data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
+    """Scores, rewards, advantages, returns, values, and prompt/response lengths under verl's names."""
+    mask = batch["response_mask"].bool()  # (B, R)
+    response_len = mask.sum(-1).float()  # (B,)
+    prompt_len = batch["attention_mask"][:, :-max_response_length].sum(-1).float()  # (B,)
+    metrics = {}
+    metrics.update(_stats("critic/score", batch["token_level_scores"].sum(-1)))
+    metrics.update(_stats("critic/rewards", batch["token_level_rewards"].sum(-1)))
+    valid = mask.any(-1)
+    for key, name in (
+        ("advantages", "critic/advantages"),
+        ("returns", "critic/returns"),
+        ("values", "critic/values"),
+    ):
+        if key in batch:
+            metrics.update(_stats(name, batch[key][mask]))
+    metrics.update(_stats("response_length", response_len))
+    metrics["response_length/clip_ratio"] = float((response_len == max_response_length).float().mean())
+    metrics.update(_stats("prompt_length", prompt_len))
+    if "acc" in batch:
+        metrics["critic/acc/mean"] = float(torch.as_tensor(list(batch["acc"]), dtype=torch.float32).mean())
+    metrics["response_length/empty_ratio"] = float((~valid).float().mean())
+    return metrics
+
+
+def throughput_metrics(batch: Batch, step_time: float, num_devices: int) -> dict[str, float]:
+    """``perf/throughput`` (tokens per second per device over the step) and its companions."""
+    tokens = float(batch["attention_mask"].sum())
+    out = {
+        "perf/total_num_tokens": tokens,
+        "perf/time_per_step": step_time,
+        "perf/throughput": tokens / max(step_time, 1e-9) / max(num_devices, 1),
+    }
+    if torch.cuda.is_available():
+        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
+    return out

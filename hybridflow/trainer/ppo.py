@@ -1,0 +1,249 @@
+"""The single controller of PPO-family training: one step is a dataflow of stages over one batch."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridflow.algos import (
+    compute_kl_in_reward,
+    compute_rollout_correction_and_rejection_mask,
+    get_adv_estimator_fn,
+    get_kl_controller,
+)
+from hybridflow.config.schema import Config
+from hybridflow.data import PromptSampler, collate_prompts
+from hybridflow.protocol import Batch
+from hybridflow.rewards import place_on_last_token
+from hybridflow.trainer.dataflow import Dataflow, Stage
+from hybridflow.trainer.metrics import compute_data_metrics, throughput_metrics
+from hybridflow.trainer.tracking import Tracker
+from hybridflow.trainer.validation import validate
+
+logger = logging.getLogger(__name__)
+
+PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
+SEQ_KEYS = (*PROMPT_KEYS, "responses")  # what every pass over (prompt + response) reads
+
+
+class PPOTrainer:
+    """Drives the workers: rollout, reward, log-probs, values, advantages, critic and actor updates."""
+
+    def __init__(self, cfg: Config, components: Any, tracker: Tracker | None = None) -> None:
+        self.cfg = cfg
+        self.c = components  # tokenizer, actor, ref, critic, train/val datasets, scorer, eos ids
+        self.tracker = tracker
+        self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
+        self.sampler = PromptSampler(
+            len(components.train), cfg.data.train_batch_size, cfg.trainer.seed, shuffle=cfg.data.shuffle
+        )
+        self.total_steps = components.total_steps
+        self.global_step = 0
+        self.dataflow = Dataflow(
+            self._stages(),
+            inputs=(*PROMPT_KEYS, "data_source", "ground_truth", "extra_info"),
+            keep=(
+                "token_level_scores",
+                "token_level_rewards",
+                "response_mask",
+                "attention_mask",
+                "advantages",
+                "returns",
+                "values",
+                "acc",
+            ),
+        )
+
+    # ----- the recipe -------------------------------------------------------------------------------------
+    def _stages(self) -> list[Stage]:
+        cfg = self.cfg
+        scores = ("token_level_scores", "acc")
+        stages = [
+            Stage(
+                "gen",
+                PROMPT_KEYS,
+                ("responses", "response_mask", "rollout_log_probs", "uid"),
+                self._rollout,
+                replaces_batch=True,
+            ),
+            Stage(
+                "reward", ("responses", "response_mask", "data_source", "ground_truth"), scores, self._reward
+            ),
+            Stage(
+                "old_log_prob", ("input_ids", "responses"), ("old_log_probs", "entropys"), self._old_log_prob
+            ),
+        ]
+        if cfg.algorithm.adv_estimator == "remax":
+            reads = (*SEQ_KEYS, "data_source", "ground_truth", "extra_info")
+            stages.append(Stage("gen_max", reads, ("reward_baselines",), self._greedy_baseline))
+        if self.c.ref is not None:
+            stages.append(Stage("ref", SEQ_KEYS, ("ref_log_prob",), self._ref_log_prob))
+        if self.c.critic is not None:
+            stages.append(Stage("values", SEQ_KEYS, ("values",), self._values))
+        adv_reads = ["token_level_scores", "response_mask", "uid", "old_log_probs", "rollout_log_probs"]
+        adv_reads += ["ref_log_prob"] if cfg.algorithm.use_kl_in_reward else []
+        adv_reads += ["values"] if self.c.critic is not None else []
+        adv_reads += ["reward_baselines"] if cfg.algorithm.adv_estimator == "remax" else []
+        stages.append(
+            Stage("adv", tuple(adv_reads), ("advantages", "returns", "token_level_rewards"), self._advantages)
+        )
+        if self.c.critic is not None:
+            stages.append(
+                Stage(
+                    "update_critic",
+                    (*SEQ_KEYS, "values", "returns", "response_mask"),
+                    (),
+                    self._update_critic,
+                )
+            )
+        actor_reads = [*SEQ_KEYS, "advantages", "old_log_probs", "response_mask"]
+        actor_reads += ["ref_log_prob"] if cfg.actor.use_kl_loss else []
+        stages.append(Stage("update_actor", tuple(actor_reads), (), self._update_actor))
+        return stages
+
+    def fit(self) -> list[dict[str, float]]:
+        """Train for ``total_steps`` steps, validating as configured; returns every step's metrics."""
+        history = []
+        t = self.cfg.trainer
+        if t.val_before_train and self.c.val is not None:
+            self._log(0, validate(self.cfg, self.c, prefix="val-core"))
+        while self.global_step < self.total_steps:
+            self.global_step += 1
+            metrics = self.step()
+            if (
+                self.c.val is not None
+                and t.test_freq > 0
+                and (self.global_step % t.test_freq == 0 or self.global_step == self.total_steps)
+            ):
+                metrics.update(validate(self.cfg, self.c, prefix="val-core"))
+            self._log(self.global_step, metrics)
+            history.append(metrics)
+        return history
+
+    def step(self) -> dict[str, float]:
+        """One training step: the dataflow over a fresh batch of prompts, then the step's metrics."""
+        start = time.perf_counter()
+        indices = self.sampler.next_batch()
+        batch = collate_prompts([self.c.train[i] for i in indices], self.c.pad_token_id)
+        metrics: dict[str, float] = {"training/global_step": float(self.global_step)}
+        batch = self.dataflow.run(batch, metrics)
+        elapsed = time.perf_counter() - start
+        metrics.update(compute_data_metrics(batch, self.cfg.data.max_response_length))
+        metrics.update(throughput_metrics(batch, elapsed, self.cfg.trainer.world_size))
+        return metrics
+
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.tracker is not None:
+            self.tracker.log(step, metrics)
+
+    # ----- stages -----------------------------------------------------------------------------------------
+    def _rollout(self, batch: Batch, metrics: dict[str, float]) -> Batch:
+        r = self.cfg.rollout
+        params = self.c.actor.sampling_params(
+            r.n,
+            r.temperature,
+            r.top_p,
+            r.top_k,
+            r.do_sample,
+            self.c.eos_token_ids,
+            seed=self.cfg.trainer.seed + self.global_step,
+        )
+        out = self.c.actor.generate(batch.select(PROMPT_KEYS, non_tensor_keys=[]), params)
+        # From here on the batch holds one row per sample: prompts' fields repeat n times, interleaved.
+        for key, values in batch.non_tensors.items():
+            out[key] = np.repeat(values, r.n)
+        return out
+
+    def _reward(self, batch: Batch, metrics: dict[str, float]) -> Batch:
+        scores, extra = self.c.scorer.score(batch)  # (B,), per-sample extras
+        out = Batch({"token_level_scores": place_on_last_token(scores, batch["response_mask"])})
+        out["acc"] = np.asarray(extra.get("acc", (scores > 0).float().tolist()), dtype=object)
+        for key, values in extra.items():
+            if key != "acc":
+                metrics[f"reward_extra/{key}/mean"] = float(np.mean(values)) if len(values) else 0.0
+        return out
+
+    def _old_log_prob(self, batch: Batch, metrics: dict[str, float]) -> Batch:
+        out = self.c.actor.compute_log_prob(batch)
+        mask = batch["response_mask"]
+        metrics["actor/entropy"] = float((out["entropys"] * mask).sum() / mask.sum().clamp(min=1))
+        return out
+
+    def _greedy_baseline(self, batch: Batch, metrics: dict[str, float]) -> Batch:
+        params = self.c.actor.sampling_params(1, 0.0, 1.0, -1, False, self.c.eos_token_ids, seed=None)
+        n, R = self.cfg.rollout.n, batch["responses"].shape[1]
+        prompts = Batch(
+            {k: batch[k][::n, :-R] for k in PROMPT_KEYS}
+        )  # one prompt per group, response cut off
+        greedy = self.c.actor.generate(prompts, params)
+        for key in ("data_source", "ground_truth", "extra_info"):
+            greedy[key] = batch[key][::n]
+        base, _ = self.c.scorer.score(greedy)
+        return Batch({"reward_baselines": base.repeat_interleave(n)})
+
+    def _ref_log_prob(self, batch: Batch, metrics: dict[str, float]) -> Batch:
+        return self.c.ref.compute_ref_log_prob(batch)
+
+    def _values(self, batch: Batch, metrics: dict[str, float]) -> Batch:
+        return self.c.critic.compute_values(batch)
+
+    def _advantages(self, batch: Batch, metrics: dict[str, float]) -> Batch:
+        a = self.cfg.algorithm
+        mask = batch["response_mask"]
+        rewards = batch["token_level_scores"]
+        if a.use_kl_in_reward:
+            rewards, kl = compute_kl_in_reward(
+                rewards, batch["old_log_probs"], batch["ref_log_prob"], mask, self.kl_ctrl.value, a.kl_penalty
+            )
+            metrics["actor/reward_kl_penalty"] = kl
+            metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctrl.value
+            self.kl_ctrl.update(kl, n_steps=len(batch))
+        kwargs: dict[str, Any] = dict(token_level_rewards=rewards, response_mask=mask, config=a)
+        est = a.adv_estimator
+        if est == "gae":
+            kwargs.update(values=batch["values"], gamma=a.gamma, lam=a.lam)
+        elif est == "remax":
+            kwargs.update(reward_baselines=batch["reward_baselines"])
+        elif est != "reinforce_plus_plus":
+            kwargs.update(index=np.asarray(batch["uid"]), norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo)
+        advantages, returns = get_adv_estimator_fn(est)(**kwargs)
+        out = Batch({"advantages": advantages, "returns": returns, "token_level_rewards": rewards})
+        # Rollout-vs-trainer mismatch metrics every step; IS weights / rejection only when configured.
+        rc = a.rollout_correction
+        weights, new_mask, rc_metrics = compute_rollout_correction_and_rejection_mask(
+            batch["old_log_probs"],
+            batch["rollout_log_probs"],
+            mask,
+            rollout_is=rc.rollout_is,
+            rollout_is_threshold=rc.rollout_is_threshold,
+            rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
+            rollout_rs=rc.rollout_rs,
+            rollout_rs_threshold=rc.rollout_rs_threshold,
+            rollout_rs_threshold_lower=rc.rollout_rs_threshold_lower,
+        )
+        metrics.update({k: float(v) for k, v in rc_metrics.items()})
+        if weights is not None:
+            out["rollout_is_weights"] = weights
+        if rc.rollout_rs:
+            out["response_mask"] = new_mask.to(mask.dtype)
+        return out
+
+    def _update_critic(self, batch: Batch, metrics: dict[str, float]) -> None:
+        metrics.update(self.c.critic.update_critic(batch))
+
+    def _update_actor(self, batch: Batch, metrics: dict[str, float]) -> None:
+        if self.global_step <= self.cfg.trainer.critic_warmup:
+            return
+        metrics.update(self.c.actor.update_actor(batch))
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch for a reproducible run."""
+    from hybridflow.utils.seed import set_seed
+
+    set_seed(seed)
+    torch.use_deterministic_algorithms(False)

@@ -1,0 +1,93 @@
+"""Turning sampled responses into scores: decode, call the reward functions, add the DAPO overlong penalty."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from hybridflow.config.schema import Config
+from hybridflow.protocol import Batch
+from hybridflow.rewards import RewardManager, default_compute_score, known_data_sources, load_reward_function
+
+logger = logging.getLogger(__name__)
+
+
+def build_reward_manager(cfg: Config, reward_fn: Any = None) -> RewardManager:
+    """The configured manager: a given Python function, ``reward.custom_function``, or the built-in scorers."""
+    r = cfg.reward
+    fn, name = reward_fn, getattr(reward_fn, "__name__", None)
+    if fn is None and r.custom_function.path:
+        fn = load_reward_function(r.custom_function.path, r.custom_function.name)
+        name = f"{r.custom_function.path}:{r.custom_function.name}"
+    kind = r.manager if r.manager in ("naive", "batch", "token") else "naive"  # dapo/prime score per sample
+    return RewardManager(
+        fn,
+        kind=kind,
+        on_error=r.on_error,
+        num_workers=r.num_workers,
+        timeout_s=r.timeout_s,
+        fn_name=name or "default_compute_score",
+        reward_kwargs=dict(r.custom_function.reward_kwargs),
+    )
+
+
+def has_scorer(cfg: Config, reward_fn: Any = None) -> bool:
+    """True when a user function decides every data source (so any data_source is acceptable)."""
+    return reward_fn is not None or bool(cfg.reward.custom_function.path)
+
+
+def known_sources() -> list[str]:
+    """Data sources the built-in scorers understand."""
+    return known_data_sources()
+
+
+class Scorer:
+    """Scores a batch of samples: ``score(batch) -> (scores (B,), extras)``."""
+
+    def __init__(self, manager: RewardManager, tokenizer: Any, cfg: Config) -> None:
+        self.manager = manager
+        self.tokenizer = tokenizer
+        self.overlong = cfg.reward.overlong_buffer
+        self.max_response_length = cfg.data.max_response_length
+
+    def score(self, batch: Batch) -> tuple[torch.Tensor, dict[str, list[float]]]:
+        """Decode each response (valid tokens only) and score it against its ground truth."""
+        mask = batch["response_mask"].bool()  # (B, R)
+        response_ids = [row[m].tolist() for row, m in zip(batch["responses"], mask)]
+        texts = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+        prompt_ids = None
+        if self.manager.kind == "token":
+            prompt_mask = batch["attention_mask"][:, : -mask.shape[1]].bool()
+            prompt_ids = [row[m].tolist() for row, m in zip(batch["input_ids"], prompt_mask)]
+        extra_infos = list(batch["extra_info"]) if "extra_info" in batch else None
+        scores, extras = self.manager.score(
+            list(batch["data_source"]),
+            texts,
+            list(batch["ground_truth"]),
+            extra_infos,
+            prompt_ids=prompt_ids,
+            response_ids=response_ids,
+            tokenizer=self.tokenizer,
+        )
+        out = torch.tensor(scores, dtype=torch.float32)  # (B,)
+        extras.setdefault("acc", [float(s > 0) for s in scores])
+        if self.overlong.enable:
+            penalty = self._overlong_penalty(mask.sum(-1).float())
+            extras["overlong_penalty"] = penalty.tolist()
+            out = out + penalty
+        return out, extras
+
+    def _overlong_penalty(self, lengths: torch.Tensor) -> torch.Tensor:
+        """DAPO's soft length penalty: 0 until the buffer, then linear down to -penalty_factor at the end."""
+        start = self.max_response_length - self.overlong.len
+        over = (lengths - start).clamp(min=0) / max(self.overlong.len, 1)
+        return -over.clamp(max=1.0) * self.overlong.penalty_factor
+
+    def close(self) -> None:
+        """Stop reward worker processes, if any."""
+        self.manager.close()
+
+
+__all__ = ["Scorer", "build_reward_manager", "default_compute_score", "has_scorer", "known_sources"]

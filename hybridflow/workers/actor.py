@@ -1,0 +1,126 @@
+"""The actor role: the FSDP2 training engine and the rollout engine on the same weights."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from hybridflow.config.schema import Config
+from hybridflow.engine.actor import ActorEngine
+from hybridflow.engine.fsdp import to_dtype
+from hybridflow.engine.rollout.engine import make_rollout
+from hybridflow.engine.rollout.sampling import SamplingParams
+from hybridflow.engine.sequences import pack_prompt_response
+from hybridflow.protocol import Batch
+
+logger = logging.getLogger(__name__)
+
+
+class ActorWorker:
+    """Holds the policy: ``generate`` reads the training module's parameters in place (a dtype cast at most)."""
+
+    def __init__(self, model: nn.Module, cfg: Config, total_steps: int, pad_token_id: int) -> None:
+        self.cfg = cfg
+        self.pad_token_id = pad_token_id
+        self.engine = ActorEngine(
+            model,
+            cfg.actor,
+            rollout_n=cfg.rollout.n,
+            use_remove_padding=cfg.model.use_remove_padding,
+            gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
+            total_steps=total_steps,
+        )
+        r = cfg.rollout
+        dtype = None if r.dtype == "auto" else to_dtype(r.dtype)
+        if dtype is None and self.engine.engine.device.type == "cuda":
+            dtype = self.engine.engine.compute_dtype  # generate in the training compute dtype (bf16)
+        max_len = r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
+        kwargs = dict(
+            dtype=dtype,
+            max_num_seqs=r.max_num_seqs,
+            max_num_batched_tokens=r.max_num_batched_tokens,
+            max_model_len=max_len,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            enforce_eager=r.enforce_eager,
+        )
+        self.rollout = make_rollout(self.hf_model, r.engine, pad_token_id=pad_token_id, **kwargs)
+
+    @property
+    def hf_model(self) -> nn.Module:
+        """The Hugging Face model inside the FSDP2 wrapper (its parameters are the training weights)."""
+        return self.engine.module.lm
+
+    def sampling_params(
+        self,
+        n: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        do_sample: bool,
+        eos_token_ids: list[int],
+        seed: int | None,
+    ) -> SamplingParams:
+        """Sampling settings for a rollout of ``data.max_response_length`` tokens."""
+        r = self.cfg.rollout
+        greedy = not do_sample or temperature == 0
+        return SamplingParams(
+            n=n,
+            max_new_tokens=self.cfg.data.max_response_length,
+            temperature=0.0 if greedy else temperature,
+            do_sample=not greedy,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=r.min_p,
+            eos_token_ids=eos_token_ids,
+            stop_token_ids=list(r.stop_token_ids),
+            ignore_eos=r.ignore_eos,
+            seed=seed,
+        )
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """Sample ``params.n`` responses per prompt; returns the training-layout batch, samples interleaved.
+
+        Adds ``rollout_log_probs`` (B*n, R), the prompts' non-tensor fields repeated, ``uid`` (the prompt's
+        group) and ``finish_reason``.
+        """
+        mask = prompts["attention_mask"].bool()
+        ids = [row[m].tolist() for row, m in zip(prompts["input_ids"], mask)]
+        outputs = self.rollout.generate(ids, params)
+        flat = [s for group in outputs for s in group]
+        R = self.cfg.data.max_response_length
+        batch = pack_prompt_response(
+            [p for p in ids for _ in range(params.n)], [s.token_ids for s in flat], R, self.pad_token_id
+        )
+        logps = torch.zeros(len(flat), R)
+        for i, s in enumerate(flat):
+            logps[i, : len(s.logprobs)] = torch.tensor(s.logprobs)
+        batch["rollout_log_probs"] = logps
+        for key, values in prompts.non_tensors.items():
+            batch[key] = np.repeat(values, params.n)
+        batch["uid"] = np.repeat(np.array([f"{i}" for i in range(len(ids))], dtype=object), params.n)
+        batch["finish_reason"] = np.array([s.finish_reason for s in flat], dtype=object)
+        return batch
+
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """Trainer log-probs (``old_log_probs``) and entropies of the responses under the current weights."""
+        r = self.cfg.rollout
+        out = self.engine.compute_log_prob(
+            batch,
+            temperature=r.temperature,
+            micro_batch_size=r.log_prob_micro_batch_size_per_gpu,
+            use_dynamic_bsz=r.log_prob_use_dynamic_bsz,
+            max_token_len=r.log_prob_max_token_len_per_gpu,
+            with_entropy=True,
+        )
+        return Batch({"old_log_probs": out["log_probs"], "entropys": out["entropys"]})
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """PPO-family update over the batch (mini-batches, epochs)."""
+        return self.engine.update_policy(batch, temperature=self.cfg.rollout.temperature)
+
+    def update_sft(self, batch: Batch) -> dict[str, float]:
+        """Supervised step(s) on the response tokens."""
+        return self.engine.update_sft(batch)
