@@ -6,4 +6,13 @@ rollout engine on the same weights. ``import hybridflow`` stays light: no Ray, n
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["RLTrainer", "__version__"]
+
+
+def __getattr__(name: str):
+    # RLTrainer pulls in torch and transformers: load it on first use so `import hybridflow` stays light.
+    if name == "RLTrainer":
+        from hybridflow.trainer.api import RLTrainer
+
+        return RLTrainer
+    raise AttributeError(f"module 'hybridflow' has no attribute {name!r}")

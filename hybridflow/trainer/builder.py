@@ -94,8 +94,9 @@ def build_components(
     """Workers, datasets and scorer for ``cfg`` (a model/tokenizer/datasets given here take precedence)."""
     if model is None:
         model, tokenizer = load_policy(cfg)
+    built_in = train is None and cfg.data.train_files is None  # the built-in task supplies both splits
     train = train or build_rl_dataset(cfg.data, tokenizer, "train", cfg.trainer.seed)
-    if val is None and (cfg.data.val_files or cfg.data.train_files is None):
+    if val is None and (cfg.data.val_files or built_in):
         val = build_rl_dataset(cfg.data, tokenizer, "val", cfg.trainer.seed)
     for ds in (train, val):
         if ds is not None:

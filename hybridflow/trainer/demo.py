@@ -48,7 +48,7 @@ DEMO_OVERRIDES = [
     "actor.optim.lr=2e-4",
     "actor.optim.weight_decay=0.0",
     "algorithm.adv_estimator=grpo",
-    "trainer.total_training_steps=40",
+    "trainer.total_training_steps=30",
     "trainer.test_freq=10",
     "trainer.val_before_train=false",
 ]
@@ -57,10 +57,10 @@ SFT_OVERRIDES = [
     "actor.optim.lr=3e-3",
     "actor.optim.lr_scheduler_type=cosine",
     "actor.optim.lr_warmup_steps=10",
-    "actor.optim.min_lr_ratio=0.1",
+    "actor.optim.min_lr_ratio=0.3",
     "data.train_batch_size=64",
     "actor.ppo_micro_batch_size_per_gpu=64",
-    "trainer.total_training_steps=200",
+    "trainer.total_training_steps=300",
 ]
 
 
