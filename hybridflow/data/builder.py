@@ -38,6 +38,13 @@ def build_rl_dataset(
     """The RL prompt dataset of ``split`` ('train' or 'val') with the config's length and truncation rules."""
     rows = load_split_rows(data, split, seed, task_kwargs)
     files = data.train_files if split == "train" else data.val_files
+    return dataset_from_rows(data, rows, tokenizer, None if files else f"{BUILT_IN} {data.task} ({split})")
+
+
+def dataset_from_rows(
+    data: DataConfig, rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, source: str | None
+) -> RLDataset:
+    """An RLDataset over ``rows`` with the config's prompt key, length and truncation rules."""
     return RLDataset(
         rows,
         tokenizer,
@@ -45,6 +52,6 @@ def build_rl_dataset(
         max_prompt_length=data.max_prompt_length,
         truncation=data.truncation,
         filter_overlong_prompts=data.filter_overlong_prompts,
-        source=None if files else f"{BUILT_IN} {data.task} ({split})",
+        source=source,
         reward_fn_key=data.reward_fn_key,
     )

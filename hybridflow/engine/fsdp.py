@@ -11,27 +11,15 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from hybridflow.models.loader import resolve_dtype
 from hybridflow.utils.dist import init_distributed
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
 
 def to_dtype(name: str | torch.dtype) -> torch.dtype:
     """Map a dtype name from the config ('bfloat16', 'bf16', 'float32', ...) to a torch dtype."""
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(sorted(DTYPES))}")
-    return DTYPES[name]
+    return resolve_dtype(name)
 
 
 def shard_model(

@@ -1,0 +1,40 @@
+"""The built-in demo's whole path (SFT, validation, GRPO, validation) on a shrunken budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybridflow.trainer.demo import format_table, run_demo
+
+
+def test_demo_path_runs_and_writes_the_run_directory(tmp_path: Path) -> None:
+    small = [
+        f"trainer.default_local_dir={tmp_path}",
+        "data.task_train_size=64",
+        "data.task_val_size=16",
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=4",
+        "rollout.n=2",
+        "trainer.total_training_steps=2",
+        "actor.ppo_micro_batch_size_per_gpu=8",
+    ]
+    result = run_demo(
+        small,
+        sft_overrides=[
+            "trainer.total_training_steps=3",
+            "data.train_batch_size=8",
+            "actor.ppo_micro_batch_size_per_gpu=8",
+        ],
+    )
+    assert 0.0 <= result["before"] <= 1.0 and 0.0 <= result["after"] <= 1.0
+    assert len(result["history"]) == 2 and result["num_val"] == 16
+    for name in (
+        "config.yaml",
+        "metrics.jsonl",
+        "curves.png",
+        "sft_model/config.json",
+        "base_model/config.json",
+    ):
+        assert (tmp_path / name).exists(), name
+    table = format_table(result)
+    assert "after SFT" in table and "after GRPO" in table and "(16 problems)" in table
