@@ -76,38 +76,56 @@ def _row(task: str, split: str, index: int, content: str, ground_truth: Any, ans
 
 
 def make_arithmetic(
-    size: int, seed: int, split: str = "train", digits: int = 2, ops: str = "+-", allow_negative: bool = False
+    size: int,
+    seed: int,
+    split: str = "train",
+    digits: int = 2,
+    ops: str = "+-",
+    allow_negative: bool = False,
+    terms: int = 2,
+    style: str = "question",
 ) -> list[dict[str, Any]]:
-    """Problems 'What is a op b?' with ``digits``-digit operands, answered as '#### <int>'.
+    """Problems 'a op b [op c ...]' with ``digits``-digit operands, answered as '#### <int>'.
 
-    ``-`` orders the operands so the result is >= 0 unless ``allow_negative``; ``/`` only makes exact
-    divisions (a = b * q with b, q of ``digits`` digits, b != 0). Ground truth: the result as a str.
+    ``terms`` operands are combined left to right. ``-`` keeps every result >= 0 unless ``allow_negative``
+    (with two terms by ordering the operands, with more by redrawing); ``/`` only makes exact divisions (two
+    terms). ``style`` is "question" ('What is 37 + 58? Answer as #### <number>.') or "short" ('37+58=').
+    Ground truth: the result as a str.
     """
     _check_args(size, split, ops)
     if not isinstance(digits, int) or digits < 1:
         raise ValueError(f"digits must be an int >= 1, got {digits!r}")
+    if not isinstance(terms, int) or terms < 2 or (terms > 2 and "/" in ops):
+        raise ValueError(f"terms must be an int >= 2 (and 2 when ops has '/'), got {terms!r}")
+    if style not in ("question", "short"):
+        raise ValueError(f"style must be 'question' or 'short', got {style!r}")
     lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
 
-    def draw(rng: random.Random) -> tuple[str, tuple[int, str, int, int]] | None:
-        op = rng.choice(ops)
-        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-        if op == "+":
-            result = a + b
-        elif op == "-":
-            if a < b and not allow_negative:
-                a, b = b, a
-            result = a - b
-        elif op == "*":
-            result = a * b
-        else:
-            if b == 0:
+    def draw(rng: random.Random) -> tuple[str, tuple[list[int], list[str], int]] | None:
+        nums = [rng.randint(lo, hi) for _ in range(terms)]
+        signs = [rng.choice(ops) for _ in range(terms - 1)]
+        if terms == 2 and signs[0] == "-" and nums[0] < nums[1] and not allow_negative:
+            nums.reverse()
+        if terms == 2 and signs[0] == "/":
+            if nums[1] == 0:
                 return None
-            a, result = a * b, a  # a / b is exact by construction
-        return f"{a}{op}{b}", (a, op, b, result)
+            nums[0] *= nums[1]  # a / b is exact by construction
+        result = Fraction(nums[0])
+        for op, n in zip(signs, nums[1:]):
+            result = _apply(op, result, Fraction(n))
+            if result is None or (result < 0 and not allow_negative):
+                return None
+        text = "".join(f"{n}{op}" for n, op in zip(nums, signs)) + str(nums[-1])
+        return text, (nums, signs, int(result))
 
     rows = []
-    for i, (a, op, b, result) in enumerate(_draw_unique("arithmetic", size, seed, split, draw)):
-        content = f"What is {a} {op} {b}? Answer as #### <number>."
+    for i, (nums, signs, result) in enumerate(_draw_unique("arithmetic", size, seed, split, draw)):
+        expr = "".join(f"{n} {op} " for n, op in zip(nums, signs)) + str(nums[-1])
+        content = (
+            f"What is {expr}? Answer as #### <number>."
+            if style == "question"
+            else expr.replace(" ", "") + "="
+        )
         rows.append(_row("arithmetic", split, i, content, str(result), f"#### {result}"))
     return rows
 
