@@ -17,6 +17,7 @@ from hybridflow.trainer.scoring import Scorer, build_reward_manager, has_scorer,
 from hybridflow.workers.actor import ActorWorker
 from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.reference import ReferenceWorker
+from hybridflow.workers.reward_model import RewardModelWorker
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,8 @@ def build_components(
     actor = ActorWorker(model, cfg, steps, pad_id)
     ref = ReferenceWorker(ref_model, cfg) if ref_model is not None else None
     critic = CriticWorker(critic_model, cfg, steps) if critic_model is not None else None
-    scorer = Scorer(build_reward_manager(cfg, reward_fn), tokenizer, cfg)
+    rm = RewardModelWorker(cfg, model.config.vocab_size) if cfg.reward.model.enable else None
+    scorer = Scorer(build_reward_manager(cfg, reward_fn), tokenizer, cfg, rm)
     logger.info(
         "run: %d prompts (%s), %d steps, actor%s%s",
         len(train),

@@ -141,7 +141,8 @@ class PPOTrainer:
             self.tracker.log(step, metrics)
 
     # ----- stages -----------------------------------------------------------------------------------------
-    def _rollout(self, batch: Batch, metrics: dict[str, float]) -> Batch:
+    def _generate(self, prompts: Batch) -> Batch:
+        """Sample rollout.n responses per prompt; the prompts' non-tensor fields repeat alongside."""
         r = self.cfg.rollout
         params = self.c.actor.sampling_params(
             r.n,
@@ -152,13 +153,54 @@ class PPOTrainer:
             self.c.eos_token_ids,
             seed=self.cfg.trainer.seed + self.global_step,
         )
-        out = self.c.actor.generate(batch.select(PROMPT_KEYS, non_tensor_keys=[]), params)
-        # From here on the batch holds one row per sample: prompts' fields repeat n times, interleaved.
-        for key, values in batch.non_tensors.items():
+        out = self.c.actor.generate(prompts.select(PROMPT_KEYS, non_tensor_keys=[]), params)
+        for key, values in prompts.non_tensors.items():
             out[key] = np.repeat(values, r.n)
         return out
 
-    def _reward(self, batch: Batch, metrics: dict[str, float]) -> Batch:
+    def _rollout(self, batch: Batch, metrics: dict[str, float]) -> Batch:
+        # From here on the batch holds one row per sample: prompts' fields repeat n times, interleaved.
+        if not self.cfg.algorithm.filter_groups.enable:
+            return self._generate(batch)
+        return self._dynamic_sampling(batch, metrics)
+
+    def _dynamic_sampling(self, batch: Batch, metrics: dict[str, float]) -> Batch:
+        """DAPO: keep only groups whose scores vary, generating more rounds until the batch is full."""
+        fg, n, want = self.cfg.algorithm.filter_groups, self.cfg.rollout.n, self.cfg.data.train_batch_size
+        kept: list[Batch] = []
+        rounds = total = 0
+        while sum(len(k) for k in kept) < want * n:
+            rounds += 1
+            if fg.max_num_gen_batches > 0 and rounds > fg.max_num_gen_batches:
+                raise ValueError(
+                    f"dynamic sampling found {sum(len(k) for k in kept) // n} of {want} groups with varying "
+                    f"{fg.metric} in {fg.max_num_gen_batches} rounds; raise algorithm.filter_groups."
+                    "max_num_gen_batches or disable algorithm.filter_groups"
+                )
+            if rounds > 1:  # a fresh batch of prompts for every further round
+                batch = collate_prompts(
+                    [self.c.train[i] for i in self.sampler.next_batch()], self.c.pad_token_id
+                )
+            out = self._generate(batch)
+            scored = self._reward(out, metrics)
+            for key in scored.keys():  # noqa: SIM118 (a Batch is not iterable)
+                out[key] = scored[key]
+            values = (
+                out["token_level_scores"].sum(-1)
+                if fg.metric == "seq_reward"
+                else torch.tensor([float(a) for a in out["acc"]])
+            )
+            varied = values.view(-1, n).std(dim=1) > 0  # (groups,)
+            total += len(varied)
+            keep = torch.repeat_interleave(varied, n).nonzero().flatten()
+            kept.append(out[keep.numpy()])
+        metrics["train/num_gen_batches"] = float(rounds)
+        metrics["train/kept_group_ratio"] = sum(len(k) for k in kept) / n / max(total, 1)
+        return Batch.concat(kept)[: want * n]
+
+    def _reward(self, batch: Batch, metrics: dict[str, float]) -> Batch | None:
+        if "token_level_scores" in batch:
+            return None  # dynamic sampling scored the samples already
         scores, extra = self.c.scorer.score(batch)  # (B,), per-sample extras
         out = Batch({"token_level_scores": place_on_last_token(scores, batch["response_mask"])})
         out["acc"] = np.asarray(extra.get("acc", (scores > 0).float().tolist()), dtype=object)

@@ -34,8 +34,8 @@ def build_reward_manager(cfg: Config, reward_fn: Any = None) -> RewardManager:
 
 
 def has_scorer(cfg: Config, reward_fn: Any = None) -> bool:
-    """True when a user function decides every data source (so any data_source is acceptable)."""
-    return reward_fn is not None or bool(cfg.reward.custom_function.path)
+    """True when a user function or a reward model scores every sample (so any data_source is acceptable)."""
+    return reward_fn is not None or bool(cfg.reward.custom_function.path) or cfg.reward.model.enable
 
 
 def known_sources() -> list[str]:
@@ -46,8 +46,9 @@ def known_sources() -> list[str]:
 class Scorer:
     """Scores a batch of samples: ``score(batch) -> (scores (B,), extras)``."""
 
-    def __init__(self, manager: RewardManager, tokenizer: Any, cfg: Config) -> None:
+    def __init__(self, manager: RewardManager, tokenizer: Any, cfg: Config, reward_model: Any = None) -> None:
         self.manager = manager
+        self.reward_model = reward_model  # a RewardModelWorker replaces the rule-based scores when set
         self.tokenizer = tokenizer
         self.overlong = cfg.reward.overlong_buffer
         self.max_response_length = cfg.data.max_response_length
@@ -55,6 +56,9 @@ class Scorer:
     def score(self, batch: Batch) -> tuple[torch.Tensor, dict[str, list[float]]]:
         """Decode each response (valid tokens only) and score it against its ground truth."""
         mask = batch["response_mask"].bool()  # (B, R)
+        if self.reward_model is not None:
+            out = self.reward_model.compute_scores(batch)  # (B,)
+            return self._with_penalty(out, {"acc": (out > 0).float().tolist()}, mask)
         response_ids = [row[m].tolist() for row, m in zip(batch["responses"], mask)]
         texts = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
         prompt_ids = None
@@ -73,6 +77,11 @@ class Scorer:
         )
         out = torch.tensor(scores, dtype=torch.float32)  # (B,)
         extras.setdefault("acc", [float(s > 0) for s in scores])
+        return self._with_penalty(out, extras, mask)
+
+    def _with_penalty(
+        self, out: torch.Tensor, extras: dict[str, list[float]], mask: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, list[float]]]:
         if self.overlong.enable:
             penalty = self._overlong_penalty(mask.sum(-1).float())
             extras["overlong_penalty"] = penalty.tolist()

@@ -132,3 +132,40 @@ def test_bad_training_data_is_named_by_file_and_row(
     assert code == 2, err
     assert "train.jsonl" in err and message in err and "Traceback" not in err
     assert "row 2" in err or "line 3" in err
+
+
+def parity_reward(data_source, solution_str, ground_truth, extra_info=None):
+    """A reward that varies within most groups: the parity of the response length."""
+    return float(len(solution_str) % 2)
+
+
+def test_dapo_dynamic_sampling_keeps_varied_groups_and_overlong_penalty() -> None:
+    cfg = load_config(
+        None,
+        [
+            *BASE,
+            "rollout.n=4",
+            "actor.ppo_micro_batch_size_per_gpu=16",
+            "algorithm.filter_groups.enable=true",
+            "actor.clip_ratio_high=0.28",
+            "reward.overlong_buffer.enable=true",
+            "reward.overlong_buffer.len=4",
+        ],
+    )
+    model, tokenizer = build_tiny_model_and_tokenizer(hidden_size=32, num_hidden_layers=2)
+    history = PPOTrainer(cfg, build_components(cfg, model, tokenizer, reward_fn=parity_reward)).fit()
+    check(
+        history,
+        (*COMMON, "train/num_gen_batches", "train/kept_group_ratio", "reward_extra/overlong_penalty/mean"),
+    )
+    assert all(h["train/kept_group_ratio"] <= 1.0 for h in history)
+
+
+def test_dynamic_sampling_gives_up_with_a_clear_message() -> None:
+    cfg = load_config(
+        None, [*BASE, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=2"]
+    )
+    model, tokenizer = build_tiny_model_and_tokenizer(hidden_size=32, num_hidden_layers=2)
+    trainer = PPOTrainer(cfg, build_components(cfg, model, tokenizer, reward_fn=lambda *a, **k: 1.0))
+    with pytest.raises(ValueError, match=r"in 2 rounds; raise algorithm\.filter_groups\.max_num_gen_batches"):
+        trainer.fit()
