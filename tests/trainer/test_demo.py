@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from hybridflow.trainer.demo import format_table, run_demo
 
 
@@ -38,3 +40,11 @@ def test_demo_path_runs_and_writes_the_run_directory(tmp_path: Path) -> None:
         assert (tmp_path / name).exists(), name
     table = format_table(result)
     assert "after SFT" in table and "after GRPO" in table and "(16 problems)" in table
+
+
+@pytest.mark.slow
+def test_the_default_demo_gains_at_least_15_points_from_grpo(tmp_path: Path) -> None:
+    """The acceptance run of `hybridflow train` (about two minutes on two cores)."""
+    result = run_demo([f"trainer.default_local_dir={tmp_path}"])
+    assert result["num_val"] >= 100
+    assert result["after"] - result["before"] >= 0.15, format_table(result)
