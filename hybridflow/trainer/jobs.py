@@ -23,10 +23,17 @@ from hybridflow.workers.actor import ActorWorker
 logger = logging.getLogger(__name__)
 
 
-def save_hf_model(actor: ActorWorker, tokenizer: Any, base: torch.nn.Module | str, out_dir: Path) -> Path:
-    """Write the actor's current weights as a Hugging Face model directory (with the tokenizer)."""
+def save_hf_model(actor: ActorWorker, tokenizer: Any, base: torch.nn.Module | None, out_dir: Path) -> Path:
+    """Write the actor's current weights as a Hugging Face model directory (with the tokenizer).
+
+    ``base`` is a module of the same architecture to receive the weights; None builds one from the config.
+    """
     state = {k.removeprefix("lm."): v for k, v in full_state_dict(actor.engine.module).items()}
-    model = load_causal_lm(base) if isinstance(base, str) else base
+    if base is None:
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_config(actor.hf_model.config)
+    model = base
     model.load_state_dict(state, strict=False)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
@@ -88,6 +95,8 @@ def rl_job(
     ) as tracker:
         history = PPOTrainer(cfg, components, tracker).fit()
     components.scorer.close()
+    save_hf_model(components.actor, components.tokenizer, None, run_dir / "final_model")
+    logger.info("saved the trained policy to %s", run_dir / "final_model")
     return history
 
 

@@ -41,3 +41,4 @@ def test_rltrainer_trains_on_a_list_of_dicts(tmp_path: Path) -> None:
     assert len(history) == 2 and all(math.isfinite(v) for h in history for v in h.values())
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 2
     assert (tmp_path / "run" / "config.yaml").exists() and (tmp_path / "run" / "curves.png").exists()
+    assert (tmp_path / "run" / "final_model" / "model.safetensors").exists()
