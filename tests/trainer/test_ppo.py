@@ -169,3 +169,16 @@ def test_dynamic_sampling_gives_up_with_a_clear_message() -> None:
     trainer = PPOTrainer(cfg, build_components(cfg, model, tokenizer, reward_fn=lambda *a, **k: 1.0))
     with pytest.raises(ValueError, match=r"in 2 rounds; raise algorithm\.filter_groups\.max_num_gen_batches"):
         trainer.fit()
+
+
+def test_rollout_correction_weights_and_rejection() -> None:
+    history = run(
+        [
+            "algorithm.rollout_correction.rollout_is=token",
+            "algorithm.rollout_correction.rollout_rs=token",
+            "algorithm.rollout_correction.rollout_rs_threshold=2.0",
+        ]
+    )
+    check(history, COMMON)
+    assert any(k.startswith("rollout_corr/rollout_is") for k in history[0])
+    assert any(k.startswith("rollout_corr/rollout_rs") for k in history[0])
