@@ -3,24 +3,26 @@
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from typing import Any
 
 from hybridflow.config.schema import Config
 from hybridflow.data import collate_prompts
+from hybridflow.trainer.val_metrics import validation_metrics
 
 logger = logging.getLogger(__name__)
 
 
 def validate(cfg: Config, c: Any, prefix: str = "val-core") -> dict[str, float]:
-    """``{prefix}/{data_source}/reward/mean@N`` and ``.../acc/mean@N`` over the validation set."""
+    """Per data source: ``reward/mean@N``, ``acc/mean@N`` and, with N > 1, best/worst/maj@N and pass@k."""
     v = cfg.rollout.val_kwargs
     params = c.actor.sampling_params(
         v.n, v.temperature, v.top_p, v.top_k, v.do_sample, c.eos_token_ids, seed=cfg.trainer.seed
     )
     size = cfg.data.val_batch_size or len(c.val)
-    rewards: dict[str, list[float]] = defaultdict(list)
-    accs: dict[str, list[float]] = defaultdict(list)
+    sources: list[str] = []
+    rewards: list[float] = []
+    answers: list[str] = []
+    accs: list[bool] = []
     for start in range(0, len(c.val), size):
         prompts = collate_prompts(
             [c.val[i] for i in range(start, min(start + size, len(c.val)))], c.pad_token_id
@@ -31,11 +33,12 @@ def validate(cfg: Config, c: Any, prefix: str = "val-core") -> dict[str, float]:
         for key in ("data_source", "ground_truth", "extra_info"):
             batch[key] = prompts[key].repeat(v.n)
         scores, extras = c.scorer.score(batch)
-        for ds, s, a in zip(batch["data_source"], scores.tolist(), extras["acc"]):
-            rewards[ds].append(s)
-            accs[ds].append(float(a))
-    metrics = {}
-    for ds in rewards:
-        metrics[f"{prefix}/{ds}/reward/mean@{v.n}"] = sum(rewards[ds]) / len(rewards[ds])
-        metrics[f"{prefix}/{ds}/acc/mean@{v.n}"] = sum(accs[ds]) / len(accs[ds])
-    return metrics
+        mask = batch["response_mask"].bool()
+        texts = c.tokenizer.batch_decode(
+            [row[m].tolist() for row, m in zip(batch["responses"], mask)], skip_special_tokens=True
+        )
+        sources += list(batch["data_source"])
+        rewards += scores.tolist()
+        answers += [t.strip() for t in texts]  # the majority vote counts identical responses
+        accs += [bool(a) for a in extras["acc"]]
+    return validation_metrics(sources, rewards, answers, accs, v.n, prefix)

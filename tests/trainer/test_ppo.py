@@ -182,3 +182,20 @@ def test_rollout_correction_weights_and_rejection() -> None:
     check(history, COMMON)
     assert any(k.startswith("rollout_corr/rollout_is") for k in history[0])
     assert any(k.startswith("rollout_corr/rollout_rs") for k in history[0])
+
+
+def test_validation_with_n_samples_reports_pass_at_k_and_majority() -> None:
+    history = run(
+        ["rollout.val_kwargs.n=4", "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=1.0"]
+    )
+    last = history[-1]
+    for key in (
+        "reward/mean@4",
+        "reward/best@4",
+        "reward/worst@4",
+        "reward/maj@4",
+        "acc/pass@1",
+        "acc/pass@4",
+    ):
+        assert f"val-core/arithmetic/{key}" in last, key
+    assert last["val-core/arithmetic/reward/worst@4"] <= last["val-core/arithmetic/reward/best@4"]
