@@ -22,3 +22,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _deterministic_torch() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _run_in_tmp(tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test runs in its own empty directory: run directories (runs/...) never land in the repo, and a
+    run never resumes from another test's checkpoints."""
+    monkeypatch.chdir(tmp_path)

@@ -26,6 +26,8 @@ COMMANDS: tuple[str, ...] = (
     "hybridflow.cli.train_cmd",
     "hybridflow.cli.sft_cmd",
     "hybridflow.cli.generate_cmd",
+    "hybridflow.cli.eval_cmd",
+    "hybridflow.cli.export_cmd",
     "hybridflow.cli.config_cmd",
 )
 

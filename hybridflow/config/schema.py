@@ -389,8 +389,11 @@ class TrainerConfig:
     )
     save_hf: bool = option(False, "Also export a Hugging Face model directory at every save.")
     max_ckpt_to_keep: int | None = option(None, "Keep only the newest checkpoints; null keeps all.")
+    resume: str | None = option(
+        None, "auto, disable, or a checkpoint (or run) directory; overrides resume_mode/resume_from_path."
+    )
     resume_mode: str = option(
-        "auto", "auto (latest checkpoint in the run directory), disable, or resume_path."
+        "auto", "auto (latest checkpoint in the run directory), disable, or resume_path (verl's keys)."
     )
     resume_from_path: str | None = option(
         None, "Checkpoint directory to resume from with resume_mode=resume_path."

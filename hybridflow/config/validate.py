@@ -280,6 +280,18 @@ def _check_trainer(cfg: Config, out: list[Problem]) -> None:
                 "set trainer.resume_from_path=DIR, or trainer.resume_mode=auto",
             )
         )
+    if t.resume is not None and not str(t.resume).strip():
+        out.append(
+            Problem("trainer.resume", "is empty", "use auto, disable, or a checkpoint directory (or null)")
+        )
+    if t.save_freq == 0 or t.save_freq < -1:
+        out.append(
+            Problem(
+                "trainer.save_freq",
+                f"is {t.save_freq}",
+                "use a positive step count, or -1 to save only at the end",
+            )
+        )
     if cfg.reward.model.enable and not cfg.reward.model.path:
         out.append(
             Problem(

@@ -32,7 +32,7 @@ class Components:
     actor: ActorWorker
     ref: ReferenceWorker | None
     critic: CriticWorker | None
-    train: RLDataset
+    train: RLDataset | None  # None for evaluation only
     val: RLDataset | None
     scorer: Scorer
     total_steps: int
@@ -125,3 +125,21 @@ def build_components(
         " + critic" if critic else "",
     )
     return Components(tokenizer, pad_id, eos, actor, ref, critic, train, val, scorer, steps)
+
+
+def build_eval_components(
+    cfg: Config, model: torch.nn.Module, tokenizer: Any, reward_fn: Any = None
+) -> Components:
+    """What validation needs: the policy (as an actor, for its rollout engine), the held-out set and scorer."""
+    if cfg.data.val_files is None and cfg.data.train_files is not None:
+        raise ValueError(
+            "data.val_files is not set: evaluation needs held-out prompts; set data.val_files=[FILE]"
+        )
+    val = build_rl_dataset(cfg.data, tokenizer, "val", cfg.trainer.seed)
+    check_data_sources(val, cfg, reward_fn)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    actor = ActorWorker(model, cfg, 1, pad_id)
+    scorer = Scorer(build_reward_manager(cfg, reward_fn), tokenizer, cfg, None)
+    return Components(
+        tokenizer, pad_id, eos_ids_of(model, tokenizer), actor, None, None, None, val, scorer, 0
+    )

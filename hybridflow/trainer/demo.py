@@ -57,6 +57,8 @@ DEMO_OVERRIDES = [
     "trainer.total_training_steps=40",
     "trainer.test_freq=10",
     "trainer.val_before_train=false",
+    # The demo starts over each time (its SFT warm-up is not checkpointed); pass trainer.resume=auto to continue.
+    "trainer.resume=disable",
 ]
 # The SFT warm-up differs only in these keys.
 SFT_OVERRIDES = [

@@ -9,14 +9,25 @@ from typing import Any
 
 import torch
 
+from hybridflow.checkpoint import load_role_model
+from hybridflow.checkpoint.export import save_hf_model as write_hf_model
+from hybridflow.checkpoint.manager import HF_CONFIG
 from hybridflow.config import Config, save_config
 from hybridflow.data import load_split_rows
 from hybridflow.engine.fsdp import full_state_dict
 from hybridflow.models import load_causal_lm, load_tokenizer
-from hybridflow.trainer.builder import Components, build_components, eos_ids_of, load_policy
+from hybridflow.trainer.builder import (
+    Components,
+    build_components,
+    build_eval_components,
+    eos_ids_of,
+    load_policy,
+)
+from hybridflow.trainer.dumps import write_jsonl
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.trainer.sft import encode_pairs, run_sft
 from hybridflow.trainer.tracking import Tracker
+from hybridflow.trainer.validation import validate
 from hybridflow.utils.seed import set_seed
 from hybridflow.workers.actor import ActorWorker
 
@@ -28,17 +39,8 @@ def save_hf_model(actor: ActorWorker, tokenizer: Any, base: torch.nn.Module | No
 
     ``base`` is a module of the same architecture to receive the weights; None builds one from the config.
     """
-    state = {k.removeprefix("lm."): v for k, v in full_state_dict(actor.engine.module).items()}
-    if base is None:
-        from transformers import AutoModelForCausalLM
-
-        base = AutoModelForCausalLM.from_config(actor.hf_model.config)
-    model = base
-    model.load_state_dict(state, strict=False)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
+    state = full_state_dict(actor.engine.module)
+    return write_hf_model(state, actor.hf_model.config, tokenizer, out_dir, prefix="lm.", base=base)
 
 
 def sft_job(
@@ -87,13 +89,17 @@ def rl_job(
     run_dir = Path(cfg.trainer.run_dir())
     save_config(cfg, run_dir / "config.yaml")
     components = components or build_components(cfg, reward_fn=reward_fn)
+    trainer = PPOTrainer(cfg, components)
+    start = trainer.resume()
     with Tracker(
         run_dir,
         components.total_steps,
         loggers=cfg.trainer.logger,
         experiment_name=cfg.trainer.experiment_name,
+        resume_step=start if start > 0 else None,
     ) as tracker:
-        history = PPOTrainer(cfg, components, tracker).fit()
+        trainer.tracker = tracker
+        history = trainer.fit()
     components.scorer.close()
     save_hf_model(components.actor, components.tokenizer, None, run_dir / "final_model")
     logger.info("saved the trained policy to %s", run_dir / "final_model")
@@ -105,3 +111,20 @@ def load_components_from(path: Path, cfg: Config, reward_fn: Any = None) -> Comp
     model = load_causal_lm(str(path))
     tokenizer = load_tokenizer(str(path))
     return build_components(cfg, model, tokenizer, reward_fn=reward_fn)
+
+
+def eval_job(cfg: Config, out: Path, checkpoint_dir: Path | None = None) -> dict[str, float]:
+    """Validation only, with the policy of ``checkpoint_dir`` (else ``model.path``); generations to ``out``."""
+    set_seed(cfg.trainer.seed)
+    if checkpoint_dir is not None:
+        model = load_role_model(checkpoint_dir, "actor")
+        tokenizer = load_tokenizer(str(checkpoint_dir / "actor" / HF_CONFIG))
+    else:
+        model, tokenizer = load_policy(cfg)
+    components = build_eval_components(cfg, model, tokenizer)
+    records: list[dict[str, Any]] = []
+    metrics = validate(cfg, components, prefix="val-core", records=records)
+    components.scorer.close()
+    write_jsonl(records, out)
+    logger.info("wrote %d generations to %s", len(records), out)
+    return metrics

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,10 +20,14 @@ from hybridflow.config.schema import Config
 from hybridflow.data import PromptSampler, collate_prompts
 from hybridflow.protocol import Batch
 from hybridflow.rewards import place_on_last_token
+from hybridflow.trainer.checkpointing import load_checkpoint, resume_target, save_checkpoint
 from hybridflow.trainer.dataflow import Dataflow, Stage
+from hybridflow.trainer.dumps import rollout_records, write_jsonl
 from hybridflow.trainer.metrics import compute_data_metrics, throughput_metrics
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.trainer.validation import validate
+from hybridflow.utils.logging import rank as env_rank
+from hybridflow.utils.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +48,7 @@ class PPOTrainer:
         )
         self.total_steps = components.total_steps
         self.global_step = 0
+        self.rank = env_rank()
         self.dataflow = Dataflow(
             self._stages(),
             inputs=(*PROMPT_KEYS, "data_source", "ground_truth", "extra_info"),
@@ -77,6 +83,9 @@ class PPOTrainer:
                 "old_log_prob", ("input_ids", "responses"), ("old_log_probs", "entropys"), self._old_log_prob
             ),
         ]
+        if cfg.trainer.rollout_data_dir:
+            reads = (*SEQ_KEYS, "response_mask", "token_level_scores", "uid", "data_source", "ground_truth")
+            stages.append(Stage("dump_rollout", reads, (), self._dump_rollout))
         if cfg.algorithm.adv_estimator == "remax":
             reads = (*SEQ_KEYS, "data_source", "ground_truth", "extra_info")
             stages.append(Stage("gen_max", reads, ("reward_baselines",), self._greedy_baseline))
@@ -105,24 +114,47 @@ class PPOTrainer:
         stages.append(Stage("update_actor", tuple(actor_reads), (), self._update_actor))
         return stages
 
+    def resume(self) -> int:
+        """Load the checkpoint ``trainer.resume`` names (if any); returns the step the run continues from."""
+        path = resume_target(self.cfg)
+        if path is not None:
+            load_checkpoint(self, path)
+        return self.global_step
+
     def fit(self) -> list[dict[str, float]]:
-        """Train for ``total_steps`` steps, validating as configured; returns every step's metrics."""
+        """Train from the current step to ``total_steps``, validating and saving as configured."""
         history = []
         t = self.cfg.trainer
-        if t.val_before_train and self.c.val is not None:
-            self._log(0, validate(self.cfg, self.c, prefix="val-core"))
+        if self.global_step >= self.total_steps:
+            logger.warning(
+                "the run is already complete at step %d of %d; nothing to train (start a fresh run with "
+                "trainer.resume=disable or a new trainer.experiment_name)",
+                self.global_step,
+                self.total_steps,
+            )
+        elif t.val_before_train and self.c.val is not None and self.global_step == 0:
+            self._log(0, self.validate())
         while self.global_step < self.total_steps:
             self.global_step += 1
             metrics = self.step()
-            if (
-                self.c.val is not None
-                and t.test_freq > 0
-                and (self.global_step % t.test_freq == 0 or self.global_step == self.total_steps)
-            ):
-                metrics.update(validate(self.cfg, self.c, prefix="val-core"))
+            last = self.global_step == self.total_steps
+            if self.c.val is not None and t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
+                metrics.update(self.validate())
+            if last or (t.save_freq > 0 and self.global_step % t.save_freq == 0):
+                with Progress(f"save global_step_{self.global_step}") as bar:
+                    save_checkpoint(self)
+                metrics["timing_s/save_checkpoint"] = bar.close()  # closed already: its duration
             self._log(self.global_step, metrics)
             history.append(metrics)
         return history
+
+    def validate(self) -> dict[str, float]:
+        """Validation metrics; the generations go to ``trainer.validation_data_dir/{step}.jsonl`` if set."""
+        records: list[dict[str, Any]] | None = [] if self.cfg.trainer.validation_data_dir else None
+        metrics = validate(self.cfg, self.c, prefix="val-core", records=records)
+        if records is not None and self.rank == 0:
+            write_jsonl(records, Path(self.cfg.trainer.validation_data_dir) / f"{self.global_step}.jsonl")
+        return metrics
 
     def step(self) -> dict[str, float]:
         """One training step: the dataflow over a fresh batch of prompts, then the step's metrics."""
@@ -209,6 +241,11 @@ class PPOTrainer:
                 metrics[f"reward_extra/{key}/mean"] = float(np.mean(values)) if len(values) else 0.0
         return out
 
+    def _dump_rollout(self, batch: Batch, metrics: dict[str, float]) -> None:
+        if self.rank == 0:
+            records = rollout_records(self.c.tokenizer, batch, self.global_step)
+            write_jsonl(records, Path(self.cfg.trainer.rollout_data_dir) / f"{self.global_step}.jsonl")
+
     def _old_log_prob(self, batch: Batch, metrics: dict[str, float]) -> Batch:
         out = self.c.actor.compute_log_prob(batch)
         mask = batch["response_mask"]
@@ -221,7 +258,7 @@ class PPOTrainer:
         prompts = Batch(
             {k: batch[k][::n, :-R] for k in PROMPT_KEYS}
         )  # one prompt per group, response cut off
-        greedy = self.c.actor.generate(prompts, params)
+        greedy = self.c.actor.generate(prompts, params, desc="greedy baseline")
         for key in ("data_source", "ground_truth", "extra_info"):
             greedy[key] = batch[key][::n]
         base, _ = self.c.scorer.score(greedy)

@@ -7,13 +7,19 @@ from typing import Any
 
 from hybridflow.config.schema import Config
 from hybridflow.data import collate_prompts
+from hybridflow.trainer.dumps import decode_responses, generation_records
 from hybridflow.trainer.val_metrics import validation_metrics
 
 logger = logging.getLogger(__name__)
 
 
-def validate(cfg: Config, c: Any, prefix: str = "val-core") -> dict[str, float]:
-    """Per data source: ``reward/mean@N``, ``acc/mean@N`` and, with N > 1, best/worst/maj@N and pass@k."""
+def validate(
+    cfg: Config, c: Any, prefix: str = "val-core", records: list[dict[str, Any]] | None = None
+) -> dict[str, float]:
+    """Per data source: ``reward/mean@N``, ``acc/mean@N`` and, with N > 1, best/worst/maj@N and pass@k.
+
+    ``records`` (a list) receives one dict per generation: prompt, response, ground truth, score and acc.
+    """
     v = cfg.rollout.val_kwargs
     params = c.actor.sampling_params(
         v.n, v.temperature, v.top_p, v.top_k, v.do_sample, c.eos_token_ids, seed=cfg.trainer.seed
@@ -28,15 +34,16 @@ def validate(cfg: Config, c: Any, prefix: str = "val-core") -> dict[str, float]:
             [c.val[i] for i in range(start, min(start + size, len(c.val)))], c.pad_token_id
         )
         batch = c.actor.generate(
-            prompts.select(["input_ids", "attention_mask", "position_ids"], non_tensor_keys=[]), params
+            prompts.select(["input_ids", "attention_mask", "position_ids"], non_tensor_keys=[]),
+            params,
+            desc="validation",
         )
         for key in ("data_source", "ground_truth", "extra_info"):
             batch[key] = prompts[key].repeat(v.n)
         scores, extras = c.scorer.score(batch)
-        mask = batch["response_mask"].bool()
-        texts = c.tokenizer.batch_decode(
-            [row[m].tolist() for row, m in zip(batch["responses"], mask)], skip_special_tokens=True
-        )
+        texts = decode_responses(c.tokenizer, batch)
+        if records is not None:
+            records += generation_records(c.tokenizer, prompts, batch, texts, scores.tolist(), extras, v.n)
         sources += list(batch["data_source"])
         rewards += scores.tolist()
         answers += [t.strip() for t in texts]  # the majority vote counts identical responses

@@ -15,6 +15,7 @@ from hybridflow.engine.rollout.engine import make_rollout
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.sequences import pack_prompt_response
 from hybridflow.protocol import Batch
+from hybridflow.utils.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class ActorWorker:
             seed=seed,
         )
 
-    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+    def generate(self, prompts: Batch, params: SamplingParams, desc: str = "rollout") -> Batch:
         """Sample ``params.n`` responses per prompt; returns the training-layout batch, samples interleaved.
 
         Adds ``rollout_log_probs`` (B*n, R), the prompts' non-tensor fields repeated, ``uid`` (the prompt's
@@ -88,7 +89,8 @@ class ActorWorker:
         """
         mask = prompts["attention_mask"].bool()
         ids = [row[m].tolist() for row, m in zip(prompts["input_ids"], mask)]
-        outputs = self.rollout.generate(ids, params)
+        with Progress(desc, total=len(ids) * params.n, unit="samples") as bar:
+            outputs = self.rollout.generate(ids, params, progress=bar.update)
         flat = [s for group in outputs for s in group]
         R = self.cfg.data.max_response_length
         batch = pack_prompt_response(

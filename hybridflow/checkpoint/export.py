@@ -1,0 +1,116 @@
+"""Export a checkpoint's actor (or critic) as a Hugging Face model directory: the model merger.
+
+The checkpoint keeps, next to each role's shards, the model's config, generation config and tokenizer
+(``{role}/hf_config``). Export rebuilds the architecture from that config, reads the full tensors out of the
+shards in one process (whatever world size saved them) and writes safetensors with ``save_pretrained``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridflow.checkpoint.manager import HF_CONFIG, SHARDS, read_meta
+from hybridflow.checkpoint.sharded import CheckpointError, check_shapes, load_full_state
+from hybridflow.models.loader import resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def write_hf_config(out_dir: Path, model: nn.Module, tokenizer: Any | None) -> None:
+    """Save what export needs besides the weights: config, generation config, tokenizer."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out_dir)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        gen.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+
+
+def save_hf_model(
+    state: dict[str, torch.Tensor],
+    config: Any,
+    tokenizer: Any | None,
+    out_dir: str | os.PathLike,
+    prefix: str = "",
+    base: nn.Module | None = None,
+) -> Path:
+    """Write a full state dict (keys under ``prefix``) as a causal-LM Hugging Face directory with its tokenizer.
+
+    ``base`` is a module of the architecture to receive the weights; None builds one from ``config``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if base is None:
+        with torch.random.fork_rng(devices=[]):
+            base = AutoModelForCausalLM.from_config(config)
+    base.load_state_dict({k.removeprefix(prefix): v for k, v in state.items()}, strict=True)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    base.save_pretrained(out, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def _build(config_dir: Path, role: str) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(config_dir)
+    auto = AutoModelForTokenClassification if role == "critic" else AutoModelForCausalLM
+    with torch.random.fork_rng(devices=[]):  # the random init is overwritten: keep the caller's RNG
+        return auto.from_config(config)
+
+
+def _export_dtype(name: str, model: nn.Module) -> torch.dtype:
+    if name not in EXPORT_DTYPES:
+        raise ValueError(f"unknown export dtype {name!r}; choose one of {', '.join(EXPORT_DTYPES)}")
+    if name != "auto":
+        return resolve_dtype(name)
+    saved = getattr(model.config, "dtype", None)
+    return resolve_dtype(saved) if saved is not None else torch.float32
+
+
+def load_role_model(ckpt_dir: str | os.PathLike, role: str = "actor") -> nn.Module:
+    """The role's model as a plain (unsharded, float32) Hugging Face module with the checkpoint's weights."""
+    ckpt = Path(ckpt_dir)
+    meta = read_meta(ckpt)
+    if role not in meta["roles"]:
+        raise CheckpointError(f"checkpoint {ckpt} has no {role}; it holds {', '.join(sorted(meta['roles']))}")
+    config_dir = ckpt / role / HF_CONFIG
+    if not (config_dir / "config.json").is_file():
+        raise CheckpointError(f"{config_dir}/config.json is missing: the checkpoint cannot be exported")
+    model = _build(config_dir, role).float()
+    prefix = meta["roles"][role].get("prefix", "")
+    shapes = {f"{prefix}{name}": list(p.shape) for name, p in model.named_parameters()}
+    check_shapes(meta["roles"][role]["shapes"], shapes, f"the {role} in {ckpt}")
+    # The state dict names tied weights under both names, as the shards were saved.
+    state = load_full_state(ckpt / role / SHARDS, {f"{prefix}{k}": v for k, v in model.state_dict().items()})
+    model.load_state_dict({k.removeprefix(prefix): v for k, v in state.items()}, strict=True)
+    return model
+
+
+def export_hf(
+    ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, role: str = "actor", dtype: str = "auto"
+) -> Path:
+    """Write the role's weights, config, generation config and tokenizer as a Hugging Face model directory."""
+    ckpt, out = Path(ckpt_dir), Path(out_dir)
+    model = load_role_model(ckpt, role)
+    model.to(_export_dtype(dtype, model))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    config_dir = ckpt / role / HF_CONFIG
+    for path in config_dir.iterdir():  # tokenizer files and generation config, as saved
+        if path.name != "config.json" and path.is_file():
+            shutil.copy2(path, out / path.name)
+    logger.info("exported the %s of %s to %s", role, ckpt, out)
+    return out

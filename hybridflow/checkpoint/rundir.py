@@ -1,0 +1,145 @@
+"""The run directory's checkpoints: ``global_step_{N}/`` folders, the ``latest`` marker, atomic commits.
+
+A checkpoint is written into a hidden temporary folder next to its final place and renamed into place only
+after every file, ``meta.json`` last, is on disk. A rename within one filesystem is atomic, so a crash at any
+moment leaves either the complete checkpoint or none under its final name. The marker file (verl's name,
+``latest_checkpointed_iteration.txt``) is itself replaced atomically after the rename.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+STEP_PREFIX = "global_step_"
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+META_FILE = "meta.json"
+_STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+_TMP_DIR = re.compile(rf"^\.{STEP_PREFIX}(\d+)\.tmp$")
+
+
+def step_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    """Where the checkpoint of ``step`` lives: ``{run_dir}/global_step_{step}``."""
+    return Path(run_dir) / f"{STEP_PREFIX}{step}"
+
+
+def temp_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    """The hidden folder a checkpoint of ``step`` is written into before it is renamed into place."""
+    return Path(run_dir) / f".{STEP_PREFIX}{step}.tmp"
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """A checkpoint folder is complete when its ``meta.json`` (written last) exists."""
+    return (Path(path) / META_FILE).is_file()
+
+
+def complete_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """The complete checkpoints of a run directory as ``(step, path)``, oldest first."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir() and is_complete(child):
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def incomplete_saves(run_dir: str | os.PathLike) -> list[Path]:
+    """Folders left by interrupted saves: temporary folders and step folders without ``meta.json``."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return []
+    out = []
+    for child in sorted(root.iterdir()):
+        if _TMP_DIR.match(child.name) or (_STEP_DIR.match(child.name) and not is_complete(child)):
+            out.append(child)
+    return out
+
+
+def read_latest_marker(run_dir: str | os.PathLike) -> int | None:
+    """The step the marker names, or None when there is no (readable) marker."""
+    path = Path(run_dir) / LATEST_FILE
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def find_latest(run_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint to resume from: the one the marker names, else the newest complete one.
+
+    Interrupted saves are skipped and reported: a resume never picks up a checkpoint that is not complete.
+    """
+    complete = complete_checkpoints(run_dir)
+    for path in incomplete_saves(run_dir):
+        logger.warning("ignoring %s: an interrupted save left it incomplete", path)
+    if not complete:
+        return None
+    marked = read_latest_marker(run_dir)
+    by_step = dict(complete)
+    newest_step, newest = complete[-1]
+    if marked is not None and marked in by_step:
+        return by_step[marked]
+    if marked is not None:
+        logger.warning(
+            "the latest marker names step %d, which has no complete checkpoint; using %s (step %d)",
+            marked,
+            newest,
+            newest_step,
+        )
+    return newest
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def commit(tmp: Path, final: Path) -> None:
+    """Move a fully written checkpoint into place and point the marker at it.
+
+    An older folder under the same name (from an earlier run in this directory) is moved aside first and
+    deleted only after the new one is in place, so some complete checkpoint exists at every moment.
+    """
+    assert is_complete(tmp), f"commit of {tmp} before its {META_FILE} was written"
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    step = int(_STEP_DIR.match(final.name).group(1))
+    _write_atomically(final.parent / LATEST_FILE, f"{step}\n")
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def prune(run_dir: str | os.PathLike, keep: int | None) -> list[Path]:
+    """Delete the oldest complete checkpoints beyond the newest ``keep``; returns what was deleted."""
+    if keep is None or keep <= 0:
+        return []
+    complete = complete_checkpoints(run_dir)
+    doomed = [path for _, path in complete[:-keep]]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+        logger.info("removed old checkpoint %s (trainer.max_ckpt_to_keep=%d)", path, keep)
+    return doomed
+
+
+def remove_stale_temp(run_dir: str | os.PathLike) -> None:
+    """Delete temporary folders left by interrupted saves (never a complete checkpoint)."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return
+    for child in root.iterdir():
+        if _TMP_DIR.match(child.name) or child.name.endswith(".old"):
+            shutil.rmtree(child, ignore_errors=True)

@@ -1,0 +1,102 @@
+"""Sharded model and optimizer state through ``torch.distributed.checkpoint`` (DCP).
+
+Each rank writes its own FSDP2 shards; DCP's metadata records the global shape of every tensor, so the same
+folder loads into any world size (2 ranks save, 1 loads, and the reverse): each rank reads the slices its
+current sharding owns. The state dicts are keyed by parameter names (no FSDP prefixes), the optimizer's too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used here: missing, incomplete, or from a different model."""
+
+
+def _global_shape(t: torch.Tensor) -> list[int]:
+    return list(t.shape)  # a DTensor's .shape is already the global (unsharded) shape
+
+
+def parameter_shapes(module: nn.Module) -> dict[str, list[int]]:
+    """Every parameter's name and global shape: the fingerprint a checkpoint is checked against."""
+    return {name: _global_shape(p) for name, p in module.named_parameters()}
+
+
+def check_shapes(saved: dict[str, list[int]], current: dict[str, list[int]], what: str) -> None:
+    """Raise ``CheckpointError`` naming the differences when the checkpoint's parameters do not fit."""
+    missing = sorted(set(current) - set(saved))
+    extra = sorted(set(saved) - set(current))
+    differ = sorted(n for n in set(saved) & set(current) if list(saved[n]) != list(current[n]))
+    if not (missing or extra or differ):
+        return
+    lines = []
+    if differ:
+        lines.append(
+            f"{len(differ)} parameter shape(s) differ, e.g. "
+            + "; ".join(f"{n}: checkpoint {tuple(saved[n])} vs model {tuple(current[n])}" for n in differ[:3])
+        )
+    if missing:
+        lines.append(
+            f"{len(missing)} parameter(s) of the model are not in the checkpoint, e.g. {missing[:3]}"
+        )
+    if extra:
+        lines.append(f"{len(extra)} parameter(s) of the checkpoint are not in the model, e.g. {extra[:3]}")
+    raise CheckpointError(f"{what} does not match this model: " + "; ".join(lines))
+
+
+def save_sharded(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
+    """Write ``module``'s (and ``optimizer``'s) sharded state under ``path``; all ranks call it together.
+
+    An optimizer that has not stepped yet has no state to save (and asking DCP for its state dict would
+    initialise it with a zero step, changing the run); returns whether optimizer state was written.
+    """
+    state: dict[str, Any] = {"model": get_model_state_dict(module)}
+    with_optim = optimizer is not None and bool(optimizer.state)
+    if with_optim:
+        state["optim"] = get_optimizer_state_dict(module, optimizer)
+    dcp.save(state, checkpoint_id=str(path))
+    return with_optim
+
+
+def load_sharded(
+    path: str | os.PathLike,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    with_optim: bool,
+) -> None:
+    """Read the state ``save_sharded`` wrote into ``module`` (and ``optimizer``), resharding as needed."""
+    if not Path(path).is_dir():
+        raise CheckpointError(f"{path} is missing from the checkpoint")
+    state: dict[str, Any] = {"model": get_model_state_dict(module)}
+    if optimizer is not None and with_optim:
+        state["optim"] = get_optimizer_state_dict(module, optimizer)
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(module, state["model"], options=StateDictOptions(strict=True))
+    if "optim" in state:
+        set_optimizer_state_dict(module, optimizer, state["optim"])
+    elif optimizer is not None and optimizer.state:
+        optimizer.state.clear()  # the saved run had not stepped this optimizer yet: neither have we
+
+
+def load_full_state(path: str | os.PathLike, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Read the full (unsharded) model tensors of a DCP folder into ``template``'s tensors, in one process."""
+    state = {"model": template}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state["model"]

@@ -1,0 +1,60 @@
+"""``hybridflow eval CONFIG|CHECKPOINT [key=value ...] --out FILE.jsonl``: validation only."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+NAME = "eval"
+HELP = "Validate a model or checkpoint on the held-out prompts and write the generations to JSONL."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """A config or checkpoint, overrides, and the output file."""
+    parser.add_argument(
+        "args",
+        nargs="+",
+        metavar="CONFIG|CHECKPOINT [key=value ...]",
+        help="A YAML config (its model.path is evaluated), or a global_step_N folder / run directory "
+        "(its actor, with the run's config.yaml), then overrides such as rollout.val_kwargs.n=4.",
+    )
+    parser.add_argument("--out", default=None, help="Generations JSONL (default: {run_dir}/eval.jsonl).")
+
+
+def _resolve(target: str) -> tuple[Path | None, Path | None]:
+    """(config file, checkpoint folder) for the first argument."""
+    from hybridflow.checkpoint import find_latest
+    from hybridflow.checkpoint.rundir import is_complete
+
+    path = Path(target).expanduser()
+    if path.is_file():
+        return path, None
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: pass a YAML config or a checkpoint folder")
+    ckpt = path if is_complete(path) else find_latest(path)
+    if ckpt is None:
+        raise ValueError(
+            f"{path} is neither a complete global_step_N checkpoint nor a run directory holding one"
+        )
+    config = ckpt.parent / "config.yaml"
+    return (config if config.is_file() else None), ckpt
+
+
+def run(args: argparse.Namespace) -> int:
+    """Evaluate and print the metrics."""
+    from hybridflow.config import load_config
+    from hybridflow.trainer.jobs import eval_job
+
+    first, overrides = args.args[0], args.args[1:]
+    if "=" in first and not Path(first).exists():
+        raise ValueError(
+            "the first argument of eval is a config file or a checkpoint folder, not an override"
+        )
+    config, ckpt = _resolve(first)
+    cfg = load_config(str(config) if config else None, overrides)
+    out = Path(args.out or Path(cfg.trainer.run_dir()) / "eval.jsonl")
+    metrics = eval_job(cfg, out, ckpt)
+    for key in sorted(metrics):
+        print(f"{key}: {metrics[key]:.4f}")
+    print(f"generations written to {out}")
+    return 0

@@ -1,0 +1,48 @@
+"""``hybridflow export CKPT_DIR --out HF_DIR``: a checkpoint's actor (or critic) as a Hugging Face model."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+NAME = "export"
+HELP = "Write a checkpoint's actor or critic as a Hugging Face model directory (the model merger)."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint (or run directory), the output directory, the role and the dtype."""
+    parser.add_argument(
+        "checkpoint", help="A global_step_N folder, or a run directory (its latest checkpoint)."
+    )
+    parser.add_argument("--out", required=True, help="Output directory for the Hugging Face model.")
+    parser.add_argument("--role", default="actor", choices=["actor", "critic"], help="Which model to export.")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="Weight dtype of the export (auto: the model config's dtype, else float32).",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="Replace files in a non-empty --out.")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Export and print where the model went."""
+    from hybridflow.checkpoint import export_hf, find_latest
+    from hybridflow.checkpoint.rundir import is_complete
+
+    ckpt = Path(args.checkpoint).expanduser()
+    if not ckpt.exists():
+        raise FileNotFoundError(f"checkpoint {ckpt} does not exist")
+    if not is_complete(ckpt):
+        latest = find_latest(ckpt)
+        if latest is None:
+            raise ValueError(
+                f"{ckpt} is neither a complete global_step_N checkpoint nor a run directory holding one"
+            )
+        ckpt = latest
+    out = Path(args.out).expanduser()
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise ValueError(f"--out {out} is not empty; choose a new directory or pass --overwrite")
+    export_hf(ckpt, out, role=args.role, dtype=args.dtype)
+    print(f"exported the {args.role} of {ckpt} to {out}")
+    return 0
