@@ -126,3 +126,23 @@ __all__ = [
     "register_adv_est",
     "register_policy_loss",
 ]
+
+from hybridflow.algos.preference import (
+    DPO_LOSS_TYPES,
+    dpo_loss,
+    kto_kl_estimate,
+    kto_loss,
+    kto_metrics,
+    preference_metrics,
+    sequence_logps,
+)
+
+__all__ += [
+    "DPO_LOSS_TYPES",
+    "dpo_loss",
+    "kto_kl_estimate",
+    "kto_loss",
+    "kto_metrics",
+    "preference_metrics",
+    "sequence_logps",
+]

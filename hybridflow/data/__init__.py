@@ -37,3 +37,21 @@ __all__ = [
     "save_rows",
     "truncate",
 ]
+
+from hybridflow.data.preference_dataset import (
+    PREFERENCE_TRUNCATIONS,
+    KTODataset,
+    PreferenceDataset,
+    collate_kto,
+    collate_pairs,
+    make_arithmetic_preferences,
+)
+
+__all__ += [
+    "PREFERENCE_TRUNCATIONS",
+    "KTODataset",
+    "PreferenceDataset",
+    "collate_kto",
+    "collate_pairs",
+    "make_arithmetic_preferences",
+]

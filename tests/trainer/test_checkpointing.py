@@ -254,3 +254,28 @@ def test_eval_validates_a_checkpoint_and_writes_generations(
     assert len(rows) == 8  # 4 held-out prompts x 2 samples
     assert {"prompt", "response", "ground_truth", "score", "acc"} <= rows[0].keys()
     assert main(["eval", str(tmp_path / "missing")]) == 2
+
+
+def test_resuming_with_another_model_is_refused_at_the_command_line(
+    tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    run_dir = tmp_path / "job" / "run"
+    run_dir.parent.mkdir()
+    assert main(argv(model_dir, run_dir, "trainer.total_training_steps=1")) == 0
+    wider = tmp_path / "wider"
+    build_tiny_model_and_tokenizer(out_dir=wider, hidden_size=48, num_hidden_layers=2)
+    capsys.readouterr()
+    assert main(argv(wider, run_dir, "trainer.total_training_steps=2")) == 2
+    err = capsys.readouterr().err
+    assert "the actor in" in err and "does not match this model" in err
+    assert "lm.model.embed_tokens.weight: checkpoint" in err and ", 32) vs model (" in err
+    assert "Traceback" not in err
+    assert (run_dir / "global_step_1" / "meta.json").is_file()  # the user's checkpoint is untouched
+
+
+def test_eval_of_a_config_uses_its_model_path(tmp_path: Path, model_dir: Path, capsys) -> None:
+    config = tmp_path / "eval.yaml"
+    config.write_text(f"model:\n  path: {model_dir}\ndata:\n  task_val_size: 3\n")
+    assert main(["eval", str(config), "--out", str(tmp_path / "gen.jsonl")]) == 0
+    assert "val-core/arithmetic/acc/mean@1" in capsys.readouterr().out
+    assert len((tmp_path / "gen.jsonl").read_text().splitlines()) == 3
