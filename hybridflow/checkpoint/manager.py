@@ -90,6 +90,61 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{meta_path} is not valid JSON ({e}); the checkpoint is damaged") from e
 
 
+def begin(run_dir: str | os.PathLike, step: int) -> Path:
+    """Make the empty temporary folder the checkpoint of ``step`` is written into (the driver calls it)."""
+    rundir.remove_stale_temp(run_dir)
+    tmp = rundir.temp_dir(run_dir, step)
+    (tmp / "rng").mkdir(parents=True)
+    return tmp
+
+
+def write_roles(tmp: str | os.PathLike, roles: Mapping[str, RoleState], group: str = "main") -> dict[str, Any]:
+    """Every rank of one worker group writes its roles' shards and its RNG; returns the roles' metadata.
+
+    ``group`` names the worker group, so several groups (split placement) write their RNG side by side.
+    """
+    tmp = Path(tmp)
+    rank, _ = _rank_world()
+    role_meta = {}
+    for name, role in roles.items():
+        with_optim = save_sharded(tmp / name / SHARDS, role.module, role.optimizer)
+        role_meta[name] = {
+            "optimizer": with_optim,
+            "prefix": role.prefix,
+            "shapes": parameter_shapes(role.module),
+        }
+    torch.save(capture_rng(), tmp / "rng" / f"{group}_rank_{rank}.pt")
+    _barrier()
+    return role_meta
+
+
+def finish(
+    run_dir: str | os.PathLike,
+    step: int,
+    tmp: Path,
+    role_meta: Mapping[str, Any],
+    trainer_state: Mapping[str, Any],
+    layout: Mapping[str, Any],
+    keep: int | None = None,
+) -> Path:
+    """Write the trainer state and ``meta.json`` (last), move the folder into place, prune (the driver)."""
+    torch.save(dict(trainer_state), tmp / TRAINER_STATE)
+    _test_delay(step)
+    meta = {
+        "format": FORMAT_VERSION,
+        "global_step": step,
+        "world_size": int(layout.get("world_size", 1)),
+        "layout": dict(layout),
+        "roles": dict(role_meta),
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    (tmp / rundir.META_FILE).write_text(json.dumps(meta, indent=1))
+    final = rundir.step_dir(run_dir, step)
+    rundir.commit(tmp, final)
+    rundir.prune(run_dir, keep)
+    return final
+
+
 def save(
     run_dir: str | os.PathLike,
     step: int,
@@ -99,53 +154,23 @@ def save(
     write_extras: Callable[[Path], None] | None = None,
     keep: int | None = None,
 ) -> Path:
-    """Write the checkpoint of ``step`` atomically and keep the newest ``keep``; returns its folder."""
+    """All ranks of one group: write the checkpoint of ``step`` atomically, keep the newest ``keep``."""
     rank, world = _rank_world()
-    tmp, final = rundir.temp_dir(run_dir, step), rundir.step_dir(run_dir, step)
+    tmp = rundir.temp_dir(run_dir, step)
     if rank == 0:
-        rundir.remove_stale_temp(run_dir)
-        tmp.mkdir(parents=True)
-        (tmp / "rng").mkdir()
+        begin(run_dir, step)
     _barrier()
-    role_meta = {}
-    for name, role in roles.items():
-        with_optim = save_sharded(tmp / name / SHARDS, role.module, role.optimizer)
-        role_meta[name] = {
-            "optimizer": with_optim,
-            "prefix": role.prefix,
-            "shapes": parameter_shapes(role.module),
-        }
-    torch.save(capture_rng(), tmp / "rng" / f"rank_{rank}.pt")
-    _barrier()
+    role_meta = write_roles(tmp, roles)
     if rank == 0:
-        torch.save(dict(trainer_state), tmp / TRAINER_STATE)
         if write_extras is not None:
             write_extras(tmp)
-        _test_delay(step)
-        meta = {
-            "format": FORMAT_VERSION,
-            "global_step": step,
-            "world_size": world,
-            "layout": dict(layout),
-            "roles": role_meta,
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        }
-        (tmp / rundir.META_FILE).write_text(json.dumps(meta, indent=1))
-        rundir.commit(tmp, final)
-        rundir.prune(run_dir, keep)
+        finish(run_dir, step, tmp, role_meta, trainer_state, {"world_size": world, **layout}, keep)
     _barrier()
-    return final
+    return rundir.step_dir(run_dir, step)
 
 
-def load(path: str | os.PathLike, roles: Mapping[str, RoleState]) -> dict[str, Any]:
-    """Load a complete checkpoint into the given roles; returns the trainer state saved with it.
-
-    The roles' parameters must match the checkpoint's names and shapes (any world size). Each rank's RNG
-    comes back when the world size is the one saved; otherwise the generators keep their seeded state.
-    """
-    path = Path(path)
-    meta = read_meta(path)
-    rank, world = _rank_world()
+def check_roles(path: str | os.PathLike, meta: Mapping[str, Any], roles: Mapping[str, RoleState]) -> None:
+    """Refuse roles that the checkpoint lacks or whose parameters differ from the saved ones."""
     for name, role in roles.items():
         if name not in meta["roles"]:
             raise CheckpointError(
@@ -153,16 +178,35 @@ def load(path: str | os.PathLike, roles: Mapping[str, RoleState]) -> dict[str, A
                 f"was configured differently"
             )
         check_shapes(meta["roles"][name]["shapes"], parameter_shapes(role.module), f"the {name} in {path}")
+
+
+def read_roles(path: str | os.PathLike, roles: Mapping[str, RoleState], group: str = "main") -> None:
+    """Every rank of one worker group loads its roles (resharding as needed) and, same world size, its RNG."""
+    path = Path(path)
+    meta = read_meta(path)
+    rank, world = _rank_world()
+    check_roles(path, meta, roles)
     for name, role in roles.items():
         load_sharded(path / name / SHARDS, role.module, role.optimizer, meta["roles"][name]["optimizer"])
-    rng_file = path / "rng" / f"rank_{rank}.pt"
-    if meta["world_size"] == world and rng_file.is_file():
+    rng_file = path / "rng" / f"{group}_rank_{rank}.pt"
+    saved_world = meta["layout"].get("groups", {}).get(group, meta["world_size"])
+    if saved_world == world and rng_file.is_file():
         restore_rng(torch.load(rng_file, weights_only=False))
     elif rank == 0:
         logger.warning(
             "checkpoint saved with %d rank(s), loading into %d: weights and optimizer are resharded, the random "
             "generators start from the seed",
-            meta["world_size"],
+            saved_world,
             world,
         )
-    return torch.load(path / TRAINER_STATE, weights_only=False)
+
+
+def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
+    """The driver's state saved with a checkpoint."""
+    return torch.load(Path(path) / TRAINER_STATE, weights_only=False)
+
+
+def load(path: str | os.PathLike, roles: Mapping[str, RoleState]) -> dict[str, Any]:
+    """All ranks of one group: load a complete checkpoint into the roles; returns the trainer state."""
+    read_roles(path, roles)
+    return read_trainer_state(path)

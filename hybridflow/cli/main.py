@@ -33,6 +33,7 @@ COMMANDS: tuple[str, ...] = (
 
 USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, yaml.YAMLError)
 EXIT_USER_ERROR = 2
+EXIT_WORKER_ERROR = 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,8 +70,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not hasattr(args, "run"):
         parser.print_help(sys.stderr)
         return EXIT_USER_ERROR
+    from hybridflow.workers.group import WorkerError
+
     try:
         return int(args.run(args) or 0)
+    except WorkerError as exc:
+        # A rank failed: its message carries the group, role, rank and the remote traceback.
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_WORKER_ERROR
     except USER_ERRORS as exc:
         # The message already names the field or file and the fix; a traceback would bury it.
         logger.debug("user error", exc_info=True)

@@ -2,67 +2,57 @@
 
 from __future__ import annotations
 
-import copy
+import functools
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from hybridflow.config.schema import Config
 from hybridflow.data import RLDataset, build_rl_dataset
-from hybridflow.data.rows import BUILT_IN
-from hybridflow.models import build_value_model, load_causal_lm, load_tokenizer, load_value_model
 from hybridflow.trainer.scoring import Scorer, build_reward_manager, has_scorer, known_sources
-from hybridflow.workers.actor import ActorWorker
-from hybridflow.workers.critic import CriticWorker
-from hybridflow.workers.reference import ReferenceWorker
+from hybridflow.utils.dist import init_distributed
+from hybridflow.workers.actor import ActorWorker, make_sampling_params
+from hybridflow.workers.build import (
+    COLOCATED,
+    build_roles,
+    eos_ids_of,
+    load_policy,
+    load_policy_tokenizer,
+    pad_id_of,
+)
+from hybridflow.workers.group import ActorHandle, CriticHandle, LocalGroup, RefHandle, WorkerGroup
+from hybridflow.workers.rank import RankWorker
 from hybridflow.workers.reward_model import RewardModelWorker
+
+__all__ = ["Components", "build_components", "build_eval_components", "eos_ids_of", "load_policy"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Components:
-    """The pieces the driver works with."""
+    """The pieces the driver works with: role handles (any backend), datasets, the scorer."""
 
     tokenizer: Any
     pad_token_id: int
     eos_token_ids: list[int]
-    actor: ActorWorker
-    ref: ReferenceWorker | None
-    critic: CriticWorker | None
+    actor: ActorHandle
+    ref: RefHandle | None
+    critic: CriticHandle | None
     train: RLDataset | None  # None for evaluation only
     val: RLDataset | None
     scorer: Scorer
     total_steps: int
+    groups: list[WorkerGroup] = field(default_factory=list)  # the main group (with the actor) first
 
-
-def eos_ids_of(model: torch.nn.Module, tokenizer: Any) -> list[int]:
-    """Stop tokens: the generation config's eos (a list for chat models), else the tokenizer's."""
-    gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-    ids = eos if isinstance(eos, list) else [eos]
-    ids = [i for i in ids if i is not None] or [tokenizer.eos_token_id]
-    return [i for i in ids if i is not None]
-
-
-def load_policy(cfg: Config) -> tuple[torch.nn.Module, Any]:
-    """The policy model (float32 master weights) and its tokenizer from ``model.path``."""
-    m = cfg.model
-    if not m.path:
-        raise ValueError("model.path is not set; point it to a local Hugging Face model directory")
-    tokenizer = load_tokenizer(m.tokenizer_path or m.path, trust_remote_code=m.trust_remote_code)
-    if m.custom_chat_template:
-        tokenizer.chat_template = m.custom_chat_template
-    model = load_causal_lm(
-        m.path,
-        dtype="float32",
-        attn_implementation=m.attn_implementation,
-        trust_remote_code=m.trust_remote_code,
-        override_config=dict(m.override_config),
-    )
-    return model, tokenizer
+    def close(self) -> None:
+        """Stop the scorer's pool and the worker groups' processes."""
+        self.scorer.close()
+        for group in self.groups:
+            group.shutdown()
 
 
 def total_training_steps(cfg: Config, num_prompts: int) -> int:
@@ -84,6 +74,48 @@ def check_data_sources(dataset: RLDataset, cfg: Config, reward_fn: Any) -> None:
         dataset.require_data_sources(set(known_sources()), hint="set reward.custom_function.path to score it")
 
 
+def _local_groups(cfg: Config, model: torch.nn.Module, tokenizer: Any, steps: int) -> list[WorkerGroup]:
+    """This process as the rank (or, under torchrun, one of the ranks) holding every role."""
+    t = cfg.trainer
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if t.world_size != launched:
+        raise ValueError(
+            f"trainer.nnodes x trainer.n_gpus_per_node = {t.world_size}, but this process is one of {launched}; "
+            f"launch with torchrun --nproc_per_node={t.n_gpus_per_node}, or set trainer.backend=ray"
+        )
+    if t.placement != "colocated":
+        raise ValueError("trainer.placement=split needs trainer.backend=ray (local roles share this process)")
+    init_distributed(timeout_s=t.nccl_timeout)  # before the engines join it with the default timeout
+    worker = RankWorker(build_roles(cfg, model, steps, pad_id_of(tokenizer)), tokenizer)
+    worker.eos_token_ids = eos_ids_of(model, tokenizer)
+    return [LocalGroup(worker)]
+
+
+def _ray_groups(cfg: Config, steps: int) -> list[WorkerGroup]:
+    """Ray actors: one group with every role (colocated), or the critic in a group of its own (split)."""
+    from hybridflow.workers.ray_group import RayGroup, ensure_ray
+
+    t = cfg.trainer
+    split = t.placement == "split" and cfg.use_critic
+    ray = ensure_ray(t.ray_address, min_cpus=t.world_size * (2 if split else 1))
+    use_gpu = t.device == "cuda" or (t.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    main_roles = ("actor", "ref") if split else COLOCATED
+    groups: list[WorkerGroup] = [RayGroup(cfg, steps, main_roles, "main", t.world_size, use_gpu)]
+    if split:
+        groups.append(RayGroup(cfg, steps, ("critic",), "critic", t.world_size, use_gpu))
+    return groups
+
+
+def _handles(
+    cfg: Config, groups: list[WorkerGroup]
+) -> tuple[ActorHandle, RefHandle | None, CriticHandle | None]:
+    critic_group = next((g for g in groups if g.name == "critic"), groups[0])
+    actor = ActorHandle(groups[0], functools.partial(make_sampling_params, cfg))
+    ref = RefHandle(groups[0], "ref") if cfg.use_reference else None
+    critic = CriticHandle(critic_group, "critic") if cfg.use_critic else None
+    return actor, ref, critic
+
+
 def build_components(
     cfg: Config,
     model: torch.nn.Module | None = None,
@@ -92,8 +124,17 @@ def build_components(
     train: RLDataset | None = None,
     val: RLDataset | None = None,
 ) -> Components:
-    """Workers, datasets and scorer for ``cfg`` (a model/tokenizer/datasets given here take precedence)."""
-    if model is None:
+    """Workers, datasets and scorer for ``cfg`` (a model/tokenizer/datasets given here take precedence).
+
+    With ``trainer.backend=ray`` each rank loads the policy from ``model.path``; the driver loads only the
+    tokenizer.
+    """
+    ray = cfg.trainer.backend == "ray"
+    if ray and model is not None:
+        raise ValueError("trainer.backend=ray loads the model on every rank from model.path; pass no model")
+    if ray:
+        tokenizer = tokenizer or load_policy_tokenizer(cfg)
+    elif model is None:
         model, tokenizer = load_policy(cfg)
     built_in = train is None and cfg.data.train_files is None  # the built-in task supplies both splits
     train = train or build_rl_dataset(cfg.data, tokenizer, "train", cfg.trainer.seed)
@@ -103,28 +144,24 @@ def build_components(
         if ds is not None:
             check_data_sources(ds, cfg, reward_fn)
     steps = total_training_steps(cfg, len(train))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = eos_ids_of(model, tokenizer)
-    # The reference and critic start from the initial policy: copy it before the actor's engine shards it.
-    ref_model = copy.deepcopy(model) if cfg.use_reference else None
-    critic_model = None
-    if cfg.use_critic:
-        path = cfg.critic.model.path
-        critic_model = load_value_model(path) if path else build_value_model(model)
-    actor = ActorWorker(model, cfg, steps, pad_id)
-    ref = ReferenceWorker(ref_model, cfg) if ref_model is not None else None
-    critic = CriticWorker(critic_model, cfg, steps) if critic_model is not None else None
-    rm = RewardModelWorker(cfg, model.config.vocab_size) if cfg.reward.model.enable else None
+    groups = _ray_groups(cfg, steps) if ray else _local_groups(cfg, model, tokenizer, steps)
+    eos = groups[0].run_all("stop_tokens")[0]
+    actor, ref, critic = _handles(cfg, groups)
+    vocab = len(tokenizer) if model is None else model.config.vocab_size
+    rm = RewardModelWorker(cfg, vocab) if cfg.reward.model.enable else None
     scorer = Scorer(build_reward_manager(cfg, reward_fn), tokenizer, cfg, rm)
     logger.info(
-        "run: %d prompts (%s), %d steps, actor%s%s",
+        "run: %d prompts (%s), %d steps, %s backend, %d rank(s): %s",
         len(train),
-        "built-in task" if cfg.data.train_files is None else BUILT_IN and "files",
+        "built-in task" if cfg.data.train_files is None else "files",
         steps,
-        " + reference" if ref else "",
-        " + critic" if critic else "",
+        cfg.trainer.backend,
+        cfg.trainer.world_size,
+        " + ".join(name for name, h in (("actor", actor), ("reference", ref), ("critic", critic)) if h),
     )
-    return Components(tokenizer, pad_id, eos, actor, ref, critic, train, val, scorer, steps)
+    return Components(
+        tokenizer, pad_id_of(tokenizer), eos, actor, ref, critic, train, val, scorer, steps, groups
+    )
 
 
 def build_eval_components(

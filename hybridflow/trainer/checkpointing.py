@@ -7,16 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow import checkpoint
-from hybridflow.checkpoint import CheckpointError, RoleState
-from hybridflow.checkpoint.export import save_hf_model, write_hf_config
-from hybridflow.checkpoint.rundir import incomplete_saves, is_complete
+from hybridflow.checkpoint import CheckpointError
+from hybridflow.checkpoint.rundir import incomplete_saves, is_complete, step_dir, temp_dir
 from hybridflow.config.schema import Config
-from hybridflow.engine.fsdp import full_state_dict
-from hybridflow.utils.dist import world_size
 
 logger = logging.getLogger(__name__)
-
-HF_DIR = "huggingface"  # verl's name for the HF copy inside a checkpoint's actor folder
 
 
 def resume_target(cfg: Config) -> Path | None:
@@ -56,37 +51,12 @@ def _report_skipped(run_dir: Path, chosen: Path | None) -> None:
         )
 
 
-def roles_of(components: Any) -> dict[str, RoleState]:
-    """The trainable roles a checkpoint holds (the reference is the initial policy, rebuilt on resume)."""
-    roles = {
-        "actor": RoleState(components.actor.engine.module, components.actor.engine.engine.optimizer, "lm.")
-    }
-    if components.critic is not None:
-        engine = components.critic.engine
-        roles["critic"] = RoleState(engine.module, engine.engine.optimizer, "model.")
-    return roles
-
-
-def _engines(components: Any) -> dict[str, Any]:
-    out = {"actor": components.actor.engine.engine}
-    if components.critic is not None:
-        out["critic"] = components.critic.engine.engine
-    return out
-
-
 def trainer_state(trainer: Any) -> dict[str, Any]:
-    """Everything besides the weights that a resumed run needs to continue exactly."""
+    """The driver's state that a resumed run needs to continue exactly (the ranks add their engines')."""
     return {
         "global_step": trainer.global_step,
         "sampler": trainer.sampler.state_dict(),
         "kl_ctrl": trainer.kl_ctrl.state_dict() if trainer.kl_ctrl is not None else None,
-        "engines": {
-            name: {
-                "scheduler": e.scheduler.state_dict() if e.scheduler is not None else None,
-                "skipped_steps": e.skipped_steps,
-            }
-            for name, e in _engines(trainer.c).items()
-        },
     }
 
 
@@ -96,58 +66,42 @@ def restore_trainer_state(trainer: Any, state: dict[str, Any]) -> None:
     trainer.sampler.load_state_dict(state["sampler"])
     if trainer.kl_ctrl is not None and state.get("kl_ctrl") is not None:
         trainer.kl_ctrl.load_state_dict(state["kl_ctrl"])
-    for name, engine in _engines(trainer.c).items():
-        saved = state["engines"][name]
-        if engine.scheduler is not None and saved["scheduler"] is not None:
-            engine.scheduler.load_state_dict(saved["scheduler"])
-        engine.skipped_steps = int(saved["skipped_steps"])
-
-
-def _write_extras(trainer: Any, tmp: Path) -> None:
-    """Config and tokenizer for export, and with ``trainer.save_hf`` a full HF copy of the actor."""
-    c, rank0 = trainer.c, trainer.rank == 0
-    if rank0:
-        write_hf_config(tmp / "actor" / checkpoint.manager.HF_CONFIG, c.actor.hf_model, c.tokenizer)
-        if c.critic is not None:
-            write_hf_config(tmp / "critic" / checkpoint.manager.HF_CONFIG, c.critic.engine.module.model, None)
 
 
 def save_checkpoint(trainer: Any) -> Path:
-    """Write ``global_step_{N}`` for the trainer's current step (all ranks call it)."""
-    cfg: Config = trainer.cfg
-    t = cfg.trainer
-    hf_state = full_state_dict(trainer.c.actor.engine.module) if t.save_hf else None  # a collective
-    layout = {
-        "world_size": world_size(),
-        "nnodes": t.nnodes,
-        "n_gpus_per_node": t.n_gpus_per_node,
-        "fsdp": world_size(),
-        "backend": t.backend,
-    }
-
-    def extras(tmp: Path) -> None:
-        _write_extras(trainer, tmp)
-        if hf_state is not None and trainer.rank == 0:
-            c = trainer.c
-            save_hf_model(
-                hf_state, c.actor.hf_model.config, c.tokenizer, tmp / "actor" / HF_DIR, prefix="lm."
-            )
-
-    path = checkpoint.save(
-        t.run_dir(),
-        trainer.global_step,
-        roles_of(trainer.c),
-        trainer_state(trainer),
-        layout,
-        extras,
-        keep=t.max_ckpt_to_keep,
-    )
-    logger.info("saved checkpoint %s", path)
-    return path
+    """Write ``global_step_{N}``: every group writes its shards, the driver commits (all SPMD ranks call)."""
+    t = trainer.cfg.trainer
+    groups, driver = trainer.c.groups, trainer.rank == 0
+    run_dir, step = t.run_dir(), trainer.global_step
+    tmp = temp_dir(run_dir, step)
+    if driver:
+        checkpoint.manager.begin(run_dir, step)
+    groups[0].barrier()
+    metas = {g.name: g.run_all("save_checkpoint", str(tmp), t.save_hf)[0] for g in groups}
+    if driver:
+        state = trainer_state(trainer)
+        state["engines"] = {k: v for m in metas.values() for k, v in m["engines"].items()}
+        roles = {k: v for m in metas.values() for k, v in m["roles"].items()}
+        layout = {
+            "world_size": metas["main"]["world_size"],
+            "groups": {name: m["world_size"] for name, m in metas.items()},
+            "nnodes": t.nnodes,
+            "n_gpus_per_node": t.n_gpus_per_node,
+            "backend": t.backend,
+            "placement": t.placement,
+        }
+        checkpoint.manager.finish(run_dir, step, tmp, roles, state, layout, t.max_ckpt_to_keep)
+        logger.info("saved checkpoint %s", step_dir(run_dir, step))
+    groups[0].barrier()
+    return step_dir(run_dir, step)
 
 
 def load_checkpoint(trainer: Any, path: Path) -> None:
-    """Load weights, optimizer, schedulers, sampler, KL controller and RNG from ``path`` into the trainer."""
-    state = checkpoint.load(path, roles_of(trainer.c))
+    """Load every group's roles, the schedulers, sampler, KL controller and RNG from ``path``."""
+    state = checkpoint.manager.read_trainer_state(path)
+    for group in trainer.c.groups:  # refuse a mismatch before anything is overwritten
+        group.run_all("check_checkpoint", str(path))
+    for group in trainer.c.groups:
+        group.run_all("load_checkpoint", str(path), state["engines"])
     restore_trainer_state(trainer, state)
     logger.info("resumed from %s at step %d", path, trainer.global_step)

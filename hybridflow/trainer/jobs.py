@@ -100,8 +100,8 @@ def rl_job(
     ) as tracker:
         trainer.tracker = tracker
         history = trainer.fit()
-    components.scorer.close()
-    save_hf_model(components.actor, components.tokenizer, None, run_dir / "final_model")
+    components.groups[0].run_all("save_hf_model", str(run_dir / "final_model"))
+    components.close()
     logger.info("saved the trained policy to %s", run_dir / "final_model")
     return history
 

@@ -164,6 +164,7 @@ class PPOTrainer:
         metrics: dict[str, float] = {"training/global_step": float(self.global_step)}
         batch = self.dataflow.run(batch, metrics)
         elapsed = time.perf_counter() - start
+        metrics.update(self.c.actor.memory())
         metrics.update(compute_data_metrics(batch, self.cfg.data.max_response_length))
         metrics.update(throughput_metrics(batch, elapsed, self.cfg.trainer.world_size))
         return metrics

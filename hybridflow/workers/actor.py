@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
+from typing import Any
 
 import numpy as np
 import torch
@@ -11,13 +14,48 @@ from torch import nn
 from hybridflow.config.schema import Config
 from hybridflow.engine.actor import ActorEngine
 from hybridflow.engine.fsdp import to_dtype
+from hybridflow.engine.reshard import RolloutReplica
 from hybridflow.engine.rollout.engine import make_rollout
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.sequences import pack_prompt_response
 from hybridflow.protocol import Batch
+from hybridflow.utils.dist import init_distributed, world_size
+from hybridflow.utils.logging import rank as dist_rank
 from hybridflow.utils.progress import Progress
 
 logger = logging.getLogger(__name__)
+
+
+def make_sampling_params(
+    cfg: Config,
+    n: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    do_sample: bool,
+    eos_token_ids: list[int],
+    seed: int | None,
+) -> SamplingParams:
+    """Sampling settings for a rollout of ``data.max_response_length`` tokens."""
+    r = cfg.rollout
+    greedy = not do_sample or temperature == 0
+    return SamplingParams(
+        n=n,
+        max_new_tokens=cfg.data.max_response_length,
+        temperature=0.0 if greedy else temperature,
+        do_sample=not greedy,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=r.min_p,
+        eos_token_ids=eos_token_ids,
+        stop_token_ids=list(r.stop_token_ids),
+        ignore_eos=r.ignore_eos,
+        seed=seed,
+    )
+
+
+# Data-parallel ranks sample with distinct seeds (each rank is its own rollout replica).
+RANK_SEED_STRIDE = 1_000_003
 
 
 class ActorWorker:
@@ -26,6 +64,9 @@ class ActorWorker:
     def __init__(self, model: nn.Module, cfg: Config, total_steps: int, pad_token_id: int) -> None:
         self.cfg = cfg
         self.pad_token_id = pad_token_id
+        init_distributed()
+        # Data-parallel size > 1: the rollout reads a replica refreshed from the shards (the hybrid engine).
+        unsharded = copy.deepcopy(model) if world_size() > 1 else None
         self.engine = ActorEngine(
             model,
             cfg.actor,
@@ -47,39 +88,21 @@ class ActorWorker:
             gpu_memory_utilization=r.gpu_memory_utilization,
             enforce_eager=r.enforce_eager,
         )
-        self.rollout = make_rollout(self.hf_model, r.engine, pad_token_id=pad_token_id, **kwargs)
+        self.replica = None
+        if unsharded is not None:
+            device = self.engine.engine.device
+            self.replica = RolloutReplica(unsharded, dtype or torch.float32, device, world_size())
+        target = self.replica.module if self.replica is not None else self.hf_model
+        self.rollout = make_rollout(target, r.engine, pad_token_id=pad_token_id, **kwargs)
 
     @property
     def hf_model(self) -> nn.Module:
         """The Hugging Face model inside the FSDP2 wrapper (its parameters are the training weights)."""
         return self.engine.module.lm
 
-    def sampling_params(
-        self,
-        n: int,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        do_sample: bool,
-        eos_token_ids: list[int],
-        seed: int | None,
-    ) -> SamplingParams:
-        """Sampling settings for a rollout of ``data.max_response_length`` tokens."""
-        r = self.cfg.rollout
-        greedy = not do_sample or temperature == 0
-        return SamplingParams(
-            n=n,
-            max_new_tokens=self.cfg.data.max_response_length,
-            temperature=0.0 if greedy else temperature,
-            do_sample=not greedy,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=r.min_p,
-            eos_token_ids=eos_token_ids,
-            stop_token_ids=list(r.stop_token_ids),
-            ignore_eos=r.ignore_eos,
-            seed=seed,
-        )
+    def sampling_params(self, *args: Any, **kwargs: Any) -> SamplingParams:
+        """``make_sampling_params`` with this worker's config."""
+        return make_sampling_params(self.cfg, *args, **kwargs)
 
     def generate(self, prompts: Batch, params: SamplingParams, desc: str = "rollout") -> Batch:
         """Sample ``params.n`` responses per prompt; returns the training-layout batch, samples interleaved.
@@ -87,6 +110,10 @@ class ActorWorker:
         Adds ``rollout_log_probs`` (B*n, R), the prompts' non-tensor fields repeated, ``uid`` (the prompt's
         group) and ``finish_reason``.
         """
+        if self.replica is not None:
+            self.replica.sync(self.hf_model)  # every rank calls generate together: the gathers line up
+        if params.seed is not None and world_size() > 1:
+            params = dataclasses.replace(params, seed=params.seed + RANK_SEED_STRIDE * dist_rank())
         mask = prompts["attention_mask"].bool()
         ids = [row[m].tolist() for row, m in zip(prompts["input_ids"], mask)]
         with Progress(desc, total=len(ids) * params.n, unit="samples") as bar:

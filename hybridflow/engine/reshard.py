@@ -1,0 +1,50 @@
+"""The hybrid engine's generation layout at data-parallel size > 1: a rollout replica refreshed from shards.
+
+With FSDP2 over W ranks each rank holds 1/W of every parameter. The rollout engine needs whole weights, so
+each rank keeps one replica of the policy in the rollout dtype (tensor-parallel size 1: W replicas, each
+generating for its own share of the prompts). Before every generation the replica is refreshed in place,
+one parameter at a time: all-gather the shards, copy into the replica's tensor, drop the gathered copy. So
+at most one gathered parameter exists beside the replica, and the replica's tensors keep their addresses
+(CUDA graphs captured on them stay valid). At world size 1 none of this is needed: the rollout engine reads
+the training module's own parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 parameter (a collective on every rank), or the tensor itself."""
+    return param.full_tensor() if hasattr(param, "full_tensor") else param
+
+
+class RolloutReplica:
+    """A full copy of the policy in the rollout dtype, refreshed from the sharded training module."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device, world: int) -> None:
+        """``model`` is the unsharded policy (copied before FSDP2 shards it)."""
+        self.module = copy.deepcopy(model).to(device=device, dtype=dtype).eval()
+        for p in self.module.parameters():
+            p.requires_grad_(False)
+        self.params = dict(self.module.named_parameters())
+        logger.info(
+            "HybridEngine initialized: train_view=(fsdp=%d), generate_view=(tp=1, dp=%d), replica in %s",
+            world,
+            world,
+            dtype,
+        )
+
+    @torch.no_grad()
+    def sync(self, sharded: nn.Module) -> None:
+        """Refresh every replica tensor from ``sharded`` (the FSDP2 module of the same architecture)."""
+        for name, param in sharded.named_parameters():
+            target = self.params.get(name)
+            assert target is not None, f"{name} has no replica tensor"
+            target.copy_(_full(param.detach()))

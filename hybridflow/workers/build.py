@@ -1,0 +1,89 @@
+"""Building a rank's roles from the config: the policy, the reference and critic copies, and the workers."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+
+from hybridflow.config.schema import Config
+from hybridflow.models import build_value_model, load_causal_lm, load_tokenizer, load_value_model
+from hybridflow.utils.seed import set_seed
+from hybridflow.workers.actor import ActorWorker
+from hybridflow.workers.critic import CriticWorker
+from hybridflow.workers.rank import RankWorker
+from hybridflow.workers.reference import ReferenceWorker
+
+logger = logging.getLogger(__name__)
+
+COLOCATED = ("actor", "ref", "critic")
+
+
+def eos_ids_of(model: torch.nn.Module, tokenizer: Any) -> list[int]:
+    """Stop tokens: the generation config's eos (a list for chat models), else the tokenizer's."""
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    ids = eos if isinstance(eos, list) else [eos]
+    ids = [i for i in ids if i is not None] or [tokenizer.eos_token_id]
+    return [i for i in ids if i is not None]
+
+
+def pad_id_of(tokenizer: Any) -> int:
+    """The pad token, or EOS for tokenizers without one."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def load_policy_tokenizer(cfg: Config) -> Any:
+    """The tokenizer of ``model.tokenizer_path`` (else ``model.path``), with the configured chat template."""
+    m = cfg.model
+    if not m.path:
+        raise ValueError("model.path is not set; point it to a local Hugging Face model directory")
+    tokenizer = load_tokenizer(m.tokenizer_path or m.path, trust_remote_code=m.trust_remote_code)
+    if m.custom_chat_template:
+        tokenizer.chat_template = m.custom_chat_template
+    return tokenizer
+
+
+def load_policy(cfg: Config) -> tuple[torch.nn.Module, Any]:
+    """The policy model (float32 master weights) and its tokenizer from ``model.path``."""
+    tokenizer = load_policy_tokenizer(cfg)
+    m = cfg.model
+    model = load_causal_lm(
+        m.path,
+        dtype="float32",
+        attn_implementation=m.attn_implementation,
+        trust_remote_code=m.trust_remote_code,
+        override_config=dict(m.override_config),
+    )
+    return model, tokenizer
+
+
+def build_roles(
+    cfg: Config, model: torch.nn.Module, total_steps: int, pad_id: int, roles: tuple[str, ...] = COLOCATED
+) -> dict[str, Any]:
+    """The workers of ``roles`` that the config asks for, built from the initial policy ``model``."""
+    # The reference and critic start from the initial policy: copy it before the actor's engine shards it.
+    ref_model = copy.deepcopy(model) if cfg.use_reference and "ref" in roles else None
+    critic_model = None
+    if cfg.use_critic and "critic" in roles:
+        path = cfg.critic.model.path
+        critic_model = load_value_model(path) if path else build_value_model(model)
+    out: dict[str, Any] = {}
+    if "actor" in roles:
+        out["actor"] = ActorWorker(model, cfg, total_steps, pad_id)
+    if ref_model is not None:
+        out["ref"] = ReferenceWorker(ref_model, cfg)
+    if critic_model is not None:
+        out["critic"] = CriticWorker(critic_model, cfg, total_steps)
+    return out
+
+
+def build_rank_worker(cfg: Config, total_steps: int, roles: tuple[str, ...], group: str) -> RankWorker:
+    """A rank of a worker group: loads the policy from ``model.path`` and builds its roles (Ray ranks)."""
+    set_seed(cfg.trainer.seed)
+    model, tokenizer = load_policy(cfg)
+    worker = RankWorker(build_roles(cfg, model, total_steps, pad_id_of(tokenizer), roles), tokenizer, group)
+    worker.eos_token_ids = eos_ids_of(model, tokenizer)
+    return worker

@@ -1,0 +1,157 @@
+"""Worker groups and the role handles the driver holds; the driver code is the same for every backend.
+
+A ``WorkerGroup`` runs a ``RankWorker`` method on each of its ranks (``run_each``) with per-rank arguments
+and returns the results in rank order. ``LocalGroup`` is this very process: one rank, or rank r of a world
+started by ``torchrun`` in which every process runs the driver (SPMD; results are exchanged with an
+all-gather). ``RayGroup`` (``hybridflow.workers.ray_group``) drives Ray actors. The handles below turn
+the driver's calls into dispatches: split by data-parallel rank, broadcast, or rank 0.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from hybridflow.protocol import Batch
+from hybridflow.workers.dispatch import Dispatch, merge_batches, split_batch
+from hybridflow.workers.rank import RankWorker
+
+
+class WorkerError(RuntimeError):
+    """A rank of a worker group failed; the message names the group, its roles, the rank and the cause."""
+
+
+class WorkerGroup(ABC):
+    """N ranks of one or more colocated roles."""
+
+    name: str = "main"
+    world: int = 1
+
+    @abstractmethod
+    def run_each(self, method: str, per_rank_args: list[tuple], **kwargs: Any) -> list[Any]:
+        """Call ``RankWorker.method(*per_rank_args[r], **kwargs)`` on every rank r; results in rank order."""
+
+    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Broadcast: every rank gets the same arguments."""
+        return self.run_each(method, [args] * self.world, **kwargs)
+
+    def dispatch(self, mode: Dispatch, role: str, method: str, batch: Batch) -> Any:
+        """Call ``roles[role].method`` with ``batch`` as ``mode`` says; outputs come back in input order."""
+        if mode is Dispatch.SPLIT:
+            chunks, pad = split_batch(batch, self.world)
+            outputs = self.run_each("call", [(role, method, chunk) for chunk in chunks])
+            if isinstance(outputs[0], Batch):
+                return merge_batches(outputs, pad)
+            return outputs[0]  # metrics: already reduced over the ranks
+        if mode is Dispatch.BROADCAST:
+            return self.run_all("call", role, method, batch)[0]
+        return self.run_each("call", [(role, method, batch)] + [None] * (self.world - 1))[0]
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Wait until every process that runs the driver got here (only SPMD runs have more than one)."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release the group's processes."""
+
+
+class LocalGroup(WorkerGroup):
+    """This process as the only rank, or as rank r of a torchrun world where every rank runs the driver."""
+
+    def __init__(self, worker: RankWorker, name: str = "main") -> None:
+        self.worker = worker
+        self.name = name
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def run_each(self, method: str, per_rank_args: list[tuple], **kwargs: Any) -> list[Any]:
+        """Run this rank's share, then gather every rank's result (all ranks call this together)."""
+        mine = per_rank_args[self.rank]
+        result = getattr(self.worker, method)(*mine, **kwargs) if mine is not None else None
+        if self.world == 1:
+            return [result]
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, result)
+        return gathered
+
+    def barrier(self) -> None:
+        """Every rank runs the driver under torchrun: line them up."""
+        if self.world > 1:
+            dist.barrier()
+
+    def shutdown(self) -> None:
+        """Nothing to release: the roles live in this process."""
+
+
+# The tensors each call reads: only these travel to the ranks (the batch holds many more by then).
+SEQ_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+ACTOR_UPDATE_KEYS = (*SEQ_KEYS, "advantages", "old_log_probs", "ref_log_prob", "rollout_is_weights")
+CRITIC_UPDATE_KEYS = (*SEQ_KEYS, "values", "returns")
+
+
+class RoleHandle:
+    """The driver's view of one role in a group."""
+
+    def __init__(self, group: WorkerGroup, role: str) -> None:
+        self.group = group
+        self.role = role
+
+    def _split(self, method: str, batch: Batch, keys: tuple[str, ...] = SEQ_KEYS) -> Any:
+        present = [k for k in keys if k in batch.tensors]
+        return self.group.dispatch(Dispatch.SPLIT, self.role, method, batch.select(present, []))
+
+
+class ActorHandle(RoleHandle):
+    """Rollout, log-probs and updates of the actor, each rank on its share of the batch."""
+
+    def __init__(self, group: WorkerGroup, sampling: Any) -> None:
+        super().__init__(group, "actor")
+        self.sampling_params = sampling  # a plain function of the config: no rank needed
+
+    def generate(self, prompts: Batch, params: Any, desc: str = "rollout") -> Batch:
+        """``params.n`` samples per prompt, interleaved; ``uid`` numbers the prompts of the whole batch."""
+        chunks, pad = split_batch(prompts, self.group.world)
+        outputs = self.group.run_each("call", [("actor", "generate", c, params, desc) for c in chunks])
+        out = merge_batches(outputs, pad * params.n)
+        out["uid"] = np.repeat(np.array([str(i) for i in range(len(prompts))], dtype=object), params.n)
+        return out
+
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """``old_log_probs`` and ``entropys``."""
+        return self._split("compute_log_prob", batch)
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """One PPO-family update; metrics reduced over the ranks."""
+        return self._split("update_actor", batch, ACTOR_UPDATE_KEYS)
+
+    def update_sft(self, batch: Batch) -> dict[str, float]:
+        """Supervised step(s) on the response tokens."""
+        return self._split("update_sft", batch)
+
+    def memory(self) -> dict[str, float]:
+        """Peak device memory (GiB) of each phase on rank 0 since the last call, as metrics."""
+        return self.group.run_all("memory_report")[0]
+
+
+class RefHandle(RoleHandle):
+    """Reference log-probs."""
+
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """``ref_log_prob`` (B, R)."""
+        return self._split("compute_ref_log_prob", batch)
+
+
+class CriticHandle(RoleHandle):
+    """Values and the critic update."""
+
+    def compute_values(self, batch: Batch) -> Batch:
+        """``values`` (B, R)."""
+        return self._split("compute_values", batch)
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        """Value-loss update; metrics reduced over the ranks."""
+        return self._split("update_critic", batch, CRITIC_UPDATE_KEYS)

@@ -1,0 +1,120 @@
+"""What one rank of a worker group holds: its roles (colocated in one process), and their checkpoint I/O.
+
+Locally the driver's process is the only rank; under Ray each rank is an actor process that builds its
+roles from the config. Either way the driver reaches the roles only through these methods.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridflow import checkpoint
+from hybridflow.checkpoint import RoleState
+from hybridflow.checkpoint.export import save_hf_model, write_hf_config
+from hybridflow.checkpoint.manager import HF_CONFIG
+from hybridflow.engine.fsdp import full_state_dict
+from hybridflow.utils.dist import world_size
+from hybridflow.utils.logging import rank as env_rank
+
+logger = logging.getLogger(__name__)
+
+HF_DIR = "huggingface"  # verl's name for the HF copy inside a checkpoint's actor folder
+ROLE_PREFIX = {"actor": "lm.", "critic": "model."}  # where the HF model sits inside each role's FSDP module
+
+
+class RankWorker:
+    """The roles of this rank (``actor``, ``ref``, ``critic``), by name."""
+
+    def __init__(self, roles: dict[str, Any], tokenizer: Any = None, group: str = "main") -> None:
+        self.roles = {name: role for name, role in roles.items() if role is not None}
+        self.tokenizer = tokenizer
+        self.group = group
+        self.eos_token_ids: list[int] = []  # set by the builder: the policy's stop tokens
+        self.peaks: dict[str, float] = {}
+
+    def stop_tokens(self) -> list[int]:
+        """The policy's stop token ids (the driver asks a rank instead of loading the model itself)."""
+        return self.eos_token_ids
+
+    def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``roles[role].method(*args, **kwargs)`` on this rank, noting the phase's peak device memory."""
+        if not torch.cuda.is_available():
+            return getattr(self.roles[role], method)(*args, **kwargs)
+        torch.cuda.reset_peak_memory_stats()
+        out = getattr(self.roles[role], method)(*args, **kwargs)
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        self.peaks[f"memory/{role}.{method}_peak_gib"] = peak
+        logger.debug("%s.%s: peak %.2f GiB allocated", role, method, peak)
+        return out
+
+    def memory_report(self) -> dict[str, float]:
+        """The peak memory of each phase since the last report (empty on CPU)."""
+        report, self.peaks = self.peaks, {}
+        return report
+
+    def has(self, role: str) -> bool:
+        """Whether this rank holds ``role``."""
+        return role in self.roles
+
+    def world_size(self) -> int:
+        """The size of this group's process group."""
+        return world_size()
+
+    # ----- checkpoints --------------------------------------------------------------------------------
+    def _trainable(self) -> dict[str, Any]:
+        return {name: self.roles[name] for name in ("actor", "critic") if name in self.roles}
+
+    def _role_states(self) -> dict[str, RoleState]:
+        return {
+            name: RoleState(role.engine.module, role.engine.engine.optimizer, ROLE_PREFIX[name])
+            for name, role in self._trainable().items()
+        }
+
+    def save_checkpoint(self, tmp: str, save_hf: bool) -> dict[str, Any]:
+        """Write this rank's shards (all ranks together) and, on rank 0, the export configs; returns meta."""
+        tmp_dir = Path(tmp)
+        role_meta = checkpoint.manager.write_roles(tmp_dir, self._role_states(), self.group)
+        hf_state = (
+            full_state_dict(self.roles["actor"].engine.module) if save_hf and "actor" in self.roles else None
+        )
+        engines = {}
+        for name, role in self._trainable().items():
+            engine = role.engine.engine
+            engines[name] = {
+                "scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
+                "skipped_steps": engine.skipped_steps,
+            }
+            if env_rank() == 0:
+                model = role.hf_model if name == "actor" else role.engine.module.model
+                write_hf_config(
+                    tmp_dir / name / HF_CONFIG, model, self.tokenizer if name == "actor" else None
+                )
+        if hf_state is not None and env_rank() == 0:
+            actor = self.roles["actor"]
+            save_hf_model(hf_state, actor.hf_model.config, self.tokenizer, tmp_dir / "actor" / HF_DIR, "lm.")
+        return {"roles": role_meta, "engines": engines, "world_size": world_size()}
+
+    def load_checkpoint(self, path: str, engines: dict[str, Any]) -> None:
+        """Load this rank's roles from a checkpoint (resharding as needed) and the schedulers' states."""
+        checkpoint.manager.read_roles(path, self._role_states(), self.group)
+        for name, role in self._trainable().items():
+            engine, saved = role.engine.engine, engines[name]
+            if engine.scheduler is not None and saved["scheduler"] is not None:
+                engine.scheduler.load_state_dict(saved["scheduler"])
+            engine.skipped_steps = int(saved["skipped_steps"])
+
+    def check_checkpoint(self, path: str) -> None:
+        """Raise when the checkpoint's roles do not fit this rank's models (before anything is loaded)."""
+        checkpoint.manager.check_roles(path, checkpoint.read_meta(path), self._role_states())
+
+    def save_hf_model(self, out_dir: str) -> str:
+        """Write the actor's current weights as a Hugging Face directory (rank 0 writes; all ranks call)."""
+        actor = self.roles["actor"]
+        state = full_state_dict(actor.engine.module)
+        if env_rank() == 0:
+            save_hf_model(state, actor.hf_model.config, self.tokenizer, out_dir, "lm.")
+        return out_dir

@@ -1,0 +1,141 @@
+"""Ray worker groups on CPU: same metrics as the torchrun-style 2-process run, split placement, dead ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from dist_util import run_world
+
+from hybridflow.cli.main import main
+from hybridflow.models import build_tiny_model_and_tokenizer
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+GRPO = [
+    "data.train_batch_size=4",
+    "rollout.n=2",
+    "actor.ppo_mini_batch_size=4",
+    "actor.ppo_micro_batch_size_per_gpu=4",
+    "critic.ppo_micro_batch_size_per_gpu=4",
+    "data.max_response_length=8",
+    "data.task_train_size=24",
+    "data.task_val_size=4",
+    "trainer.val_before_train=false",
+    "trainer.n_gpus_per_node=2",
+    "trainer.device=cpu",
+    "trainer.logger=[console]",
+    "algorithm.adv_estimator=grpo",
+    "actor.use_kl_loss=true",
+]
+VOLATILE = ("timing_s/", "perf/")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ray")
+    build_tiny_model_and_tokenizer(out_dir=root / "model", hidden_size=32, num_hidden_layers=2)
+    (root / "empty.yaml").write_text("{}\n")
+    (root / "reward.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(len(solution_str) % 3 == 0)\n"
+    )
+    return {"model": root / "model", "config": root / "empty.yaml", "reward": root / "reward.py"}
+
+
+def argv(setup: dict[str, Path], run_dir: Path, *extra: str) -> list[str]:
+    return [
+        "train",
+        str(setup["config"]),
+        f"model.path={setup['model']}",
+        f"reward.custom_function.path={setup['reward']}",
+        f"trainer.default_local_dir={run_dir}",
+        *GRPO,
+        *extra,
+    ]
+
+
+def metrics(run_dir: Path) -> dict[int, dict[str, float]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows}
+
+
+def spmd_rank(rank: int, args: list[str]) -> int:
+    """One rank of a torchrun-style run: every process runs the driver, the roles span both."""
+    return main(args)
+
+
+def clean_env() -> dict[str, str]:
+    """The environment without this test process's own process-group variables."""
+    drop = ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def start_cli(args: list[str], log: Path) -> subprocess.Popen:
+    code = "import sys; from hybridflow.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    with log.open("w") as out:
+        return subprocess.Popen([sys.executable, "-c", code, *args], env=clean_env(), stdout=out, stderr=out)
+
+
+def test_ray_backend_matches_the_two_process_run(tmp_path: Path, setup: dict[str, Path]) -> None:
+    steps = "trainer.total_training_steps=3"
+    assert run_world(2, spmd_rank, argv(setup, tmp_path / "spmd", steps), timeout=600) == [0, 0]
+    log = tmp_path / "ray.log"
+    proc = start_cli(argv(setup, tmp_path / "ray", steps, "trainer.backend=ray"), log)
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    want, got = metrics(tmp_path / "spmd"), metrics(tmp_path / "ray")
+    assert sorted(got) == sorted(want) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert got[step].keys() == want[step].keys()
+        for key, value in want[step].items():
+            assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (step, key)
+    assert "worker group main: 2 rank(s)" in log.read_text()
+
+
+def test_split_placement_runs_ppo_with_the_critic_on_its_own_pool(
+    tmp_path: Path, setup: dict[str, Path]
+) -> None:
+    log = tmp_path / "split.log"
+    args = argv(
+        setup,
+        tmp_path / "run",
+        "trainer.total_training_steps=2",
+        "trainer.backend=ray",
+        "trainer.placement=split",
+        "algorithm.adv_estimator=gae",
+        "actor.use_kl_loss=false",
+    )
+    proc = start_cli(args, log)
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "worker group main: 2 rank(s) holding actor (pids" in text
+    assert "worker group critic: 2 rank(s) holding critic" in text
+    rows = metrics(tmp_path / "run")
+    assert sorted(rows) == [1, 2] and all("critic/vf_loss" in r for r in rows.values())
+    assert (tmp_path / "run" / "global_step_2" / "critic" / "model_optim" / ".metadata").is_file()
+
+
+def test_a_killed_worker_stops_the_driver_with_a_named_error(tmp_path: Path, setup: dict[str, Path]) -> None:
+    log = tmp_path / "kill.log"
+    proc = start_cli(
+        argv(setup, tmp_path / "run", "trainer.total_training_steps=200", "trainer.backend=ray"), log
+    )
+    deadline = time.monotonic() + 300
+    while "Step 1/200" not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    pids = re.search(r"worker group main: 2 rank\(s\) holding .* \(pids (\d+), (\d+)\)", log.read_text())
+    os.kill(int(pids.group(2)), signal.SIGKILL)  # rank 1 dies mid-run, rank 0 is left in its collectives
+    killed = time.monotonic()
+    code = proc.wait(timeout=120)
+    assert time.monotonic() - killed < 60
+    text = log.read_text()
+    assert code != 0
+    assert "rank 1 of worker group 'main' (roles: actor, ref)" in text and "died" in text
