@@ -2,12 +2,14 @@
 
 One variant per process (each engine starts its own one-rank process group):
 
-    python benchmarks/train_mfu.py --model-size 0.5b --attn flex_attention --steps 5
+    python benchmarks/train_mfu.py --model-size 0.5b --head checkpoint --steps 5   # the old LM head
     python benchmarks/train_mfu.py --mode hf --attn sdpa            # plain HF forward/backward + AdamW
 
 or a suite of variants, each in a subprocess, with one table at the end:
 
-    python benchmarks/train_mfu.py --suite main --out results.jsonl --profile-dir prof/
+    python benchmarks/train_mfu.py --suite main,levers --out results.jsonl --profile-dir prof/
+
+CPU smoke run: ``--model-size tiny --device cpu --num-seqs 4 --prompt-len 32 --response-len 32``.
 
 A step is one full ``ActorEngine.update_policy`` call: forward + backward over every micro-batch of the
 mini-batch, gradient clipping and the AdamW step (or the same tokens through a plain HF loop). Weights are
@@ -52,21 +54,25 @@ SHAPES = {  # Qwen2.5-0.5B / 1.5B shapes (tied embeddings, q/k/v biases); "tiny"
 # Variants of a suite: extra command-line arguments for one subprocess each (shared ones are appended).
 SUITES = {
     "main": [
-        "--mode engine --rmpad --attn flex_attention",
         "--mode engine --rmpad --attn sdpa",
         "--mode engine --no-rmpad --attn sdpa",
         "--mode hf --attn sdpa",
     ],
+    # The engine's levers one at a time against the defaults (fused head; at world size 1 deferred gradient
+    # sync and kept parameters over the micro-batches); the first row is the engine before them.
     "levers": [
-        "--mode engine --rmpad --attn flex_attention --keep-cache",
-        "--mode engine --rmpad --attn flex_attention --keep-cache --compile-layers",
+        "--mode engine --rmpad --attn sdpa --head checkpoint --grad-sync-inner --no-keep-params-gathered",
+        "--mode engine --rmpad --attn sdpa",
+        "--mode engine --rmpad --attn sdpa --head checkpoint",
+        "--mode engine --rmpad --attn sdpa --grad-sync-inner --no-keep-params-gathered",
+        "--mode engine --rmpad --attn sdpa --no-reshard-after-forward",
+        "--mode engine --rmpad --attn sdpa --no-reshard-after-forward --compile-layers",
     ],
     "extra": [
         "--mode hf --attn sdpa --hf-autocast",
-        "--mode engine --rmpad --attn flex_attention --keep-cache --no-reshard-after-forward",
-        "--mode engine --rmpad --attn flex_attention --grad-ckpt",
-        "--mode engine --rmpad --attn flex_attention --keep-cache --master-dtype bfloat16",
-        "--mode engine --rmpad --attn flex_attention --keep-cache --ragged --dynamic-bsz",
+        "--mode engine --rmpad --attn sdpa --grad-ckpt",
+        "--mode engine --rmpad --attn sdpa --master-dtype bfloat16",
+        "--mode engine --rmpad --attn sdpa --ragged --dynamic-bsz",
     ],
 }
 
@@ -146,22 +152,6 @@ def make_batch(num_seqs: int, prompt_len: int, response_len: int, vocab: int, ra
     )
 
 
-def keep_allocator_cache() -> None:
-    """What-if lever: skip ``torch.cuda.empty_cache()`` in ``TrainEngine.offload`` when nothing is offloaded.
-
-    A benchmark-side patch that estimates the gain of the same change in the engine (see RESULTS.md).
-    """
-    from hybridflow.engine import train_engine
-
-    original = train_engine.TrainEngine.offload
-
-    def offload(self) -> None:
-        if self.fsdp.param_offload or self.fsdp.optimizer_offload:
-            original(self)
-
-    train_engine.TrainEngine.offload = offload
-
-
 def engine_step_fn(args: argparse.Namespace, model: torch.nn.Module, batch) -> Callable[[], None]:
     """Wrap the model in our FSDP2 ActorEngine; the step is one ``update_policy`` call."""
     from hybridflow.config.schema import ActorConfig
@@ -175,8 +165,6 @@ def engine_step_fn(args: argparse.Namespace, model: torch.nn.Module, batch) -> C
     cfg.optim.lr = 1e-6
     cfg.fsdp.reshard_after_forward = args.reshard_after_forward
     cfg.fsdp.master_dtype = args.master_dtype
-    if args.keep_cache:
-        keep_allocator_cache()
     if args.compile_layers:
         for layer in model.model.layers:
             layer.compile()  # in place: the module keeps its type, so the engine still finds and shards it
@@ -187,6 +175,9 @@ def engine_step_fn(args: argparse.Namespace, model: torch.nn.Module, batch) -> C
         use_remove_padding=args.rmpad,
         gradient_checkpointing=args.grad_ckpt,
         total_steps=args.warmup + args.steps + 2,
+        fused_head=args.head == "fused",
+        defer_grad_sync=None if args.grad_sync_inner is None else not args.grad_sync_inner,
+        keep_params_gathered=args.keep_params_gathered,
     )
     log.info("engine compute dtype %s", engine.engine.compute_dtype)
     return lambda: engine.update_policy(batch)
@@ -299,13 +290,15 @@ def variant_name(args: argparse.Namespace) -> str:
     parts = [args.mode, args.model_size, args.attn]
     if args.mode == "engine":
         parts.append("rmpad" if args.rmpad else "padded")
-        parts += ["dynbsz"] * args.dynamic_bsz + ["keep-cache"] * args.keep_cache
+        parts += ["dynbsz"] * args.dynamic_bsz + ["ckpt-head"] * (args.head == "checkpoint")
+        parts += [{True: "sync-inner", False: "defer-sync"}.get(args.grad_sync_inner, "")]
+        parts += [{True: "keep-params", False: "reshard-bwd"}.get(args.keep_params_gathered, "")]
         parts += ["no-reshard"] * (not args.reshard_after_forward) + ["compile"] * args.compile_layers
         parts += [f"master-{args.master_dtype}"] * (args.master_dtype != "float32")
     else:
         parts.append("autocast-fp32-master" if args.hf_autocast else "bf16-weights")
     parts += ["grad-ckpt"] * args.grad_ckpt + ["ragged"] * args.ragged
-    return " ".join(parts)
+    return " ".join(p for p in parts if p)
 
 
 def run_variant(args: argparse.Namespace) -> dict:
@@ -435,7 +428,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--max-token-len", type=int, default=16384)
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--master-dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--keep-cache", action="store_true", help="what-if: no empty_cache() after each update")
+    p.add_argument("--head", default="fused", choices=("fused", "checkpoint"), help="LM-head log-prob path")
+    p.add_argument(
+        "--grad-sync-inner",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reduce-scatter gradients after every micro-batch (default: engine's choice, deferred at 1 GPU)",
+    )
+    p.add_argument(
+        "--keep-params-gathered",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep gathered params between micro-batches (default: engine's choice, on at 1 GPU)",
+    )
     p.add_argument("--compile-layers", action="store_true", help="torch.compile each decoder layer")
     p.add_argument("--hf-autocast", action="store_true", help="hf mode: fp32 weights + bf16 autocast")
     p.add_argument("--warmup", type=int, default=2)

@@ -13,9 +13,10 @@ from hybridflow.algos.aggregation import agg_loss, local_batch_info
 from hybridflow.algos.kl import kl_penalty
 from hybridflow.algos.policy_loss import PolicyLossConfig, get_policy_loss_fn
 from hybridflow.config.schema import ActorConfig, FSDPConfig, OptimConfig
+from hybridflow.engine.fsdp import set_accumulation
 from hybridflow.engine.micro_batch import check_batch, micro_batch_indices, restore_order
 from hybridflow.engine.packed_attention import use_packed_attention
-from hybridflow.engine.packing import build_scoring_inputs, scatter_to_responses
+from hybridflow.engine.packing import build_scoring_inputs, scatter_to_responses, to_device
 from hybridflow.engine.scorer import PolicyScorer, decoder_layers
 from hybridflow.engine.train_engine import TrainEngine
 from hybridflow.protocol import Batch
@@ -24,6 +25,8 @@ from hybridflow.utils.dist import all_reduce_sum, world_size
 logger = logging.getLogger(__name__)
 
 SCORING_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+# What the policy loss reads on the device (the scoring keys stay on the host).
+LOSS_KEYS = ("response_mask", "advantages", "old_log_probs", "ref_log_prob", "rollout_is_weights")
 
 
 class ActorEngine:
@@ -41,17 +44,30 @@ class ActorEngine:
         trainable: bool = True,
         fsdp: FSDPConfig | None = None,
         device: torch.device | None = None,
+        fused_head: bool = True,
+        defer_grad_sync: bool | None = None,
+        keep_params_gathered: bool | None = None,
     ) -> None:
+        """``fused_head``: the fused LM-head log-prob (False: the checkpointed reference path).
+
+        ``defer_grad_sync`` / ``keep_params_gathered``: FSDP2 gradient accumulation over the micro-batches of a
+        mini-batch (see ``fsdp.set_accumulation``); None turns them on at world size 1 without parameter
+        offload, where they cost no extra communication and little memory.
+        """
         self.actor = actor
         self.rollout_n = rollout_n
         self.remove_padding = use_remove_padding
+        self._accumulation = {
+            "defer_grad_sync": defer_grad_sync,
+            "keep_params_gathered": keep_params_gathered,
+        }
         if use_remove_padding:
             use_packed_attention(lm)
         if gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         optim: OptimConfig | None = actor.optim if trainable else None
         self.engine = TrainEngine(
-            PolicyScorer(lm),
+            PolicyScorer(lm, fused_head=fused_head),
             decoder_layers(lm),
             fsdp or actor.fsdp,
             optim,
@@ -68,14 +84,24 @@ class ActorEngine:
     def _score(
         self, mb: Batch, temperature: float, with_entropy: bool, entropy_grad: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        mb = mb.to(self.engine.device)
+        """(B, R) log-probs (and entropy) on the device; ``mb`` stays on the host (indices built there)."""
         B, R = mb["responses"].shape
         inputs = build_scoring_inputs(
             mb["input_ids"], mb["attention_mask"], mb["position_ids"], R, self.remove_padding
-        )
+        ).to(self.engine.device)
         logp, ent = self.module(inputs, temperature, with_entropy, entropy_grad)  # (M,), (M,)
         logp = scatter_to_responses(logp, inputs.scatter_index, B, R)  # (B, R)
         return logp, (None if ent is None else scatter_to_responses(ent, inputs.scatter_index, B, R))
+
+    def _device_fields(self, mb: Batch, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """The named fields of a host micro-batch on the device (asynchronous copies)."""
+        return {k: to_device(mb[k], self.engine.device) for k in keys if k in mb}
+
+    def _accumulate(self, micro_batch: int, num_micro_batches: int) -> None:
+        """Set FSDP2's gradient sync / resharding for the coming backward (see ``fsdp.set_accumulation``)."""
+        auto = world_size() == 1 and not self.engine.fsdp.param_offload
+        options = {k: auto if v is None else v for k, v in self._accumulation.items()}
+        set_accumulation(self.module, last=micro_batch == num_micro_batches - 1, **options)
 
     @torch.no_grad()
     def compute_log_prob(
@@ -93,14 +119,14 @@ class ActorEngine:
         self.module.eval()
         parts = micro_batch_indices(batch, micro_batch_size, use_dynamic_bsz, max_token_len)
         logps, ents = [], []
-        for idx in parts:
+        for idx in parts:  # results stay on the device: one copy to the host at the end, not one per part
             lp, ent = self._score(batch[idx], temperature, with_entropy)
-            logps.append(lp.cpu())
-            ents.append(None if ent is None else ent.cpu())
-        self.engine.offload()
-        out = {"log_probs": restore_order(logps, parts)}
+            logps.append(lp)
+            ents.append(ent)
+        out = {"log_probs": restore_order(logps, parts).cpu()}
         if with_entropy:
-            out["entropys"] = restore_order(ents, parts)
+            out["entropys"] = restore_order(ents, parts).cpu()
+        self.engine.offload()
         return out
 
     def _mini_batches(self, batch: Batch) -> list[Batch]:
@@ -142,15 +168,19 @@ class ActorEngine:
         self.module.train()
         a = self.actor
         counts = {k: int(all_reduce_sum(v)) for k, v in local_batch_info(batch["response_mask"]).items()}
-        total = torch.zeros((), dtype=torch.float64)
-        for idx in micro_batch_indices(
+        total = torch.zeros((), dtype=torch.float64, device=self.engine.device)
+        parts = micro_batch_indices(
             batch, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu
-        ):
-            mb = batch[idx].to(self.engine.device)
+        )
+        for i, idx in enumerate(parts):
+            mb = batch[idx]
             logp, _ = self._score(mb, 1.0, with_entropy=False)  # (b, R)
-            loss = -agg_loss(logp, mb["response_mask"], "token-mean", dp_size=world_size(), **counts)
+            mask = to_device(mb["response_mask"], self.engine.device)
+            loss = -agg_loss(logp, mask, "token-mean", dp_size=world_size(), **counts)
+            self._accumulate(i, len(parts))
             loss.backward()
-            total += float(loss.detach()) / world_size()
+            total += loss.detach().double() / world_size()  # on the device: no sync per micro-batch
+        total = total.cpu()
         metrics = {"sft/loss": float(all_reduce_sum(total)), "sft/grad_norm": self.engine.optimizer_step()}
         self.engine.lr_step()
         self.engine.offload()
@@ -178,7 +208,7 @@ class ActorEngine:
         )
 
     def _micro_losses(
-        self, mini: Batch, temperature: float, on_policy: bool, cfg: PolicyLossConfig
+        self, mini: Batch, parts: list[list[int]], temperature: float, on_policy: bool, cfg: PolicyLossConfig
     ) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         """Yield each micro-batch's loss and its metric contributions (already weighted to sum globally)."""
         a = self.actor
@@ -189,38 +219,46 @@ class ActorEngine:
             loss_scale_factor=cfg.loss_scale_factor,
         )
         loss_fn = get_policy_loss_fn(a.policy_loss.loss_mode)
-        micro_size, max_tokens = a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu
-        for idx in micro_batch_indices(mini, micro_size, a.use_dynamic_bsz, max_tokens):
-            mb = mini[idx].to(self.engine.device)
-            mask = mb["response_mask"]  # (b, R)
+        for idx in parts:
+            mb = mini[idx]  # stays on the host: the scoring indices are built there
+            dev = self._device_fields(mb, LOSS_KEYS)
+            mask = dev["response_mask"]  # (b, R)
             # The entropy is always reported; it needs a gradient only when it is in the loss.
             logp, ent = self._score(mb, temperature, True, entropy_grad=a.entropy_coeff != 0)  # (b, R) each
-            old = logp.detach() if on_policy else mb["old_log_probs"]
-            weights = mb.get("rollout_is_weights")
-            pg_loss, pg_metrics = loss_fn(old, logp, mb["advantages"], mask, a.loss_agg_mode, cfg, weights)
+            old = logp.detach() if on_policy else dev["old_log_probs"]
+            weights = dev.get("rollout_is_weights")
+            pg_loss, pg_metrics = loss_fn(old, logp, dev["advantages"], mask, a.loss_agg_mode, cfg, weights)
             entropy = agg_loss(ent, mask, a.loss_agg_mode, **agg)
             loss = pg_loss - a.entropy_coeff * entropy if a.entropy_coeff else pg_loss
             share = mask.sum() / max(cfg.batch_num_tokens, 1)  # this micro-batch's share of the tokens
-            parts = {
+            metrics = {
                 "actor/pg_loss": pg_loss.detach() / cfg.dp_size,
                 "actor/entropy": entropy.detach() / cfg.dp_size,
             }
-            parts.update({k: v * share for k, v in pg_metrics.items()})
+            metrics.update({k: v * share for k, v in pg_metrics.items()})
             if a.use_kl_loss:
                 kl = agg_loss(
-                    kl_penalty(logp, mb["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode, **agg
+                    kl_penalty(logp, dev["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode, **agg
                 )
                 loss = loss + a.kl_loss_coef * kl
-                parts["actor/kl_loss"] = kl.detach() / cfg.dp_size
-            yield loss, parts
+                metrics["actor/kl_loss"] = kl.detach() / cfg.dp_size
+            yield loss, metrics
 
     def _update_mini_batch(self, mini: Batch, temperature: float, on_policy: bool) -> dict[str, float]:
+        a = self.actor
         cfg = self._loss_config(mini)
-        totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-        for loss, parts in self._micro_losses(mini, temperature, on_policy, cfg):
+        parts = micro_batch_indices(
+            mini, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu
+        )
+        totals: dict[str, torch.Tensor] = {}  # float64 sums on the device: one host copy per mini-batch
+        for i, (loss, metrics) in enumerate(self._micro_losses(mini, parts, temperature, on_policy, cfg)):
+            self._accumulate(i, len(parts))
             loss.backward()
-            for key, value in parts.items():
-                totals[key] += value.detach().double().cpu()
-        metrics = {key: float(all_reduce_sum(value)) for key, value in sorted(totals.items())}
-        metrics["actor/grad_norm"] = self.engine.optimizer_step()
-        return metrics
+            for key, value in metrics.items():
+                value = torch.as_tensor(value, device=self.engine.device).detach().double()
+                totals[key] = totals[key] + value if key in totals else value
+        keys = sorted(totals)
+        summed = all_reduce_sum(torch.stack([totals[k] for k in keys]).cpu()) if keys else torch.zeros(0)
+        out = dict(zip(keys, summed.tolist()))
+        out["actor/grad_norm"] = self.engine.optimizer_step()
+        return out

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from hybridflow.models.loader import resolve_dtype
 from hybridflow.utils.dist import init_distributed
@@ -52,6 +52,23 @@ def shard_model(
         reduce_dtype,
     )
     return root
+
+
+def set_accumulation(
+    module: nn.Module, *, last: bool, defer_grad_sync: bool, keep_params_gathered: bool
+) -> None:
+    """Set up FSDP2 for the next backward of a gradient-accumulation loop (call before each backward).
+
+    ``defer_grad_sync``: inner micro-batches accumulate unsharded gradients (in the fp32 reduce dtype) and
+    skip the reduce-scatter; the last one reduces the sum once. ``keep_params_gathered``: inner
+    micro-batches keep the gathered compute-dtype parameters after backward, so the next forward does not
+    gather and cast them again (costs one unsharded copy of the parameters). The last micro-batch always
+    syncs and reshards, which leaves FSDP2 in its default state for the optimizer step.
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    module.set_requires_gradient_sync(last or not defer_grad_sync)
+    module.set_reshard_after_backward(last or not keep_params_gathered)
 
 
 def move_model(model: nn.Module, device: torch.device | str) -> None:

@@ -7,7 +7,9 @@ its own causal SDPA call on a slice of the packed tensors (GQA native), so the w
 block-diagonal part. The sequence bounds travel as a host-side list (no device sync per layer).
 
 Registered with transformers under ``hybridflow_packed``. Calls without bounds (e.g. HF ``generate`` with
-an attention mask) fall through to transformers' own SDPA attention and mask.
+an attention mask) fall through to transformers' own SDPA attention and mask. Packed calls pass
+``packed_mask_placeholder`` as the attention mask: transformers hands an already-4D mask through untouched,
+which skips its packed-sequence detection on the position ids (a device-to-host sync per forward).
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ def packed_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> 
     return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
+def packed_mask_placeholder(device: torch.device | str) -> torch.Tensor:
+    """An empty 4D mask for packed forwards: transformers passes it through without building a mask."""
+    return torch.zeros(1, 1, 0, 0, dtype=torch.bool, device=device)
+
+
 def packed_attention(
     module: nn.Module,
     query: torch.Tensor,  # (1, H, S, D)
@@ -43,7 +50,10 @@ def packed_attention(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Causal attention within each packed sequence; returns (1, S, H, D) like transformers' SDPA path."""
+    """Causal attention within each packed sequence; returns (1, S, H, D) like transformers' SDPA path.
+
+    With bounds, ``attention_mask`` is ignored (it is ``packed_mask_placeholder`` or None).
+    """
     bounds = kwargs.pop(BOUNDS_KWARG, None)
     if bounds is None:
         if attention_mask is None and query.shape[2] > 1:

@@ -4,13 +4,32 @@ Batches use verl's layout: ``input_ids`` (B, T) is a left-padded prompt followed
 R tokens, ``attention_mask`` marks real tokens and ``position_ids`` count real tokens from 0. The logit that
 scores response token j sits at position T - R - 1 + j. Both layouts here produce the flat rows of the
 model's hidden states to score, so the chunked LM head only ever sees response positions.
+
+The indices are meant to be built on the host from the CPU batch and moved to the device afterwards
+(``ScoringInputs.to``): ``nonzero`` and the per-sequence lengths then cost no device sync, and the copies
+are asynchronous, so the host keeps queueing kernels while the device works.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Copy a tensor to ``device`` without making the host wait for the device.
+
+    A blocking host-to-device copy synchronises the stream, i.e. waits for all queued kernels. Staging a
+    CPU tensor in pinned memory makes the copy truly asynchronous; the pinned block is not reused before
+    the copy has run (torch records an event on it).
+    """
+    device = torch.device(device)
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 @dataclass
@@ -24,6 +43,14 @@ class ScoringInputs:
     labels: torch.Tensor  # (M,) the response tokens being scored
     scatter_index: torch.Tensor  # (M,) flat positions in (B * R) where each score belongs
     seq_bounds: list[int] | None = None  # packed: start of each sequence in (1, S), then S
+
+    def to(self, device: torch.device | str) -> ScoringInputs:
+        """The same inputs with every tensor on ``device`` (asynchronous copies from the host)."""
+        moved = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            moved[f.name] = to_device(value, device) if isinstance(value, torch.Tensor) else value
+        return ScoringInputs(**moved)
 
 
 def check_scoring_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int) -> None:
@@ -49,7 +76,11 @@ def build_scoring_inputs(
     response_length: int,
     remove_padding: bool,
 ) -> ScoringInputs:
-    """Pick the rows to score: every valid response token, in padded or packed (remove-padding) layout."""
+    """Pick the rows to score: every valid response token, in padded or packed (remove-padding) layout.
+
+    Pass CPU tensors and move the result with ``ScoringInputs.to``: on device tensors the ``nonzero`` calls
+    and the sequence lengths would each wait for the device.
+    """
     check_scoring_batch(input_ids, attention_mask, response_length)
     T = input_ids.shape[1]
     R = response_length
@@ -64,7 +95,7 @@ def build_scoring_inputs(
     flat_mask = mask.reshape(-1)  # (B*T,)
     packed_pos = torch.cumsum(flat_mask.long(), 0) - 1  # (B*T,) packed row of each kept token
     keep = flat_mask.nonzero(as_tuple=True)[0]  # (S,)
-    lengths = mask.sum(-1).tolist()  # one host sync per micro-batch: the bounds every layer needs
+    lengths = mask.sum(-1).tolist()  # the bounds every layer needs (free on CPU tensors)
     bounds = [0]
     for n in lengths:
         if n:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from hybridflow.engine.lm_head import score_hidden_states
-from hybridflow.engine.packed_attention import BOUNDS_KWARG
+from hybridflow.engine.packed_attention import BOUNDS_KWARG, PACKED_ATTENTION, packed_mask_placeholder
 from hybridflow.engine.packing import ScoringInputs
 
 
@@ -36,24 +36,30 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def _hidden_rows(body: nn.Module, inputs: ScoringInputs) -> torch.Tensor:
-    extra = {} if inputs.seq_bounds is None else {BOUNDS_KWARG: inputs.seq_bounds}
+    extra, mask = {}, inputs.attention_mask
+    if inputs.seq_bounds is not None:
+        extra = {BOUNDS_KWARG: inputs.seq_bounds}
+        if getattr(body.config, "_attn_implementation", None) == PACKED_ATTENTION:
+            mask = packed_mask_placeholder(inputs.input_ids.device)  # (else HF builds the block mask itself)
     out = body(
         input_ids=inputs.input_ids,
-        attention_mask=inputs.attention_mask,
+        attention_mask=mask,
         position_ids=inputs.position_ids,
         use_cache=False,
         **extra,
     )
     hidden = out.last_hidden_state  # (b, t, H)
-    return hidden.reshape(-1, hidden.shape[-1])[inputs.gather_index]  # (M, H)
+    # index_select: its backward is an index_add (the rows are distinct), cheaper than advanced indexing's.
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.gather_index)  # (M, H)
 
 
 class PolicyScorer(nn.Module):
     """Causal LM wrapper: log-probs (and entropy) of the chosen response tokens at ``logits / temperature``."""
 
-    def __init__(self, lm: nn.Module) -> None:
+    def __init__(self, lm: nn.Module, fused_head: bool = True) -> None:
         super().__init__()
         self.lm = lm
+        self.fused_head = fused_head  # False: the activation-checkpointed head (the reference path)
 
     def forward(
         self,
@@ -64,9 +70,15 @@ class PolicyScorer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return ``(log_probs (M,), entropy (M,) or None)`` in float32 for ``inputs.labels``."""
         rows = _hidden_rows(decoder_of(self.lm), inputs)  # (M, H)
-        head = self.lm.get_output_embeddings()
+        head = self.lm.get_output_embeddings()  # its weight is the gathered one only now, inside forward
         return score_hidden_states(
-            rows, head, inputs.labels, temperature, with_entropy, entropy_grad=entropy_grad
+            rows,
+            head,
+            inputs.labels,
+            temperature,
+            with_entropy,
+            entropy_grad=entropy_grad,
+            fused=self.fused_head,
         )
 
 

@@ -51,22 +51,27 @@ def actor_config(**overrides) -> ActorConfig:
     return cfg
 
 
-def train(rank: int, world: int, remove_padding: bool, overrides: dict) -> dict:
-    """Old log-probs, two PPO epochs over two mini-batches, then the full weights (rank 0 returns them)."""
+def train(rank: int, world: int, variants: list[tuple[bool, dict, dict]]) -> list[dict]:
+    """Per variant (remove_padding, config overrides, engine kwargs): old log-probs, two PPO epochs over two
+    mini-batches, then the full weights (rank 0 returns them). One process group serves every variant."""
     from hybridflow.engine.actor import ActorEngine
     from hybridflow.engine.fsdp import full_state_dict
 
-    torch.manual_seed(0)
-    lm = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=2, seed=1)
-    engine = ActorEngine(lm, actor_config(**overrides), rollout_n=1, use_remove_padding=remove_padding)
-    full = make_batch()
-    # Each rank gets its half of every mini-batch, as the driver's dispatch hands them out.
-    rows = [i for m in range(0, B, 4) for i in range(m + rank * 4 // world, m + (rank + 1) * 4 // world)]
-    batch = full[rows]
-    batch["old_log_probs"] = engine.compute_log_prob(batch, micro_batch_size=3)["log_probs"] - 0.05
-    metrics = engine.update_policy(batch)
-    state = full_state_dict(engine.module)
-    return {"metrics": metrics, "state": state if rank == 0 else None}
+    results = []
+    for remove_padding, overrides, kwargs in variants:
+        torch.manual_seed(0)
+        lm = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=2, seed=1)
+        cfg = actor_config(**overrides)
+        engine = ActorEngine(lm, cfg, rollout_n=1, use_remove_padding=remove_padding, **kwargs)
+        full = make_batch()
+        # Each rank gets its half of every mini-batch, as the driver's dispatch hands them out.
+        rows = [i for m in range(0, B, 4) for i in range(m + rank * 4 // world, m + (rank + 1) * 4 // world)]
+        batch = full[rows]
+        batch["old_log_probs"] = engine.compute_log_prob(batch, micro_batch_size=3)["log_probs"] - 0.05
+        metrics = engine.update_policy(batch)
+        state = full_state_dict(engine.module)
+        results.append({"metrics": metrics, "state": state if rank == 0 else None})
+    return results
 
 
 @torch.no_grad()
@@ -84,22 +89,29 @@ def reference_log_probs(lm: torch.nn.Module, batch: Batch, temperature: float) -
     return out
 
 
-def score(rank: int, remove_padding: bool, dynamic: bool) -> torch.Tensor:
+def score(rank: int, layouts: list[tuple[bool, bool, bool]]) -> list[float]:
+    """Worst |engine - HF| log-prob for each (remove_padding, dynamic micro-batches, fused head)."""
     from hybridflow.engine.actor import ActorEngine
 
-    lm = build_tiny_model("llama", vocab_size=64, hidden_size=32, seed=2)
-    ref = reference_log_probs(lm, make_batch(), temperature=0.7)
-    engine = ActorEngine(lm, actor_config(), use_remove_padding=remove_padding, trainable=False)
-    got = engine.compute_log_prob(
-        make_batch(), 0.7, micro_batch_size=3, use_dynamic_bsz=dynamic, max_token_len=24
-    )
-    return float((got["log_probs"] - ref).abs().max())
+    errors = []
+    for remove_padding, dynamic, fused in layouts:
+        lm = build_tiny_model("llama", vocab_size=64, hidden_size=32, seed=2)
+        ref = reference_log_probs(lm, make_batch(), temperature=0.7)
+        engine = ActorEngine(
+            lm, actor_config(), use_remove_padding=remove_padding, trainable=False, fused_head=fused
+        )
+        got = engine.compute_log_prob(
+            make_batch(), 0.7, micro_batch_size=3, use_dynamic_bsz=dynamic, max_token_len=24
+        )
+        errors.append(float((got["log_probs"] - ref).abs().max()))
+    return errors
 
 
-@pytest.mark.parametrize("remove_padding,dynamic", [(False, False), (True, False), (True, True)])
-def test_log_probs_equal_a_direct_hf_forward(remove_padding: bool, dynamic: bool) -> None:
-    (err,) = run_world(1, score, remove_padding, dynamic)
-    assert err < 1e-5
+def test_log_probs_equal_a_direct_hf_forward() -> None:
+    layouts = [(False, False, True), (True, False, True), (True, True, True), (True, False, False)]
+    (errors,) = run_world(1, score, layouts)
+    for layout, err in zip(layouts, errors):
+        assert err < 1e-5, layout
 
 
 def _assert_same(a: dict, b: dict, weight_atol: float = 1e-5) -> None:
@@ -110,18 +122,44 @@ def _assert_same(a: dict, b: dict, weight_atol: float = 1e-5) -> None:
         torch.testing.assert_close(tensor, b["state"][name], rtol=1e-4, atol=weight_atol, msg=name)
 
 
+# The engine's FSDP2 gradient-accumulation levers, off (reduce-scatter and reshard every micro-batch) and
+# on; with None (the default) they are on at world size 1 and off at 2.
+EAGER_SYNC = {"defer_grad_sync": False, "keep_params_gathered": False}
+DEFERRED = {"defer_grad_sync": True, "keep_params_gathered": True}
+
+
 def test_two_ranks_match_one_rank_and_the_layouts_agree() -> None:
-    """Same loss, grad norm and weights for: 1 vs 2 ranks, padded vs packed, fixed vs dynamic micro-batches."""
-    one = run_world(1, train, 1, False, {})[0]
-    two = run_world(2, train, 2, False, {})[0]
+    """Same loss, grad norm and weights for: 1 vs 2 ranks, padded vs packed, fixed vs dynamic micro-batches,
+    the fused vs the checkpointed LM head, and FSDP2 gradient sync deferred or not over the micro-batches."""
+    one, one_eager, one_unfused, packed, dynamic, single_rows = run_world(
+        1,
+        train,
+        1,
+        [
+            (False, {}, {}),
+            (False, {}, EAGER_SYNC),
+            (False, {}, {"fused_head": False}),
+            (True, {}, {}),
+            (True, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 20}, {}),
+            # One row per micro-batch: row 2 has no response token, an empty micro-batch for the head.
+            (True, {"ppo_micro_batch_size_per_gpu": 1}, {}),
+        ],
+    )[0]
+    # At 2 ranks a mini-batch is 2 rows per rank: one row per micro-batch gives the deferred sync 2 of them.
+    two, two_deferred = run_world(
+        2, train, 2, [(False, {}, {}), (False, {"ppo_micro_batch_size_per_gpu": 1}, DEFERRED)]
+    )[0]
     _assert_same(one, two)
+    _assert_same(one_eager, two_deferred)
+    _assert_same(one, one_eager)
     assert one["metrics"]["actor/ppo_kl"] != 0  # off-policy: the engine really used old_log_probs
-    # Packing changes the float32 summation order inside attention and matmuls (grads agree to ~1e-9);
-    # Adam's normalised steps (lr 1e-2, 4 steps, updates ~4e-2) carry that to ~3e-5 in the weights.
-    packed = run_world(1, train, 1, True, {})[0]
+    # Packing, or the other head, changes the float32 summation order inside attention and matmuls (grads
+    # agree to ~1e-7 relative); Adam's normalised steps (lr 1e-2, 4 steps, updates ~4e-2) carry that to
+    # ~5e-5 in the weights, where a gradient is near zero.
+    _assert_same(one, one_unfused, weight_atol=1e-4)
     _assert_same(one, packed, weight_atol=1e-4)
-    dynamic = run_world(1, train, 1, True, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 20})[0]
     _assert_same(packed, dynamic)
+    _assert_same(packed, single_rows)
     assert one["metrics"]["actor/grad_norm"] > 0
     initial = build_tiny_model(
         "qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=2, seed=1

@@ -100,12 +100,15 @@ def gpu_work(rank: int) -> dict:
     from hybridflow.engine.fsdp import full_state_dict
 
     out: dict = {}
-    for name, attn, packed, micro in [
-        ("padded", "sdpa", False, 3),
-        ("packed", "sdpa", True, 3),
-        ("packed_flex", "flex_attention", True, B),  # one micro-batch: one compiled shape
+    for name, attn, packed, micro, fused in [
+        ("padded", "sdpa", False, 3, True),
+        ("packed", "sdpa", True, 3, True),
+        ("packed_flex", "flex_attention", True, B, True),  # one micro-batch: one compiled shape
+        ("packed_ckpt_head", "sdpa", True, 3, False),  # the checkpointed LM head instead of the fused one
     ]:
-        engine = ActorEngine(tiny_lm(attn), actor_config(), use_remove_padding=packed, trainable=False)
+        engine = ActorEngine(
+            tiny_lm(attn), actor_config(), use_remove_padding=packed, trainable=False, fused_head=fused
+        )
         out[f"{name}_dtype"] = engine.engine.compute_dtype
         out[name] = engine.compute_log_prob(make_batch(), TEMPERATURE, micro_batch_size=micro)["log_probs"]
         del engine
@@ -147,6 +150,12 @@ def test_the_engine_computes_in_bf16(results: dict) -> None:
     assert results["padded_dtype"] == results["packed_dtype"] == torch.bfloat16
 
 
+def test_fused_and_checkpointed_heads_agree_in_bf16(results: dict) -> None:
+    mean, worst = diff_stats(results["packed"], results["packed_ckpt_head"])
+    print(f"\nbf16 fused vs checkpointed LM head: mean abs diff {mean:.2e}, max {worst:.2e}")
+    assert worst < 1e-4  # the same bf16 logits; only the order of the float32 softmax math differs
+
+
 def test_packed_and_padded_log_probs_agree_in_bf16(results: dict) -> None:
     mean, worst = diff_stats(results["packed"], results["padded"])
     print(f"\nbf16 packed vs padded (sdpa): mean abs diff {mean:.2e}, max {worst:.2e}")
@@ -155,7 +164,7 @@ def test_packed_and_padded_log_probs_agree_in_bf16(results: dict) -> None:
     assert (results["packed"][empty] == 0).all() and (results["padded"][empty] == 0).all()
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed", "packed_flex"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "packed_flex", "packed_ckpt_head"])
 def test_bf16_log_probs_track_an_fp32_hf_forward(results: dict, reference: dict, layout: str) -> None:
     mean, worst = diff_stats(results[layout], reference["logp"])
     print(f"\nbf16 {layout} vs fp32 HF forward: mean abs diff {mean:.2e}, max {worst:.2e}")
