@@ -9,24 +9,14 @@ numbers they know. Fields whose default is ``None`` are resolved from other fiel
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-
-def option(default: Any, help: str) -> Any:
-    """A dataclass field with its default and a one-line help string (``metadata["help"]``)."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=functools.partial(copy.deepcopy, default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
-
-
-def section(cls: type, help: str, **overrides: Any) -> Any:
-    """A nested-section field: a fresh ``cls(**overrides)`` per instance, with a help string."""
-    return field(default_factory=functools.partial(cls, **overrides), metadata={"help": help})
+from hybridflow.config.preference import PreferenceConfig
+from hybridflow.config.schema_base import option, section
 
 
 @dataclass
@@ -150,7 +140,9 @@ class FSDPConfig:
 
     param_offload: bool = option(False, "Keep parameters on CPU between phases.")
     optimizer_offload: bool = option(False, "Keep optimizer state on CPU between phases.")
-    reshard_after_forward: bool = option(True, "Free gathered parameters after each layer's forward.")
+    reshard_after_forward: bool | None = option(
+        None, "Free gathered parameters after each layer's forward; null = only when sharded over > 1 rank."
+    )
     fsdp_size: int = option(-1, "Ranks per FSDP shard group; -1 shards over all data-parallel ranks.")
     param_dtype: str = option(
         "auto", "Compute dtype: auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32."
@@ -442,6 +434,7 @@ class Config:
     reward: RewardConfig = section(RewardConfig, "Reward functions and models.")
     algorithm: AlgorithmConfig = section(AlgorithmConfig, "Advantage estimator and KL penalty.")
     trainer: TrainerConfig = section(TrainerConfig, "Run length, devices, checkpoints, logging.")
+    preference: PreferenceConfig = section(PreferenceConfig, "DPO / IPO / KTO losses and columns.")
 
     def to_dict(self) -> dict[str, Any]:
         """The config as nested plain dicts and lists (what save_config writes)."""

@@ -61,6 +61,25 @@ def packed_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
+    if isinstance(bounds, torch.Tensor):
+        bounds = bounds.tolist()  # a host tensor: no device sync
+    dropout_p = dropout if module.training else 0.0
+    return per_sequence_attention(query, key, value, bounds, scaling, dropout_p), None
+
+
+# Outside any compiled region: the bounds differ in every batch, and a compiled layer that saw them as
+# Python integers would recompile for each new set. Around this call the layer's norms, projections, RoPE
+# and MLP still compile (the bounds reach the layer as a host tensor, whose values dynamo does not guard).
+@torch.compiler.disable
+def per_sequence_attention(
+    query: torch.Tensor,  # (1, H, S, D)
+    key: torch.Tensor,  # (1, KVH, S, D)
+    value: torch.Tensor,  # (1, KVH, S, D)
+    bounds: list[int],
+    scaling: float | None,
+    dropout_p: float,
+) -> torch.Tensor:
+    """One causal SDPA call per packed sequence; returns (1, S, H, D)."""
     parts = []
     for start, end in itertools.pairwise(bounds):
         parts.append(
@@ -70,12 +89,12 @@ def packed_attention(
                 value[:, :, start:end],
                 is_causal=True,
                 scale=scaling,
-                dropout_p=dropout if module.training else 0.0,
+                dropout_p=dropout_p,
                 enable_gqa=True,
             )
         )  # (1, H, s, D)
     out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # (1, H, S, D)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)

@@ -38,7 +38,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def _hidden_rows(body: nn.Module, inputs: ScoringInputs) -> torch.Tensor:
     extra, mask = {}, inputs.attention_mask
     if inputs.seq_bounds is not None:
-        extra = {BOUNDS_KWARG: inputs.seq_bounds}
+        extra = {BOUNDS_KWARG: torch.tensor(inputs.seq_bounds)}  # a host tensor: see packed_attention
         if getattr(body.config, "_attn_implementation", None) == PACKED_ATTENTION:
             mask = packed_mask_placeholder(inputs.input_ids.device)  # (else HF builds the block mask itself)
     out = body(

@@ -11,6 +11,7 @@ from torch import nn
 from hybridflow.config.schema import FSDPConfig, OptimConfig
 from hybridflow.engine.fsdp import grad_norm_and_clip, move_model, move_optimizer, shard_model, to_dtype
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
+from hybridflow.utils.dist import init_distributed, world_size
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,16 @@ def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
     )
 
 
+def reshard_after_forward(fsdp: FSDPConfig) -> bool:
+    """``fsdp.reshard_after_forward``; null is off at world size 1 (the shard is the whole parameter, so
+    freeing the gathered compute-dtype copy only means casting it again in backward: 13% of a 0.5B step
+    on an H200), on otherwise (memory)."""
+    if fsdp.reshard_after_forward is not None:
+        return fsdp.reshard_after_forward
+    init_distributed()
+    return world_size() > 1
+
+
 class TrainEngine:
     """Holds a sharded module and (when trainable) its AdamW and schedule; the roles call into it."""
 
@@ -64,7 +75,7 @@ class TrainEngine:
             self.device,
             self.compute_dtype,
             to_dtype(fsdp.reduce_dtype),
-            fsdp.reshard_after_forward,
+            reshard_after_forward(fsdp),
         )
         self.optimizer = self.scheduler = None
         if optim is not None:
