@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 COMMANDS: tuple[str, ...] = (
     "hybridflow.cli.train_cmd",
     "hybridflow.cli.sft_cmd",
+    "hybridflow.cli.dpo_cmd",
+    "hybridflow.cli.kto_cmd",
     "hybridflow.cli.generate_cmd",
     "hybridflow.cli.eval_cmd",
     "hybridflow.cli.export_cmd",

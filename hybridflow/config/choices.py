@@ -66,6 +66,8 @@ CHOICES: dict[str, list[str]] = {
     "trainer.device": ["auto", "cuda", "cpu"],
     "trainer.backend": ["local", "ray"],
     "trainer.placement": ["colocated", "split"],
+    "preference.loss_type": ["sigmoid", "ipo"],
+    "preference.truncation": ["error", "left", "right", "filter"],
 }
 
 

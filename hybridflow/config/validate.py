@@ -27,6 +27,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     ">=-1": (lambda v: v >= -1, "must be -1 (off) or more"),
     "(0,1]": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
     "[0,1]": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "[0,0.5)": (lambda v: 0 <= v < 0.5, "must be in [0, 0.5)"),
 }
 
 # fmt: off
@@ -55,6 +56,7 @@ _RANGES: dict[str, list[str]] = {
         "actor.policy_loss.ppo_kl_coef",
         "reward.num_workers", "reward.overlong_buffer.len", "reward.overlong_buffer.penalty_factor",
         "algorithm.kl_ctrl.kl_coef", "trainer.critic_warmup", "trainer.log_val_generations",
+        "preference.sft_coef", "preference.desirable_weight", "preference.undesirable_weight",
     ],
     ">0": [
         "actor.optim.eps", "critic.optim.eps",
@@ -65,9 +67,11 @@ _RANGES: dict[str, list[str]] = {
         "algorithm.rollout_correction.rollout_rs_threshold",
         "algorithm.rollout_correction.rollout_rs_threshold_lower",
         "algorithm.rollout_correction.rollout_token_veto_threshold",
+        "preference.beta",
     ],
     ">1": ["actor.clip_ratio_c"],
     ">=-1": ["rollout.top_k", "rollout.val_kwargs.top_k"],
+    "[0,0.5)": ["preference.label_smoothing"],
     "(0,1]": ["rollout.gpu_memory_utilization", "rollout.top_p", "rollout.val_kwargs.top_p"],
     "[0,1]": [
         "rollout.min_p", "algorithm.gamma", "algorithm.lam",

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from hybridflow.config.schema import Config
-from hybridflow.data import RLDataset, build_rl_dataset
+from hybridflow.data import KTODataset, PreferenceDataset, RLDataset, build_rl_dataset, load_rows
 from hybridflow.trainer.scoring import Scorer, build_reward_manager, has_scorer, known_sources
 from hybridflow.utils.dist import init_distributed
 from hybridflow.workers.actor import ActorWorker, make_sampling_params
@@ -179,4 +179,76 @@ def build_eval_components(
     scorer = Scorer(build_reward_manager(cfg, reward_fn), tokenizer, cfg, None)
     return Components(
         tokenizer, pad_id, eos_ids_of(model, tokenizer), actor, None, None, None, val, scorer, 0
+    )
+
+
+def build_preference_components(
+    cfg: Config,
+    kind: str,
+    model: torch.nn.Module | None = None,
+    tokenizer: Any = None,
+    rows: list[dict[str, Any]] | None = None,
+) -> Components:
+    """Actor + reference, the preference dataset (DPO pairs or KTO examples) and, if any, a validation set.
+
+    ``rows`` replaces ``data.train_files`` (the built-in DPO demo builds its pairs itself).
+    """
+    if cfg.trainer.backend == "ray":
+        if model is not None:
+            raise ValueError(
+                "trainer.backend=ray loads the model on every rank from model.path; pass no model"
+            )
+        tokenizer = tokenizer or load_policy_tokenizer(cfg)
+    elif model is None:
+        model, tokenizer = load_policy(cfg)
+    p, d = cfg.preference, cfg.data
+    if rows is None:
+        if not d.train_files:
+            raise ValueError(
+                f"data.train_files is not set: {kind} trains on preference rows; point it to a file"
+            )
+        rows = load_rows(d.train_files)
+    source = ", ".join(map(str, d.train_files or ["built-in pairs"]))
+    common = dict(truncation=p.truncation, prompt_key=d.prompt_key, source=source)
+    train = (
+        PreferenceDataset(
+            rows,
+            tokenizer,
+            d.max_prompt_length,
+            d.max_response_length,
+            chosen_key=p.chosen_key,
+            rejected_key=p.rejected_key,
+            **common,
+        )
+        if kind == "dpo"
+        else KTODataset(
+            rows,
+            tokenizer,
+            d.max_prompt_length,
+            d.max_response_length,
+            completion_key=p.completion_key,
+            label_key=p.label_key,
+            **common,
+        )
+    )
+    if d.train_batch_size % cfg.trainer.world_size:
+        raise ValueError(
+            f"data.train_batch_size={d.train_batch_size} pairs do not split over {cfg.trainer.world_size} ranks; "
+            "use a multiple of trainer.nnodes x trainer.n_gpus_per_node"
+        )
+    val = (
+        build_rl_dataset(d, tokenizer, "val", cfg.trainer.seed) if d.val_files or not d.train_files else None
+    )
+    steps = total_training_steps(cfg, len(train))
+    groups = (
+        _ray_groups(cfg, steps)
+        if cfg.trainer.backend == "ray"
+        else _local_groups(cfg, model, tokenizer, steps)
+    )
+    actor, ref, _ = _handles(cfg, groups)
+    scorer = Scorer(build_reward_manager(cfg, None), tokenizer, cfg, None)
+    eos = groups[0].run_all("stop_tokens")[0]
+    logger.info("%s: %d training rows, %d steps, %d rank(s)", kind, len(train), steps, cfg.trainer.world_size)
+    return Components(
+        tokenizer, pad_id_of(tokenizer), eos, actor, ref, None, train, val, scorer, steps, groups
     )

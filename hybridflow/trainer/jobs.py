@@ -20,11 +20,14 @@ from hybridflow.trainer.builder import (
     Components,
     build_components,
     build_eval_components,
+    build_preference_components,
     eos_ids_of,
     load_policy,
 )
 from hybridflow.trainer.dumps import write_jsonl
+from hybridflow.trainer.loop import TrainingLoop
 from hybridflow.trainer.ppo import PPOTrainer
+from hybridflow.trainer.preference import PreferenceTrainer
 from hybridflow.trainer.sft import encode_pairs, run_sft
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.trainer.validation import validate
@@ -81,15 +84,9 @@ def sft_job(
     return history[-1]
 
 
-def rl_job(
-    cfg: Config, components: Components | None = None, reward_fn: Any = None
-) -> list[dict[str, float]]:
-    """PPO-family training as configured; writes config.yaml, metrics.jsonl and curves.png to the run dir."""
-    set_seed(cfg.trainer.seed)
-    run_dir = Path(cfg.trainer.run_dir())
-    save_config(cfg, run_dir / "config.yaml")
-    components = components or build_components(cfg, reward_fn=reward_fn)
-    trainer = PPOTrainer(cfg, components)
+def run_loop(trainer: TrainingLoop, run_dir: Path, close: bool) -> list[dict[str, float]]:
+    """Resume, train with the tracker, save ``final_model``; ``close`` stops the workers afterwards."""
+    cfg, components = trainer.cfg, trainer.c
     start = trainer.resume()
     with Tracker(
         run_dir,
@@ -101,7 +98,21 @@ def rl_job(
         trainer.tracker = tracker
         history = trainer.fit()
     components.groups[0].run_all("save_hf_model", str(run_dir / "final_model"))
-    components.close()
+    if close:
+        components.close()
+    return history
+
+
+def rl_job(
+    cfg: Config, components: Components | None = None, reward_fn: Any = None
+) -> list[dict[str, float]]:
+    """PPO-family training as configured; writes config.yaml, metrics.jsonl and curves.png to the run dir."""
+    set_seed(cfg.trainer.seed)
+    run_dir = Path(cfg.trainer.run_dir())
+    save_config(cfg, run_dir / "config.yaml")
+    owned = components is None  # close only what this job built: a caller may go on using its components
+    components = components or build_components(cfg, reward_fn=reward_fn)
+    history = run_loop(PPOTrainer(cfg, components), run_dir, close=owned)
     logger.info("saved the trained policy to %s", run_dir / "final_model")
     return history
 
@@ -128,3 +139,25 @@ def eval_job(cfg: Config, out: Path, checkpoint_dir: Path | None = None) -> dict
     write_jsonl(records, out)
     logger.info("wrote %d generations to %s", len(records), out)
     return metrics
+
+
+def preference_config(cfg: Config) -> Config:
+    """The run's config with what offline preference training needs: a reference, no critic, temperature 1."""
+    cfg = copy.deepcopy(cfg)
+    cfg.ref.enable, cfg.critic.enable = True, False
+    cfg.rollout.temperature = 1.0  # log-probs of the data under the model itself, not a sampling temperature
+    return cfg
+
+
+def preference_job(
+    cfg: Config, kind: str, components: Components | None = None, rows: list[dict] | None = None
+) -> list[dict[str, float]]:
+    """DPO/IPO (``kind="dpo"``) or KTO (``kind="kto"``) as configured, in the run directory like RL runs."""
+    cfg = preference_config(cfg)
+    set_seed(cfg.trainer.seed)
+    run_dir = Path(cfg.trainer.run_dir())
+    save_config(cfg, run_dir / "config.yaml")
+    owned = components is None
+    components = components or build_preference_components(cfg, kind, rows=rows)
+    history = run_loop(PreferenceTrainer(cfg, components, kind), run_dir, close=owned)
+    return history

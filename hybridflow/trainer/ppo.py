@@ -20,14 +20,11 @@ from hybridflow.config.schema import Config
 from hybridflow.data import PromptSampler, collate_prompts
 from hybridflow.protocol import Batch
 from hybridflow.rewards import place_on_last_token
-from hybridflow.trainer.checkpointing import load_checkpoint, resume_target, save_checkpoint
 from hybridflow.trainer.dataflow import Dataflow, Stage
 from hybridflow.trainer.dumps import rollout_records, write_jsonl
+from hybridflow.trainer.loop import TrainingLoop
 from hybridflow.trainer.metrics import compute_data_metrics, throughput_metrics
 from hybridflow.trainer.tracking import Tracker
-from hybridflow.trainer.validation import validate
-from hybridflow.utils.logging import rank as env_rank
-from hybridflow.utils.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -35,20 +32,15 @@ PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 SEQ_KEYS = (*PROMPT_KEYS, "responses")  # what every pass over (prompt + response) reads
 
 
-class PPOTrainer:
+class PPOTrainer(TrainingLoop):
     """Drives the workers: rollout, reward, log-probs, values, advantages, critic and actor updates."""
 
     def __init__(self, cfg: Config, components: Any, tracker: Tracker | None = None) -> None:
-        self.cfg = cfg
-        self.c = components  # tokenizer, actor, ref, critic, train/val datasets, scorer, eos ids
-        self.tracker = tracker
+        super().__init__(cfg, components, tracker)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.sampler = PromptSampler(
             len(components.train), cfg.data.train_batch_size, cfg.trainer.seed, shuffle=cfg.data.shuffle
         )
-        self.total_steps = components.total_steps
-        self.global_step = 0
-        self.rank = env_rank()
         self.dataflow = Dataflow(
             self._stages(),
             inputs=(*PROMPT_KEYS, "data_source", "ground_truth", "extra_info"),
@@ -114,48 +106,6 @@ class PPOTrainer:
         stages.append(Stage("update_actor", tuple(actor_reads), (), self._update_actor))
         return stages
 
-    def resume(self) -> int:
-        """Load the checkpoint ``trainer.resume`` names (if any); returns the step the run continues from."""
-        path = resume_target(self.cfg)
-        if path is not None:
-            load_checkpoint(self, path)
-        return self.global_step
-
-    def fit(self) -> list[dict[str, float]]:
-        """Train from the current step to ``total_steps``, validating and saving as configured."""
-        history = []
-        t = self.cfg.trainer
-        if self.global_step >= self.total_steps:
-            logger.warning(
-                "the run is already complete at step %d of %d; nothing to train (start a fresh run with "
-                "trainer.resume=disable or a new trainer.experiment_name)",
-                self.global_step,
-                self.total_steps,
-            )
-        elif t.val_before_train and self.c.val is not None and self.global_step == 0:
-            self._log(0, self.validate())
-        while self.global_step < self.total_steps:
-            self.global_step += 1
-            metrics = self.step()
-            last = self.global_step == self.total_steps
-            if self.c.val is not None and t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
-                metrics.update(self.validate())
-            if last or (t.save_freq > 0 and self.global_step % t.save_freq == 0):
-                with Progress(f"save global_step_{self.global_step}") as bar:
-                    save_checkpoint(self)
-                metrics["timing_s/save_checkpoint"] = bar.close()  # closed already: its duration
-            self._log(self.global_step, metrics)
-            history.append(metrics)
-        return history
-
-    def validate(self) -> dict[str, float]:
-        """Validation metrics; the generations go to ``trainer.validation_data_dir/{step}.jsonl`` if set."""
-        records: list[dict[str, Any]] | None = [] if self.cfg.trainer.validation_data_dir else None
-        metrics = validate(self.cfg, self.c, prefix="val-core", records=records)
-        if records is not None and self.rank == 0:
-            write_jsonl(records, Path(self.cfg.trainer.validation_data_dir) / f"{self.global_step}.jsonl")
-        return metrics
-
     def step(self) -> dict[str, float]:
         """One training step: the dataflow over a fresh batch of prompts, then the step's metrics."""
         start = time.perf_counter()
@@ -168,10 +118,6 @@ class PPOTrainer:
         metrics.update(compute_data_metrics(batch, self.cfg.data.max_response_length))
         metrics.update(throughput_metrics(batch, elapsed, self.cfg.trainer.world_size))
         return metrics
-
-    def _log(self, step: int, metrics: dict[str, float]) -> None:
-        if self.tracker is not None:
-            self.tracker.log(step, metrics)
 
     # ----- stages -----------------------------------------------------------------------------------------
     def _generate(self, prompts: Batch) -> Batch:

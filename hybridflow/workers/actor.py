@@ -14,6 +14,7 @@ from torch import nn
 from hybridflow.config.schema import Config
 from hybridflow.engine.actor import ActorEngine
 from hybridflow.engine.fsdp import to_dtype
+from hybridflow.engine.preference import update_preference
 from hybridflow.engine.reshard import RolloutReplica
 from hybridflow.engine.rollout.engine import make_rollout
 from hybridflow.engine.rollout.sampling import SamplingParams
@@ -149,6 +150,12 @@ class ActorWorker:
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO-family update over the batch (mini-batches, epochs)."""
         return self.engine.update_policy(batch, temperature=self.cfg.rollout.temperature)
+
+    def update_preference(self, batch: Batch) -> dict[str, float]:
+        """One DPO/IPO/KTO optimizer step over this rank's pairs (``batch.meta["preference_kind"]``)."""
+        micro_pairs = max(1, self.cfg.actor.ppo_micro_batch_size_per_gpu // 2)
+        kind = batch.meta["preference_kind"]
+        return update_preference(self.engine, batch, self.cfg.preference, kind, micro_pairs)
 
     def update_sft(self, batch: Batch) -> dict[str, float]:
         """Supervised step(s) on the response tokens."""

@@ -91,6 +91,7 @@ class LocalGroup(WorkerGroup):
 SEQ_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 ACTOR_UPDATE_KEYS = (*SEQ_KEYS, "advantages", "old_log_probs", "ref_log_prob", "rollout_is_weights")
 CRITIC_UPDATE_KEYS = (*SEQ_KEYS, "values", "returns")
+PREFERENCE_KEYS = (*SEQ_KEYS, "ref_seq_logps", "labels")
 
 
 class RoleHandle:
@@ -131,6 +132,10 @@ class ActorHandle(RoleHandle):
     def update_sft(self, batch: Batch) -> dict[str, float]:
         """Supervised step(s) on the response tokens."""
         return self._split("update_sft", batch)
+
+    def update_preference(self, batch: Batch) -> dict[str, float]:
+        """One DPO/IPO/KTO step (the kind is in ``batch.meta``); pairs are adjacent rows."""
+        return self._split("update_preference", batch, PREFERENCE_KEYS)
 
     def memory(self) -> dict[str, float]:
         """Peak device memory (GiB) of each phase on rank 0 since the last call, as metrics."""

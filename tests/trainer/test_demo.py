@@ -49,3 +49,14 @@ def test_the_default_demo_gains_at_least_15_points_from_grpo(tmp_path: Path) -> 
     result = run_demo([f"trainer.default_local_dir={tmp_path}"])
     assert result["num_val"] >= 100
     assert result["after"] - result["before"] >= 0.15, format_table(result)
+
+
+@pytest.mark.slow
+def test_the_default_dpo_demo_raises_held_out_accuracy(tmp_path: Path) -> None:
+    """The acceptance run of `hybridflow dpo` with no config (about two minutes on two cores)."""
+    from hybridflow.trainer.demo import run_dpo_demo
+
+    result = run_dpo_demo([f"trainer.default_local_dir={tmp_path}"])
+    assert result["num_val"] >= 100
+    assert result["after"] > result["before"] + 0.05, format_table(result, "DPO")
+    assert (tmp_path / "global_step_40" / "meta.json").is_file()

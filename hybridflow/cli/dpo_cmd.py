@@ -1,0 +1,43 @@
+"""``hybridflow dpo [CONFIG.yaml] [key=value ...]``: offline preference training with DPO (IPO, cDPO)."""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "dpo"
+HELP = (
+    "Offline preference training with DPO (IPO with preference.loss_type=ipo, cDPO with "
+    "preference.label_smoothing); no config: the built-in demo."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """An optional YAML config followed by key=value overrides."""
+    parser.add_argument(
+        "args", nargs="*", metavar="[CONFIG] [key=value ...]", help="YAML config, then overrides."
+    )
+
+
+def run_preference(args: argparse.Namespace, kind: str) -> int:
+    """Train with ``kind`` (dpo or kto) and say where the results are; dpo without a config is the demo."""
+    from hybridflow.cli.config_cmd import split_file_and_overrides
+    from hybridflow.config import load_config
+    from hybridflow.trainer.jobs import preference_job
+
+    path, overrides = split_file_and_overrides(args.args)
+    if path is None and kind == "dpo":
+        from hybridflow.trainer.demo import format_table, run_dpo_demo
+
+        print(format_table(run_dpo_demo(overrides), "DPO"))
+        return 0
+    if path is None:
+        raise ValueError(f"hybridflow {kind} needs a config (model.path, data.train_files, ...)")
+    cfg = load_config(path, overrides)
+    history = preference_job(cfg, kind)
+    print(f"done: {len(history)} steps; metrics in {cfg.trainer.run_dir()}/metrics.jsonl")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """DPO as configured, or the built-in demo."""
+    return run_preference(args, NAME)

@@ -1,0 +1,80 @@
+"""The training loop every driver shares: resume, steps, validation, checkpoints and logging."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from hybridflow.config.schema import Config
+from hybridflow.trainer.checkpointing import load_checkpoint, resume_target, save_checkpoint
+from hybridflow.trainer.dumps import write_jsonl
+from hybridflow.trainer.tracking import Tracker
+from hybridflow.trainer.validation import validate
+from hybridflow.utils.logging import rank as env_rank
+from hybridflow.utils.progress import Progress
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingLoop:
+    """Base of the drivers: subclasses set ``sampler``, ``kl_ctrl``, ``total_steps`` and define ``step``."""
+
+    def __init__(self, cfg: Config, components: Any, tracker: Tracker | None = None) -> None:
+        self.cfg = cfg
+        self.c = components  # tokenizer, role handles, datasets, scorer, worker groups
+        self.tracker = tracker
+        self.total_steps = components.total_steps
+        self.global_step = 0
+        self.rank = env_rank()
+        self.kl_ctrl: Any = None  # the checkpoint saves it when a driver has one
+
+    def step(self) -> dict[str, float]:
+        """One training step; returns its metrics."""
+        raise NotImplementedError
+
+    def resume(self) -> int:
+        """Load the checkpoint ``trainer.resume`` names (if any); returns the step the run continues from."""
+        path = resume_target(self.cfg)
+        if path is not None:
+            load_checkpoint(self, path)
+        return self.global_step
+
+    def fit(self) -> list[dict[str, float]]:
+        """Train from the current step to ``total_steps``, validating and saving as configured."""
+        history = []
+        t = self.cfg.trainer
+        if self.global_step >= self.total_steps:
+            logger.warning(
+                "the run is already complete at step %d of %d; nothing to train (start a fresh run with "
+                "trainer.resume=disable or a new trainer.experiment_name)",
+                self.global_step,
+                self.total_steps,
+            )
+        elif t.val_before_train and self.c.val is not None and self.global_step == 0:
+            self._log(0, self.validate())
+        while self.global_step < self.total_steps:
+            self.global_step += 1
+            metrics = self.step()
+            last = self.global_step == self.total_steps
+            if self.c.val is not None and t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
+                metrics.update(self.validate())
+            if last or (t.save_freq > 0 and self.global_step % t.save_freq == 0):
+                with Progress(f"save global_step_{self.global_step}") as bar:
+                    save_checkpoint(self)
+                metrics["timing_s/save_checkpoint"] = bar.close()  # closed already: its duration
+            self._log(self.global_step, metrics)
+            history.append(metrics)
+        return history
+
+    def validate(self) -> dict[str, float]:
+        """Validation metrics; the generations go to ``trainer.validation_data_dir/{step}.jsonl`` if set."""
+        records: list[dict[str, Any]] | None = [] if self.cfg.trainer.validation_data_dir else None
+        metrics = validate(self.cfg, self.c, prefix="val-core", records=records)
+        if records is not None and self.rank == 0:
+            write_jsonl(records, Path(self.cfg.trainer.validation_data_dir) / f"{self.global_step}.jsonl")
+        return metrics
+
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.tracker is not None:
+            self.tracker.log(step, metrics)
