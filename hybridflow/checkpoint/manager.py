@@ -98,7 +98,9 @@ def begin(run_dir: str | os.PathLike, step: int) -> Path:
     return tmp
 
 
-def write_roles(tmp: str | os.PathLike, roles: Mapping[str, RoleState], group: str = "main") -> dict[str, Any]:
+def write_roles(
+    tmp: str | os.PathLike, roles: Mapping[str, RoleState], group: str = "main"
+) -> dict[str, Any]:
     """Every rank of one worker group writes its roles' shards and its RNG; returns the roles' metadata.
 
     ``group`` names the worker group, so several groups (split placement) write their RNG side by side.

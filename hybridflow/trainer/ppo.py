@@ -25,6 +25,7 @@ from hybridflow.trainer.dumps import rollout_records, write_jsonl
 from hybridflow.trainer.loop import TrainingLoop
 from hybridflow.trainer.metrics import compute_data_metrics, throughput_metrics
 from hybridflow.trainer.tracking import Tracker
+from hybridflow.utils.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -259,12 +260,16 @@ class PPOTrainer(TrainingLoop):
         return out
 
     def _update_critic(self, batch: Batch, metrics: dict[str, float]) -> None:
-        metrics.update(self.c.critic.update_critic(batch))
+        with Progress("update critic", unit="steps") as bar:
+            metrics.update(self.c.critic.update_critic(batch))
+            bar.update()
 
     def _update_actor(self, batch: Batch, metrics: dict[str, float]) -> None:
         if self.global_step <= self.cfg.trainer.critic_warmup:
             return
-        metrics.update(self.c.actor.update_actor(batch))
+        with Progress("update actor", unit="steps") as bar:
+            metrics.update(self.c.actor.update_actor(batch))
+            bar.update()
 
 
 def seed_everything(seed: int) -> None:

@@ -118,4 +118,6 @@ class PreferenceTrainer(TrainingLoop):
 
     def _update(self, batch: Batch, metrics: dict[str, float]) -> None:
         batch.meta["preference_kind"] = self.kind
-        metrics.update(self.c.actor.update_preference(batch))
+        with Progress("update actor", unit="steps") as bar:
+            metrics.update(self.c.actor.update_preference(batch))
+            bar.update()

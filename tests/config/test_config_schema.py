@@ -9,7 +9,18 @@ import pytest
 from hybridflow.config import Config, schema_index
 from hybridflow.config.schema import option
 
-SECTIONS = ["model", "data", "rollout", "actor", "critic", "ref", "reward", "algorithm", "trainer", "preference"]
+SECTIONS = [
+    "model",
+    "data",
+    "rollout",
+    "actor",
+    "critic",
+    "ref",
+    "reward",
+    "algorithm",
+    "trainer",
+    "preference",
+]
 
 
 def _all_fields(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:
