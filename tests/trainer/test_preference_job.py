@@ -14,6 +14,7 @@ COMMON = [
     "data.train_batch_size=4",
     "data.max_prompt_length=24",
     "data.max_response_length=12",
+    "actor.ppo_mini_batch_size=4",
     "actor.ppo_micro_batch_size_per_gpu=4",
     "actor.optim.lr=1e-3",
     "trainer.total_training_steps=2",
