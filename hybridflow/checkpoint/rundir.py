@@ -78,23 +78,27 @@ def find_latest(run_dir: str | os.PathLike) -> Path | None:
     Interrupted saves are skipped and reported: a resume never picks up a checkpoint that is not complete.
     """
     complete = complete_checkpoints(run_dir)
+    chosen = None
+    if complete:
+        marked = read_latest_marker(run_dir)
+        by_step = dict(complete)
+        newest_step, chosen = complete[-1]
+        if marked is not None and marked in by_step:
+            chosen = by_step[marked]
+        elif marked is not None:
+            logger.warning(
+                "the latest marker names step %d, which has no complete checkpoint; using %s (step %d)",
+                marked,
+                chosen,
+                newest_step,
+            )
     for path in incomplete_saves(run_dir):
-        logger.warning("ignoring %s: an interrupted save left it incomplete", path)
-    if not complete:
-        return None
-    marked = read_latest_marker(run_dir)
-    by_step = dict(complete)
-    newest_step, newest = complete[-1]
-    if marked is not None and marked in by_step:
-        return by_step[marked]
-    if marked is not None:
         logger.warning(
-            "the latest marker names step %d, which has no complete checkpoint; using %s (step %d)",
-            marked,
-            newest,
-            newest_step,
+            "ignoring %s: an interrupted save left it incomplete; using %s instead",
+            path.name,
+            chosen.name if chosen is not None else "no checkpoint (a fresh start)",
         )
-    return newest
+    return chosen
 
 
 def _write_atomically(path: Path, text: str) -> None:

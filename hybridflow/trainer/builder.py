@@ -106,6 +106,21 @@ def _ray_groups(cfg: Config, steps: int) -> list[WorkerGroup]:
     return groups
 
 
+def _policy(cfg: Config, model: torch.nn.Module | None, tokenizer: Any) -> tuple[torch.nn.Module | None, Any]:
+    """The driver's model and tokenizer: with Ray only the tokenizer (each rank loads the model itself)."""
+    if cfg.trainer.backend != "ray":
+        return (model, tokenizer) if model is not None else load_policy(cfg)
+    if model is not None:
+        raise ValueError("trainer.backend=ray loads the model on every rank from model.path; pass no model")
+    return None, tokenizer or load_policy_tokenizer(cfg)
+
+
+def _groups(cfg: Config, model: torch.nn.Module | None, tokenizer: Any, steps: int) -> list[WorkerGroup]:
+    if cfg.trainer.backend == "ray":
+        return _ray_groups(cfg, steps)
+    return _local_groups(cfg, model, tokenizer, steps)
+
+
 def _handles(
     cfg: Config, groups: list[WorkerGroup]
 ) -> tuple[ActorHandle, RefHandle | None, CriticHandle | None]:
@@ -129,13 +144,7 @@ def build_components(
     With ``trainer.backend=ray`` each rank loads the policy from ``model.path``; the driver loads only the
     tokenizer.
     """
-    ray = cfg.trainer.backend == "ray"
-    if ray and model is not None:
-        raise ValueError("trainer.backend=ray loads the model on every rank from model.path; pass no model")
-    if ray:
-        tokenizer = tokenizer or load_policy_tokenizer(cfg)
-    elif model is None:
-        model, tokenizer = load_policy(cfg)
+    model, tokenizer = _policy(cfg, model, tokenizer)
     built_in = train is None and cfg.data.train_files is None  # the built-in task supplies both splits
     train = train or build_rl_dataset(cfg.data, tokenizer, "train", cfg.trainer.seed)
     if val is None and (cfg.data.val_files or built_in):
@@ -144,7 +153,7 @@ def build_components(
         if ds is not None:
             check_data_sources(ds, cfg, reward_fn)
     steps = total_training_steps(cfg, len(train))
-    groups = _ray_groups(cfg, steps) if ray else _local_groups(cfg, model, tokenizer, steps)
+    groups = _groups(cfg, model, tokenizer, steps)
     eos = groups[0].run_all("stop_tokens")[0]
     actor, ref, critic = _handles(cfg, groups)
     vocab = len(tokenizer) if model is None else model.config.vocab_size
@@ -193,14 +202,7 @@ def build_preference_components(
 
     ``rows`` replaces ``data.train_files`` (the built-in DPO demo builds its pairs itself).
     """
-    if cfg.trainer.backend == "ray":
-        if model is not None:
-            raise ValueError(
-                "trainer.backend=ray loads the model on every rank from model.path; pass no model"
-            )
-        tokenizer = tokenizer or load_policy_tokenizer(cfg)
-    elif model is None:
-        model, tokenizer = load_policy(cfg)
+    model, tokenizer = _policy(cfg, model, tokenizer)
     p, d = cfg.preference, cfg.data
     if rows is None:
         if not d.train_files:
@@ -240,11 +242,7 @@ def build_preference_components(
         build_rl_dataset(d, tokenizer, "val", cfg.trainer.seed) if d.val_files or not d.train_files else None
     )
     steps = total_training_steps(cfg, len(train))
-    groups = (
-        _ray_groups(cfg, steps)
-        if cfg.trainer.backend == "ray"
-        else _local_groups(cfg, model, tokenizer, steps)
-    )
+    groups = _groups(cfg, model, tokenizer, steps)
     actor, ref, _ = _handles(cfg, groups)
     scorer = Scorer(build_reward_manager(cfg, None), tokenizer, cfg, None)
     eos = groups[0].run_all("stop_tokens")[0]

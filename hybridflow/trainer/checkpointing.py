@@ -8,7 +8,7 @@ from typing import Any
 
 from hybridflow import checkpoint
 from hybridflow.checkpoint import CheckpointError
-from hybridflow.checkpoint.rundir import incomplete_saves, is_complete, step_dir, temp_dir
+from hybridflow.checkpoint.rundir import is_complete, step_dir, temp_dir
 from hybridflow.config.schema import Config
 
 logger = logging.getLogger(__name__)
@@ -25,9 +25,7 @@ def resume_target(cfg: Config) -> Path | None:
     if mode == "disable":
         return None
     if mode == "auto":
-        found = checkpoint.find_latest(t.run_dir())
-        _report_skipped(Path(t.run_dir()), found)
-        return found
+        return checkpoint.find_latest(t.run_dir())
     path = Path(t.resume_from_path if mode == "resume_path" else mode).expanduser()
     if is_complete(path):
         return path
@@ -37,18 +35,7 @@ def resume_target(cfg: Config) -> Path | None:
             f"trainer.resume={str(path)!r} is neither a complete global_step_N checkpoint nor a run directory "
             "holding one; point it to a checkpoint folder, or use trainer.resume=auto or disable"
         )
-    _report_skipped(path, found)
     return found
-
-
-def _report_skipped(run_dir: Path, chosen: Path | None) -> None:
-    """Say which interrupted save was passed over, and which checkpoint is used instead."""
-    for path in incomplete_saves(run_dir):
-        logger.warning(
-            "the save in %s was interrupted before it completed; resuming from %s instead",
-            path.name,
-            chosen.name if chosen is not None else "the start (no complete checkpoint)",
-        )
 
 
 def trainer_state(trainer: Any) -> dict[str, Any]:
