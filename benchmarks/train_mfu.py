@@ -68,6 +68,19 @@ SUITES = {
         "--mode engine --rmpad --attn sdpa --no-reshard-after-forward",
         "--mode engine --rmpad --attn sdpa --no-reshard-after-forward --compile-layers",
     ],
+    # The defaults at one GPU after the flash varlen op (packed attention inside the compiled layers) and
+    # the Triton LM-head kernels.
+    "varlen": [
+        "--mode engine --rmpad --attn sdpa --no-reshard-after-forward",
+        "--mode engine --rmpad --attn sdpa --no-reshard-after-forward --compile-layers",
+        "--mode engine --rmpad --attn sdpa --no-reshard-after-forward --compile-layers --ragged --dynamic-bsz",
+        "--mode engine --rmpad --attn sdpa --no-reshard-after-forward --compile-layers --model-size 1.5b",
+    ],
+    "head": [
+        "--mode engine --rmpad --attn sdpa --no-reshard-after-forward --compile-layers",
+        "--mode engine --rmpad --attn sdpa --no-reshard-after-forward --compile-layers --ragged --dynamic-bsz",
+        "--mode engine --rmpad --attn sdpa --no-reshard-after-forward",
+    ],
     "extra": [
         "--mode hf --attn sdpa --hf-autocast",
         "--mode engine --rmpad --attn sdpa --grad-ckpt",
@@ -165,9 +178,7 @@ def engine_step_fn(args: argparse.Namespace, model: torch.nn.Module, batch) -> C
     cfg.optim.lr = 1e-6
     cfg.fsdp.reshard_after_forward = args.reshard_after_forward
     cfg.fsdp.master_dtype = args.master_dtype
-    if args.compile_layers:
-        for layer in model.model.layers:
-            layer.compile()  # in place: the module keeps its type, so the engine still finds and shards it
+    cfg.use_torch_compile = args.compile_layers  # the engine compiles each decoder layer (default: on GPU)
     engine = ActorEngine(
         model,
         cfg,

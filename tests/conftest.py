@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run in its CPU interpreter, which must be chosen before triton is first imported
+    # (importing torch does not import it; transformers does).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -143,7 +143,6 @@ VERL_IGNORED: dict[str, str] = {
     f"{_ARR}.actor.strategy": "the training engine is always FSDP2",
     "critic.strategy": "the training engine is always FSDP2",
     "reward_model.strategy": "the training engine is always FSDP2",
-    f"{_ARR}.actor.use_torch_compile": "the engine decides where to compile",
     f"{_ARR}.actor.entropy_from_logits_with_chunking": "entropy is always computed in chunks",
     f"{_ARR}.actor.entropy_checkpointing": "the engine decides what to recompute",
     f"{_ARR}.actor.fsdp_config.grad_offload": "gradients are never offloaded (FSDP2)",

@@ -201,6 +201,9 @@ class ActorConfig:
     ulysses_sequence_parallel_size: int = option(
         1, "Ulysses sequence-parallel size (needs use_remove_padding)."
     )
+    use_torch_compile: bool | None = option(
+        None, "torch.compile each decoder layer of the actor and reference; null = on GPU, off on CPU."
+    )
     policy_loss: PolicyLossConfig = section(PolicyLossConfig, "Policy loss mode and its parameters.")
     optim: OptimConfig = section(OptimConfig, "Actor optimizer.")
     fsdp: FSDPConfig = section(FSDPConfig, "Actor FSDP2 settings.")
@@ -236,6 +239,9 @@ class CriticConfig:
     grad_clip: float = option(1.0, "Gradient-norm clipping threshold.")
     ulysses_sequence_parallel_size: int = option(
         1, "Ulysses sequence-parallel size (needs use_remove_padding)."
+    )
+    use_torch_compile: bool | None = option(
+        None, "torch.compile each decoder layer of the critic; null = on GPU, off on CPU."
     )
     optim: OptimConfig = section(OptimConfig, "Critic optimizer.", lr=1e-5)
     fsdp: FSDPConfig = section(FSDPConfig, "Critic FSDP2 settings.")

@@ -74,6 +74,7 @@ class ActorEngine:
             actor.grad_clip,
             total_steps,
             device,
+            actor.use_torch_compile,
         )
 
     @property

@@ -53,6 +53,7 @@ class CriticEngine:
             critic.grad_clip,
             total_steps,
             device,
+            critic.use_torch_compile,
         )
         # After TrainEngine, which joins the process group: world_size() is now the data-parallel size.
         self.mini_batch_size = ppo_mini_batch_size * rollout_n // world_size()

@@ -9,6 +9,8 @@ autograd. Two implementations keep only one chunk's logits alive at a time:
   passes over V than upcasting them and subtracting a saved logsumexp), forms the gradient of the logits
   in place, and applies both matmuls of the head (grad of the hidden rows; grad of the weight accumulated
   across chunks in one buffer).
+  On GPU the softmax statistics and the gradient of the logits come from Triton kernels (``head_kernels``),
+  one pass over the chunk's logits each way; the PyTorch ops below are the CPU path and the reference.
 - the activation-checkpointed path (any head module): autograd through ``log_softmax``-style fp32 math on
   each chunk, recomputed in backward. Kept as the reference and for heads that are not a plain linear map.
 
@@ -25,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from hybridflow.engine.head_kernels import fused_head_available, head_grad_logits_, head_stats
 
 HEAD_CHUNK_ROWS = 2048
 
@@ -98,18 +102,28 @@ class _LinearLogProb(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature, with_entropy, entropy_grad, chunk_rows):
-        logps, ents = [], []
+        logps, ents, lses = [], [], []
+        kernels = fused_head_available(weight)
         with torch.no_grad():
             for s in range(0, hidden.shape[0], chunk_rows):
                 e = s + chunk_rows
-                lp, ent = _chunk_forward(hidden[s:e], weight, bias, labels[s:e], temperature, with_entropy)
+                if kernels:
+                    logits = F.linear(hidden[s:e], weight, bias)  # (r, V)
+                    lp, ent, lse = head_stats(logits, labels[s:e], temperature, with_entropy)
+                    lses.append(lse)
+                    del logits
+                else:
+                    lp, ent = _chunk_forward(
+                        hidden[s:e], weight, bias, labels[s:e], temperature, with_entropy
+                    )
                 logps.append(lp)
                 ents.append(ent)
         acc = stats_dtype(weight.dtype)
         logp = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=acc)  # (M,)
         entropy = torch.cat(ents) if with_entropy and ents else hidden.new_zeros(0, dtype=acc)  # (M,) | (0,)
+        lse = torch.cat(lses) if lses else None  # (M,) for the kernels' backward
         keep_entropy = with_entropy and entropy_grad
-        ctx.save_for_backward(hidden, weight, bias, labels, entropy if keep_entropy else None)
+        ctx.save_for_backward(hidden, weight, bias, labels, entropy if keep_entropy else None, lse)
         ctx.temperature, ctx.chunk_rows, ctx.entropy_grad = temperature, chunk_rows, keep_entropy
         ctx.set_materialize_grads(False)
         if not keep_entropy:
@@ -118,7 +132,7 @@ class _LinearLogProb(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, labels, entropy = ctx.saved_tensors
+        hidden, weight, bias, labels, entropy, lse = ctx.saved_tensors
         T, rows = ctx.temperature, ctx.chunk_rows
         grad_entropy = grad_entropy if ctx.entropy_grad else None
         if grad_logp is None and grad_entropy is None:
@@ -133,16 +147,14 @@ class _LinearLogProb(torch.autograd.Function):
         for s in range(0, hidden.shape[0], rows):
             e = s + rows
             h = hidden[s:e]  # (r, H)
-            g = _chunk_grad_logits(
-                h,
-                weight,
-                bias,
-                labels[s:e],
-                g_lp[s:e],
-                None if g_ent is None else entropy[s:e],
-                None if g_ent is None else g_ent[s:e],
-                T,
-            )  # (r, V) in the compute dtype: the two matmuls run in it, like the forward's
+            ent_rows = None if g_ent is None else entropy[s:e]
+            g_ent_rows = None if g_ent is None else g_ent[s:e]
+            if lse is not None:  # the Triton kernel: logits recomputed, then overwritten by their gradient
+                logits = F.linear(h, weight, bias)  # (r, V)
+                g = head_grad_logits_(logits, labels[s:e], lse[s:e], g_lp[s:e], ent_rows, g_ent_rows, T)
+            else:
+                g = _chunk_grad_logits(h, weight, bias, labels[s:e], g_lp[s:e], ent_rows, g_ent_rows, T)
+            # g (r, V) is in the compute dtype: the two matmuls run in it, like the forward's
             if need_b:
                 grad_b += g.sum(0, dtype=grad_b.dtype)
             if need_h:

@@ -2,9 +2,12 @@
 
 Given packed position ids and no attention mask, transformers builds a dense (S, S) block-diagonal mask;
 with a mask SDPA can neither use its causal kernels nor GQA without repeating K/V, and it computes every
-score: at 16k tokens that was ~1.2 s of a 2.2 s training step on an H200. Here each packed sequence gets
-its own causal SDPA call on a slice of the packed tensors (GQA native), so the work is exactly the
-block-diagonal part. The sequence bounds travel as a host-side list (no device sync per layer).
+score: at 16k tokens that was ~1.2 s of a 2.2 s training step on an H200. Here the work is exactly the
+block-diagonal part: on GPU in half precision one flash varlen call covers all sequences
+(``varlen_attention``, an op that ``torch.compile`` keeps inside the compiled layer); elsewhere each packed
+sequence gets its own causal SDPA call on a slice of the packed tensors (GQA native). The sequence bounds
+travel as a host tensor (no device sync per layer) and, for the flash kernels, once per micro-batch as a
+device tensor.
 
 Registered with transformers under ``hybridflow_packed``. Calls without bounds (e.g. HF ``generate`` with
 an attention mask) fall through to transformers' own SDPA attention and mask. Packed calls pass
@@ -23,8 +26,11 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from hybridflow.engine.varlen_attention import flash_supported, varlen_attention
+
 PACKED_ATTENTION = "hybridflow_packed"
-BOUNDS_KWARG = "packed_seq_bounds"
+BOUNDS_KWARG = "packed_seq_bounds"  # (n + 1,) host tensor: the start of each sequence, then S
+CU_SEQLENS_KWARG = "packed_cu_seqlens"  # the same bounds as int32 on the device (flash kernels)
 
 
 def packed_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
@@ -55,19 +61,23 @@ def packed_attention(
     With bounds, ``attention_mask`` is ignored (it is ``packed_mask_placeholder`` or None).
     """
     bounds = kwargs.pop(BOUNDS_KWARG, None)
+    cu_seqlens = kwargs.pop(CU_SEQLENS_KWARG, None)
     if bounds is None:
         if attention_mask is None and query.shape[2] > 1:
             is_causal = True  # an unpadded batch: plain causal attention
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
+    dropout_p = dropout if module.training else 0.0
+    if cu_seqlens is not None and dropout_p == 0.0 and flash_supported(query):
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (S, H|KVH, D), views
+        return varlen_attention(q, k, v, cu_seqlens, bounds, scaling)[None], None  # (1, S, H, D)
     if isinstance(bounds, torch.Tensor):
         bounds = bounds.tolist()  # a host tensor: no device sync
-    dropout_p = dropout if module.training else 0.0
     return per_sequence_attention(query, key, value, bounds, scaling, dropout_p), None
 
 
-# Outside any compiled region: the bounds differ in every batch, and a compiled layer that saw them as
+# The fallback (CPU, float32, dropout) stays outside any compiled region: the bounds differ in every batch, and a compiled layer that saw them as
 # Python integers would recompile for each new set. Around this call the layer's norms, projections, RoPE
 # and MLP still compile (the bounds reach the layer as a host tensor, whose values dynamo does not guard).
 @torch.compiler.disable

@@ -43,6 +43,7 @@ class ScoringInputs:
     labels: torch.Tensor  # (M,) the response tokens being scored
     scatter_index: torch.Tensor  # (M,) flat positions in (B * R) where each score belongs
     seq_bounds: list[int] | None = None  # packed: start of each sequence in (1, S), then S
+    cu_seqlens: torch.Tensor | None = None  # packed: seq_bounds as int32, moved to the device with the rest
 
     def to(self, device: torch.device | str) -> ScoringInputs:
         """The same inputs with every tensor on ``device`` (asynchronous copies from the host)."""
@@ -108,6 +109,7 @@ def build_scoring_inputs(
         labels=labels,
         scatter_index=scatter_index,
         seq_bounds=bounds,
+        cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
     )
 
 

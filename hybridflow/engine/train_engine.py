@@ -51,6 +51,21 @@ def reshard_after_forward(fsdp: FSDPConfig) -> bool:
     return world_size() > 1
 
 
+def compile_layers(layers: list[nn.Module], enabled: bool | None, device: torch.device) -> bool:
+    """``torch.compile`` each decoder layer in place when ``enabled`` (None: on CUDA only); True if done.
+
+    Compiling fuses the RMSNorms, RoPE, SiLU*mul and residual adds between the matmuls: on an H200 (0.5B
+    shape, 16k-token micro-batches) that is about a third of the step. Identical layers share one compiled
+    graph; a new sequence length recompiles once, after which sizes are dynamic. On CPU it only adds
+    compilation time for the small models run there, hence off by default.
+    """
+    if not (device.type == "cuda" if enabled is None else enabled):
+        return False
+    for layer in layers:
+        layer.compile()  # in place: the module keeps its type, so FSDP2 still finds and shards it
+    return True
+
+
 class TrainEngine:
     """Holds a sharded module and (when trainable) its AdamW and schedule; the roles call into it."""
 
@@ -63,8 +78,10 @@ class TrainEngine:
         grad_clip: float = 1.0,
         total_steps: int = 1,
         device: torch.device | None = None,
+        use_torch_compile: bool | None = None,
     ) -> None:
         self.device = device or default_device()
+        self.compiled = compile_layers(layers, use_torch_compile, self.device)
         self.fsdp = fsdp
         self.grad_clip = grad_clip
         self.compute_dtype = compute_dtype(fsdp.param_dtype, self.device)

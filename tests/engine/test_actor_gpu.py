@@ -39,12 +39,15 @@ def tiny_lm(attn: str = "sdpa") -> torch.nn.Module:
     )
 
 
-def make_batch(seed: int = 0) -> Batch:
-    """Left-padded prompts of varied length + right-padded responses (one empty, one filling the context)."""
+def make_batch(seed: int = 0, shift: int = 0) -> Batch:
+    """Left-padded prompts of varied length + right-padded responses (one empty, one filling the context).
+
+    ``shift`` rolls the lengths over the rows: the same tokens per batch, new sequence bounds.
+    """
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, VOCAB, (B, P + R), generator=g)
-    prompt_pad = torch.tensor([0, 7, 30, 2, 0, 15, 47, 5])
-    response_len = torch.tensor([32, 17, 0, 1, 32, 9, 25, 30])
+    prompt_pad = torch.tensor([0, 7, 30, 2, 0, 15, 47, 5]).roll(shift)
+    response_len = torch.tensor([32, 17, 0, 1, 32, 9, 25, 30]).roll(2 * shift)
     cols = torch.arange(P + R)[None]  # (1, T)
     mask = ((cols >= prompt_pad[:, None]) & (cols < P + response_len[:, None])).long()  # (B, T)
     ids = ids * mask
@@ -96,21 +99,32 @@ def actor_config() -> ActorConfig:
 
 def gpu_work(rank: int) -> dict:
     """Everything that needs CUDA, in one spawned process; returns CPU tensors and floats."""
+    from torch._dynamo.utils import counters
+
     from hybridflow.engine.actor import ActorEngine
     from hybridflow.engine.fsdp import full_state_dict
 
     out: dict = {}
-    for name, attn, packed, micro, fused in [
-        ("padded", "sdpa", False, 3, True),
-        ("packed", "sdpa", True, 3, True),
-        ("packed_flex", "flex_attention", True, B, True),  # one micro-batch: one compiled shape
-        ("packed_ckpt_head", "sdpa", True, 3, False),  # the checkpointed LM head instead of the fused one
+    # Default on GPU: compiled decoder layers, and packed attention through the flash varlen op.
+    for name, attn, packed, micro, fused, compiled in [
+        ("padded", "sdpa", False, 3, True, None),
+        ("packed", "sdpa", True, 3, True, None),
+        ("packed_eager", "sdpa", True, 3, True, False),
+        ("packed_flex", "flex_attention", True, B, True, False),  # one micro-batch: one compiled shape
+        ("packed_ckpt_head", "sdpa", True, 3, False, False),  # the checkpointed LM head, not the fused one
     ]:
-        engine = ActorEngine(
-            tiny_lm(attn), actor_config(), use_remove_padding=packed, trainable=False, fused_head=fused
-        )
+        cfg = actor_config()
+        cfg.use_torch_compile = compiled
+        engine = ActorEngine(tiny_lm(attn), cfg, use_remove_padding=packed, trainable=False, fused_head=fused)
         out[f"{name}_dtype"] = engine.engine.compute_dtype
+        out[f"{name}_compiled"] = engine.engine.compiled
         out[name] = engine.compute_log_prob(make_batch(), TEMPERATURE, micro_batch_size=micro)["log_probs"]
+        if name == "packed":  # new bounds and new totals: at most the one recompile to dynamic sizes
+            engine.compute_log_prob(make_batch(shift=1), TEMPERATURE, micro_batch_size=micro)
+            settled = counters["stats"]["unique_graphs"]
+            for shift in (2, 3):
+                engine.compute_log_prob(make_batch(shift=shift), TEMPERATURE, micro_batch_size=micro)
+            out["recompiles_after_settling"] = counters["stats"]["unique_graphs"] - settled
         del engine
 
     engine = ActorEngine(tiny_lm(), actor_config(), use_remove_padding=True)
@@ -150,8 +164,19 @@ def test_the_engine_computes_in_bf16(results: dict) -> None:
     assert results["padded_dtype"] == results["packed_dtype"] == torch.bfloat16
 
 
+def test_layers_compile_by_default_and_new_bounds_do_not_recompile(results: dict) -> None:
+    assert results["packed_compiled"] and results["padded_compiled"] and not results["packed_eager_compiled"]
+    assert results["recompiles_after_settling"] == 0
+
+
+def test_compiled_flash_and_eager_packed_log_probs_agree(results: dict) -> None:
+    mean, worst = diff_stats(results["packed"], results["packed_eager"])
+    print(f"\nbf16 compiled vs eager (packed, flash varlen): mean abs diff {mean:.2e}, max {worst:.2e}")
+    assert mean < MEAN_TOL and worst < MAX_TOL
+
+
 def test_fused_and_checkpointed_heads_agree_in_bf16(results: dict) -> None:
-    mean, worst = diff_stats(results["packed"], results["packed_ckpt_head"])
+    mean, worst = diff_stats(results["packed_eager"], results["packed_ckpt_head"])
     print(f"\nbf16 fused vs checkpointed LM head: mean abs diff {mean:.2e}, max {worst:.2e}")
     assert worst < 1e-4  # the same bf16 logits; only the order of the float32 softmax math differs
 
@@ -164,7 +189,7 @@ def test_packed_and_padded_log_probs_agree_in_bf16(results: dict) -> None:
     assert (results["packed"][empty] == 0).all() and (results["padded"][empty] == 0).all()
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed", "packed_flex", "packed_ckpt_head"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "packed_eager", "packed_flex", "packed_ckpt_head"])
 def test_bf16_log_probs_track_an_fp32_hf_forward(results: dict, reference: dict, layout: str) -> None:
     mean, worst = diff_stats(results[layout], reference["logp"])
     print(f"\nbf16 {layout} vs fp32 HF forward: mean abs diff {mean:.2e}, max {worst:.2e}")
