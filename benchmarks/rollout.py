@@ -1,6 +1,6 @@
 """Generated tokens/s of the built-in rollout engine against HF ``generate`` (GPU; not a timed test).
 
-    python benchmarks/rollout.py --batches 64 256 --prompt-len 128 --new-tokens 512 [--compile] [--hf-tokens 64]
+    python benchmarks/rollout.py --batches 64 256 --prompt-len 128 --new-tokens 512 [--compile] [--sdpa] [--hf-tokens 64]
 
 Qwen2.5-0.5B shape, random weights, bf16, fixed lengths (``ignore_eos``). Each configuration runs once to
 warm up (kernels, CUDA graphs, compilation) and is then timed ``--repeats`` times; the median is reported.
@@ -91,21 +91,28 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="also time torch.compile'd decode")
+    ap.add_argument(
+        "--sdpa", action="store_true", help="also time decode attention as masked SDPA (no Triton kernel)"
+    )
     ap.add_argument("--hf-tokens", type=int, default=64)
     args = ap.parse_args()
     model = build_model()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(f"{'batch':>6} {'engine':>22} {'tok/s':>10} {'roofline':>9} {'of roofline':>12}")
-    variants = [("graphs", dict(compile_decode=False))]
+    variants = [("graphs", dict(compile_decode=False), None)]
     if args.compile:
-        variants.append(("graphs+compile", dict(compile_decode=True)))
+        variants.append(("graphs+compile", dict(compile_decode=True), None))
+    if args.sdpa:
+        variants += [(f"{name}, sdpa", kw, "sdpa") for name, kw, _ in variants]
     g = torch.Generator().manual_seed(0)
     for batch in args.batches:
         prompts = torch.randint(100, 150000, (batch, args.prompt_len), generator=g).tolist()
         params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=0)
         roof = roofline_tokens_per_s(model, batch, args.prompt_len, args.new_tokens)
-        for name, kw in variants:
+        for name, kw, attention in variants:
             engine = RolloutEngine(model, max_num_seqs=batch, gpu_memory_utilization=0.9, **kw)
+            if attention is not None:
+                engine.runner.decode_attention = attention
             tps = time_engine(engine, prompts, params, args.repeats)
             print(f"{batch:>6} {name:>22} {tps:>10,.0f} {roof:>9,.0f} {tps / roof:>11.1%}", flush=True)
         if args.hf_tokens:

@@ -10,6 +10,8 @@ The math follows transformers' modeling_llama / modeling_qwen2 / modeling_qwen3 
 float32 then cast back before the weight multiply, RoPE tables computed in float32 from the module's own
 ``rotary_emb`` (which carries rope scaling such as llama3's or yarn's ``attention_scaling``) and cast to the
 compute dtype, SiLU-gated MLP, attention through SDPA with ``enable_gqa=True`` so K/V are never repeated.
+Decode attention on CUDA in bf16/fp16 uses the split-K Triton kernel of ``decode_attention`` instead, which
+reads each slot only up to its own position.
 """
 
 from __future__ import annotations
@@ -124,6 +126,23 @@ def _reshard_fsdp(model: nn.Module) -> None:
             module.reshard()
 
 
+def _pick_decode_attention(device: torch.device, dtype: torch.dtype) -> str:
+    """Decode attention backend: triton when the kernel can run (CUDA, bf16/fp16, triton imports), else sdpa."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return "sdpa"
+    if not _decode_kernel_available():
+        logger.info("triton is not importable: decode attention uses masked SDPA over the whole slot")
+        return "sdpa"
+    return "triton"
+
+
+def _decode_kernel_available() -> bool:
+    """Whether triton imports; importing the module registers the op (lazily: CPU runs never load it)."""
+    from hybridflow.engine.rollout import decode_attention
+
+    return decode_attention.available()
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF RMSNorm: normalise in float32, cast back to the input dtype, then scale (the order matters in bf16)."""
     xf = x.float()
@@ -200,6 +219,7 @@ class LlamaRunner:
         embed = _local(hf_model.model.embed_tokens.weight)
         self.dtype = embed.dtype if dtype is None else dtype
         self.device = embed.device
+        self.decode_attention = _pick_decode_attention(self.device, self.dtype)
         self._bind_all()
 
     # ---- weight binding -------------------------------------------------------------------------------
@@ -315,6 +335,23 @@ class LlamaRunner:
             for t in tensors:
                 seen.setdefault(id(t), t)
         return list(seen.values())
+
+    @property
+    def decode_attention(self) -> str:
+        """Decode attention backend: "triton" (the split-K kernel, reads each row up to its position) or "sdpa".
+
+        "sdpa" is masked SDPA over the whole slot (CPU, float32, or no triton). Settable, so benchmarks and
+        tests can compare the two on one runner.
+        """
+        return self._decode_attention
+
+    @decode_attention.setter
+    def decode_attention(self, backend: str) -> None:
+        if backend not in ("triton", "sdpa"):
+            raise ValueError(f"decode_attention must be 'triton' or 'sdpa', got {backend!r}")
+        if backend == "triton" and not _decode_kernel_available():
+            raise ValueError("decode_attention='triton' needs triton (pip install triton)")
+        self._decode_attention = backend
 
     def make_cache(self, num_slots: int, max_len: int) -> KVCache:
         """Allocate a KV cache shaped for this model, in the runner's dtype and device."""
@@ -456,9 +493,14 @@ class LlamaRunner:
                 f"decode batch {batch} must be <= {cache.num_slots} slots, kv_len {kv_len} in [1, {cache.max_len}]"
             )
         slot_ids = torch.arange(batch, device=self.device)  # (B,)
-        mask = (torch.arange(kv_len, device=self.device) <= positions[:, None])[
-            :, None, None, :
-        ]  # (B, 1, 1, L)
+        # The registered op, looked up on torch.ops (the setter imported its module): under torch.compile
+        # dynamo records one opaque call and never traces into the Triton launch.
+        kernel = torch.ops.hybridflow.decode_attention.default if self._decode_attention == "triton" else None
+        mask = None
+        if kernel is None:
+            mask = (torch.arange(kv_len, device=self.device) <= positions[:, None])[
+                :, None, None, :
+            ]  # (B, 1, 1, L)
 
         def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_cache, v_cache = cache.k[idx], cache.v[idx]  # (S, KVH, L, D)
@@ -466,6 +508,8 @@ class LlamaRunner:
             v_cache[slot_ids, :, positions] = v[:, :, 0]
             keys = k_cache[:batch, :, :kv_len]  # (B, KVH, L, D)
             values = v_cache[:batch, :, :kv_len]
+            if kernel is not None:  # reads row b only up to positions[b]
+                return kernel(q, keys, values, positions, self.scaling)
             return F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
             )

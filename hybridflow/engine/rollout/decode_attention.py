@@ -1,0 +1,266 @@
+"""GQA decode attention over the slot KV cache: a split-K (flash-decoding) Triton kernel and its reference.
+
+One decode step attends each running row b's single query token to cache positions 0..positions[b]
+(inclusive) of slot b. Masked SDPA over the whole slot reads all L positions of every row (L = 640 while the
+mean context is 384 in the issue-4 benchmark) and ran at ~1/5 of the HBM roofline on the H200. The kernel:
+
+* one program per (row, KV head, split) loads that KV head's keys and values once for all G = H / KVH query
+  heads of its group (the group's queries are a (G, D) tile), and loops only up to the row's own length:
+  the loop bound comes from ``positions[b]`` on the device, the tail of the last block is masked;
+* the length axis is cut into ``num_splits`` chunks so that small batches still fill every SM; a second
+  small kernel merges the per-split partial outputs with the log-sum-exp rescale (skipped for one split);
+* the grid depends only on (B, KVH, L) and the launch config, never on the values of ``positions``: no host
+  sync, so it runs inside CUDA-graph capture; softmax in float32 (base 2, the scale folded with log2(e)),
+  bf16/fp16 in and out (float32 too, in the CPU interpreter only: compiled dots would be TF32).
+
+``decode_attention`` is a ``torch.library`` custom op with a fake implementation, so ``torch.compile``
+(``fullgraph=True``) treats it as one opaque call instead of tracing into the Triton launch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU-only install: the reference (and SDPA in the runner) still work
+    triton = None
+    tl = None
+
+_LOG2E = 1.4426950408889634
+
+
+def _interpreting() -> bool:
+    """Whether the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 when this module loaded).
+
+    The interpreter (3.9) computes bf16 ``tl.dot`` and bf16 arithmetic on the raw bits, so there the kernel
+    upcasts bf16 tiles to float32 as it loads them; compiled kernels keep bf16 tensor-core dots.
+    """
+    return triton is not None and type(_split_kernel).__name__ == "InterpretedFunction"
+
+
+def available() -> bool:
+    """Whether the Triton kernel can be launched at all (triton imports)."""
+    return triton is not None
+
+
+def decode_attention_reference(
+    q: torch.Tensor,  # (B, H, 1, D)
+    k_cache: torch.Tensor,  # (S >= B, KVH, L, D)
+    v_cache: torch.Tensor,  # (S >= B, KVH, L, D)
+    positions: torch.Tensor,  # (B,) int
+    scale: float,
+) -> torch.Tensor:
+    """Pure-torch decode attention with the kernel's semantics, in float32; returns (B, H, 1, D) in q's dtype."""
+    batch, heads, _, _ = q.shape
+    kv_heads, length = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    # Query head h reads KV head h // G (SDPA's enable_gqa convention).
+    keys = k_cache[:batch].float().repeat_interleave(group, dim=1)  # (B, H, L, D)
+    values = v_cache[:batch].float().repeat_interleave(group, dim=1)
+    scores = (q.float() @ keys.transpose(-1, -2)) * scale  # (B, H, 1, L)
+    visible = torch.arange(length, device=q.device) <= positions.to(q.device)[:, None]  # (B, L)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ values).to(q.dtype)  # (B, H, 1, D)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(
+        Q, K, V, POS, OUT, LSE,
+        stride_qb, stride_qh, stride_qd,
+        stride_kb, stride_kh, stride_kl, stride_kd,
+        stride_vb, stride_vh, stride_vl, stride_vd,
+        stride_ob, stride_oh, stride_os, stride_od,
+        stride_lb, stride_lh,
+        stride_pos, qk_scale, length_cap, split_len,
+        G: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        """One (row, KV head, split): online softmax over the split's visible positions for G query heads."""
+        b = tl.program_id(0).to(tl.int64)  # row offsets exceed 2^31 elements for large caches
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        length = tl.minimum(tl.load(POS + b * stride_pos).to(tl.int32) + 1, length_cap)
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, length)  # hi <= lo: an empty split (row shorter than this chunk)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        g_ok = offs_g < G
+        d_ok = offs_d < D
+        heads = kvh * G + offs_g  # query head h reads KV head h // G (SDPA's enable_gqa convention)
+        q = tl.load(
+            Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+            mask=g_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # (BLOCK_G, BLOCK_D); padded heads are zeros, harmless and never stored
+        if UPCAST:
+            q = q.to(tl.float32)
+        k_base = K + b * stride_kb + kvh * stride_kh + offs_d[None, :] * stride_kd
+        v_base = V + b * stride_vb + kvh * stride_vh + offs_d[None, :] * stride_vd
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        den = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + offs_n  # (BLOCK_N,)
+            n_ok = pos < hi
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_base + pos[:, None] * stride_kl, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+            if UPCAST:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_G, BLOCK_N) float32, base-2 logits
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))  # finite: every iteration has >= 1 visible position
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            den = den * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + pos[:, None] * stride_vl, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+            if UPCAST:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        out = acc / tl.where(den > 0, den, 1.0)[:, None]  # an empty split stores zeros with lse = -inf
+        o_ptr = (
+            OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :] * stride_od
+        )
+        o_mask = g_ok[:, None] & d_ok[None, :]
+        if DIRECT:  # one split: this is the final output
+            tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=o_mask)
+        else:
+            tl.store(o_ptr, out, mask=o_mask)
+            lse = tl.where(den > 0, m + tl.log2(tl.where(den > 0, den, 1.0)), float("-inf"))
+            tl.store(LSE + b * stride_lb + heads * stride_lh + split, lse, mask=g_ok)
+
+    @triton.jit
+    def _combine_kernel(
+        PART, LSE, OUT,
+        stride_pb, stride_ph, stride_ps, stride_pd,
+        stride_lb, stride_lh,
+        stride_ob, stride_oh, stride_od,
+        NUM_SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        """Merge the splits of one (row, query head): weights 2^(lse_s - max lse), renormalised."""
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        s_ok = offs_s < NUM_SPLITS
+        lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_s, mask=s_ok, other=float("-inf"))
+        w = tl.exp2(lse - tl.max(lse, 0))  # (BLOCK_S,); split 0 always holds position 0, so max is finite
+        part = tl.load(
+            PART + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :] * stride_pd,
+            mask=s_ok[:, None] & (offs_d[None, :] < D),
+            other=0.0,
+        )  # (BLOCK_S, BLOCK_D) float32
+        out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(
+            OUT + b * stride_ob + h * stride_oh + offs_d * stride_od,
+            out.to(OUT.dtype.element_ty),
+            mask=offs_d < D,
+        )
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_num_splits(batch: int, kv_heads: int, length: int, block_n: int, device: torch.device) -> int:
+    """Splits per (row, KV head) for about four programs per SM; depends on shapes only (graph-safe)."""
+    sms = 132  # an H200; used off-GPU (the interpreter) too, so tests see the same split counts
+    if device.type == "cuda":
+        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    want = math.ceil(4 * sms / (batch * kv_heads))
+    return max(1, min(want, math.ceil(length / block_n), 16))
+
+
+def split_layout(
+    batch: int, kv_heads: int, length: int, block_n: int, num_splits: int | None, device: torch.device
+) -> tuple[int, int]:
+    """(splits, positions per split) the kernel launches with: whole blocks per split, no split always empty."""
+    want = num_splits or default_num_splits(batch, kv_heads, length, block_n, device)
+    split_len = math.ceil(math.ceil(length / want) / block_n) * block_n
+    return math.ceil(length / split_len), split_len
+
+
+def decode_attention_triton(
+    q: torch.Tensor,  # (B, H, 1, D)
+    k_cache: torch.Tensor,  # (S >= B, KVH, L, D)
+    v_cache: torch.Tensor,  # (S >= B, KVH, L, D)
+    positions: torch.Tensor,  # (B,) int
+    scale: float,
+    *,
+    block_n: int = 64,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Launch the split-K kernel (and the merge); returns (B, H, 1, D) in q's dtype. Tuning args are keyword-only."""
+    if triton is None:
+        raise RuntimeError("decode_attention_triton needs triton (pip install triton)")
+    batch, heads, one, dim = q.shape
+    _, kv_heads, length, k_dim = k_cache.shape
+    if (
+        one != 1
+        or k_dim != dim
+        or heads % kv_heads
+        or k_cache.shape[0] < batch
+        or v_cache.shape != k_cache.shape
+    ):
+        raise ValueError(
+            f"decode attention expects q (B, H, 1, D) and caches (S>=B, KVH, L, D) with H % KVH == 0; got "
+            f"q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}"
+        )
+    if q.device.type == "cuda" and q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the decode attention kernel takes bf16 or fp16 on CUDA, got {q.dtype}")
+    splits, split_len = split_layout(batch, kv_heads, length, block_n, num_splits, q.device)
+    out = torch.empty((batch, heads, 1, dim), dtype=q.dtype, device=q.device)  # (B, H, 1, D)
+    direct = splits == 1
+    if direct:
+        part, lse = out, out  # the split kernel writes the output itself; LSE is not touched
+        part_strides = (out.stride(0), out.stride(1), 0, out.stride(3))
+        lse_strides = (0, 0)
+    else:
+        part = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
+        part_strides, lse_strides = part.stride(), lse.stride()[:2]
+    block_d = max(16, triton.next_power_of_2(dim))  # tl.dot needs every dimension >= 16
+    group = heads // kv_heads
+    _split_kernel[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, positions, part, lse,
+        q.stride(0), q.stride(1), q.stride(3),
+        *k_cache.stride(), *v_cache.stride(),
+        *part_strides, *lse_strides,
+        positions.stride(0), scale * _LOG2E, length, split_len,
+        G=group, D=dim, DIRECT=direct, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if not direct:
+        _combine_kernel[(batch, heads)](
+            part, lse, out,
+            *part.stride(), *lse.stride()[:2],
+            out.stride(0), out.stride(1), out.stride(3),
+            NUM_SPLITS=splits, D=dim, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+            num_warps=1,
+        )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("hybridflow::decode_attention", mutates_args=())
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The Triton decode attention as an opaque op: (B, H, 1, D) query over the slot caches -> (B, H, 1, D)."""
+    return decode_attention_triton(q, k_cache, v_cache, positions, scale)
+
+
+@decode_attention.register_fake
+def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, scale: float):
+    return q.new_empty(q.shape)

@@ -1,0 +1,150 @@
+"""The split-K decode-attention kernel against its pure-torch reference (Triton interpreter on CPU, or CUDA).
+
+Without CUDA the kernels run in Triton's CPU interpreter: tests/conftest.py sets TRITON_INTERPRET before
+anything imports triton (the interpreter only works when it was set at that moment).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridflow.engine.rollout import decode_attention as da
+from hybridflow.engine.rollout.model import LlamaRunner
+from hybridflow.models import build_tiny_model
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _interpreted_here() -> bool:
+    """Whether both triton's library and our kernels were built for the interpreter in this process."""
+    if not da._interpreting():
+        return False
+    import triton.language as tl
+
+    return type(tl.zeros).__name__ == "InterpretedFunction"
+
+
+KERNEL_HERE = da.available() and (DEVICE == "cuda" or _interpreted_here())
+needs_kernel = pytest.mark.skipif(
+    not KERNEL_HERE,
+    reason="needs triton (pip install triton); on CPU, TRITON_INTERPRET=1 set before triton is imported",
+)
+
+
+def _case(batch: int, group: int, kv_heads: int, length: int, dim: int, dtype: torch.dtype, seed: int = 0):
+    """Random q (B, H, 1, D), caches with two spare slots (S, KVH, L, D) and ragged positions (B,)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, kv_heads * group, 1, dim, generator=gen)
+    k = torch.randn(batch + 2, kv_heads, length, dim, generator=gen)
+    v = torch.randn(batch + 2, kv_heads, length, dim, generator=gen)
+    fixed = torch.tensor([0, 1, length - 1])
+    positions = torch.cat([fixed, torch.randint(0, length, (batch - 3,), generator=gen)])[:batch]
+    return (x.to(DEVICE, dtype) for x in (q, k, v)), positions.to(DEVICE)
+
+
+def _poison(cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A copy with NaN at every position a row must not read (past its position, spare slots)."""
+    out = cache.clone()
+    batch, length = positions.shape[0], cache.shape[2]
+    beyond = torch.arange(length, device=cache.device) > positions[:, None]  # (B, L)
+    out[:batch].masked_fill_(beyond[:, None, :, None], float("nan"))
+    out[batch:] = float("nan")
+    return out
+
+
+def test_reference_equals_masked_sdpa_with_gqa() -> None:
+    (q, k, v), positions = _case(5, 3, 2, 24, 16, torch.float32)
+    q, k, v, positions = q.cpu(), k.cpu(), v.cpu(), positions.cpu()
+    mask = (torch.arange(24) <= positions[:, None])[:, None, None, :]  # (B, 1, 1, L)
+    sdpa = F.scaled_dot_product_attention(q, k[:5], v[:5], attn_mask=mask, scale=0.2, enable_gqa=True)
+    torch.testing.assert_close(da.decode_attention_reference(q, k, v, positions, 0.2), sdpa)
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [1, 2, 7])
+@pytest.mark.parametrize("dim", [32, 64])
+def test_kernel_matches_reference_for_ragged_rows(group: int, dim: int) -> None:
+    # L = 70 with 16-position blocks: a masked tail in the last block, and splits that end past a row's length.
+    (q, k, v), positions = _case(4, group, 2, 70, dim, torch.float32, seed=group * dim)
+    ref = da.decode_attention_reference(q, k, v, positions, dim**-0.5)
+    k_bad, v_bad = _poison(k, positions), _poison(v, positions)
+    for splits in (1, 3, None):  # one split (direct store), three, and the default for this shape
+        got = da.decode_attention_triton(q, k_bad, v_bad, positions, dim**-0.5, block_n=16, num_splits=splits)
+        assert got.shape == q.shape and got.dtype == q.dtype
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5, msg=f"splits={splits}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_in_half_precision_and_strided_inputs(dtype: torch.dtype) -> None:
+    (q, k, v), positions = _case(3, 7, 2, 40, 64, dtype, seed=3)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, H, 1, D) with H-major strides, as RoPE leaves it
+    k_view, v_view = k[:, :, :33], v[:, :, :33]  # a kv_len bound: a non-contiguous view of the cache
+    positions = positions.clamp(max=32)
+    ref = da.decode_attention_reference(q, k_view, v_view, positions, 0.125)
+    got = da.decode_attention_triton(q, k_view, v_view, positions, 0.125, block_n=16, num_splits=2)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
+def test_custom_op_passes_opcheck_and_compiles_fullgraph() -> None:
+    (q, k, v), positions = _case(3, 2, 2, 20, 32, torch.float16 if DEVICE == "cuda" else torch.float32)
+    op = torch.ops.hybridflow.decode_attention.default
+    torch.library.opcheck(op, (q, k, v, positions, 0.3))
+
+    def step(q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return op(q * 2, k, v, positions, 0.3) + 1
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")  # dynamo must not trace the launch
+    torch.testing.assert_close(compiled(q, positions), step(q, positions))
+
+
+@needs_kernel
+def test_runner_decode_with_the_kernel_equals_sdpa() -> None:
+    model = build_tiny_model("qwen2", vocab_size=64, hidden_size=64, num_attention_heads=4, seed=2).to(DEVICE)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    runner = LlamaRunner(model, dtype=dtype)
+    assert runner.decode_attention == ("triton" if DEVICE == "cuda" else "sdpa")
+    ids = torch.randint(1, 64, (3, 9), device=DEVICE)
+    lengths = torch.tensor([9, 4, 1], device=DEVICE)
+    logits = {}
+    for backend in ("sdpa", "triton"):
+        runner.decode_attention = backend
+        cache = runner.make_cache(4, 24)
+        runner.prefill(
+            ids,
+            lengths,
+            torch.arange(3, device=DEVICE),
+            torch.zeros(3, dtype=torch.long, device=DEVICE),
+            cache,
+        )
+        token = torch.tensor([5, 6, 7], device=DEVICE)
+        logits[backend] = [runner.decode(token, lengths, cache), runner.decode(token, lengths + 1, cache, 16)]
+    tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    for got, want in zip(logits["triton"], logits["sdpa"]):
+        torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.gpu
+@needs_kernel
+def test_kernel_on_gpu_matches_reference_and_sdpa_in_bf16_and_in_a_graph() -> None:
+    # The Qwen2.5-0.5B attention shape: 14 query heads, 2 KV heads, head dim 64, L = 640.
+    (q, k, v), positions = _case(64, 7, 2, 640, 64, torch.bfloat16, seed=1)
+    ref = da.decode_attention_reference(q, k, v, positions, 0.125)
+    mask = (torch.arange(640, device="cuda") <= positions[:, None])[:, None, None, :]
+    sdpa = F.scaled_dot_product_attention(q, k[:64], v[:64], attn_mask=mask, scale=0.125, enable_gqa=True)
+    got = da.decode_attention(q, _poison(k, positions), _poison(v, positions), positions, 0.125)
+    assert (got.float() - ref.float()).abs().max().item() < 2e-2
+    assert (got.float() - sdpa.float()).abs().max().item() < 2e-2
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        captured = da.decode_attention(q, k, v, positions, 0.125)
+    positions.copy_(positions.flip(0))  # new values, same tensor: the replay must follow them
+    graph.replay()
+    torch.testing.assert_close(
+        captured, da.decode_attention_reference(q, k, v, positions, 0.125), atol=2e-2, rtol=2e-2
+    )
