@@ -42,6 +42,7 @@ VERL_ALIASES: dict[str, str] = {
     f"{_ARR}.actor.loss_agg_mode": "actor.loss_agg_mode",
     f"{_ARR}.actor.loss_scale_factor": "actor.loss_scale_factor",
     f"{_ARR}.actor.entropy_coeff": "actor.entropy_coeff",
+    f"{_ARR}.actor.use_torch_compile": "actor.use_torch_compile",
     f"{_ARR}.actor.use_kl_loss": "actor.use_kl_loss",
     f"{_ARR}.actor.kl_loss_coef": "actor.kl_loss_coef",
     f"{_ARR}.actor.kl_loss_type": "actor.kl_loss_type",

@@ -100,6 +100,7 @@ CASES = [
     ("reward_model.model.path=/models/rm", "reward.model.path", "/models/rm"),
     ("reward_model.overlong_buffer.len=16", "reward.overlong_buffer.len", 16),
     ("actor_rollout_ref.nccl_timeout=1200", "trainer.nccl_timeout", 1200),
+    ("actor_rollout_ref.actor.use_torch_compile=False", "actor.use_torch_compile", False),
 ]
 
 
