@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,18 @@ from hybridflow.engine.rollout.scheduler import PrefillChunk, PromptGroup, SlotS
 from hybridflow.engine.rollout.state import REASONS, DecodeState
 
 logger = logging.getLogger(__name__)
+
+# Picks the next tokens from (B, V) logits: (tokens (B,) int64, logprobs (B,) float32).
+Sampler = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _fused_sampler_available(device: torch.device) -> bool:
+    """Whether the fused Triton sampler can run here: CUDA and triton imports (the module loads lazily)."""
+    if device.type != "cuda":
+        return False
+    from hybridflow.engine.rollout import sample_kernel
+
+    return sample_kernel.available()
 
 
 @dataclass
@@ -62,6 +75,12 @@ class RolloutEngine:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.sync_interval = sync_interval
         self.use_graphs = not enforce_eager and self.device.type == "cuda"
+        # Greedy and unfiltered sampling go through the fused Triton sampler on CUDA (one pass over the
+        # logits, no float32 copy); settable, so tests can run it in Triton's CPU interpreter. It reads the LM
+        # head's own dtype, so the runner hands over bf16 logits; sample() (filtered sampling) upcasts as it
+        # reads, and bf16 -> float32 is exact, so it sees the same values as before.
+        self.fused_sampler = _fused_sampler_available(self.device)
+        self.runner.float_logits = not self.fused_sampler
 
     def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> int:
         """Validate the prompts; return the cache length each slot needs."""
@@ -125,23 +144,21 @@ class RolloutEngine:
         )
         eos = [] if params.ignore_eos else list(params.eos_token_ids)
         state = DecodeState(slots, params.max_new_tokens, list(params.stop_token_ids), eos, self.device)
-        generator = make_generator(params.seed, self.device)
+        pick, generator = self._sampler(params)
         results: list[list[GenerationOutput | None]] = [[None] * params.n for _ in prompts]
         graphs = None
         if self.use_graphs:
-            graphs = DecodeGraphs(
-                lambda b: self._decode_step(b, cache, state, params, generator), slots, generator
-            )
+            graphs = DecodeGraphs(lambda b: self._decode_step(b, cache, state, pick), slots, generator)
         try:
             while not sched.done:
                 for call in sched.admit():
-                    self._prefill(call, cache, state, params, generator, max_len)
+                    self._prefill(call, cache, state, pick, max_len)
                 steps = self._steps_before_sync(state, sched.num_running, params)
                 for _ in range(steps):
                     if graphs is not None:
                         graphs.run(sched.num_running)
                     else:
-                        self._decode_step(sched.num_running, cache, state, params, generator)
+                        self._decode_step(sched.num_running, cache, state, pick)
                 finished = self._retire(sched, cache, state, results)
                 if progress is not None and finished:
                     progress(finished)
@@ -150,14 +167,23 @@ class RolloutEngine:
             cache.free()
         return results  # type: ignore[return-value]
 
+    def _sampler(self, params: SamplingParams) -> tuple[Sampler, torch.Generator | None]:
+        """This call's sampler and the torch generator it draws from (None: the fused kernel or global RNG).
+
+        The fused kernel keeps its seed and step in a device tensor made here, once per call: the same seed
+        gives the same tokens, eager or graphed (its draws do not depend on the batch bucket).
+        """
+        if self.fused_sampler:
+            from hybridflow.engine.rollout import sample_kernel
+
+            if sample_kernel.applies(params):
+                rng = sample_kernel.make_rng_state(params.seed, self.device)
+                return functools.partial(sample_kernel.fused_sample, params=params, rng=rng), None
+        generator = make_generator(params.seed, self.device)
+        return functools.partial(sample, params=params, generator=generator), generator
+
     def _prefill(
-        self,
-        call: list[PrefillChunk],
-        cache: KVCache,
-        state: DecodeState,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        max_len: int,
+        self, call: list[PrefillChunk], cache: KVCache, state: DecodeState, pick: Sampler, max_len: int
     ) -> None:
         width = max(c.length for c in call)
         ids = torch.zeros(len(call), width, dtype=torch.long)  # (b, t) right-padded
@@ -179,20 +205,13 @@ class RolloutEngine:
         slots = torch.tensor([g.first_slot + s for g in groups for s in range(g.n)], device=dev)
         prompt_len = torch.tensor([len(g.token_ids) for g in groups for _ in range(g.n)], device=dev)
         state.start(slots, prompt_len, max_len)
-        tokens, logprobs = sample(rows, params, generator)
+        tokens, logprobs = pick(rows)
         state.record(slots, tokens, logprobs, advance=False)
 
-    def _decode_step(
-        self,
-        num_running: int,
-        cache: KVCache,
-        state: DecodeState,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-    ) -> None:
+    def _decode_step(self, num_running: int, cache: KVCache, state: DecodeState, pick: Sampler) -> None:
         live = slice(0, num_running)
         logits = self._decode(state.last_token[live], state.position[live], cache)  # (B, V)
-        tokens, logprobs = sample(logits, params, generator)
+        tokens, logprobs = pick(logits)
         state.record(live, tokens, logprobs, advance=True)
 
     def _steps_before_sync(self, state: DecodeState, num_running: int, params: SamplingParams) -> int:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridflow.engine.rollout.kv_cache import KVCache
+from hybridflow.engine.rollout.weights import join_in_place, local_tensor, reshard_fsdp
 
 logger = logging.getLogger(__name__)
 
@@ -96,34 +97,6 @@ def supports(hf_model: nn.Module, max_len: int | None = None) -> bool:
         logger.warning("fast rollout path unavailable: %s", err)
         return False
     return True
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """The plain tensor behind a parameter; for an FSDP2 DTensor, its local shard (which must be whole)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(param, DTensor):
-        local = param.to_local()
-        if local.shape != param.shape:
-            raise ValueError(
-                f"a parameter is sharded ({tuple(local.shape)} of {tuple(param.shape)}): the runner reads "
-                "whole weights, i.e. FSDP2 at world size 1; gather the weights into a rollout replica first"
-            )
-        return local.detach()
-    return param.detach()
-
-
-def _reshard_fsdp(model: nn.Module) -> None:
-    """Put FSDP2 modules in their sharded state, so module attributes are the persistent sharded params.
-
-    An unsharded (all-gathered) parameter is a temporary whose storage FSDP frees on the next reshard;
-    binding to it would leave the runner reading freed memory.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 def _pick_decode_attention(device: torch.device, dtype: torch.dtype) -> str:
@@ -216,10 +189,13 @@ class LlamaRunner:
         self.max_position_embeddings = config.max_position_embeddings
         self.eps = config.rms_norm_eps
         self.scaling = self.head_dim**-0.5
-        embed = _local(hf_model.model.embed_tokens.weight)
+        embed = local_tensor(hf_model.model.embed_tokens.weight)
         self.dtype = embed.dtype if dtype is None else dtype
         self.device = embed.device
         self.decode_attention = _pick_decode_attention(self.device, self.dtype)
+        # False: prefill/decode return logits in the compute dtype, for a consumer that upcasts as it reads
+        # (the rollout engine's fused sampler); saves a float32 copy of (B, V) per step.
+        self.float_logits = True
         self._bind_all()
 
     # ---- weight binding -------------------------------------------------------------------------------
@@ -227,16 +203,23 @@ class LlamaRunner:
     def _bind(self, parts: list[tuple[nn.Module, str]], fuse: bool | None = None) -> list[torch.Tensor]:
         """Bind parameters given as (module, name): by reference if dtype and device match, else by a cast.
 
-        ``fuse=None`` fuses the group into one buffer only when it must be copied anyway; True always
-        copies into one buffer (the biases of a fused weight group); False never fuses. Tied parameters
-        (the same object) are bound once.
+        ``fuse=None`` fuses the group into one buffer when it must be copied anyway, or, for plain CUDA
+        tensors already in the runner's dtype, by re-laying them out in place (``weights.join_in_place``); True
+        always fuses (the biases of a fused weight group); False never fuses. Tied parameters (the same
+        object) are bound once.
         """
         params = [getattr(m, n) for m, n in parts]
         key = (fuse, tuple(id(p) for p in params))
         if key not in self._memo:
-            srcs = [_local(p) for p in params]
+            srcs = [local_tensor(p) for p in params]
             cast = any(s.dtype != self.dtype or s.device != self.device for s in srcs)
-            if fuse or (fuse is None and cast):
+            joined = None
+            if not cast and fuse is not False and len(params) > 1:
+                joined = join_in_place(params)
+            if joined is not None:
+                self._aliases += [(local_tensor(p), m, n) for p, (m, n) in zip(params, parts)]
+                self._memo[key] = [joined]
+            elif fuse or (fuse is None and cast):
                 self._memo[key] = [self._alloc(srcs, parts)]
             elif cast:
                 self._memo[key] = [self._alloc([s], [part]) for s, part in zip(srcs, parts)]
@@ -258,7 +241,7 @@ class LlamaRunner:
         """Bind one decoder layer, checking the projection shapes against the config."""
         attn, mlp = layer.self_attn, layer.mlp
         qkv_mods = [attn.q_proj, attn.k_proj, attn.v_proj]
-        rows = [_local(m.weight).shape[0] for m in [*qkv_mods, mlp.gate_proj, mlp.up_proj]]
+        rows = [local_tensor(m.weight).shape[0] for m in [*qkv_mods, mlp.gate_proj, mlp.up_proj]]
         if rows != self._qkv_splits + self._mlp_splits:
             raise ValueError(
                 f"q/k/v/gate/up projections have {rows} rows; the config implies "
@@ -293,7 +276,7 @@ class LlamaRunner:
     @torch.no_grad()
     def _bind_all(self) -> None:
         """(Re)bind every weight; allocates the cast buffers."""
-        _reshard_fsdp(self._model)
+        reshard_fsdp(self._model)
         self._memo: dict[tuple, list[torch.Tensor]] = {}
         self._aliases: list[tuple[torch.Tensor, nn.Module, str]] = []  # zero-copy: (tensor, module, name)
         self._copies: list[tuple[torch.Tensor, nn.Module, str]] = []  # cast buffers: (view, module, name)
@@ -319,13 +302,13 @@ class LlamaRunner:
         Returns True when parameter storage moved (offload/reload, FSDP re-initialisation) so the runner
         had to rebind: tensor addresses changed and any captured CUDA graph must be re-captured.
         """
-        _reshard_fsdp(self._model)
-        if any(_local(getattr(m, n)).data_ptr() != t.data_ptr() for t, m, n in self._aliases):
+        reshard_fsdp(self._model)
+        if any(local_tensor(getattr(m, n)).data_ptr() != t.data_ptr() for t, m, n in self._aliases):
             logger.info("model parameters moved since the runner bound them; rebinding")
             self._bind_all()
             return True
         for dst, module, name in self._copies:
-            dst.copy_(_local(getattr(module, name)))
+            dst.copy_(local_tensor(getattr(module, name)))
         return False
 
     def weight_tensors(self) -> list[torch.Tensor]:
@@ -398,8 +381,9 @@ class LlamaRunner:
         return h
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head on (b, hidden) -> float32 logits (b, V)."""
-        return F.linear(_rms_norm(h, self.norm, self.eps), self.lm_head).float()
+        """Final norm and LM head on (b, hidden) -> logits (b, V): float32, or the compute dtype (float_logits)."""
+        logits = F.linear(_rms_norm(h, self.norm, self.eps), self.lm_head)  # (b, V)
+        return logits.float() if self.float_logits else logits
 
     def _check_cache(self, cache: KVCache) -> None:
         if not cache.is_allocated:
@@ -428,8 +412,9 @@ class LlamaRunner:
 
         Row i's valid tokens ``input_ids[i, :lengths[i]]`` sit at positions start_pos[i] + j. Their K/V are
         written into the slot; a chunk with start_pos > 0 continues a chunked prefill and attends to its
-        slot's cached prefix as well as causally to itself. Logits are float32. Not graph-captured: it syncs
-        with the host for input checks and for the indices of the valid tokens.
+        slot's cached prefix as well as causally to itself. Logits are float32 (the compute dtype when
+        ``float_logits`` is False). Not graph-captured: it syncs with the host for input checks and for the
+        indices of the valid tokens.
         """
         self._check_cache(cache)
         b, t = input_ids.shape
@@ -479,7 +464,7 @@ class LlamaRunner:
     def decode(
         self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int | None = None
     ) -> torch.Tensor:
-        """One decode step for the sequences in cache slots 0..B-1; returns float32 logits (B, V).
+        """One decode step for the sequences in cache slots 0..B-1; returns logits (B, V) (see ``_logits``).
 
         Token b is written at ``positions[b]`` of slot b and attends to positions <= positions[b]. Shapes
         depend only on B and ``kv_len`` (default: the cache length; a smaller bound that exceeds every

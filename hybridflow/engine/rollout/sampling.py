@@ -14,6 +14,11 @@ Measured with this module (H200, torch 2.11, batch 256 x 151,936 bf16 logits, ea
 log-probs included): no filter 0.52 ms at T = 1, 0.59 ms at T != 1; greedy 0.32 ms (0.06 ms without
 log-probs); top-k 50 0.43 ms, with top-p and min-p on its survivors 0.44 ms; min-p alone 0.91 ms; top-p
 alone (full sort) 2.8 ms.
+
+On CUDA the rollout engine sends greedy and unfiltered sampling to ``sample_kernel.fused_sample`` instead:
+one Triton pass over the LM head's bf16 logits (Gumbel-max with Triton's Philox RNG, the log-sum-exp and
+the argmax together). Same distribution and log-prob semantics as ``sample`` below, different random
+numbers; this module keeps filtered sampling, CPU runs, and the reference the kernel is tested against.
 """
 
 from __future__ import annotations
@@ -212,6 +217,11 @@ def sample(
       ``params.logprob_temperature`` (the temperature, or 1 when it is 0), unfiltered. So a greedy rollout
       at the training temperature reports what the trainer recomputes.
     * ``params.logprobs=False``: zeros (the greedy path then skips its log-softmax over V).
+
+    The fused kernel (``sample_kernel.fused_sample``, the rollout engine's path on CUDA for greedy and
+    unfiltered params) keeps these semantics: it returns ``z_token - logsumexp(z)`` with
+    ``z = logits.float() * (1 / T)``, equal to the above up to float32 rounding (~1e-6), and the same
+    greedy tokens; its samples come from the same distribution through other random numbers.
 
     ``generator`` must live on ``logits.device``; None uses torch's global RNG. CUDA-graph friendly: static
     shapes, no ``.item()``, Python branches only on ``params``, dtypes and shapes. Under graph capture a

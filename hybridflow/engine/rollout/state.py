@@ -9,6 +9,15 @@ RUNNING, EOS, STOP, LENGTH = 0, 1, 2, 3
 REASONS = {EOS: "eos", STOP: "stop", LENGTH: "length"}
 
 
+def _member(tokens: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``tokens`` (b,) in ``ids`` (k,), as one broadcast compare: CUDA-graph safe for any k.
+
+    ``torch.isin`` switches to a sort-based algorithm for longer id lists, which cannot run inside CUDA-graph
+    capture (16 EOS ids made the capture fail with cudaErrorStreamCaptureUnsupported on an H200).
+    """
+    return (tokens[:, None] == ids[None, :]).any(dim=-1)  # (b, k) -> (b,)
+
+
 class DecodeState:
     """Tensors indexed by cache slot: the token to feed next, its position, and the tokens generated so far.
 
@@ -56,8 +65,8 @@ class DecodeState:
         self.tokens[rows, col] = tokens
         self.logprobs[rows, col] = logprobs
         self.gen_len[idx] += active
-        is_eos = active & torch.isin(tokens, self.eos_ids)
-        is_stop = active & torch.isin(tokens, self.stop_ids) & ~is_eos
+        is_eos = active & _member(tokens, self.eos_ids)
+        is_stop = active & _member(tokens, self.stop_ids) & ~is_eos
         at_limit = active & (self.gen_len[idx] >= self.limit[idx]) & ~is_eos & ~is_stop
         reason = torch.where(
             is_eos, EOS, torch.where(is_stop, STOP, torch.where(at_limit, LENGTH, self.reason[idx]))

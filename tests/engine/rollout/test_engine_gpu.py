@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -60,3 +62,40 @@ def test_bf16_logprobs_against_a_float32_recomputation(capsys: pytest.CaptureFix
     with capsys.disabled():
         print(f"\nbf16 rollout vs fp32 recomputation: mean |d logprob| = {mean_abs:.4f}")
     assert mean_abs < 0.1
+
+
+def _tokens(engine: RolloutEngine, params: SamplingParams) -> list[list[list[int]]]:
+    return [[s.token_ids for s in g] for g in engine.generate(PROMPTS, params)]
+
+
+def test_fused_sampler_draws_do_not_depend_on_graph_padding() -> None:
+    # float32: eager and graphed steps then give the same logits even when their batch shapes differ.
+    model = model_on_gpu(torch.float32)
+    graphed = RolloutEngine(model, max_num_seqs=8, sync_interval=3)
+    eager = RolloutEngine(model, max_num_seqs=8, sync_interval=3, enforce_eager=True)
+    assert graphed.fused_sampler and eager.fused_sampler
+    # 12 samples in 8 slots, 16 EOS ids: ragged finishes, waves, slot compaction and padded graph buckets.
+    sampled = SamplingParams(
+        n=3, max_new_tokens=12, temperature=0.8, seed=5, eos_token_ids=list(range(0, 256, 16))
+    )
+    first = _tokens(graphed, sampled)
+    assert len({len(t) for g in first for t in g}) > 1  # some samples did stop early
+    assert first == _tokens(eager, sampled)  # padding rows change no draw of the live rows
+    assert first != _tokens(graphed, dataclasses.replace(sampled, seed=6))
+
+
+def test_fused_sampler_in_bf16_graphs_equal_eager_and_seeds_repeat() -> None:
+    model = model_on_gpu(torch.bfloat16)
+    graphed = RolloutEngine(model, max_num_seqs=8, sync_interval=3)
+    eager = RolloutEngine(model, max_num_seqs=8, sync_interval=3, enforce_eager=True)
+    assert graphed.fused_sampler and graphed.runner.float_logits is False  # bf16 logits into the kernel
+    # 8 samples in 8 slots and no EOS: eager and graphed steps have the same shapes, so the same logits.
+    greedy = SamplingParams(n=2, max_new_tokens=12, temperature=0.0, do_sample=False)
+    assert _tokens(graphed, greedy) == _tokens(eager, greedy)
+    sampled = SamplingParams(n=2, max_new_tokens=12, temperature=0.8, seed=5)
+    first = _tokens(graphed, sampled)
+    assert first == _tokens(graphed, sampled) == _tokens(eager, sampled)
+    assert len({tuple(t) for g in first for t in g}) > 4
+    # Filtered sampling stays on sample(), which now reads the bf16 logits itself.
+    top_k = SamplingParams(n=2, max_new_tokens=8, temperature=0.8, top_k=3, seed=1)
+    assert _tokens(graphed, top_k) == _tokens(eager, top_k)
