@@ -88,6 +88,7 @@ class ActorWorker:
             max_model_len=max_len,
             gpu_memory_utilization=r.gpu_memory_utilization,
             enforce_eager=r.enforce_eager,
+            compile_decode=r.compile_decode,
         )
         self.replica = None
         if unsharded is not None:

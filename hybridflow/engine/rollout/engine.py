@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hybridflow.engine.rollout.graphs import DecodeGraphs
+from hybridflow.engine.rollout.graphs import DecodeGraphs, buckets
 from hybridflow.engine.rollout.kv_cache import KVCache
 from hybridflow.engine.rollout.model import LlamaRunner, supports
 from hybridflow.engine.rollout.sampling import SamplingParams, make_generator, sample
@@ -30,6 +30,22 @@ def _fused_sampler_available(device: torch.device) -> bool:
     from hybridflow.engine.rollout import sample_kernel
 
     return sample_kernel.available()
+
+
+def _compiled_per_bucket(fn: Callable, num_buckets: int, backend: str | Callable = "inductor") -> Callable:
+    """``torch.compile`` of ``fn`` with static shapes, allowed one graph per batch bucket.
+
+    dynamo's recompile limit (8 by default) is below the bucket count of a large batch (12 at 256): the
+    buckets past it would silently run uncompiled. The limit is raised only around these calls.
+    """
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+    limit = max(torch._dynamo.config.recompile_limit, num_buckets + 2)
+
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 @dataclass
@@ -63,11 +79,9 @@ class RolloutEngine:
         self.runner = LlamaRunner(model, dtype, max_model_len)
         # torch.compile fuses the decode step's elementwise work (norms, RoPE, SiLU*mul); it compiles once
         # per batch bucket (tens of seconds each), so it pays off for long runs and benchmarks.
-        self._decode = (
-            torch.compile(self.runner.decode, fullgraph=True, dynamic=False)
-            if compile_decode
-            else self.runner.decode
-        )
+        self._decode = self.runner.decode
+        if compile_decode:
+            self._decode = _compiled_per_bucket(self.runner.decode, len(buckets(max_num_seqs)))
         self.device = next(model.parameters()).device
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -142,3 +142,23 @@ def rollout_then_score(rank: int, temperature: float) -> float:
 
 def test_sampled_logprobs_equal_the_trainers_recomputation() -> None:
     assert run_world(1, rollout_then_score, 0.7)[0] < 1e-5
+
+
+def test_compiled_decode_gets_a_graph_for_every_bucket_past_dynamos_default_limit() -> None:
+    from hybridflow.engine.rollout.engine import _compiled_per_bucket
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    decode = _compiled_per_bucket(step, num_buckets=12, backend=backend)
+    for b in range(1, 13):  # 12 static shapes: one graph each, none left to run uncompiled
+        torch.testing.assert_close(decode(torch.ones(b)), torch.full((b,), 3.0))
+    assert len(graphs) == 12
+    assert torch._dynamo.config.recompile_limit == 8  # only raised around the calls
