@@ -101,12 +101,8 @@ def supports(hf_model: nn.Module, max_len: int | None = None) -> bool:
 
 def _pick_decode_attention(device: torch.device, dtype: torch.dtype) -> str:
     """Decode attention backend: triton when the kernel can run (CUDA, bf16/fp16, triton imports), else sdpa."""
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return "sdpa"
-    if not _decode_kernel_available():
-        logger.info("triton is not importable: decode attention uses masked SDPA over the whole slot")
-        return "sdpa"
-    return "triton"
+    fits = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    return "triton" if fits and _decode_kernel_available() else "sdpa"
 
 
 def _decode_kernel_available() -> bool:
