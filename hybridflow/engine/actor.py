@@ -13,7 +13,6 @@ from hybridflow.algos.aggregation import agg_loss, local_batch_info
 from hybridflow.algos.kl import kl_penalty
 from hybridflow.algos.policy_loss import PolicyLossConfig, get_policy_loss_fn
 from hybridflow.config.schema import ActorConfig, FSDPConfig, OptimConfig
-from hybridflow.engine.fsdp import set_accumulation
 from hybridflow.engine.micro_batch import check_batch, micro_batch_indices, restore_order
 from hybridflow.engine.packed_attention import use_packed_attention
 from hybridflow.engine.packing import build_scoring_inputs, scatter_to_responses, to_device
@@ -99,10 +98,8 @@ class ActorEngine:
         return {k: to_device(mb[k], self.engine.device) for k in keys if k in mb}
 
     def _accumulate(self, micro_batch: int, num_micro_batches: int) -> None:
-        """Set FSDP2's gradient sync / resharding for the coming backward (see ``fsdp.set_accumulation``)."""
-        auto = world_size() == 1 and not self.engine.fsdp.param_offload
-        options = {k: auto if v is None else v for k, v in self._accumulation.items()}
-        set_accumulation(self.module, last=micro_batch == num_micro_batches - 1, **options)
+        """Set FSDP2's gradient sync / resharding for the coming backward (``TrainEngine.accumulate``)."""
+        self.engine.accumulate(micro_batch, num_micro_batches, **self._accumulation)
 
     @torch.no_grad()
     def compute_log_prob(

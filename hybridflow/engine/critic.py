@@ -13,7 +13,7 @@ from hybridflow.algos.value_loss import compute_value_loss
 from hybridflow.config.schema import CriticConfig
 from hybridflow.engine.micro_batch import check_batch, micro_batch_indices, restore_order
 from hybridflow.engine.packed_attention import use_packed_attention
-from hybridflow.engine.packing import build_scoring_inputs, scatter_to_responses
+from hybridflow.engine.packing import build_scoring_inputs, scatter_to_responses, to_device
 from hybridflow.engine.scorer import ValueScorer, decoder_layers
 from hybridflow.engine.train_engine import TrainEngine
 from hybridflow.protocol import Batch
@@ -69,11 +69,11 @@ class CriticEngine:
         return self.engine.module
 
     def _values(self, mb: Batch) -> torch.Tensor:
-        mb = mb.to(self.engine.device)
+        """(B, R) values on the device; ``mb`` stays on the host, where the scoring indices are built."""
         B, R = mb["responses"].shape
         inputs = build_scoring_inputs(
             mb["input_ids"], mb["attention_mask"], mb["position_ids"], R, self.remove_padding
-        )
+        ).to(self.engine.device)
         return scatter_to_responses(self.module(inputs), inputs.scatter_index, B, R)  # (B, R)
 
     @torch.no_grad()
@@ -110,31 +110,36 @@ class CriticEngine:
     def _update_mini_batch(self, mini: Batch) -> dict[str, float]:
         c = self.critic
         counts = {k: int(all_reduce_sum(v)) for k, v in local_batch_info(mini["response_mask"]).items()}
-        totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        dev = self.engine.device
+        # Summed on the device, copied once per mini-batch: no host sync per micro-batch.
+        totals: dict[str, torch.Tensor] = defaultdict(
+            lambda: torch.zeros((), dtype=torch.float64, device=dev)
+        )
         parts = micro_batch_indices(
             mini, c.ppo_micro_batch_size_per_gpu, c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu
         )
-        for idx in parts:
-            mb = mini[idx].to(self.engine.device)
-            mask = mb["response_mask"]  # (b, R)
+        tokens = max(counts["batch_num_tokens"], 1)
+        for i, idx in enumerate(parts):
+            mb = mini[idx]  # stays on the host: the scoring indices are built there
+            share = float(mb["response_mask"].sum()) / tokens  # this micro-batch's token share (host)
+            mask, returns, values = (to_device(mb[k], dev) for k in ("response_mask", "returns", "values"))
             vpreds = self._values(mb)  # (b, R)
             vf_loss, vf_clipfrac = compute_value_loss(
                 vpreds,
-                mb["returns"],
-                mb["values"],
+                returns,
+                values,
                 mask,
                 c.cliprange_value,
                 c.loss_agg_mode,
                 dp_size=world_size(),
                 **counts,
             )
+            self.engine.accumulate(i, len(parts))
             vf_loss.backward()
-            share = float(mask.sum()) / max(counts["batch_num_tokens"], 1)  # this micro-batch's token share
-            totals["critic/vf_loss"] += float(vf_loss.detach()) / world_size()
-            totals["critic/vf_clipfrac"] += float(vf_clipfrac) * share
-            totals["critic/vpred_mean"] += float((vpreds.detach() * mask).sum()) / max(
-                counts["batch_num_tokens"], 1
-            )
-        metrics = {key: float(all_reduce_sum(value)) for key, value in sorted(totals.items())}
+            totals["critic/vf_loss"] += vf_loss.detach().double() / world_size()
+            totals["critic/vf_clipfrac"] += torch.as_tensor(vf_clipfrac, device=dev).detach().double() * share
+            totals["critic/vpred_mean"] += (vpreds.detach() * mask).sum().double() / tokens
+        host = {key: value.cpu() for key, value in sorted(totals.items())}
+        metrics = {key: float(all_reduce_sum(value)) for key, value in host.items()}
         metrics["critic/grad_norm"] = self.engine.optimizer_step()
         return metrics

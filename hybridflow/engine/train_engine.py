@@ -9,7 +9,14 @@ import torch
 from torch import nn
 
 from hybridflow.config.schema import FSDPConfig, OptimConfig
-from hybridflow.engine.fsdp import grad_norm_and_clip, move_model, move_optimizer, shard_model, to_dtype
+from hybridflow.engine.fsdp import (
+    grad_norm_and_clip,
+    move_model,
+    move_optimizer,
+    set_accumulation,
+    shard_model,
+    to_dtype,
+)
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
 from hybridflow.utils.dist import init_distributed, world_size
 
@@ -114,6 +121,26 @@ class TrainEngine:
     def lr(self) -> float:
         """The learning rate the next optimizer step uses."""
         return self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
+
+    def accumulate(
+        self,
+        micro_batch: int,
+        num_micro_batches: int,
+        defer_grad_sync: bool | None = None,
+        keep_params_gathered: bool | None = None,
+    ) -> None:
+        """Set FSDP2's gradient sync / resharding for the coming backward (see ``fsdp.set_accumulation``).
+
+        None turns an option on at world size 1 without parameter offload, where it costs no extra
+        communication and little memory.
+        """
+        auto = world_size() == 1 and not self.fsdp.param_offload
+        set_accumulation(
+            self.module,
+            last=micro_batch == num_micro_batches - 1,
+            defer_grad_sync=auto if defer_grad_sync is None else defer_grad_sync,
+            keep_params_gathered=auto if keep_params_gathered is None else keep_params_gathered,
+        )
 
     def optimizer_step(self) -> float:
         """Clip and step; a non-finite gradient norm skips the step (counted). Returns the pre-clip norm."""
