@@ -171,12 +171,16 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; 132 (an H200) off-GPU, so the interpreter sees GPU layouts."""
+    if device.type != "cuda":
+        return 132
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def default_num_splits(batch: int, kv_heads: int, length: int, block_n: int, device: torch.device) -> int:
     """Splits per (row, KV head) for about four programs per SM; depends on shapes only (graph-safe)."""
-    sms = 132  # an H200; used off-GPU (the interpreter) too, so tests see the same split counts
-    if device.type == "cuda":
-        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    want = math.ceil(4 * sms / (batch * kv_heads))
+    want = math.ceil(4 * num_sms(device) / (batch * kv_heads))
     return max(1, min(want, math.ceil(length / block_n), 16))
 
 

@@ -26,11 +26,11 @@ bucket draws the same tokens for the live rows as an eager step.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
+from hybridflow.engine.rollout.decode_attention import num_sms
 from hybridflow.engine.rollout.sampling import SamplingParams
 
 try:
@@ -160,11 +160,6 @@ if triton is not None:
                 tl.store(RNG + 1, tl.load(RNG + 1) + 1)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def default_block(vocab: int) -> int:
     """Columns per chunk: 1024, or less for a small vocabulary (a power of two, at least 16)."""
     return max(16, min(_MAX_BLOCK, triton.next_power_of_2(math.ceil(vocab / 4))))
@@ -179,10 +174,7 @@ def split_layout(
     it depends on shapes only, so a CUDA graph replays a fixed grid.
     """
     if num_splits is None:
-        sms = 132
-        if device.type == "cuda":
-            sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-        num_splits = math.ceil(8 * sms / max(batch, 1))
+        num_splits = math.ceil(8 * num_sms(device) / max(batch, 1))
     step = 4 * block
     split_len = math.ceil(math.ceil(vocab / max(num_splits, 1)) / step) * step
     return math.ceil(vocab / split_len), split_len
