@@ -2,23 +2,23 @@
 
 The torch sampler's default path (``sampling.sample``, no filter) makes five passes over (B, V) float32:
 the ``.float()`` copy, the softmax, ``exponential_``, ``probs / noise`` and the argmax (~0.45 ms of a
-~2.2 ms decode step at batch 256 x 151,936 on an H200). Here one kernel reads the logits once in their own
-dtype (bf16 from the LM head, or float32) and, with ``z = logits / T`` in float32, keeps per program:
+~2.2 ms decode step at batch 256 x 151,936 on an H200). Here, with ``z = logits / T`` in float32:
 
-* an online max and sum-exp of ``z`` (the log-sum-exp, as in flash attention), for the log-prob;
-* the Gumbel-max draw ``argmax_j z_j + g_j``, ``g_j = -log(E_j)``, ``E_j ~ Exp(1)``: a categorical draw
-  from ``softmax(z)``, the same distribution as the torch path's race ``argmax_j p_j / E_j``;
-* for greedy, ``argmax_j logits_j`` (first index on ties, as ``torch.argmax``) with the log-sum-exp at the
-  log-prob temperature.
+* a split kernel reads the logits once in their own dtype (bf16 from the LM head, or float32); each
+  (row, split) program keeps an online max and sum-exp of ``z`` (as in flash attention), and for greedy
+  the largest logit and its first column (``torch.argmax``'s tie rule);
+* a merge kernel, one program per row, combines the splits into the log-sum-exp and the token, and writes
+  ``(token, z_token - lse)``. Sampling is by inverse CDF: one uniform ``u`` per row, the target mass
+  ``u * sum_j exp(z_j - max)``, the split whose running mass first passes it, then the column inside that
+  split (one re-read of a few thousand logits). That is an exact draw from ``softmax(z)`` up to float32
+  rounding of the running sums, with one exp per logit; the earlier Gumbel-max form needed a random number
+  and two logs per logit, which made it compute-bound (~160 us at batch 256 against ~40 us here).
 
-The vocabulary is cut into splits so that a small batch still fills the GPU; a second tiny kernel merges the
-per-split (max, sum-exp, best key, best index) of each row and writes ``(token, z_token - lse)``.
-
-Randomness is Triton's counter-based Philox: key = the request's seed, counter = (column block, row, step).
-Seed and step live in a device tensor (``make_rng_state``); the merge kernel advances the step, so a
-replayed CUDA graph draws new numbers and nothing syncs with the host. A draw depends only on (seed, step,
-row, column) and the block width, never on the batch size or the number of splits, so a graph padded to a
-bucket draws the same tokens for the live rows as an eager step.
+Randomness is Triton's counter-based Philox: key = the request's seed, counter = (row, step). Seed and step
+live in a device tensor (``make_rng_state``); the merge kernel advances the step after the split kernel has
+read it, so a replayed CUDA graph draws new numbers and nothing syncs with the host. A draw depends on
+(seed, step, row) and the logits only, never on the batch size, so a graph padded to a bucket draws the
+same tokens for the live rows as an eager step.
 
 ``fused_sample`` is a ``torch.library`` custom op with a fake implementation, so ``torch.compile``
 (``fullgraph=True``) records one opaque call instead of tracing into the Triton launches.
@@ -30,7 +30,6 @@ import math
 
 import torch
 
-from hybridflow.engine.rollout.decode_attention import num_sms
 from hybridflow.engine.rollout.sampling import SamplingParams
 
 try:
@@ -40,7 +39,7 @@ except ImportError:  # the CPU-only install: the torch sampler is used
     triton = None
     tl = None
 
-_MAX_BLOCK = 1024  # columns per chunk; four chunks per loop iteration share one Philox call
+_MAX_BLOCK = 1024  # columns per chunk (one loop iteration)
 _SEED_MASK = 2**63 - 1  # the seed must fit a (non-negative) int64 on the device
 
 
@@ -68,61 +67,53 @@ if triton is not None:
 
     @triton.jit
     def _sample_split_kernel(
-        LOGITS, stride_row, V, split_len, RNG, inv_t,
+        LOGITS, stride_row, V, split_len, inv_t, RNG, U,
         PART_M, PART_S, PART_KEY, PART_IDX, num_splits,
         SAMPLE: tl.constexpr, LSE: tl.constexpr, Q: tl.constexpr,
     ):  # fmt: skip
-        """One (row, split): online max / sum-exp of z and the best key over columns [lo, hi)."""
+        """One (row, split): online max / sum-exp of z and (greedy) the largest logit over columns [lo, hi).
+
+        When sampling, split 0 of each row also draws the row's uniform (the merge kernel, a later launch,
+        advances the step, so every row has read it first).
+        """
         row = tl.program_id(0)
         split = tl.program_id(1)
+        if SAMPLE:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if split == 0:
+                # One uniform per (seed, row, step), 24 bits so that u < 1 exactly.
+                seed = tl.load(RNG)
+                step = tl.load(RNG + 1).to(tl.uint32)
+                bits, _, _, _ = tl.philox(seed, row.to(tl.uint32), step, 0, 0)
+                tl.store(U + row, (bits >> 8).to(tl.float32) * 5.960464477539063e-08)  # 2^-24
         base = LOGITS + row.to(tl.int64) * stride_row
-        lo = split * split_len  # split_len is a multiple of 4 Q: Philox counters do not depend on splits
+        lo = split * split_len
         hi = tl.minimum(lo + split_len, V)
         offs = tl.arange(0, Q)
-        zero = offs * 0
-        if SAMPLE:
-            seed = tl.load(RNG)
-            step = tl.load(RNG + 1).to(tl.uint32)
         m = tl.full([Q], float("-inf"), tl.float32)  # per-lane running max of z
         s = tl.zeros([Q], tl.float32)  # per-lane sum exp(z - m)
         best_key = tl.full([Q], float("-inf"), tl.float32)
-        best_idx = zero + lo  # an all -inf split reports its first column, a valid index
-        for start in range(lo, hi, 4 * Q):
-            if SAMPLE:
-                # One Philox call gives four words, one per chunk; counter (column block, row, step, 0).
-                r0, r1, r2, r3 = tl.philox(seed, start // 4 + offs, zero + row, zero + step, zero)
-            for k in tl.static_range(4):  # four chunks of Q columns (unrolled)
-                cols = start + k * Q + offs
-                x = tl.load(base + cols, mask=cols < hi, other=float("-inf")).to(tl.float32)  # (Q,)
-                z = x * inv_t
-                if SAMPLE:
-                    bits = r0 if k == 0 else (r1 if k == 1 else (r2 if k == 2 else r3))
-                    # Gumbel noise g = -log(E), E = -log(u) ~ Exp(1) for u = 1 - v, v = (bits + 1/2) / 2^32.
-                    # u and v both come straight from the bits (~bits = 2^32 - 1 - bits), so each has full
-                    # float32 relative precision: u in [2^-33, 1) keeps E finite, and where v is small (E
-                    # small, where the race is decided) E = -log(1 - v) comes from its series, exact to 3e-8.
-                    v = (bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # 2^-32
-                    u = ((~bits).to(tl.float32) + 0.5) * 2.3283064365386963e-10
-                    series = v * (1.0 + v * (0.5 + v * (0.3333333333333333 + v * 0.25)))
-                    key = z - tl.log(tl.where(v < 0.015625, series, -tl.log(u)))
-                else:
-                    key = x  # greedy ranks the raw logits: x / T may round two of them into a tie
-                take = key > best_key  # strict: a lane keeps its first index on ties
-                best_key = tl.where(take, key, best_key)
+        best_idx = offs * 0 + lo  # an all -inf split reports its first column, a valid index
+        for start in range(lo, hi, Q):
+            cols = start + offs
+            x = tl.load(base + cols, mask=cols < hi, other=float("-inf")).to(tl.float32)  # (Q,)
+            if not SAMPLE:
+                take = x > best_key  # greedy ranks the raw logits (x / T may round two into a tie);
+                best_key = tl.where(take, x, best_key)  # strict: a lane keeps its first index on ties
                 best_idx = tl.where(take, cols, best_idx)
-                if LSE:
-                    # Online log-sum-exp per lane, one exp per element and no reduction in the loop: the
-                    # smaller of (m, z) is exp-scaled onto the larger. z == -inf adds e = 0 (both -inf:
-                    # exp(-inf - 0), not NaN); z > m == -inf gives e = 0 and s = 1.
-                    top = tl.maximum(m, z)
-                    e = tl.exp(tl.minimum(m, z) - tl.where(top == float("-inf"), 0.0, top))
-                    s = tl.where(z > m, s * e + 1.0, s + e)
-                    m = top
-        key = tl.max(best_key, 0)
-        idx = tl.min(tl.where(best_key == key, best_idx, 2147483647), 0)  # first column among the best
+            if LSE:
+                # Online log-sum-exp per lane, one exp per element and no reduction in the loop: the
+                # smaller of (m, z) is exp-scaled onto the larger. z == -inf adds e = 0 (both -inf:
+                # exp(-inf - 0), not NaN); z > m == -inf gives e = 0 and s = 1.
+                z = x * inv_t
+                top = tl.maximum(m, z)
+                e = tl.exp(tl.minimum(m, z) - tl.where(top == float("-inf"), 0.0, top))
+                s = tl.where(z > m, s * e + 1.0, s + e)
+                m = top
         out = row * num_splits + split
-        tl.store(PART_KEY + out, key)
-        tl.store(PART_IDX + out, idx)
+        if not SAMPLE:
+            key = tl.max(best_key, 0)
+            tl.store(PART_KEY + out, key)
+            tl.store(PART_IDX + out, tl.min(tl.where(best_key == key, best_idx, 2147483647), 0))
         if LSE:
             top = tl.max(m, 0)
             top_safe = tl.where(top == float("-inf"), 0.0, top)
@@ -130,27 +121,73 @@ if triton is not None:
             tl.store(PART_S + out, tl.sum(s * tl.exp(m - top_safe), 0))  # lanes with m = -inf hold s = 0
 
     @triton.jit
+    def _draw_in_split(LOGITS, stride_row, V, row, lo, split_len, inv_t, m_split, target, Q: tl.constexpr):
+        """The first column of [lo, lo + split_len) where the running sum of exp(z - m_split) passes target.
+
+        When rounding leaves the target beyond the split's recomputed mass, the split's last column with
+        non-zero mass is taken instead (a column with z = -inf is never returned while the split has mass).
+        """
+        base = LOGITS + row.to(tl.int64) * stride_row
+        hi = tl.minimum(lo + split_len, V)
+        offs = tl.arange(0, Q)
+        run = 0.0
+        found = 2147483647
+        last = lo
+        for start in range(lo, hi, Q):
+            cols = start + offs
+            z = tl.load(base + cols, mask=cols < hi, other=float("-inf")).to(tl.float32) * inv_t
+            p = tl.exp(z - m_split)  # (Q,); 0 where z = -inf
+            cum = run + tl.cumsum(p, 0)
+            # cum only grows where p > 0, so the first column past the target always has mass.
+            found = tl.minimum(found, tl.min(tl.where(cum > target, cols, 2147483647), 0))
+            last = tl.maximum(last, tl.max(tl.where(p > 0, cols, -1), 0))
+            run = run + tl.sum(p, 0)
+        return tl.where(found < 2147483647, found, last)
+
+    @triton.jit
     def _sample_merge_kernel(
-        PART_M, PART_S, PART_KEY, PART_IDX, num_splits,
-        LOGITS, stride_row, inv_t, RNG, TOKENS, LOGPROBS,
-        SAMPLE: tl.constexpr, LSE: tl.constexpr, BLOCK_S: tl.constexpr,
+        PART_M, PART_S, PART_KEY, PART_IDX, num_splits, split_len, V,
+        LOGITS, stride_row, inv_t, RNG, U, TOKENS, LOGPROBS,
+        SAMPLE: tl.constexpr, LSE: tl.constexpr, LOGPROBS_OUT: tl.constexpr,
+        BLOCK_S: tl.constexpr, Q: tl.constexpr,
     ):  # fmt: skip
-        """One row: the best key over splits (first split on ties), lse, and log p = z_token - lse."""
+        """One row: the token (greedy: the best logit; sampled: inverse CDF over the splits' masses), and
+        log p = z_token - lse."""
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK_S)
         ok = offs < num_splits
         part = row * num_splits + offs
-        keys = tl.load(PART_KEY + part, mask=ok, other=float("-inf"))
-        idx = tl.load(PART_IDX + part, mask=ok, other=2147483647)
-        # Splits are in column order, so the smallest index among the best keys is the first one.
-        token = tl.min(tl.where(keys == tl.max(keys, 0), idx, 2147483647), 0)
-        tl.store(TOKENS + row, token.to(tl.int64))
         if LSE:
             m = tl.load(PART_M + part, mask=ok, other=float("-inf"))
             s = tl.load(PART_S + part, mask=ok, other=0.0)
             top = tl.max(m, 0)
             top_safe = tl.where(top == float("-inf"), 0.0, top)
-            lse = top + tl.log(tl.sum(s * tl.exp(m - top_safe), 0))
+            mass = s * tl.exp(m - top_safe)  # (BLOCK_S,) each split's sum of exp(z - top)
+            lse = top + tl.log(tl.sum(mass, 0))
+        if SAMPLE:
+            # Inverse CDF: the target mass u * total picks the split whose cumulative mass first passes it,
+            # then the column inside that split.
+            u = tl.load(U + row)
+            cum = tl.cumsum(mass, 0)
+            target = u * tl.sum(mass, 0)
+            past = ok & (cum > target) & (mass > 0)
+            last_with_mass = tl.max(tl.where(ok & (mass > 0), offs, 0), 0)
+            chosen = tl.min(tl.where(past, offs, BLOCK_S), 0)
+            chosen = tl.where(chosen < BLOCK_S, chosen, last_with_mass)  # rounding put target past the end
+            before = tl.sum(tl.where(offs < chosen, mass, 0.0), 0)
+            m_split = tl.sum(tl.where(offs == chosen, m, 0.0), 0)
+            # The remaining target in the chosen split's own frame: exp(z - m_split) = exp(z - top) e^(top - m).
+            local = (target - before) * tl.exp(top_safe - m_split)
+            token = _draw_in_split(
+                LOGITS, stride_row, V, row, chosen * split_len, split_len, inv_t, m_split, local, Q
+            )
+        else:
+            keys = tl.load(PART_KEY + part, mask=ok, other=float("-inf"))
+            idx = tl.load(PART_IDX + part, mask=ok, other=2147483647)
+            # Splits are in column order, so the smallest index among the best keys is the first one.
+            token = tl.min(tl.where(keys == tl.max(keys, 0), idx, 2147483647), 0)
+        tl.store(TOKENS + row, token.to(tl.int64))
+        if LOGPROBS_OUT:
             z = tl.load(LOGITS + row.to(tl.int64) * stride_row + token).to(tl.float32) * inv_t
             tl.store(LOGPROBS + row, z - lse)
         else:
@@ -165,18 +202,14 @@ def default_block(vocab: int) -> int:
     return max(16, min(_MAX_BLOCK, triton.next_power_of_2(math.ceil(vocab / 4))))
 
 
-def split_layout(
-    batch: int, vocab: int, block: int, num_splits: int | None, device: torch.device
-) -> tuple[int, int]:
-    """(splits, columns per split): whole loop iterations (4 * block columns) per split, none empty.
+def split_layout(vocab: int, block: int, num_splits: int | None) -> tuple[int, int]:
+    """(splits, columns per split): whole chunks per split, none empty; four chunks per split by default.
 
-    By default about eight programs per SM (132 SMs off-GPU, so the interpreter sees the same layout);
-    it depends on shapes only, so a CUDA graph replays a fixed grid.
+    Small splits give every row tens of programs (the pass over the logits is memory-bound) and keep the
+    merge kernel's scan of one split short. The layout depends on shapes only: a graph replays a fixed grid.
     """
-    if num_splits is None:
-        num_splits = math.ceil(8 * num_sms(device) / max(batch, 1))
-    step = 4 * block
-    split_len = math.ceil(math.ceil(vocab / max(num_splits, 1)) / step) * step
+    want = math.ceil(vocab / (4 * block)) if num_splits is None else max(num_splits, 1)
+    split_len = math.ceil(math.ceil(vocab / want) / block) * block
     return math.ceil(vocab / split_len), split_len
 
 
@@ -212,19 +245,22 @@ def fused_sample_triton(
     if batch == 0:
         return tokens, logprobs
     block = block or default_block(vocab)
-    splits, split_len = split_layout(batch, vocab, block, num_splits, dev)
-    stats = torch.empty(3, batch, splits, dtype=torch.float32, device=dev)  # max, sum-exp, best key
+    splits, split_len = split_layout(vocab, block, num_splits)
+    stats = torch.empty(3, batch, splits, dtype=torch.float32, device=dev)  # max, sum-exp, best logit
     idx = torch.empty(batch, splits, dtype=torch.int32, device=dev)
-    sample, lse = not greedy, with_logprobs
+    uniform = torch.empty(batch, dtype=torch.float32, device=dev)
+    sample = not greedy
+    lse = sample or with_logprobs  # sampling needs the splits' masses
     _sample_split_kernel[(batch, splits)](
-        logits, logits.stride(0), vocab, split_len, rng, inv_temperature,
+        logits, logits.stride(0), vocab, split_len, inv_temperature, rng, uniform,
         stats[0], stats[1], stats[2], idx, splits,
         SAMPLE=sample, LSE=lse, Q=block, num_warps=num_warps,
     )  # fmt: skip
     _sample_merge_kernel[(batch,)](
-        stats[0], stats[1], stats[2], idx, splits,
-        logits, logits.stride(0), inv_temperature, rng, tokens, logprobs,
-        SAMPLE=sample, LSE=lse, BLOCK_S=triton.next_power_of_2(splits), num_warps=1,
+        stats[0], stats[1], stats[2], idx, splits, split_len, vocab,
+        logits, logits.stride(0), inv_temperature, rng, uniform, tokens, logprobs,
+        SAMPLE=sample, LSE=lse, LOGPROBS_OUT=with_logprobs, BLOCK_S=triton.next_power_of_2(splits), Q=block,
+        num_warps=4,
     )  # fmt: skip
     return tokens, logprobs
 

@@ -88,6 +88,23 @@ def test_frequencies_match_softmax_at_temperature() -> None:
     assert chi2 < 20.52, (counts, [round(draws * p) for p in probs])  # 5 degrees of freedom, p = 0.001
 
 
+def test_frequencies_match_softmax_across_splits() -> None:
+    # 48 columns in three splits of 16 with different maxima: the draw picks a split by its mass, then a
+    # column inside it in that split's own frame. Bins are half-splits, so both choices are checked.
+    g = torch.Generator().manual_seed(0)
+    row = torch.randn(48, generator=g) * 0.5 + torch.tensor([0.0, 1.5, -1.0]).repeat_interleave(16)
+    row[40:] += 2.0  # the last split's second half holds most of its mass
+    draws = 600
+    logits = row.to(DEVICE).repeat(draws, 1)  # (draws, 48)
+    tokens, _ = sk.fused_sample_triton(
+        logits, sk.make_rng_state(11, DEVICE), 1.0, False, False, block=16, num_splits=3
+    )
+    counts = torch.bincount(tokens.cpu() // 8, minlength=6).tolist()
+    probs = torch.softmax(row, 0).view(6, 8).sum(-1).tolist()
+    chi2 = sum((c - draws * p) ** 2 / (draws * p) for c, p in zip(counts, probs))
+    assert chi2 < 20.52, (counts, [round(draws * p) for p in probs])  # 5 degrees of freedom, p = 0.001
+
+
 def test_seed_and_step_decide_the_draws() -> None:
     logits = torch.randn(12, 40, device=DEVICE)  # (B, V): 12 draws over 40 roughly even tokens
     first, _, rng = _run(logits, seed=5)
