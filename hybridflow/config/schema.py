@@ -108,7 +108,8 @@ class RolloutConfig:
     )
     enforce_eager: bool = option(False, "Disable CUDA graphs for decode (debugging).")
     compile_decode: bool = option(
-        False, "torch.compile the decode step (GPU): ~1.8x decode speed, tens of seconds per batch bucket."
+        False,
+        "torch.compile the decode step and prefill's layer math (GPU): ~2x decode, tens of seconds per bucket.",
     )
     log_prob_micro_batch_size_per_gpu: int = option(
         16, "Sequences per GPU per forward when recomputing old log-probs."

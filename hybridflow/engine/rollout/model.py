@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridflow.engine.rollout import blocks
+from hybridflow.engine.rollout.blocks import LayerDims, LayerWeights
 from hybridflow.engine.rollout.kv_cache import KVCache
 from hybridflow.engine.rollout.weights import join_in_place, local_tensor, reshard_fsdp
 
@@ -112,49 +113,6 @@ def _decode_kernel_available() -> bool:
     return decode_attention.available()
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF RMSNorm: normalise in float32, cast back to the input dtype, then scale (the order matters in bf16)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE in HF's rotate-half convention: x (b, h, t, D), cos/sin (b, 1, t, D)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def _project(
-    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor] | None, splits: list[int]
-) -> list[torch.Tensor]:
-    """Apply a group of linear layers, fused (one weight, split after) or separate (one weight each)."""
-    if len(weights) == 1:
-        y = F.linear(x, weights[0], None if biases is None else biases[0])
-        return list(y.split(splits, dim=-1)) if len(splits) > 1 else [y]
-    biases = biases if biases is not None else [None] * len(weights)
-    return [F.linear(x, w, b) for w, b in zip(weights, biases)]
-
-
-@dataclass
-class _LayerWeights:
-    """One decoder layer's bound tensors; each projection group is [fused] or [one per projection]."""
-
-    input_norm: torch.Tensor
-    qkv: list[torch.Tensor]
-    qkv_bias: list[torch.Tensor] | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    o: list[torch.Tensor]
-    o_bias: list[torch.Tensor] | None
-    post_norm: torch.Tensor
-    gate_up: list[torch.Tensor]
-    gate_up_bias: list[torch.Tensor] | None
-    down: list[torch.Tensor]
-    down_bias: list[torch.Tensor] | None
-
-
 class LlamaRunner:
     """Prefill and decode for a Llama-family HF causal LM, on its own parameters, with a slot KV cache.
 
@@ -192,6 +150,7 @@ class LlamaRunner:
         # False: prefill/decode return logits in the compute dtype, for a consumer that upcasts as it reads
         # (the rollout engine's fused sampler); saves a float32 copy of (B, V) per step.
         self.float_logits = True
+        self._prefill_blocks = (blocks.attention_inputs, blocks.attention_output_and_mlp)
         self._bind_all()
 
     # ---- weight binding -------------------------------------------------------------------------------
@@ -233,7 +192,7 @@ class LlamaRunner:
             self._copies.append((view, module, name))
         return buf
 
-    def _bind_layer(self, layer: nn.Module) -> _LayerWeights:
+    def _bind_layer(self, layer: nn.Module) -> LayerWeights:
         """Bind one decoder layer, checking the projection shapes against the config."""
         attn, mlp = layer.self_attn, layer.mlp
         qkv_mods = [attn.q_proj, attn.k_proj, attn.v_proj]
@@ -254,7 +213,7 @@ class LlamaRunner:
 
         q_norm = getattr(attn, "q_norm", None)
         k_norm = getattr(attn, "k_norm", None)
-        return _LayerWeights(
+        return LayerWeights(
             input_norm=self._bind([(layer.input_layernorm, "weight")])[0],
             qkv=qkv,
             qkv_bias=bias(qkv_mods, len(qkv) == 1),
@@ -278,6 +237,14 @@ class LlamaRunner:
         self._copies: list[tuple[torch.Tensor, nn.Module, str]] = []  # cast buffers: (view, module, name)
         self._qkv_splits = [d * self.head_dim for d in (self.num_heads, self.num_kv_heads, self.num_kv_heads)]
         self._mlp_splits = [self.config.intermediate_size] * 2
+        self.dims = LayerDims(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.eps,
+            tuple(self._qkv_splits),
+            tuple(self._mlp_splits),
+        )
         base = self._model.model
         self.embed = self._bind([(base.embed_tokens, "weight")])[0]
         self.layers = [self._bind_layer(layer) for layer in base.layers]
@@ -344,41 +311,43 @@ class LlamaRunner:
 
     # ---- forward -------------------------------------------------------------------------------------
 
-    def _layer(self, idx: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend):
-        """One decoder layer on h (b, t, hidden); ``attend`` writes the cache and runs attention."""
-        w = self.layers[idx]
-        b, t, _ = h.shape
-        x = _rms_norm(h, w.input_norm, self.eps)
-        q, k, v = _project(x, w.qkv, w.qkv_bias, self._qkv_splits)
-        q = q.view(b, t, self.num_heads, self.head_dim)  # (b, t, H, D)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim)  # (b, t, KVH, D)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, KVH, t, D)
-        if w.q_norm is not None:  # Qwen3: RMSNorm over each head's D before RoPE
-            q = _rms_norm(q, w.q_norm, self.eps)
-            k = _rms_norm(k, w.k_norm, self.eps)
-        q = _rotate(q.transpose(1, 2), cos, sin)  # (b, H, t, D)
-        k = _rotate(k.transpose(1, 2), cos, sin)  # (b, KVH, t, D)
-        o = attend(idx, q, k, v).transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
-        h = h + _project(o, w.o, w.o_bias, [0])[0]
-        x = _rms_norm(h, w.post_norm, self.eps)
-        gate, up = _project(x, w.gate_up, w.gate_up_bias, self._mlp_splits)
-        return h + _project(F.silu(gate) * up, w.down, w.down_bias, [0])[0]
+    def compile_prefill(self, backend: str | Callable = "inductor") -> None:
+        """Run prefill's per-layer math through ``torch.compile`` (GPU): one fused kernel per elementwise chain.
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """Embed (b, t) ids at (b, t) positions and run all layers; returns pre-norm hidden (b, t, hidden)."""
+        Shapes are left to dynamo's automatic dynamic: the first chunk shape compiles static, a second one
+        recompiles with dynamic sizes, and later shapes reuse it. Decode is not affected (the engine compiles
+        the whole decode step instead).
+        """
+        self._prefill_blocks = (
+            torch.compile(blocks.attention_inputs, fullgraph=True, backend=backend),
+            torch.compile(blocks.attention_output_and_mlp, fullgraph=True, backend=backend),
+        )
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, prefill: bool
+    ) -> torch.Tensor:
+        """Embed (b, t) ids at (b, t) positions and run all layers; returns pre-norm hidden (b, t, hidden).
+
+        Each layer is ``attention_inputs``, ``attend`` (writes the cache, runs attention), then
+        ``attention_output_and_mlp``; prefill uses the compiled pair when ``compile_prefill`` was called.
+        """
+        pre, post = (
+            self._prefill_blocks if prefill else (blocks.attention_inputs, blocks.attention_output_and_mlp)
+        )
         h = F.embedding(input_ids, self.embed)  # (b, t, hidden)
         # RoPE exactly as HF: float32 angles, cos/sin scaled by attention_scaling, then cast to the dtype.
         freqs = positions[..., None].float() * self.inv_freq  # (b, t, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (b, t, D)
         cos = (emb.cos() * self.attention_scaling).to(h.dtype)[:, None]  # (b, 1, t, D)
         sin = (emb.sin() * self.attention_scaling).to(h.dtype)[:, None]  # (b, 1, t, D)
-        for idx in range(self.num_layers):
-            h = self._layer(idx, h, cos, sin, attend)
+        for idx, w in enumerate(self.layers):
+            q, k, v = pre(h, w, cos, sin, self.dims)
+            h = post(h, attend(idx, q, k, v), w, self.dims)
         return h
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on (b, hidden) -> logits (b, V): float32, or the compute dtype (float_logits)."""
-        logits = F.linear(_rms_norm(h, self.norm, self.eps), self.lm_head)  # (b, V)
+        logits = F.linear(blocks.rms_norm(h, self.norm, self.eps), self.lm_head)  # (b, V)
         return logits.float() if self.float_logits else logits
 
     def _check_cache(self, cache: KVCache) -> None:
@@ -452,7 +421,7 @@ class LlamaRunner:
                 q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
             )
 
-        h = self._forward(input_ids.to(self.device), positions, attend)  # (b, t, hidden)
+        h = self._forward(input_ids.to(self.device), positions, attend, prefill=True)  # (b, t, hidden)
         last = h[torch.arange(b, device=self.device), lengths - 1]  # (b, hidden)
         return self._logits(last)
 
@@ -495,5 +464,5 @@ class LlamaRunner:
                 q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
             )
 
-        h = self._forward(input_ids[:, None], positions[:, None], attend)  # (B, 1, hidden)
+        h = self._forward(input_ids[:, None], positions[:, None], attend, prefill=False)  # (B, 1, hidden)
         return self._logits(h[:, 0])

@@ -139,6 +139,32 @@ def test_prefill_in_two_chunks_equals_one_chunk(arch: str) -> None:
     torch.testing.assert_close(both, one, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "llama3_rope"])  # q/k norms; biases on every projection
+def test_compiled_prefill_equals_eager_and_settles_on_dynamic_shapes(arch: str) -> None:
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    eager = LlamaRunner(tiny(arch))
+    compiled = LlamaRunner(tiny(arch))
+    compiled.compile_prefill(backend=backend)
+    for n, lengths in enumerate(([9, 5, 1, 20], [3, 7], [11, 2, 6])):
+        ids, lens = right_pad(prompts(lengths, seed=n))
+        slots, starts = torch.arange(len(lengths)), torch.zeros(len(lengths), dtype=torch.long)
+        caches = [r.make_cache(len(lengths), 24) for r in (eager, compiled)]
+        want = eager.prefill(ids, lens, slots, starts, caches[0])
+        torch.testing.assert_close(
+            compiled.prefill(ids, lens, slots, starts, caches[1]), want, atol=1e-5, rtol=0
+        )
+        torch.testing.assert_close(caches[1].k[-1], caches[0].k[-1], atol=1e-5, rtol=0)
+        # Two functions: static graphs for the first shape, dynamic ones for the second, reused by the third;
+        # the same graph serves every layer (the weights are inputs, not constants).
+        assert len(graphs) == (2 if n == 0 else 4)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "llama3_rope"])
 def test_greedy_prefill_and_batched_decode_reproduce_hf_generate(arch: str) -> None:
     model = tiny(arch)

@@ -1,0 +1,102 @@
+"""A Llama-family decoder layer's math as pure functions of tensors, around the attention call.
+
+The runner (``model.LlamaRunner``) splits each layer at attention, which differs between prefill and decode
+and touches the KV cache: ``attention_inputs`` (input RMSNorm, the q/k/v projections, Qwen3's q/k norms,
+RoPE) and ``attention_output_and_mlp`` (o projection, residual, post-attention RMSNorm, SiLU-gated MLP,
+residual). Being pure, they can be ``torch.compile``d on their own: prefill runs them compiled when the
+engine compiles (one fused kernel per elementwise chain instead of ~7 eager passes over the (b * t, hidden)
+activations), while the decode step is compiled whole.
+
+The math follows transformers' modeling_llama / modeling_qwen2 / modeling_qwen3 op for op: RMSNorm in
+float32 then cast back before the weight multiply, RoPE in the compute dtype in HF's rotate-half convention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's bound tensors; each projection group is [fused] or [one per projection]."""
+
+    input_norm: torch.Tensor
+    qkv: list[torch.Tensor]
+    qkv_bias: list[torch.Tensor] | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: list[torch.Tensor]
+    o_bias: list[torch.Tensor] | None
+    post_norm: torch.Tensor
+    gate_up: list[torch.Tensor]
+    gate_up_bias: list[torch.Tensor] | None
+    down: list[torch.Tensor]
+    down_bias: list[torch.Tensor] | None
+
+
+@dataclass(frozen=True)
+class LayerDims:
+    """The shapes and constants every layer shares (static values for torch.compile)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    qkv_splits: tuple[int, ...]
+    mlp_splits: tuple[int, ...]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF RMSNorm: normalise in float32, cast back to the input dtype, then scale (the order matters in bf16)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE in HF's rotate-half convention: x (b, h, t, D), cos/sin (b, 1, t, D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def project(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor] | None, splits: tuple[int, ...]
+) -> list[torch.Tensor]:
+    """Apply a group of linear layers, fused (one weight, split after) or separate (one weight each)."""
+    if len(weights) == 1:
+        y = F.linear(x, weights[0], None if biases is None else biases[0])
+        return list(y.split(list(splits), dim=-1)) if len(splits) > 1 else [y]
+    biases = biases if biases is not None else [None] * len(weights)
+    return [F.linear(x, w, b) for w, b in zip(weights, biases)]
+
+
+def attention_inputs(
+    h: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, dims: LayerDims
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Norm, q/k/v projections and RoPE on h (b, t, hidden): q (b, H, t, D), k and v (b, KVH, t, D)."""
+    b, t, _ = h.shape
+    x = rms_norm(h, w.input_norm, dims.eps)
+    q, k, v = project(x, w.qkv, w.qkv_bias, dims.qkv_splits)
+    q = q.view(b, t, dims.num_heads, dims.head_dim)  # (b, t, H, D)
+    k = k.view(b, t, dims.num_kv_heads, dims.head_dim)  # (b, t, KVH, D)
+    v = v.view(b, t, dims.num_kv_heads, dims.head_dim).transpose(1, 2)  # (b, KVH, t, D)
+    if w.q_norm is not None:  # Qwen3: RMSNorm over each head's D before RoPE
+        q = rms_norm(q, w.q_norm, dims.eps)
+        k = rms_norm(k, w.k_norm, dims.eps)
+    return rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin), v
+
+
+def attention_output_and_mlp(
+    h: torch.Tensor, o: torch.Tensor, w: LayerWeights, dims: LayerDims
+) -> torch.Tensor:
+    """The rest of the layer: h (b, t, hidden) plus o's projection, then plus the MLP of its norm."""
+    b, t, _ = h.shape
+    o = o.transpose(1, 2).reshape(b, t, dims.num_heads * dims.head_dim)  # (b, H, t, D) -> (b, t, H * D)
+    h = h + project(o, w.o, w.o_bias, (0,))[0]
+    x = rms_norm(h, w.post_norm, dims.eps)
+    gate, up = project(x, w.gate_up, w.gate_up_bias, dims.mlp_splits)
+    return h + project(F.silu(gate) * up, w.down, w.down_bias, (0,))[0]
