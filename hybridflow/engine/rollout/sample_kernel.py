@@ -12,7 +12,7 @@ the ``.float()`` copy, the softmax, ``exponential_``, ``probs / noise`` and the 
   ``u * sum_j exp(z_j - max)``, the split whose running mass first passes it, then the column inside that
   split (one re-read of a few thousand logits). That is an exact draw from ``softmax(z)`` up to float32
   rounding of the running sums, with one exp per logit; the earlier Gumbel-max form needed a random number
-  and two logs per logit, which made it compute-bound (~160 us at batch 256 against ~40 us here).
+  and two logs per logit, which made it compute-bound (~160 us per step at batch 256 against ~54 us here).
 
 Randomness is Triton's counter-based Philox: key = the request's seed, counter = (row, step). Seed and step
 live in a device tensor (``make_rng_state``); the merge kernel advances the step after the split kernel has
