@@ -81,7 +81,7 @@ class ActorEngine:
         """The FSDP2-wrapped ``PolicyScorer`` (its ``.lm`` is the Hugging Face model)."""
         return self.engine.module
 
-    def _score(
+    def score(
         self, mb: Batch, temperature: float, with_entropy: bool, entropy_grad: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, R) log-probs (and entropy) on the device; ``mb`` stays on the host (indices built there)."""
@@ -97,7 +97,7 @@ class ActorEngine:
         """The named fields of a host micro-batch on the device (asynchronous copies)."""
         return {k: to_device(mb[k], self.engine.device) for k in keys if k in mb}
 
-    def _accumulate(self, micro_batch: int, num_micro_batches: int) -> None:
+    def accumulate_grads(self, micro_batch: int, num_micro_batches: int) -> None:
         """Set FSDP2's gradient sync / resharding for the coming backward (``TrainEngine.accumulate``)."""
         self.engine.accumulate(micro_batch, num_micro_batches, **self._accumulation)
 
@@ -118,7 +118,7 @@ class ActorEngine:
         parts = micro_batch_indices(batch, micro_batch_size, use_dynamic_bsz, max_token_len)
         logps, ents = [], []
         for idx in parts:  # results stay on the device: one copy to the host at the end, not one per part
-            lp, ent = self._score(batch[idx], temperature, with_entropy)
+            lp, ent = self.score(batch[idx], temperature, with_entropy)
             logps.append(lp)
             ents.append(ent)
         out = {"log_probs": restore_order(logps, parts).cpu()}
@@ -172,10 +172,10 @@ class ActorEngine:
         )
         for i, idx in enumerate(parts):
             mb = batch[idx]
-            logp, _ = self._score(mb, 1.0, with_entropy=False)  # (b, R)
+            logp, _ = self.score(mb, 1.0, with_entropy=False)  # (b, R)
             mask = to_device(mb["response_mask"], self.engine.device)
             loss = -agg_loss(logp, mask, "token-mean", dp_size=world_size(), **counts)
-            self._accumulate(i, len(parts))
+            self.accumulate_grads(i, len(parts))
             loss.backward()
             total += loss.detach().double() / world_size()  # on the device: no sync per micro-batch
         total = total.cpu()
@@ -222,7 +222,7 @@ class ActorEngine:
             dev = self._device_fields(mb, LOSS_KEYS)
             mask = dev["response_mask"]  # (b, R)
             # The entropy is always reported; it needs a gradient only when it is in the loss.
-            logp, ent = self._score(mb, temperature, True, entropy_grad=a.entropy_coeff != 0)  # (b, R) each
+            logp, ent = self.score(mb, temperature, True, entropy_grad=a.entropy_coeff != 0)  # (b, R) each
             old = logp.detach() if on_policy else dev["old_log_probs"]
             weights = dev.get("rollout_is_weights")
             pg_loss, pg_metrics = loss_fn(old, logp, dev["advantages"], mask, a.loss_agg_mode, cfg, weights)
@@ -250,7 +250,7 @@ class ActorEngine:
         )
         totals: dict[str, torch.Tensor] = {}  # float64 sums on the device: one host copy per mini-batch
         for i, (loss, metrics) in enumerate(self._micro_losses(mini, parts, temperature, on_policy, cfg)):
-            self._accumulate(i, len(parts))
+            self.accumulate_grads(i, len(parts))
             loss.backward()
             for key, value in metrics.items():
                 value = torch.as_tensor(value, device=self.engine.device).detach().double()

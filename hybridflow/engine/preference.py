@@ -8,6 +8,8 @@ number of ranks or micro-batches. Reference log-probs come in as per-sequence va
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from hybridflow.algos.preference import dpo_loss, kto_kl_estimate, kto_loss, sequence_logps
@@ -15,6 +17,9 @@ from hybridflow.config.preference import PreferenceConfig
 from hybridflow.engine.micro_batch import check_batch, fixed_micro_batches
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import all_reduce_sum, world_size
+
+if TYPE_CHECKING:  # for annotations only
+    from hybridflow.engine.actor import ActorEngine
 
 PAIR_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "ref_seq_logps")
 DPO_METRICS = (
@@ -75,13 +80,13 @@ def _kto_micro(
 
 
 @torch.no_grad()
-def kto_reference_point(engine, batch: Batch, micro_rows: int) -> torch.Tensor:
+def kto_reference_point(engine: ActorEngine, batch: Batch, micro_rows: int) -> torch.Tensor:
     """z0: the policy/reference KL on the mismatched pairs (odd rows), over all ranks, clamped and detached."""
     kl = batch[list(range(1, len(batch), 2))]
     total = torch.zeros((), dtype=torch.float64)
     for idx in fixed_micro_batches(len(kl), micro_rows):
         mb = kl[idx]
-        logp, _ = engine._score(mb, 1.0, with_entropy=False)  # (b, R)
+        logp, _ = engine.score(mb, 1.0, with_entropy=False)  # (b, R)
         seq = sequence_logps(logp, mb["response_mask"].to(logp.device))
         total += (seq.cpu().double() - mb["ref_seq_logps"].double()).sum()
     total, count = all_reduce_sum(total), int(all_reduce_sum(torch.tensor(float(len(kl)))))
@@ -89,7 +94,7 @@ def kto_reference_point(engine, batch: Batch, micro_rows: int) -> torch.Tensor:
 
 
 def update_preference(
-    engine, batch: Batch, p: PreferenceConfig, kind: str, micro_pairs: int
+    engine: ActorEngine, batch: Batch, p: PreferenceConfig, kind: str, micro_pairs: int
 ) -> dict[str, float]:
     """One optimizer step of DPO/IPO (``kind="dpo"``) or KTO (``kind="kto"``) over this rank's pairs."""
     check_batch(batch, PAIR_KEYS + (("labels",) if kind == "kto" else ()))
@@ -105,12 +110,12 @@ def update_preference(
     totals: dict[str, torch.Tensor] = {}
     for i, idx in enumerate(parts):
         mb = batch[idx]
-        logp, _ = engine._score(mb, 1.0, with_entropy=False)  # (b, R)
+        logp, _ = engine.score(mb, 1.0, with_entropy=False)  # (b, R)
         if kind == "kto":
             loss, sums = _kto_micro(logp, mb, p, pairs, z0.to(logp.device))
         else:
             loss, sums = _dpo_micro(logp, mb, p, pairs, chosen_tokens)
-        engine._accumulate(i, len(parts))
+        engine.accumulate_grads(i, len(parts))
         (
             loss * world_size()
         ).backward()  # FSDP averages gradients over ranks; the loss is a global sum already
