@@ -6,10 +6,10 @@ parameters' (fp32 masters, bf16 generation) each weight is cast once into a buff
 construction, and ``refresh()`` copies the current values into those buffers in place, so their addresses
 (and any CUDA graph captured on them) stay valid across train/generate switches.
 
-The math follows transformers' modeling_llama / modeling_qwen2 / modeling_qwen3 op for op: RMSNorm in
-float32 then cast back before the weight multiply, RoPE tables computed in float32 from the module's own
+The math follows transformers' modeling_llama / modeling_qwen2 / modeling_qwen3 op for op (the layer's
+pieces around attention are in ``blocks``): RoPE tables computed in float32 from the module's own
 ``rotary_emb`` (which carries rope scaling such as llama3's or yarn's ``attention_scaling``) and cast to the
-compute dtype, SiLU-gated MLP, attention through SDPA with ``enable_gqa=True`` so K/V are never repeated.
+compute dtype, attention through SDPA with ``enable_gqa=True`` so K/V are never repeated.
 Decode attention on CUDA in bf16/fp16 uses the split-K Triton kernel of ``decode_attention`` instead, which
 reads each slot only up to its own position.
 """
@@ -197,11 +197,9 @@ class LlamaRunner:
         attn, mlp = layer.self_attn, layer.mlp
         qkv_mods = [attn.q_proj, attn.k_proj, attn.v_proj]
         rows = [local_tensor(m.weight).shape[0] for m in [*qkv_mods, mlp.gate_proj, mlp.up_proj]]
-        if rows != self._qkv_splits + self._mlp_splits:
-            raise ValueError(
-                f"q/k/v/gate/up projections have {rows} rows; the config implies "
-                f"{self._qkv_splits + self._mlp_splits}"
-            )
+        want = [*self.dims.qkv_splits, *self.dims.mlp_splits]
+        if rows != want:
+            raise ValueError(f"q/k/v/gate/up projections have {rows} rows; the config implies {want}")
         qkv = self._bind([(m, "weight") for m in qkv_mods])
         gate_up = self._bind([(mlp.gate_proj, "weight"), (mlp.up_proj, "weight")])
 
@@ -235,15 +233,15 @@ class LlamaRunner:
         self._memo: dict[tuple, list[torch.Tensor]] = {}
         self._aliases: list[tuple[torch.Tensor, nn.Module, str]] = []  # zero-copy: (tensor, module, name)
         self._copies: list[tuple[torch.Tensor, nn.Module, str]] = []  # cast buffers: (view, module, name)
-        self._qkv_splits = [d * self.head_dim for d in (self.num_heads, self.num_kv_heads, self.num_kv_heads)]
-        self._mlp_splits = [self.config.intermediate_size] * 2
         self.dims = LayerDims(
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
             self.eps,
-            tuple(self._qkv_splits),
-            tuple(self._mlp_splits),
+            qkv_splits=tuple(
+                d * self.head_dim for d in (self.num_heads, self.num_kv_heads, self.num_kv_heads)
+            ),
+            mlp_splits=(self.config.intermediate_size,) * 2,
         )
         base = self._model.model
         self.embed = self._bind([(base.embed_tokens, "weight")])[0]
