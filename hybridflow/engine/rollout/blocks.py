@@ -75,9 +75,12 @@ def project(
 
 
 def attention_inputs(
-    h: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, dims: LayerDims
+    h: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, dims: LayerDims, rope: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Norm, q/k/v projections and RoPE on h (b, t, hidden): q (b, H, t, D), k and v (b, KVH, t, D)."""
+    """Norm, q/k/v projections and RoPE on h (b, t, hidden): q (b, H, t, D), k and v (b, KVH, t, D).
+
+    ``rope=False`` returns q and k before RoPE, for an attention kernel that applies it itself.
+    """
     b, t, _ = h.shape
     x = rms_norm(h, w.input_norm, dims.eps)
     q, k, v = project(x, w.qkv, w.qkv_bias, dims.qkv_splits)
@@ -87,7 +90,10 @@ def attention_inputs(
     if w.q_norm is not None:  # Qwen3: RMSNorm over each head's D before RoPE
         q = rms_norm(q, w.q_norm, dims.eps)
         k = rms_norm(k, w.k_norm, dims.eps)
-    return rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin), v
+    q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, H, t, D), (b, KVH, t, D)
+    if not rope:
+        return q, k, v
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
 
 
 def attention_output_and_mlp(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -72,21 +73,28 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        Q, K, V, POS, OUT, LSE,
+        Q, K, V, POS, OUT, LSE, KNEW, VNEW, COS, SIN,
         stride_qb, stride_qh, stride_qd,
         stride_kb, stride_kh, stride_kl, stride_kd,
         stride_vb, stride_vh, stride_vl, stride_vd,
         stride_ob, stride_oh, stride_os, stride_od,
         stride_lb, stride_lh,
+        stride_nb, stride_nh, stride_nd, stride_cb, stride_cd,
         stride_pos, qk_scale, length_cap, split_len,
-        G: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
+        G: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, FUSED: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
-        """One (row, KV head, split): online softmax over the split's visible positions for G query heads."""
+        """One (row, KV head, split): online softmax over the split's visible positions for G query heads.
+
+        FUSED: q and the new token's k arrive before RoPE (applied here from the row's cos/sin, in float32
+        and rounded once to the cache dtype, as the compiled torch path does), the split that holds the
+        row's position writes the new k and v into the cache, and that position is attended from registers.
+        """
         b = tl.program_id(0).to(tl.int64)  # row offsets exceed 2^31 elements for large caches
         kvh = tl.program_id(1)
         split = tl.program_id(2)
-        length = tl.minimum(tl.load(POS + b * stride_pos).to(tl.int32) + 1, length_cap)
+        pos = tl.load(POS + b * stride_pos).to(tl.int32)
+        length = tl.minimum(pos + 1, length_cap)
         lo = split * split_len
         hi = tl.minimum(lo + split_len, length)  # hi <= lo: an empty split (row shorter than this chunk)
         offs_g = tl.arange(0, BLOCK_G)
@@ -95,11 +103,37 @@ if triton is not None:
         g_ok = offs_g < G
         d_ok = offs_d < D
         heads = kvh * G + offs_g  # query head h reads KV head h // G (SDPA's enable_gqa convention)
-        q = tl.load(
-            Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-            mask=g_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )  # (BLOCK_G, BLOCK_D); padded heads are zeros, harmless and never stored
+        q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh
+        q_mask = g_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_ptr + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)  # (BLOCK_G, BLOCK_D)
+        # padded heads are zeros, harmless and never stored
+        if FUSED:
+            # rotate-half RoPE: x * cos + (-x[D/2:], x[:D/2]) * sin
+            swap = tl.where(offs_d < D // 2, offs_d + D // 2, offs_d - D // 2)
+            sign = tl.where(offs_d < D // 2, -1.0, 1.0)
+            cos = tl.load(COS + b * stride_cb + offs_d * stride_cd, mask=d_ok, other=0.0).to(tl.float32)
+            sin = tl.load(SIN + b * stride_cb + offs_d * stride_cd, mask=d_ok, other=0.0).to(tl.float32)
+            q_swap = tl.load(q_ptr + swap[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
+            q = q.to(tl.float32) * cos[None, :] + sign[None, :] * q_swap * sin[None, :]
+            q = q.to(Q.dtype.element_ty)
+            n_ptr = KNEW + b * stride_nb + kvh * stride_nh
+            k_new = tl.load(n_ptr + offs_d * stride_nd, mask=d_ok, other=0.0).to(tl.float32)
+            k_swap = tl.load(n_ptr + swap * stride_nd, mask=d_ok, other=0.0).to(tl.float32)
+            k_new = (k_new * cos + sign * k_swap * sin).to(K.dtype.element_ty)  # (BLOCK_D,)
+            v_new = tl.load(VNEW + b * stride_nb + kvh * stride_nh + offs_d * stride_nd, mask=d_ok, other=0.0)
+            mine = (pos >= lo) & (pos < lo + split_len) & (pos < length_cap)
+            write = d_ok & (offs_d * 0 + mine.to(tl.int32) > 0)  # (BLOCK_D,) a vector mask
+            tl.store(
+                K + b * stride_kb + kvh * stride_kh + pos * stride_kl + offs_d * stride_kd,
+                k_new,
+                mask=write,
+            )
+            tl.store(
+                V + b * stride_vb + kvh * stride_vh + pos * stride_vl + offs_d * stride_vd,
+                v_new,
+                mask=write,
+            )
+            hi = tl.minimum(hi, pos)  # the cache holds positions < pos; pos itself comes from registers
         if UPCAST:
             q = q.to(tl.float32)
         k_base = K + b * stride_kb + kvh * stride_kh + offs_d[None, :] * stride_kd
@@ -125,6 +159,15 @@ if triton is not None:
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
+        if FUSED:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if mine:  # the new token, one more step of the same online softmax
+                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale  # (BLOCK_G,)
+                m_new = tl.maximum(m, s_new)
+                alpha = tl.exp2(m - m_new)
+                p_new = tl.exp2(s_new - m_new)
+                den = den * alpha + p_new
+                acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+                m = m_new
         out = acc / tl.where(den > 0, den, 1.0)[:, None]  # an empty split stores zeros with lse = -inf
         o_ptr = (
             OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :] * stride_od
@@ -209,6 +252,34 @@ def split_layout(
     return math.ceil(length / split_len), split_len
 
 
+class NewToken(NamedTuple):
+    """The decode step's new token for the fused kernel: k and v (B, KVH, 1, D) before RoPE, cos/sin (B, D)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def _check_new_token(new: NewToken, batch: int, kv_heads: int, dim: int) -> None:
+    """Shapes the fused kernel indexes with shared strides: k and v alike, cos and sin alike."""
+    kv_shape, table_shape = (batch, kv_heads, 1, dim), (batch, dim)
+    if (
+        new.k.shape != kv_shape
+        or new.v.shape != kv_shape
+        or new.k.stride() != new.v.stride()
+        or new.cos.shape != table_shape
+        or new.sin.shape != table_shape
+        or new.cos.stride() != new.sin.stride()
+        or dim % 2
+    ):
+        raise ValueError(
+            f"fused decode attention expects k, v {kv_shape} with equal strides and cos, sin {table_shape} "
+            f"with equal strides (even D); got k {tuple(new.k.shape)}, v {tuple(new.v.shape)}, "
+            f"cos {tuple(new.cos.shape)}, sin {tuple(new.sin.shape)}"
+        )
+
+
 def decode_attention_triton(
     q: torch.Tensor,  # (B, H, 1, D)
     k_cache: torch.Tensor,  # (S >= B, KVH, L, D)
@@ -216,6 +287,7 @@ def decode_attention_triton(
     positions: torch.Tensor,  # (B,) int
     scale: float,
     *,
+    new: NewToken | None = None,
     block_n: int | None = None,
     num_splits: int | None = None,
     num_warps: int | None = None,
@@ -223,6 +295,8 @@ def decode_attention_triton(
 ) -> torch.Tensor:
     """Launch the split-K kernel (and the merge); returns (B, H, 1, D) in q's dtype.
 
+    With ``new`` (the step's un-rotated k, its v, and the rows' cos/sin), q is un-rotated too: the kernel
+    applies RoPE, writes k and v at ``positions`` into the caches, and attends to them (``FUSED``).
     Tuning args are keyword-only; None takes ``launch_config`` / ``default_num_splits``.
     """
     if triton is None:
@@ -242,6 +316,8 @@ def decode_attention_triton(
         )
     if q.device.type == "cuda" and q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"the decode attention kernel takes bf16 or fp16 on CUDA, got {q.dtype}")
+    if new is not None:
+        _check_new_token(new, batch, kv_heads, dim)
     default_n, default_warps, default_stages = launch_config(batch, kv_heads, q.device)
     block_n = block_n or default_n
     num_warps = num_warps or default_warps
@@ -259,13 +335,16 @@ def decode_attention_triton(
         part_strides, lse_strides = part.stride(), lse.stride()[:2]
     block_d = max(16, triton.next_power_of_2(dim))  # tl.dot needs every dimension >= 16
     group = heads // kv_heads
+    k_new, v_new, cos, sin = new if new is not None else (q, q, q, q)  # unread placeholders when not fused
     _split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, positions, part, lse,
+        q, k_cache, v_cache, positions, part, lse, k_new, v_new, cos, sin,
         q.stride(0), q.stride(1), q.stride(3),
         *k_cache.stride(), *v_cache.stride(),
         *part_strides, *lse_strides,
+        k_new.stride(0), k_new.stride(1), k_new.stride(-1), cos.stride(0), cos.stride(-1),
         positions.stride(0), scale * _LOG2E, length, split_len,
         G=group, D=dim, DIRECT=direct, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
+        FUSED=new is not None,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
@@ -290,4 +369,52 @@ def decode_attention(
 
 @decode_attention.register_fake
 def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, scale: float):
+    return q.new_empty(q.shape)
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in float32, rounded once to x's dtype: x (B, h, 1, D), cos/sin (B, D)."""
+    xf, half = x.float(), x.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos[:, None, None].float() + rotated * sin[:, None, None].float()).to(x.dtype)
+
+
+def decode_attention_rope_reference(
+    q: torch.Tensor,  # (B, H, 1, D) before RoPE
+    new: NewToken,
+    k_cache: torch.Tensor,  # (S >= B, KVH, L, D), written at positions
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,  # (B,) int
+    scale: float,
+) -> torch.Tensor:
+    """The fused kernel's semantics in torch: RoPE on q and k, write k and v at ``positions``, attend."""
+    rows = torch.arange(q.shape[0], device=q.device)
+    k_cache[rows, :, positions] = rope_reference(new.k, new.cos, new.sin)[:, :, 0]
+    v_cache[rows, :, positions] = new.v[:, :, 0]
+    return decode_attention_reference(rope_reference(q, new.cos, new.sin), k_cache, v_cache, positions, scale)
+
+
+@torch.library.custom_op("hybridflow::decode_attention_rope", mutates_args=("kv_storage",))
+def decode_attention_rope(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_storage: torch.Tensor,
+    layer: int,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The fused kernel as an op on layer ``layer`` of the whole cache (layers, 2, S, KVH, L, D) -> (B, H, 1, D).
+
+    It takes the cache's one tensor rather than the layer's K and V views: views of one storage as separate
+    mutated arguments make torch.compile clone the storage around each call (seen in inductor's output).
+    """
+    new = NewToken(k_new, v_new, cos, sin)
+    return decode_attention_triton(q, kv_storage[layer, 0], kv_storage[layer, 1], positions, scale, new=new)
+
+
+@decode_attention_rope.register_fake
+def _(q, k_new, v_new, cos, sin, kv_storage, layer, positions, scale):  # the op's signature
     return q.new_empty(q.shape)

@@ -66,6 +66,13 @@ class KVCache:
         return 2 * num_layers * num_kv_heads * head_dim * itemsize
 
     @property
+    def storage(self) -> torch.Tensor:
+        """The one (layers, 2, S, KVH, L, D) tensor behind every per-layer view (K at [:, 0], V at [:, 1])."""
+        if self._storage is None:
+            raise ValueError("the KV cache was freed; allocate a new KVCache before using it")
+        return self._storage
+
+    @property
     def is_allocated(self) -> bool:
         """Whether the cache still holds its memory (false after ``free()``)."""
         return self._storage is not None

@@ -321,25 +321,35 @@ class LlamaRunner:
             torch.compile(blocks.attention_output_and_mlp, fullgraph=True, backend=backend),
         )
 
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (b, 1, t, D) for (b, t) positions, exactly as HF: float32 angles, then the dtype."""
+        freqs = positions[..., None].float() * self.inv_freq  # (b, t, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (b, t, D)
+        cos = (emb.cos() * self.attention_scaling).to(self.dtype)[:, None]  # (b, 1, t, D)
+        sin = (emb.sin() * self.attention_scaling).to(self.dtype)[:, None]
+        return cos, sin
+
     def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, prefill: bool
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend,
+        prefill: bool,
+        rope: bool = True,
     ) -> torch.Tensor:
         """Embed (b, t) ids at (b, t) positions and run all layers; returns pre-norm hidden (b, t, hidden).
 
         Each layer is ``attention_inputs``, ``attend`` (writes the cache, runs attention), then
         ``attention_output_and_mlp``; prefill uses the compiled pair when ``compile_prefill`` was called.
+        ``rope=False`` hands q and k to ``attend`` before RoPE (the fused decode kernel applies it).
         """
         pre, post = (
             self._prefill_blocks if prefill else (blocks.attention_inputs, blocks.attention_output_and_mlp)
         )
         h = F.embedding(input_ids, self.embed)  # (b, t, hidden)
-        # RoPE exactly as HF: float32 angles, cos/sin scaled by attention_scaling, then cast to the dtype.
-        freqs = positions[..., None].float() * self.inv_freq  # (b, t, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (b, t, D)
-        cos = (emb.cos() * self.attention_scaling).to(h.dtype)[:, None]  # (b, 1, t, D)
-        sin = (emb.sin() * self.attention_scaling).to(h.dtype)[:, None]  # (b, 1, t, D)
+        cos, sin = self._rope_tables(positions)
         for idx, w in enumerate(self.layers):
-            q, k, v = pre(h, w, cos, sin, self.dims)
+            q, k, v = pre(h, w, cos, sin, self.dims, rope)
             h = post(h, attend(idx, q, k, v), w, self.dims)
         return h
 
@@ -440,15 +450,23 @@ class LlamaRunner:
             raise ValueError(
                 f"decode batch {batch} must be <= {cache.num_slots} slots, kv_len {kv_len} in [1, {cache.max_len}]"
             )
+        if self._decode_attention == "triton":
+            # One Triton kernel per layer applies RoPE to q and k, writes k and v into the slot at positions[b],
+            # and attends up to it. The registered op, looked up on torch.ops (the setter imported its module):
+            # under torch.compile dynamo records one opaque call and never traces into the Triton launch.
+            kernel = torch.ops.hybridflow.decode_attention_rope.default
+            cos, sin = (t[:, 0, 0] for t in self._rope_tables(positions[:, None]))  # (B, D) each
+
+            def fused(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return kernel(q, k, v, cos, sin, cache.storage, idx, positions, self.scaling)
+
+            h = self._forward(input_ids[:, None], positions[:, None], fused, prefill=False, rope=False)
+            return self._logits(h[:, 0])  # (B, V)
+
         slot_ids = torch.arange(batch, device=self.device)  # (B,)
-        # The registered op, looked up on torch.ops (the setter imported its module): under torch.compile
-        # dynamo records one opaque call and never traces into the Triton launch.
-        kernel = torch.ops.hybridflow.decode_attention.default if self._decode_attention == "triton" else None
-        mask = None
-        if kernel is None:
-            mask = (torch.arange(kv_len, device=self.device) <= positions[:, None])[
-                :, None, None, :
-            ]  # (B, 1, 1, L)
+        mask = (torch.arange(kv_len, device=self.device) <= positions[:, None])[
+            :, None, None, :
+        ]  # (B, 1, 1, L)
 
         def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_cache, v_cache = cache.k[idx], cache.v[idx]  # (S, KVH, L, D)
@@ -456,8 +474,6 @@ class LlamaRunner:
             v_cache[slot_ids, :, positions] = v[:, :, 0]
             keys = k_cache[:batch, :, :kv_len]  # (B, KVH, L, D)
             values = v_cache[:batch, :, :kv_len]
-            if kernel is not None:  # reads row b only up to positions[b]
-                return kernel(q, keys, values, positions, self.scaling)
             return F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
             )

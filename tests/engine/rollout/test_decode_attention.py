@@ -89,6 +89,42 @@ def test_kernel_in_half_precision_and_strided_inputs(dtype: torch.dtype) -> None
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
+def _new_token(batch: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int) -> da.NewToken:
+    """Un-rotated k and v (B, KVH, 1, D) as strided views of one projection output, and cos/sin (B, D)."""
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(batch, 1, 2 * kv_heads * dim, generator=gen).to(DEVICE, dtype)  # (B, 1, 2 KVH D)
+    k, v = (x.view(batch, 1, kv_heads, dim).transpose(1, 2) for x in kv.split(kv_heads * dim, dim=-1))
+    angles = torch.rand(batch, dim // 2, generator=gen) * 6.0
+    emb = torch.cat((angles, angles), dim=-1)
+    return da.NewToken(k, v, emb.cos().to(DEVICE, dtype), emb.sin().to(DEVICE, dtype))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kernel_applies_rope_writes_the_cache_and_attends(dtype: torch.dtype) -> None:
+    # Ragged positions (0, 1, L - 1, random) over splits of 16 positions: the split holding a row's position
+    # writes k and v there and attends to it from registers; positions past it hold NaN and stay unread.
+    (q, k, v), positions = _case(5, 7, 2, 48, 32, dtype, seed=11)
+    new = _new_token(5, 2, 32, dtype, seed=12)
+    k_ref, v_ref = k.clone(), v.clone()
+    want = da.decode_attention_rope_reference(q, new, k_ref, v_ref, positions, 32**-0.5)
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for splits in (1, 3):
+        k_got, v_got = _poison(k, positions - 1), _poison(v, positions - 1)  # NaN from each row's position on
+        got = da.decode_attention_triton(
+            q, k_got, v_got, positions, 32**-0.5, new=new, block_n=16, num_splits=splits
+        )
+        torch.testing.assert_close(got.float(), want.float(), **tol, msg=f"splits={splits}")
+        rows = torch.arange(5, device=DEVICE)
+        # The CPU interpreter truncates float32 -> bf16 where the GPU rounds to nearest: one bf16 ulp there.
+        exact = dict(atol=0, rtol=0 if dtype == torch.float32 or DEVICE == "cuda" else 2**-7)
+        torch.testing.assert_close(k_got[rows, :, positions], k_ref[rows, :, positions], **exact)
+        torch.testing.assert_close(v_got[rows, :, positions], v_ref[rows, :, positions], atol=0, rtol=0)
+        assert not torch.isnan(got).any()
+    with pytest.raises(ValueError, match="fused decode attention expects"):
+        da.decode_attention_triton(q, k, v, positions, 0.1, new=new._replace(cos=new.cos[:, :16]))
+
+
 @needs_kernel
 def test_custom_op_passes_opcheck_and_compiles_fullgraph() -> None:
     (q, k, v), positions = _case(3, 2, 2, 20, 32, torch.float16 if DEVICE == "cuda" else torch.float32)
@@ -100,6 +136,26 @@ def test_custom_op_passes_opcheck_and_compiles_fullgraph() -> None:
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")  # dynamo must not trace the launch
     torch.testing.assert_close(compiled(q, positions), step(q, positions))
+
+
+@needs_kernel
+def test_fused_op_mutates_only_the_cache_and_compiles_fullgraph() -> None:
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    (q, _, _), positions = _case(3, 2, 2, 20, 32, dtype, seed=5)
+    new = _new_token(3, 2, 32, dtype, seed=6)
+    storage = torch.randn(2, 2, 5, 2, 20, 32, generator=torch.Generator().manual_seed(7)).to(DEVICE, dtype)
+    op = torch.ops.hybridflow.decode_attention_rope.default
+    torch.library.opcheck(op, (q, *new, storage.clone(), 1, positions, 0.3))  # declared mutation = actual
+
+    def step(q: torch.Tensor, storage: torch.Tensor) -> torch.Tensor:
+        return op(q * 2, *new, storage, 1, positions, 0.3) + 1
+
+    eager_storage, compiled_storage = storage.clone(), storage.clone()
+    want = step(q, eager_storage)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")  # dynamo must not trace the launch
+    torch.testing.assert_close(compiled(q, compiled_storage), want)
+    torch.testing.assert_close(compiled_storage, eager_storage)  # the write reached the caller's tensor
+    assert not torch.equal(compiled_storage, storage)
 
 
 @needs_kernel
