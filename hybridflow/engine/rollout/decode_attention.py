@@ -79,7 +79,7 @@ if triton is not None:
         stride_vb, stride_vh, stride_vl, stride_vd,
         stride_ob, stride_oh, stride_os, stride_od,
         stride_lb, stride_lh,
-        stride_nb, stride_nh, stride_nd, stride_cb, stride_cd,
+        stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd, stride_cb, stride_cd,
         stride_pos, qk_scale, length_cap, split_len,
         G: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, FUSED: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -93,8 +93,8 @@ if triton is not None:
         b = tl.program_id(0).to(tl.int64)  # row offsets exceed 2^31 elements for large caches
         kvh = tl.program_id(1)
         split = tl.program_id(2)
-        pos = tl.load(POS + b * stride_pos).to(tl.int32)
-        length = tl.minimum(pos + 1, length_cap)
+        row_pos = tl.load(POS + b * stride_pos).to(tl.int32)
+        length = tl.minimum(row_pos + 1, length_cap)
         lo = split * split_len
         hi = tl.minimum(lo + split_len, length)  # hi <= lo: an empty split (row shorter than this chunk)
         offs_g = tl.arange(0, BLOCK_G)
@@ -116,24 +116,27 @@ if triton is not None:
             q_swap = tl.load(q_ptr + swap[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
             q = q.to(tl.float32) * cos[None, :] + sign[None, :] * q_swap * sin[None, :]
             q = q.to(Q.dtype.element_ty)
-            n_ptr = KNEW + b * stride_nb + kvh * stride_nh
-            k_new = tl.load(n_ptr + offs_d * stride_nd, mask=d_ok, other=0.0).to(tl.float32)
-            k_swap = tl.load(n_ptr + swap * stride_nd, mask=d_ok, other=0.0).to(tl.float32)
+            n_ptr = KNEW + b * stride_knb + kvh * stride_knh
+            k_new = tl.load(n_ptr + offs_d * stride_knd, mask=d_ok, other=0.0).to(tl.float32)
+            k_swap = tl.load(n_ptr + swap * stride_knd, mask=d_ok, other=0.0).to(tl.float32)
             k_new = (k_new * cos + sign * k_swap * sin).to(K.dtype.element_ty)  # (BLOCK_D,)
-            v_new = tl.load(VNEW + b * stride_nb + kvh * stride_nh + offs_d * stride_nd, mask=d_ok, other=0.0)
-            mine = (pos >= lo) & (pos < lo + split_len) & (pos < length_cap)
+            v_ptr = VNEW + b * stride_vnb + kvh * stride_vnh
+            v_new = tl.load(v_ptr + offs_d * stride_vnd, mask=d_ok, other=0.0)
+            mine = (row_pos >= lo) & (row_pos < lo + split_len) & (row_pos < length_cap)
             write = d_ok & (offs_d * 0 + mine.to(tl.int32) > 0)  # (BLOCK_D,) a vector mask
             tl.store(
-                K + b * stride_kb + kvh * stride_kh + pos * stride_kl + offs_d * stride_kd,
+                K + b * stride_kb + kvh * stride_kh + row_pos * stride_kl + offs_d * stride_kd,
                 k_new,
                 mask=write,
             )
             tl.store(
-                V + b * stride_vb + kvh * stride_vh + pos * stride_vl + offs_d * stride_vd,
+                V + b * stride_vb + kvh * stride_vh + row_pos * stride_vl + offs_d * stride_vd,
                 v_new,
                 mask=write,
             )
-            hi = tl.minimum(hi, pos)  # the cache holds positions < pos; pos itself comes from registers
+            hi = tl.minimum(
+                hi, row_pos
+            )  # the cache holds positions < row_pos; row_pos itself comes from registers
         if UPCAST:
             q = q.to(tl.float32)
         k_base = K + b * stride_kb + kvh * stride_kh + offs_d[None, :] * stride_kd
@@ -262,21 +265,24 @@ class NewToken(NamedTuple):
 
 
 def _check_new_token(new: NewToken, batch: int, kv_heads: int, dim: int) -> None:
-    """Shapes the fused kernel indexes with shared strides: k and v alike, cos and sin alike."""
+    """Shapes the fused kernel indexes; cos and sin share strides (only those of dims longer than 1 count)."""
     kv_shape, table_shape = (batch, kv_heads, 1, dim), (batch, dim)
+
+    def used_strides(t: torch.Tensor) -> tuple[int, ...]:
+        return tuple(st for st, n in zip(t.stride(), t.shape) if n > 1)
+
     if (
         new.k.shape != kv_shape
         or new.v.shape != kv_shape
-        or new.k.stride() != new.v.stride()
         or new.cos.shape != table_shape
         or new.sin.shape != table_shape
-        or new.cos.stride() != new.sin.stride()
+        or used_strides(new.cos) != used_strides(new.sin)
         or dim % 2
     ):
         raise ValueError(
-            f"fused decode attention expects k, v {kv_shape} with equal strides and cos, sin {table_shape} "
-            f"with equal strides (even D); got k {tuple(new.k.shape)}, v {tuple(new.v.shape)}, "
-            f"cos {tuple(new.cos.shape)}, sin {tuple(new.sin.shape)}"
+            f"fused decode attention expects k, v {kv_shape} and cos, sin {table_shape} with equal strides "
+            f"(even D); got k {tuple(new.k.shape)}, v {tuple(new.v.shape)}, cos {tuple(new.cos.shape)}, "
+            f"sin {tuple(new.sin.shape)}"
         )
 
 
@@ -341,7 +347,8 @@ def decode_attention_triton(
         q.stride(0), q.stride(1), q.stride(3),
         *k_cache.stride(), *v_cache.stride(),
         *part_strides, *lse_strides,
-        k_new.stride(0), k_new.stride(1), k_new.stride(-1), cos.stride(0), cos.stride(-1),
+        k_new.stride(0), k_new.stride(1), k_new.stride(-1), v_new.stride(0), v_new.stride(1), v_new.stride(-1),
+        cos.stride(0), cos.stride(-1),
         positions.stride(0), scale * _LOG2E, length, split_len,
         G=group, D=dim, DIRECT=direct, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
         FUSED=new is not None,

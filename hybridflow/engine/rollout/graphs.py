@@ -46,7 +46,6 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.warm: set[int] = set()
         self.pool = torch.cuda.graph_pool_handle()
-        self.stream = torch.cuda.Stream()  # capture needs a side stream; replays run on the current one
 
     def bucket(self, batch: int) -> int:
         """The smallest bucket that holds ``batch`` rows."""
@@ -67,14 +66,8 @@ class DecodeGraphs:
         if self.generator is not None:
             graph.register_generator_state(self.generator)
         torch.cuda.synchronize()
-        # Not ``torch.cuda.graph(...)``: it empties the allocator's cache before each capture, which hands
-        # this call's prefill blocks back to the driver only for the next prefill to cudaMalloc them again.
-        with torch.cuda.stream(self.stream):
-            graph.capture_begin(pool=self.pool)
-            try:
-                self.step(b)
-            finally:
-                graph.capture_end()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.step(b)
         self.graphs[b] = graph
         graph.replay()  # capture records without running: run the step now
         logger.debug("captured a decode graph for batch %d", b)

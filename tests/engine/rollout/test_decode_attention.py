@@ -106,6 +106,9 @@ def test_fused_kernel_applies_rope_writes_the_cache_and_attends(dtype: torch.dty
     # writes k and v there and attends to it from registers; positions past it hold NaN and stay unread.
     (q, k, v), positions = _case(5, 7, 2, 48, 32, dtype, seed=11)
     new = _new_token(5, 2, 32, dtype, seed=12)
+    new = new._replace(
+        v=new.v.contiguous()
+    )  # k a strided view, v its own layout (Qwen3's normed k is the other way)
     k_ref, v_ref = k.clone(), v.clone()
     want = da.decode_attention_rope_reference(q, new, k_ref, v_ref, positions, 32**-0.5)
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
@@ -158,9 +161,27 @@ def test_fused_op_mutates_only_the_cache_and_compiles_fullgraph() -> None:
     assert not torch.equal(compiled_storage, storage)
 
 
+def _qwen3() -> torch.nn.Module:
+    """A tiny Qwen3: q/k norms make k its own tensor, laid out unlike v (a view of the projection)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(2)
+    config = Qwen3Config(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+    )  # fmt: skip
+    return Qwen3ForCausalLM(config).eval()
+
+
 @needs_kernel
-def test_runner_decode_with_the_kernel_equals_sdpa() -> None:
-    model = build_tiny_model("qwen2", vocab_size=64, hidden_size=64, num_attention_heads=4, seed=2).to(DEVICE)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_runner_decode_with_the_kernel_equals_sdpa(arch: str) -> None:
+    if arch == "qwen3":
+        model = _qwen3().to(DEVICE)
+    else:
+        model = build_tiny_model("qwen2", vocab_size=64, hidden_size=64, num_attention_heads=4, seed=2).to(
+            DEVICE
+        )
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     runner = LlamaRunner(model, dtype=dtype)
     assert runner.decode_attention == ("triton" if DEVICE == "cuda" else "sdpa")
