@@ -13,8 +13,13 @@ mean context is 384 in the issue-4 benchmark) and ran at ~1/5 of the HBM rooflin
   sync, so it runs inside CUDA-graph capture; softmax in float32 (base 2, the scale folded with log2(e)),
   bf16/fp16 in and out (float32 too, in the CPU interpreter only: compiled dots would be TF32).
 
-``decode_attention`` is a ``torch.library`` custom op with a fake implementation, so ``torch.compile``
-(``fullgraph=True``) treats it as one opaque call instead of tracing into the Triton launch.
+* fused mode (``new=NewToken(...)``, what the runner's decode uses): q and the step's k arrive before RoPE;
+  the kernel rotates them, writes the new k and v into slot b at ``positions[b]`` and attends to that
+  position from registers, so RoPE, the cache write and attention are one launch per layer.
+
+``decode_attention`` and ``decode_attention_rope`` (fused) are ``torch.library`` custom ops with fake
+implementations, so ``torch.compile`` (``fullgraph=True``) treats each as one opaque call instead of tracing
+into the Triton launch.
 """
 
 from __future__ import annotations

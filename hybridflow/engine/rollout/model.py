@@ -11,7 +11,7 @@ pieces around attention are in ``blocks``): RoPE tables computed in float32 from
 ``rotary_emb`` (which carries rope scaling such as llama3's or yarn's ``attention_scaling``) and cast to the
 compute dtype, attention through SDPA with ``enable_gqa=True`` so K/V are never repeated.
 Decode attention on CUDA in bf16/fp16 uses the split-K Triton kernel of ``decode_attention`` instead, which
-reads each slot only up to its own position.
+reads each slot only up to its own position and also applies RoPE and writes the step's k and v.
 """
 
 from __future__ import annotations
