@@ -440,8 +440,9 @@ class LlamaRunner:
         """One decode step for the sequences in cache slots 0..B-1; returns logits (B, V) (see ``_logits``).
 
         Token b is written at ``positions[b]`` of slot b and attends to positions <= positions[b]. Shapes
-        depend only on B and ``kv_len`` (default: the cache length; a smaller bound that exceeds every
-        position reads less of the cache), with no host sync or value-dependent branch: CUDA-graph safe.
+        depend only on B and ``kv_len`` (default: the cache length; for the SDPA backend a smaller bound that
+        exceeds every position reads less of the cache, while the Triton kernel always reads each row only
+        up to its position), with no host sync or value-dependent branch: CUDA-graph safe.
         """
         self._check_cache(cache)
         batch = input_ids.shape[0]
