@@ -9,6 +9,7 @@ state says "done", so they write only scratch columns and stale cache positions.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -29,22 +30,38 @@ def buckets(max_batch: int) -> list[int]:
     return sorted({s for s in sizes if s < max_batch} | {max_batch})
 
 
+@functools.cache
+def _capture_stream(device_index: int) -> torch.cuda.Stream:
+    """One side stream per device for every capture in the process.
+
+    Capture cannot run on the legacy default stream. A new stream per ``generate`` would also cost memory
+    for good: cuBLAS keeps a workspace per stream it has run on.
+    """
+    return torch.cuda.Stream(device_index)
+
+
 class DecodeGraphs:
     """Runs ``step(b)`` (one decode step over slots [0, b)) through a CUDA graph per bucket.
 
-    The first step at a bucket runs eagerly (it warms up kernels, cuBLAS workspaces and any compilation);
-    the next one captures the graph and every later one replays it. Graphs hold the cache and state tensors,
+    The first step at a bucket runs eagerly (it warms up kernels, cuBLAS workspaces and any compilation)
+    unless ``warm`` says an earlier call already did; the next one captures the graph and every later one
+    replays it. Graphs hold the cache and state tensors,
     so they live for one ``generate`` call.
     """
 
     def __init__(
-        self, step: Callable[[int], None], max_batch: int, generator: torch.Generator | None
+        self,
+        step: Callable[[int], None],
+        max_batch: int,
+        generator: torch.Generator | None,
+        warm: set[int] | None = None,
     ) -> None:
         self.step = step
         self.sizes = buckets(max_batch)
         self.generator = generator
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.warm: set[int] = set()
+        # Buckets already run eagerly once; pass the caller's set to share it across calls (it is updated).
+        self.warm: set[int] = set() if warm is None else warm
         self.pool = torch.cuda.graph_pool_handle()
 
     def bucket(self, batch: int) -> int:
@@ -66,8 +83,14 @@ class DecodeGraphs:
         if self.generator is not None:
             graph.register_generator_state(self.generator)
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.step(b)
+        # Not ``torch.cuda.graph(...)``: it empties the allocator's cache before each capture, which hands
+        # this call's prefill blocks back to the driver only for the next generate to cudaMalloc them again.
+        with torch.cuda.stream(_capture_stream(torch.cuda.current_device())):
+            graph.capture_begin(pool=self.pool)
+            try:
+                self.step(b)
+            finally:
+                graph.capture_end()
         self.graphs[b] = graph
         graph.replay()  # capture records without running: run the step now
         logger.debug("captured a decode graph for batch %d", b)

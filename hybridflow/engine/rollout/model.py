@@ -386,13 +386,14 @@ class LlamaRunner:
         Row i's valid tokens ``input_ids[i, :lengths[i]]`` sit at positions start_pos[i] + j. Their K/V are
         written into the slot; a chunk with start_pos > 0 continues a chunked prefill and attends to its
         slot's cached prefix as well as causally to itself. Logits are float32 (the compute dtype when
-        ``float_logits`` is False). Not graph-captured: it syncs with the host for input checks and for the
-        indices of the valid tokens.
+        ``float_logits`` is False). Not graph-captured. ``lengths``, ``slots`` and ``start_pos`` are checked and
+        indexed on the host: pass them as CPU tensors and the call never waits for the GPU (device tensors
+        cost a sync), so the host queues the next chunk while the GPU still runs this one.
         """
         self._check_cache(cache)
         b, t = input_ids.shape
-        lengths, slots, start_pos = (x.to(self.device, torch.long) for x in (lengths, slots, start_pos))
-        lens, starts, slot_list = lengths.tolist(), start_pos.tolist(), slots.tolist()
+        host = [x.detach().to("cpu", torch.long) for x in (lengths, slots, start_pos)]
+        lens, slot_list, starts = (x.tolist() for x in host)
         if any(n < 1 or n > t for n in lens) or any(s < 0 for s in starts):
             raise ValueError(f"prefill lengths must be in [1, {t}] and start_pos >= 0; got {lens}, {starts}")
         kv_end = max(s + n for s, n in zip(starts, lens))
@@ -401,9 +402,10 @@ class LlamaRunner:
         if len(set(slot_list)) != b or not all(0 <= s < cache.num_slots for s in slot_list):
             raise ValueError(f"prefill slots must be distinct and in [0, {cache.num_slots}); got {slot_list}")
 
-        steps = torch.arange(t, device=self.device)
-        positions = start_pos[:, None] + steps  # (b, t)
-        rows, cols = (steps[None] < lengths[:, None]).nonzero(as_tuple=True)  # (n,) each: valid tokens
+        valid = torch.arange(t)[None] < host[0][:, None]  # (b, t) on the host
+        rows, cols = (x.to(self.device) for x in valid.nonzero(as_tuple=True))  # (n,) each: valid tokens
+        lengths, slots, start_pos = (x.to(self.device) for x in host)
+        positions = start_pos[:, None] + torch.arange(t, device=self.device)  # (b, t)
         write_slots, write_pos = slots[rows], positions[rows, cols]  # (n,)
         fresh = not any(starts)
         mask = None

@@ -67,13 +67,16 @@ def test_reference_equals_masked_sdpa_with_gqa() -> None:
 @pytest.mark.parametrize("dim", [32, 64])
 def test_kernel_matches_reference_for_ragged_rows(group: int, dim: int) -> None:
     # L = 70 with 16-position blocks: a masked tail in the last block, and splits that end past a row's length.
-    (q, k, v), positions = _case(4, group, 2, 70, dim, torch.float32, seed=group * dim)
+    # float32 runs only in the interpreter (the GPU kernel takes half precision): float16 on CUDA.
+    dtype = torch.float32 if DEVICE == "cpu" else torch.float16
+    tol = 2e-5 if dtype == torch.float32 else 2e-3
+    (q, k, v), positions = _case(4, group, 2, 70, dim, dtype, seed=group * dim)
     ref = da.decode_attention_reference(q, k, v, positions, dim**-0.5)
     k_bad, v_bad = _poison(k, positions), _poison(v, positions)
     for splits in (1, 3, None):  # one split (direct store), three, and the default for this shape
         got = da.decode_attention_triton(q, k_bad, v_bad, positions, dim**-0.5, block_n=16, num_splits=splits)
         assert got.shape == q.shape and got.dtype == q.dtype
-        torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5, msg=f"splits={splits}")
+        torch.testing.assert_close(got, ref, atol=tol, rtol=tol, msg=f"splits={splits}")
 
 
 @needs_kernel
@@ -102,6 +105,8 @@ def _new_token(batch: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: in
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_kernel_applies_rope_writes_the_cache_and_attends(dtype: torch.dtype) -> None:
+    if dtype == torch.float32 and DEVICE == "cuda":
+        pytest.skip("float32 runs only in the interpreter; the GPU kernel takes bf16 or fp16")
     # Ragged positions (0, 1, L - 1, random) over splits of 16 positions: the split holding a row's position
     # writes k and v there and attends to it from registers; positions past it hold NaN and stay unread.
     (q, k, v), positions = _case(5, 7, 2, 48, 32, dtype, seed=11)
