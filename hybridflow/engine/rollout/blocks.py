@@ -3,9 +3,9 @@
 The runner (``model.LlamaRunner``) splits each layer at attention, which differs between prefill and decode
 and touches the KV cache: ``attention_inputs`` (input RMSNorm, the q/k/v projections, Qwen3's q/k norms,
 RoPE) and ``attention_output_and_mlp`` (o projection, residual, post-attention RMSNorm, SiLU-gated MLP,
-residual). Being pure, they can be ``torch.compile``d on their own: prefill runs them compiled when the
-engine compiles (one fused kernel per elementwise chain instead of ~7 eager passes over the (b * t, hidden)
-activations), while the decode step is compiled whole.
+residual). Being pure functions of tensors, they trace cleanly into ``torch.compile``: when the engine
+compiles, prefill's layers run as one compiled graph per chunk shape and the decode step as one per batch
+bucket (one fused kernel per elementwise chain instead of ~7 eager passes over the activations).
 
 The math follows transformers' modeling_llama / modeling_qwen2 / modeling_qwen3 op for op: RMSNorm in
 float32 then cast back before the weight multiply, RoPE in the compute dtype in HF's rotate-half convention.

@@ -128,3 +128,27 @@ class KVCache:
         if src == dst or length == 0:
             return
         self._storage[:, :, dst, :, :length] = self._storage[:, :, src, :, :length]
+
+
+@torch.library.custom_op("hybridflow::write_kv", mutates_args=("kv_storage",))
+def write_kv(
+    k: torch.Tensor,  # (n, KVH, D)
+    v: torch.Tensor,  # (n, KVH, D)
+    kv_storage: torch.Tensor,  # (layers, 2, S, KVH, L, D)
+    layer: int,
+    slots: torch.Tensor,  # (n,)
+    positions: torch.Tensor,  # (n,)
+) -> None:
+    """Write n tokens' k and v into ``layer`` of the whole cache tensor, token i at (slots[i], positions[i]).
+
+    An op on the cache's one tensor (as ``hybridflow::decode_attention_rope``), so that a compiled prefill
+    updates the cache in place instead of cloning it around the write.
+    """
+    kv_storage[layer, 0, slots, :, positions] = k
+    kv_storage[layer, 1, slots, :, positions] = v
+
+
+@write_kv.register_fake
+def _(k, v, kv_storage, layer, slots, positions):  # the op's signature
+    return None
+

@@ -26,7 +26,7 @@ from torch import nn
 
 from hybridflow.engine.rollout import blocks
 from hybridflow.engine.rollout.blocks import LayerDims, LayerWeights
-from hybridflow.engine.rollout.kv_cache import KVCache
+from hybridflow.engine.rollout.kv_cache import KVCache, write_kv
 from hybridflow.engine.rollout.weights import join_in_place, local_tensor, reshard_fsdp
 
 logger = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class LlamaRunner:
         # False: prefill/decode return logits in the compute dtype, for a consumer that upcasts as it reads
         # (the rollout engine's fused sampler); saves a float32 copy of (B, V) per step.
         self.float_logits = True
-        self._prefill_blocks = (blocks.attention_inputs, blocks.attention_output_and_mlp)
+        self._prefill_layers = self._prefill_hidden  # compile_prefill() swaps in a compiled one
         self._bind_all()
 
     # ---- weight binding -------------------------------------------------------------------------------
@@ -310,16 +310,14 @@ class LlamaRunner:
     # ---- forward -------------------------------------------------------------------------------------
 
     def compile_prefill(self, backend: str | Callable = "inductor") -> None:
-        """Run prefill's per-layer math through ``torch.compile`` (GPU): one fused kernel per elementwise chain.
+        """Run prefill's layers through ``torch.compile`` as one graph (GPU): fused elementwise chains, and one
+        call from Python per chunk instead of dozens per layer.
 
         Shapes are left to dynamo's automatic dynamic: the first chunk shape compiles static, a second one
         recompiles with dynamic sizes, and later shapes reuse it. Decode is not affected (the engine compiles
         the whole decode step instead).
         """
-        self._prefill_blocks = (
-            torch.compile(blocks.attention_inputs, fullgraph=True, backend=backend),
-            torch.compile(blocks.attention_output_and_mlp, fullgraph=True, backend=backend),
-        )
+        self._prefill_layers = torch.compile(self._prefill_hidden, fullgraph=True, backend=backend)
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin (b, 1, t, D) for (b, t) positions, exactly as HF: float32 angles, then the dtype."""
@@ -330,28 +328,58 @@ class LlamaRunner:
         return cos, sin
 
     def _forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attend: Attend,
-        prefill: bool,
-        rope: bool = True,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, rope: bool = True
     ) -> torch.Tensor:
         """Embed (b, t) ids at (b, t) positions and run all layers; returns pre-norm hidden (b, t, hidden).
 
         Each layer is ``attention_inputs``, ``attend`` (writes the cache, runs attention), then
-        ``attention_output_and_mlp``; prefill uses the compiled pair when ``compile_prefill`` was called.
-        ``rope=False`` hands q and k to ``attend`` before RoPE (the fused decode kernel applies it).
+        ``attention_output_and_mlp``. ``rope=False`` hands q and k to ``attend`` before RoPE (the fused
+        decode kernel applies it).
         """
-        pre, post = (
-            self._prefill_blocks if prefill else (blocks.attention_inputs, blocks.attention_output_and_mlp)
-        )
         h = F.embedding(input_ids, self.embed)  # (b, t, hidden)
         cos, sin = self._rope_tables(positions)
         for idx, w in enumerate(self.layers):
-            q, k, v = pre(h, w, cos, sin, self.dims, rope)
-            h = post(h, attend(idx, q, k, v), w, self.dims)
+            q, k, v = blocks.attention_inputs(h, w, cos, sin, self.dims, rope)
+            h = blocks.attention_output_and_mlp(h, attend(idx, q, k, v), w, self.dims)
         return h
+
+    def _prefill_hidden(
+        self,
+        input_ids: torch.Tensor,  # (b, t)
+        positions: torch.Tensor,  # (b, t)
+        rows: torch.Tensor,  # (n,) with cols: the valid tokens
+        cols: torch.Tensor,  # (n,)
+        slots: torch.Tensor,  # (b,)
+        kv_storage: torch.Tensor,  # (layers, 2, S, KVH, L, D)
+        kv_end: int | None,
+    ) -> torch.Tensor:
+        """Prefill's layers: hidden (b, t, hidden), each layer's K/V of the valid tokens written to the cache.
+
+        ``kv_end=None``: a fresh chunk. Right padding only appends keys after every valid query, so plain
+        causal attention on the chunk is exact for the valid rows (and lets SDPA use its flash kernel).
+        Otherwise the chunk continues a chunked prefill: it attends to its slot's cached positions below
+        ``kv_end``, key position <= query position.
+        """
+        write_slots, write_pos = slots[rows], positions[rows, cols]  # (n,)
+        mask = None
+        if kv_end is not None:
+            mask = (
+                torch.arange(kv_end, device=positions.device) <= positions[:, None, :, None]
+            )  # (b, 1, t, kv_end)
+
+        def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            write_kv(k[rows, :, cols], v[rows, :, cols], kv_storage, idx, write_slots, write_pos)  # (n, KVH, D)
+            if mask is None:
+                return F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True
+                )
+            keys = kv_storage[idx, 0][slots, :, :kv_end]  # (b, KVH, kv_end, D)
+            values = kv_storage[idx, 1][slots, :, :kv_end]
+            return F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
+            )
+
+        return self._forward(input_ids, positions, attend)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on (b, hidden) -> logits (b, V): float32, or the compute dtype (float_logits)."""
@@ -406,32 +434,10 @@ class LlamaRunner:
         rows, cols = (x.to(self.device) for x in valid.nonzero(as_tuple=True))  # (n,) each: valid tokens
         lengths, slots, start_pos = (x.to(self.device) for x in host)
         positions = start_pos[:, None] + torch.arange(t, device=self.device)  # (b, t)
-        write_slots, write_pos = slots[rows], positions[rows, cols]  # (n,)
-        fresh = not any(starts)
-        mask = None
-        if not fresh:
-            # A continuation chunk sees its slot's prefix and itself causally: key position <= query position.
-            mask = (
-                torch.arange(kv_end, device=self.device) <= positions[:, None, :, None]
-            )  # (b, 1, t, kv_end)
-
-        def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            k_cache, v_cache = cache.k[idx], cache.v[idx]  # (S, KVH, L, D)
-            k_cache[write_slots, :, write_pos] = k[rows, :, cols]  # (n, KVH, D)
-            v_cache[write_slots, :, write_pos] = v[rows, :, cols]
-            if fresh:
-                # Right padding only appends keys after every valid query, so plain causal attention on the
-                # chunk is exact for the valid rows (and lets SDPA use its flash kernel).
-                return F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True
-                )
-            keys = k_cache[slots, :, :kv_end]  # (b, KVH, kv_end, D)
-            values = v_cache[slots, :, :kv_end]
-            return F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
-            )
-
-        h = self._forward(input_ids.to(self.device), positions, attend, prefill=True)  # (b, t, hidden)
+        kv_bound = None if not any(starts) else kv_end
+        h = self._prefill_layers(
+            input_ids.to(self.device), positions, rows, cols, slots, cache.storage, kv_bound
+        )  # (b, t, hidden)
         last = h[torch.arange(b, device=self.device), lengths - 1]  # (b, hidden)
         return self._logits(last)
 
@@ -463,7 +469,7 @@ class LlamaRunner:
             def fused(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return kernel(q, k, v, cos, sin, cache.storage, idx, positions, self.scaling)
 
-            h = self._forward(input_ids[:, None], positions[:, None], fused, prefill=False, rope=False)
+            h = self._forward(input_ids[:, None], positions[:, None], fused, rope=False)
             return self._logits(h[:, 0])  # (B, V)
 
         slot_ids = torch.arange(batch, device=self.device)  # (B,)
@@ -481,5 +487,5 @@ class LlamaRunner:
                 q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
             )
 
-        h = self._forward(input_ids[:, None], positions[:, None], attend, prefill=False)  # (B, 1, hidden)
+        h = self._forward(input_ids[:, None], positions[:, None], attend)  # (B, 1, hidden)
         return self._logits(h[:, 0])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from dist_util import run_world
@@ -108,6 +110,10 @@ def test_hf_engine_gives_the_same_greedy_tokens() -> None:
 
 def rollout_then_score(rank: int, temperature: float) -> float:
     """Sample on the FSDP2-wrapped actor's own weights, then recompute log-probs with the training engine."""
+    # The acceptance check is float32 on the CPU. On a GPU host the trainer would compute in bf16 (fsdp
+    # param_dtype auto) against float32 generation; test_engine_gpu.py covers that pairing. This process
+    # has not touched CUDA yet, so hiding the devices here keeps it on the CPU.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from hybridflow.config.schema import ActorConfig
     from hybridflow.engine.actor import ActorEngine
     from hybridflow.protocol import Batch

@@ -160,9 +160,17 @@ def test_compiled_prefill_equals_eager_and_settles_on_dynamic_shapes(arch: str) 
             compiled.prefill(ids, lens, slots, starts, caches[1]), want, atol=1e-5, rtol=0
         )
         torch.testing.assert_close(caches[1].k[-1], caches[0].k[-1], atol=1e-5, rtol=0)
-        # Two functions: static graphs for the first shape, dynamic ones for the second, reused by the third;
-        # the same graph serves every layer (the weights are inputs, not constants).
-        assert len(graphs) == (2 if n == 0 else 4)
+        # One graph for all layers: static for the first shape, dynamic for the second, reused by the third.
+        assert len(graphs) == (1 if n == 0 else 2)
+    # Chunked prefill: the continuation attends to its slot's cached prefix (the other graph variant).
+    seqs = prompts([13, 4], seed=7)
+    caches = [r.make_cache(3, 24) for r in (eager, compiled)]
+    outs = []
+    for runner, cache in zip((eager, compiled), caches):
+        runner.prefill(*right_pad([seqs[0][:8], seqs[1]]), longs(2, 0), longs(0, 0), cache)
+        outs.append(runner.prefill(*right_pad([seqs[0][8:]]), longs(2), longs(8), cache))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(caches[1].storage, caches[0].storage, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "llama3_rope"])
