@@ -87,17 +87,13 @@ if triton is not None:
         stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd, stride_cb, stride_cd,
         stride_pos, qk_scale, length_cap, split_len,
         G: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, FUSED: tl.constexpr,
-        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         """One (row, KV head, split): online softmax over the split's visible positions for G query heads.
 
         FUSED: q and the new token's k arrive before RoPE (applied here from the row's cos/sin, in float32
         and rounded once to the cache dtype, as the compiled torch path does), the split that holds the
         row's position writes the new k and v into the cache, and that position is attended from registers.
-
-        PDL (launched as a programmatic dependent launch): the programs start while the previous kernel (the
-        q/k/v projection) still runs and wait for it only after reading the row's position, which an
-        earlier step wrote; nothing is written before the wait.
         """
         b = tl.program_id(0).to(tl.int64)  # row offsets exceed 2^31 elements for large caches
         kvh = tl.program_id(1)
@@ -106,8 +102,6 @@ if triton is not None:
         length = tl.minimum(row_pos + 1, length_cap)
         lo = split * split_len
         hi = tl.minimum(lo + split_len, length)  # hi <= lo: an empty split (row shorter than this chunk)
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # q, k and v of this step come from the kernel before
         offs_g = tl.arange(0, BLOCK_G)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
@@ -221,24 +215,6 @@ if triton is not None:
             out.to(OUT.dtype.element_ty),
             mask=offs_d < D,
         )
-
-
-# Programmatic dependent launch of the fused kernel (settable: probes compare with and without it).
-USE_PDL = True
-
-
-def supports_pdl(device: torch.device) -> bool:
-    """Whether the fused kernel launches as a programmatic dependent launch: compiled (not interpreted), on
-    a CUDA device of compute capability 9.0 or newer (Hopper), and ``USE_PDL``."""
-    if not USE_PDL or device.type != "cuda" or _interpreting():
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index) >= (9, 0)
-
-
-@functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
 
 
 @functools.cache
@@ -371,8 +347,6 @@ def decode_attention_triton(
     block_d = max(16, triton.next_power_of_2(dim))  # tl.dot needs every dimension >= 16
     group = heads // kv_heads
     k_new, v_new, cos, sin = new if new is not None else (q, q, q, q)  # unread placeholders when not fused
-    # Only the fused mode may overlap the kernel before: unfused, that kernel may have written the cache.
-    pdl = new is not None and supports_pdl(q.device)
     _split_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, positions, part, lse, k_new, v_new, cos, sin,
         q.stride(0), q.stride(1), q.stride(3),
@@ -383,8 +357,8 @@ def decode_attention_triton(
         positions.stride(0), scale * _LOG2E, length, split_len,
         G=group, D=dim, DIRECT=direct, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
         FUSED=new is not None,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d, PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if not direct:
         _combine_kernel[(batch, heads)](
