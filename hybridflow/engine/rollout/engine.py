@@ -188,6 +188,8 @@ class RolloutEngine:
             while not sched.done:
                 for call in sched.admit():
                     self._prefill(call, cache, state, pick, max_len)
+                if graphs is not None and sched.num_running:
+                    graphs.prepare(sched.num_running)  # captures while the GPU runs the prefill just queued
                 steps = self._steps_before_sync(state, sched.num_running, params)
                 for _ in range(steps):
                     if graphs is not None:

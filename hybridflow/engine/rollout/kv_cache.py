@@ -151,4 +151,3 @@ def write_kv(
 @write_kv.register_fake
 def _(k, v, kv_storage, layer, slots, positions):  # the op's signature
     return None
-

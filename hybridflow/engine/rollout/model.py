@@ -368,7 +368,8 @@ class LlamaRunner:
             )  # (b, 1, t, kv_end)
 
         def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            write_kv(k[rows, :, cols], v[rows, :, cols], kv_storage, idx, write_slots, write_pos)  # (n, KVH, D)
+            k_valid, v_valid = k[rows, :, cols], v[rows, :, cols]  # (n, KVH, D)
+            write_kv(k_valid, v_valid, kv_storage, idx, write_slots, write_pos)
             if mask is None:
                 return F.scaled_dot_product_attention(
                     q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True

@@ -222,7 +222,7 @@ def fused_sample_triton(
     *,
     block: int | None = None,
     num_splits: int | None = None,
-    num_warps: int = 8,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the split and merge kernels; returns (tokens (B,) int64, logprobs (B,) float32).
 
