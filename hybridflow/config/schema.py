@@ -109,7 +109,7 @@ class RolloutConfig:
     enforce_eager: bool = option(False, "Disable CUDA graphs for decode (debugging).")
     compile_decode: bool = option(
         False,
-        "torch.compile the decode step and prefill's layer math (GPU): ~2x decode, tens of seconds per bucket.",
+        "torch.compile decode steps and prefill layers (GPU): ~2x decode, tens of seconds per bucket.",
     )
     log_prob_micro_batch_size_per_gpu: int = option(
         16, "Sequences per GPU per forward when recomputing old log-probs."
