@@ -150,6 +150,34 @@ def test_sampled_logprobs_equal_the_trainers_recomputation() -> None:
     assert run_world(1, rollout_then_score, 0.7)[0] < 1e-5
 
 
+def test_compiled_bookkeeping_equals_eager_and_is_reused_by_the_next_call() -> None:
+    # The engine compiles DecodeState.record per bucket; each generate call makes a new DecodeState. The
+    # graph must not guard on the object (a recompile would then run at graph capture).
+    from hybridflow.engine.rollout.engine import _compiled_per_bucket
+    from hybridflow.engine.rollout.state import DecodeState
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    record = _compiled_per_bucket(DecodeState.record, num_buckets=12, backend=backend)
+    for call in range(2):
+        states = [DecodeState(4, 5, stop_ids=[3], eos_ids=[2], device=torch.device("cpu")) for _ in range(2)]
+        for state in states:
+            state.start(torch.arange(4), torch.tensor([1, 2, 3, 4]), max_len=6)
+        for step, tokens in enumerate(([2, 3, 7, 8], [9, 9, 9, 9], [5, 6, 7, 8])):
+            tokens, logprobs = torch.tensor(tokens), torch.full((4,), -0.5 - step - call)
+            record(states[0], slice(0, 4), tokens, logprobs, True)
+            states[1].record(slice(0, 4), tokens, logprobs, advance=True)
+        for name in ("last_token", "position", "gen_len", "done", "reason", "tokens", "logprobs"):
+            torch.testing.assert_close(getattr(states[0], name), getattr(states[1], name), msg=name)
+        assert states[0].reason.tolist() == [1, 2, 3, 3]  # eos, stop, then length (limits 3 and 2)
+    assert len(graphs) == 1
+
+
 def test_compiled_decode_gets_a_graph_for_every_bucket_past_dynamos_default_limit() -> None:
     from hybridflow.engine.rollout.engine import _compiled_per_bucket
 
