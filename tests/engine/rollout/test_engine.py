@@ -150,19 +150,25 @@ def test_sampled_logprobs_equal_the_trainers_recomputation() -> None:
     assert run_world(1, rollout_then_score, 0.7)[0] < 1e-5
 
 
+def recording_backend() -> tuple[list, object]:
+    """A fresh dynamo state and a torch.compile backend that records each graph it gets and runs it as is."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    return graphs, backend
+
+
 def test_compiled_bookkeeping_equals_eager_and_is_reused_by_the_next_call() -> None:
     # The engine compiles DecodeState.record per bucket; each generate call makes a new DecodeState. The
     # graph must not guard on the object (a recompile would then run at graph capture).
     from hybridflow.engine.rollout.engine import _compiled_per_bucket
     from hybridflow.engine.rollout.state import DecodeState
 
-    torch._dynamo.reset()
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
+    graphs, backend = recording_backend()
     record = _compiled_per_bucket(DecodeState.record, num_buckets=12, backend=backend)
     for call in range(2):
         states = [DecodeState(4, 5, stop_ids=[3], eos_ids=[2], device=torch.device("cpu")) for _ in range(2)]
@@ -181,12 +187,7 @@ def test_compiled_bookkeeping_equals_eager_and_is_reused_by_the_next_call() -> N
 def test_compiled_decode_gets_a_graph_for_every_bucket_past_dynamos_default_limit() -> None:
     from hybridflow.engine.rollout.engine import _compiled_per_bucket
 
-    torch._dynamo.reset()
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    graphs, backend = recording_backend()
 
     def step(x: torch.Tensor) -> torch.Tensor:
         return x * 2 + 1
