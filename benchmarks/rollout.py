@@ -1,6 +1,7 @@
 """Generated tokens/s of the built-in rollout engine against HF ``generate`` (GPU; not a timed test).
 
-    python benchmarks/rollout.py --batches 64 256 --prompt-len 128 --new-tokens 512 [--compile] [--sdpa] [--hf-tokens 64]
+    python benchmarks/rollout.py --batches 64 256 --prompt-len 128 --new-tokens 512 [--compile] [--sdpa]
+        [--fused-down] [--hf-tokens 64]
 
 Qwen2.5-0.5B shape, random weights, bf16, fixed lengths (``ignore_eos``). Each configuration runs once to
 warm up (kernels, CUDA graphs, compilation) and is then timed ``--repeats`` times; the median is reported.
@@ -94,31 +95,40 @@ def main() -> None:
     ap.add_argument(
         "--sdpa", action="store_true", help="also time decode attention as masked SDPA (no Triton kernel)"
     )
+    ap.add_argument(
+        "--fused-down",
+        action="store_true",
+        help="also time decode with SiLU * up and the down projection in one split-K Triton kernel",
+    )
     ap.add_argument("--hf-tokens", type=int, default=64)
     args = ap.parse_args()
     model = build_model()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    print(f"{'batch':>6} {'engine':>22} {'tok/s':>10} {'roofline':>9} {'of roofline':>12}")
-    variants = [("graphs", dict(compile_decode=False), None)]
+    print(f"{'batch':>6} {'engine':>30} {'tok/s':>10} {'roofline':>9} {'of roofline':>12}")
+    # (name, engine kwargs, runner settings)
+    variants = [("graphs", dict(compile_decode=False), {})]
     if args.compile:
-        variants.append(("graphs+compile", dict(compile_decode=True), None))
+        variants.append(("graphs+compile", dict(compile_decode=True), {}))
+    base = list(variants)
     if args.sdpa:
-        variants += [(f"{name}, sdpa", kw, "sdpa") for name, kw, _ in variants]
+        variants += [(f"{name}, sdpa", kw, dict(decode_attention="sdpa")) for name, kw, _ in base]
+    if args.fused_down:
+        variants += [(f"{name}, fused down", kw, dict(fused_down=True)) for name, kw, _ in base]
     g = torch.Generator().manual_seed(0)
     for batch in args.batches:
         prompts = torch.randint(100, 150000, (batch, args.prompt_len), generator=g).tolist()
         params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=0)
         roof = roofline_tokens_per_s(model, batch, args.prompt_len, args.new_tokens)
-        for name, kw, attention in variants:
+        for name, kw, settings in variants:
             engine = RolloutEngine(model, max_num_seqs=batch, gpu_memory_utilization=0.9, **kw)
-            if attention is not None:
-                engine.runner.decode_attention = attention
+            for key, value in settings.items():
+                setattr(engine.runner, key, value)
             tps = time_engine(engine, prompts, params, args.repeats)
-            print(f"{batch:>6} {name:>22} {tps:>10,.0f} {roof:>9,.0f} {tps / roof:>11.1%}", flush=True)
+            print(f"{batch:>6} {name:>30} {tps:>10,.0f} {roof:>9,.0f} {tps / roof:>11.1%}", flush=True)
         if args.hf_tokens:
             tps = time_hf(model, prompts, args.hf_tokens)
             print(
-                f"{batch:>6} {'HF generate (' + str(args.hf_tokens) + ' tok)':>22} {tps:>10,.0f} {roof:>9,.0f} "
+                f"{batch:>6} {'HF generate (' + str(args.hf_tokens) + ' tok)':>30} {tps:>10,.0f} {roof:>9,.0f} "
                 f"{tps / roof:>11.1%}",
                 flush=True,
             )
