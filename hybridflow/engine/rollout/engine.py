@@ -13,10 +13,11 @@ from torch import nn
 
 from hybridflow.engine.rollout.graphs import DecodeGraphs, buckets
 from hybridflow.engine.rollout.kv_cache import KVCache
-from hybridflow.engine.rollout.model import LlamaRunner, supports
+from hybridflow.engine.rollout.model import LlamaRunner
 from hybridflow.engine.rollout.sampling import SamplingParams, make_generator, sample
 from hybridflow.engine.rollout.scheduler import PrefillChunk, PromptGroup, SlotScheduler
 from hybridflow.engine.rollout.state import REASONS, DecodeState
+from hybridflow.engine.rollout.support import supports
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ from transformers import (
 )
 
 from hybridflow.engine.rollout.kv_cache import KVCache
-from hybridflow.engine.rollout.model import LlamaRunner, check_supported, supports
+from hybridflow.engine.rollout.model import LlamaRunner
+from hybridflow.engine.rollout.support import check_supported, supports
 from hybridflow.models import build_tiny_model
 
 VOCAB = 96
