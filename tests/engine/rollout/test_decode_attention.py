@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_util import needs_kernels
 
 from hybridflow.engine.rollout import decode_attention as da
 from hybridflow.engine.rollout.model import LlamaRunner
@@ -17,20 +18,7 @@ from hybridflow.models import build_tiny_model
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _interpreted_here() -> bool:
-    """Whether both triton's library and our kernels were built for the interpreter in this process."""
-    if not da._interpreting():
-        return False
-    import triton.language as tl
-
-    return type(tl.zeros).__name__ == "InterpretedFunction"
-
-
-KERNEL_HERE = da.available() and (DEVICE == "cuda" or _interpreted_here())
-needs_kernel = pytest.mark.skipif(
-    not KERNEL_HERE,
-    reason="needs triton (pip install triton); on CPU, TRITON_INTERPRET=1 set before triton is imported",
-)
+needs_kernel = needs_kernels(da)
 
 
 def _case(batch: int, group: int, kv_heads: int, length: int, dim: int, dtype: torch.dtype, seed: int = 0):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_util import needs_kernels
 
 from hybridflow.engine.rollout import mlp_kernel as mk
 from hybridflow.engine.rollout.model import LlamaRunner
@@ -13,19 +14,7 @@ from hybridflow.models import build_tiny_model
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _interpreted_here() -> bool:
-    """Whether both triton's library and our kernel were built for the interpreter in this process."""
-    if not mk._interpreting():
-        return False
-    import triton.language as tl
-
-    return type(tl.zeros).__name__ == "InterpretedFunction"
-
-
-needs_kernel = pytest.mark.skipif(
-    not (mk.available() and (DEVICE == "cuda" or _interpreted_here())),
-    reason="needs triton (pip install triton); on CPU, TRITON_INTERPRET=1 set before triton is imported",
-)
+needs_kernel = needs_kernels(mk)
 # float32 runs only in the interpreter (compiled dots would be TF32): half precision on CUDA.
 EXACT = torch.float32 if DEVICE == "cpu" else torch.float16
 

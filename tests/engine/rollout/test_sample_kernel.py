@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from triton_util import needs_kernels
 
 from hybridflow.engine.rollout import sample_kernel as sk
 from hybridflow.engine.rollout.engine import RolloutEngine
@@ -19,19 +20,7 @@ from hybridflow.models import build_tiny_model
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _interpreted_here() -> bool:
-    """Whether triton's language was built for the interpreter in this process."""
-    if not sk.available():
-        return False
-    import triton.language as tl
-
-    return type(tl.zeros).__name__ == "InterpretedFunction"
-
-
-needs_kernel = pytest.mark.skipif(
-    not (sk.available() and (DEVICE == "cuda" or _interpreted_here())),
-    reason="needs triton (pip install triton); on CPU, TRITON_INTERPRET=1 set before triton is imported",
-)
+needs_kernel = needs_kernels(sk)
 pytestmark = needs_kernel
 
 
