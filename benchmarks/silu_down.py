@@ -52,10 +52,31 @@ def sweep(gate: torch.Tensor, up: torch.Tensor, weights: list[torch.Tensor]) -> 
             continue
         kw = dict(block_m=bm, block_n=bn, block_k=bk, num_splits=splits, num_warps=warps, num_stages=stages)
         try:
-            rows.append((graph_us(lambda kw=kw: [mk.silu_down_triton(gate, up, w, **kw) for w in weights], 10), kw))
-        except Exception as err:  # noqa: BLE001 (a config may not fit in shared memory: skip it)
+            rows.append(
+                (graph_us(lambda kw=kw: [mk.silu_down_triton(gate, up, w, **kw) for w in weights], 10), kw)
+            )
+        except Exception as err:  # a config may not fit in shared memory: skip it
             print(f"  skipped {kw}: {type(err).__name__}")
     return sorted(rows, key=lambda r: r[0])
+
+
+def report(rows: int, weights: list[torch.Tensor], gen: torch.Generator, with_sweep: bool) -> None:
+    """Time the cuBLAS path and the kernel at ``rows`` rows; print the line (and the sweep's best)."""
+    gate_up = torch.randn(rows, 2 * INNER, device="cuda", generator=gen, dtype=torch.bfloat16)
+    gate, up = gate_up.split(INNER, dim=-1)  # (rows, INNER) views, as the engine passes them
+    want = mk.silu_down_reference(gate, up, weights[0])
+    err = (mk.silu_down_triton(gate, up, weights[0]).sum(0) - want).abs().max().item()
+    cublas = graph_us(lambda: [F.linear(F.silu(gate) * up, w) for w in weights])
+    kernel = graph_us(lambda: [mk.silu_down_triton(gate, up, w) for w in weights])
+    summed = graph_us(lambda: [mk.silu_down_triton(gate, up, w).sum(0).bfloat16() for w in weights])
+    print(
+        f"rows {rows}: cuBLAS path {cublas:.1f} us; kernel {kernel:.1f} us (with the sum {summed:.1f}); "
+        f"max |kernel - reference| {err:.1e}",
+        flush=True,
+    )
+    if with_sweep:
+        for us, kw in sweep(gate, up, weights)[:6]:
+            print(f"  {us:.1f} us  {kw}", flush=True)
 
 
 def main() -> None:
@@ -71,21 +92,7 @@ def main() -> None:
         for _ in range(COPIES)
     ]
     for rows in args.rows:
-        gate_up = torch.randn(rows, 2 * INNER, device="cuda", generator=gen, dtype=torch.bfloat16)
-        gate, up = gate_up.split(INNER, dim=-1)
-        want = mk.silu_down_reference(gate, up, weights[0])
-        err = (mk.silu_down_triton(gate, up, weights[0]).sum(0) - want).abs().max().item()
-        cublas = graph_us(lambda: [F.linear(F.silu(gate) * up, w) for w in weights])
-        kernel = graph_us(lambda: [mk.silu_down_triton(gate, up, w) for w in weights])
-        summed = graph_us(lambda: [mk.silu_down_triton(gate, up, w).sum(0).bfloat16() for w in weights])
-        print(
-            f"rows {rows}: cuBLAS path {cublas:.1f} us; kernel {kernel:.1f} us (with the sum {summed:.1f}); "
-            f"max |kernel - reference| {err:.1e}",
-            flush=True,
-        )
-        if args.sweep:
-            for us, kw in sweep(gate, up, weights)[:6]:
-                print(f"  {us:.1f} us  {kw}", flush=True)
+        report(rows, weights, gen, args.sweep)
 
 
 if __name__ == "__main__":
