@@ -189,7 +189,7 @@ class RolloutEngine:
             while not sched.done:
                 for call in sched.admit():
                     self._prefill(call, cache, state, pick, max_len)
-                if graphs is not None and sched.num_running:
+                if graphs is not None and sched.num_running and params.max_new_tokens > 1:
                     graphs.prepare(sched.num_running)  # captures while the GPU runs the prefill just queued
                 steps = self._steps_before_sync(state, sched.num_running, params)
                 for _ in range(steps):
