@@ -443,11 +443,11 @@ class LlamaRunner:
         ]  # (B, 1, 1, L)
 
         def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            k_cache, v_cache = cache.k[idx], cache.v[idx]  # (S, KVH, L, D)
-            k_cache[slot_ids, :, positions] = k[:, :, 0]  # (B, KVH, D)
-            v_cache[slot_ids, :, positions] = v[:, :, 0]
-            keys = k_cache[:batch, :, :kv_len]  # (B, KVH, L, D)
-            values = v_cache[:batch, :, :kv_len]
+            # Through the op on the whole cache tensor, as prefill: compiled, views of it as mutated
+            # arguments would make inductor clone the storage.
+            write_kv(k[:, :, 0], v[:, :, 0], cache.storage, idx, slot_ids, positions)  # (B, KVH, D) each
+            keys = cache.storage[idx, 0, :batch, :, :kv_len]  # (B, KVH, L, D)
+            values = cache.storage[idx, 1, :batch, :, :kv_len]
             return F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
             )

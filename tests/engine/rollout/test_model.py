@@ -174,6 +174,22 @@ def test_compiled_prefill_equals_eager_and_settles_on_dynamic_shapes(arch: str) 
     torch.testing.assert_close(caches[1].storage, caches[0].storage, atol=1e-5, rtol=0)
 
 
+def test_compiled_sdpa_decode_equals_eager_and_writes_the_callers_cache() -> None:
+    # aot_eager functionalizes the graph as inductor does: the write_kv op must reach the cache tensor
+    # the caller holds, and the step must trace whole (fullgraph).
+    runner = LlamaRunner(tiny("qwen2"))
+    ids, lens = right_pad(prompts([6, 3], seed=4))
+    caches = [runner.make_cache(2, 16) for _ in range(2)]
+    for cache in caches:
+        runner.prefill(ids, lens, longs(0, 1), longs(0, 0), cache)
+    compiled = torch.compile(runner.decode, fullgraph=True, backend="aot_eager")
+    token = longs(3, 4)
+    want = runner.decode(token, lens, caches[0])
+    torch.testing.assert_close(compiled(token, lens, caches[1]), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(caches[1].storage, caches[0].storage, atol=1e-6, rtol=0)
+    assert caches[1].storage[:, :, 1, :, 3].abs().sum() > 0  # the step's k/v landed at position 3 of slot 1
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "llama3_rope"])
 def test_greedy_prefill_and_batched_decode_reproduce_hf_generate(arch: str) -> None:
     model = tiny(arch)
