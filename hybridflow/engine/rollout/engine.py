@@ -159,7 +159,8 @@ class RolloutEngine:
         ``progress`` is called with the number of sequences that just finished, at each host sync.
         """
         max_len = self._check_prompts(prompts, params)
-        self.runner.refresh()  # the trainer may have stepped since the last call: re-cast in place
+        if self.runner.refresh():  # the trainer may have stepped since the last call: re-cast in place
+            self._warm_buckets.clear()  # new weight tensors: each bucket warms up eagerly again first
         groups = [PromptGroup(i, list(p), params.n) for i, p in enumerate(prompts)]
         slots = self._num_slots(len(prompts) * params.n, max_len)
         sched = SlotScheduler(slots, self.max_num_batched_tokens, groups)
