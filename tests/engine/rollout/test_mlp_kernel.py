@@ -108,3 +108,8 @@ def test_fused_down_is_refused_in_float32_on_cuda_only() -> None:
     assert runner.fused_down and runner._decode_dims.fused_down and not runner.dims.fused_down
     runner.fused_down = False
     assert not runner._decode_dims.fused_down
+    if torch.cuda.is_available():  # compiled float32 dots would be TF32: refused on CUDA
+        on_gpu = LlamaRunner(build_tiny_model("qwen2", vocab_size=64, hidden_size=64, seed=2).cuda())
+        with pytest.raises(ValueError, match="bf16 or fp16"):
+            on_gpu.fused_down = True
+        assert not on_gpu.fused_down
