@@ -1,7 +1,7 @@
 """Generated tokens/s of the built-in rollout engine against HF ``generate`` (GPU; not a timed test).
 
     python benchmarks/rollout.py --batches 64 256 --prompt-len 128 --new-tokens 512 [--compile] [--sdpa]
-        [--fused-down] [--hf-tokens 64]
+        [--prefill-tokens 8192 32768] [--hf-tokens 64]
 
 Qwen2.5-0.5B shape, random weights, bf16, fixed lengths (``ignore_eos``). Each configuration runs once to
 warm up (kernels, CUDA graphs, compilation) and is then timed ``--repeats`` times; the median is reported.
@@ -96,9 +96,11 @@ def main() -> None:
         "--sdpa", action="store_true", help="also time decode attention as masked SDPA (no Triton kernel)"
     )
     ap.add_argument(
-        "--fused-down",
-        action="store_true",
-        help="also time decode with SiLU * up and the down projection in one split-K Triton kernel",
+        "--prefill-tokens",
+        type=int,
+        nargs="+",
+        default=[],
+        help="also time the fastest variant with these prefill token budgets (default: the engine's)",
     )
     ap.add_argument("--hf-tokens", type=int, default=64)
     args = ap.parse_args()
@@ -112,8 +114,9 @@ def main() -> None:
     base = list(variants)
     if args.sdpa:
         variants += [(f"{name}, sdpa", kw, dict(decode_attention="sdpa")) for name, kw, _ in base]
-    if args.fused_down:
-        variants += [(f"{name}, fused down", kw, dict(fused_down=True)) for name, kw, _ in base]
+    for budget in args.prefill_tokens:  # on the fastest variant only
+        name, kw, _ = base[-1]
+        variants.append((f"{name}, prefill {budget}", {**kw, "max_num_batched_tokens": budget}, {}))
     g = torch.Generator().manual_seed(0)
     for batch in args.batches:
         prompts = torch.randint(100, 150000, (batch, args.prompt_len), generator=g).tolist()

@@ -47,7 +47,6 @@ class LayerDims:
     eps: float
     qkv_splits: tuple[int, ...]
     mlp_splits: tuple[int, ...]
-    fused_down: bool = False  # the down projection through hybridflow::silu_down (mlp_kernel)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -106,23 +105,4 @@ def attention_output_and_mlp(
     h = h + project(o, w.o, w.o_bias, (0,))[0]
     x = rms_norm(h, w.post_norm, dims.eps)
     gate, up = project(x, w.gate_up, w.gate_up_bias, dims.mlp_splits)
-    if dims.fused_down:
-        return h + silu_down(gate, up, w.down[0], None if w.down_bias is None else w.down_bias[0])
     return h + project(F.silu(gate) * up, w.down, w.down_bias, (0,))[0]
-
-
-def silu_down(
-    gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """down(silu(gate) * up) for gate, up (b, t, I) through the split-K op; its partials are summed here.
-
-    The sum over the (at most 8) splits, the bias and the cast fuse into the caller's next kernel under
-    torch.compile. The op must be registered (``import hybridflow.engine.rollout.mlp_kernel``).
-    """
-    b, t, inner = gate.shape
-    op = torch.ops.hybridflow.silu_down.default
-    part = op(gate.reshape(b * t, inner), up.reshape(b * t, inner), weight)  # (S, b * t, N) float32
-    out = part.sum(0)  # (b * t, N), as cuBLAS: float32 accumulation, one rounding below
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(gate.dtype).view(b, t, -1)

@@ -16,7 +16,6 @@ reads each slot only up to its own position and also applies RoPE and writes the
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -85,7 +84,6 @@ class LlamaRunner:
         # False: prefill/decode return logits in the compute dtype, for a consumer that upcasts as it reads
         # (the rollout engine's fused sampler); saves a float32 copy of (B, V) per step.
         self.float_logits = True
-        self._fused_down = False  # see the fused_down property
         self._prefill_layers = self._prefill_hidden  # compile_prefill() swaps in a compiled one
         self._bind_all()
 
@@ -179,7 +177,6 @@ class LlamaRunner:
             ),
             mlp_splits=(self.config.intermediate_size,) * 2,
         )
-        self._decode_dims = dataclasses.replace(self.dims, fused_down=self._fused_down)
         base = self._model.model
         self.embed = self._bind([(base.embed_tokens, "weight")])[0]
         self.layers = [self._bind_layer(layer) for layer in base.layers]
@@ -234,27 +231,6 @@ class LlamaRunner:
             raise ValueError("decode_attention='triton' needs triton (pip install triton)")
         self._decode_attention = backend
 
-    @property
-    def fused_down(self) -> bool:
-        """Whether decode runs SiLU * up and the down projection as one split-K Triton kernel (``mlp_kernel``).
-
-        Off by default: the kernel is checked for values but not yet measured against cuBLAS on a GPU.
-        Settable on CUDA in bf16/fp16 (or in Triton's CPU interpreter, for tests); prefill is not affected.
-        """
-        return self._fused_down
-
-    @fused_down.setter
-    def fused_down(self, on: bool) -> None:
-        if on:
-            from hybridflow.engine.rollout import mlp_kernel
-
-            if not mlp_kernel.available():
-                raise ValueError("fused_down needs triton (pip install triton)")
-            if self.device.type == "cuda" and self.dtype not in (torch.bfloat16, torch.float16):
-                raise ValueError(f"fused_down runs in bf16 or fp16 on CUDA, not {self.dtype}")
-        self._fused_down = bool(on)
-        self._decode_dims = dataclasses.replace(self.dims, fused_down=self._fused_down)
-
     def make_cache(self, num_slots: int, max_len: int) -> KVCache:
         """Allocate a KV cache shaped for this model, in the runner's dtype and device."""
         return KVCache(
@@ -291,20 +267,18 @@ class LlamaRunner:
         positions: torch.Tensor,
         attend: Attend,
         rope: bool = True,
-        dims: LayerDims | None = None,
     ) -> torch.Tensor:
         """Embed (b, t) ids at (b, t) positions and run all layers; returns pre-norm hidden (b, t, hidden).
 
         Each layer is ``attention_inputs``, ``attend`` (writes the cache, runs attention), then
         ``attention_output_and_mlp``. ``rope=False`` hands q and k to ``attend`` before RoPE (the fused
-        decode kernel applies it); ``dims`` defaults to ``self.dims`` (decode passes its own).
+        decode kernel applies it).
         """
-        dims = self.dims if dims is None else dims
         h = F.embedding(input_ids, self.embed)  # (b, t, hidden)
         cos, sin = self._rope_tables(positions)
         for idx, w in enumerate(self.layers):
-            q, k, v = blocks.attention_inputs(h, w, cos, sin, dims, rope)
-            h = blocks.attention_output_and_mlp(h, attend(idx, q, k, v), w, dims)
+            q, k, v = blocks.attention_inputs(h, w, cos, sin, self.dims, rope)
+            h = blocks.attention_output_and_mlp(h, attend(idx, q, k, v), w, self.dims)
         return h
 
     def _prefill_hidden(
@@ -434,7 +408,7 @@ class LlamaRunner:
             def fused(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return kernel(q, k, v, cos, sin, cache.storage, idx, positions, self.scaling)
 
-            h = self._forward(input_ids[:, None], positions[:, None], fused, False, self._decode_dims)
+            h = self._forward(input_ids[:, None], positions[:, None], fused, False)
             return self._logits(h[:, 0])  # (B, V)
 
         slot_ids = torch.arange(batch, device=self.device)  # (B,)
@@ -452,7 +426,5 @@ class LlamaRunner:
                 q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
             )
 
-        h = self._forward(
-            input_ids[:, None], positions[:, None], attend, True, self._decode_dims
-        )  # (B, 1, hidden)
+        h = self._forward(input_ids[:, None], positions[:, None], attend)  # (B, 1, hidden)
         return self._logits(h[:, 0])
