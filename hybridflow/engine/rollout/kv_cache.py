@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from hybridflow.engine.packing import to_device
+
 logger = logging.getLogger(__name__)
 
 
@@ -115,7 +117,7 @@ class KVCache:
             self._check_slot(slot, "destination")
             if slot == src:
                 raise ValueError(f"copy_slot destination {slot} equals the source slot")
-        dst = dst.to(self.device)
+        dst = to_device(dst, self.device)  # no stream sync: the copy is queued behind prefill
         src_rows = self._storage[:, :, src : src + 1, :, :length]  # (layers, 2, 1, KVH, length, D)
         # Advanced index in dim 2 with slices around it: index_put_ broadcasts the single source row.
         self._storage[:, :, dst, :, :length] = src_rows

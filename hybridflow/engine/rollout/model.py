@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridflow.engine.packing import to_device
 from hybridflow.engine.rollout import blocks
 from hybridflow.engine.rollout.blocks import LayerDims, LayerWeights
 from hybridflow.engine.rollout.kv_cache import KVCache, write_kv
@@ -355,7 +356,8 @@ class LlamaRunner:
         slot's cached prefix as well as causally to itself. Logits are float32 (the compute dtype when
         ``float_logits`` is False). Not graph-captured. ``lengths``, ``slots`` and ``start_pos`` are checked and
         indexed on the host: pass them as CPU tensors and the call never waits for the GPU (device tensors
-        cost a sync), so the host queues the next chunk while the GPU still runs this one.
+        cost a sync). Host tensors go up through pinned memory without blocking (a plain ``.to("cuda")``
+        synchronises the stream), so the host queues the next chunk while the GPU still runs this one.
         """
         self._check_cache(cache)
         b, t = input_ids.shape
@@ -370,12 +372,12 @@ class LlamaRunner:
             raise ValueError(f"prefill slots must be distinct and in [0, {cache.num_slots}); got {slot_list}")
 
         valid = torch.arange(t)[None] < host[0][:, None]  # (b, t) on the host
-        rows, cols = (x.to(self.device) for x in valid.nonzero(as_tuple=True))  # (n,) each: valid tokens
-        lengths, slots, start_pos = (x.to(self.device) for x in host)
+        rows, cols = (to_device(x, self.device) for x in valid.nonzero(as_tuple=True))  # (n,) valid tokens
+        lengths, slots, start_pos = (to_device(x, self.device) for x in host)
         positions = start_pos[:, None] + torch.arange(t, device=self.device)  # (b, t)
         kv_bound = None if not any(starts) else kv_end
         h = self._prefill_layers(
-            input_ids.to(self.device), positions, rows, cols, slots, cache.storage, kv_bound
+            to_device(input_ids, self.device), positions, rows, cols, slots, cache.storage, kv_bound
         )  # (b, t, hidden)
         last = h[torch.arange(b, device=self.device), lengths - 1]  # (b, hidden)
         return self._logits(last)

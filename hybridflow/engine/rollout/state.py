@@ -43,11 +43,13 @@ class DecodeState:
 
     def start(self, slots: torch.Tensor, prompt_len: torch.Tensor, max_len: int) -> None:
         """Reset ``slots`` for new sequences whose prompts (``prompt_len`` tokens) are in the cache."""
+        # index_fill_ for the constants: ``t[slots] = 0`` copies the scalar up from the host first, which
+        # synchronises the stream (the host could no longer queue prefill chunks ahead of the GPU).
         self.position[slots] = prompt_len
-        self.gen_len[slots] = 0
+        self.gen_len.index_fill_(0, slots, 0)
         self.limit[slots] = torch.clamp(max_len - prompt_len, max=self.max_new)
-        self.done[slots] = False
-        self.reason[slots] = RUNNING
+        self.done.index_fill_(0, slots, False)
+        self.reason.index_fill_(0, slots, RUNNING)
 
     def record(
         self, idx: torch.Tensor | slice, tokens: torch.Tensor, logprobs: torch.Tensor, advance: bool

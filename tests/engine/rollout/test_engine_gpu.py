@@ -9,6 +9,8 @@ import torch
 
 from hybridflow.engine.rollout.engine import RolloutEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
+from hybridflow.engine.rollout.scheduler import PrefillChunk, PromptGroup
+from hybridflow.engine.rollout.state import DecodeState
 from hybridflow.models import build_tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -121,3 +123,25 @@ def test_compiled_decode_and_prefill_equal_the_uncompiled_engine(capsys: pytest.
             f"lengths {[len(t) for g in tokens[0] for t in g]}"
         )
     torch.testing.assert_close(logprobs[0], logprobs[1], atol=1e-4, rtol=0)
+
+
+def test_prefill_queues_without_waiting_for_the_gpu() -> None:
+    # The host must be able to queue prefill chunks (and the first tokens' sampling and the prefix copies)
+    # while the GPU still runs earlier ones: any stream sync in that path raises under this debug mode.
+    model = model_on_gpu(torch.bfloat16)
+    engine = RolloutEngine(model, max_num_seqs=8)
+    params = SamplingParams(n=2, max_new_tokens=4, temperature=1.0, seed=0)
+    cache = engine.runner.make_cache(8, 64)
+    state = DecodeState(8, params.max_new_tokens, [], [], torch.device("cuda"))
+    pick, _ = engine._sampler(params)
+    groups = [PromptGroup(i, p, 2, first_slot=2 * i) for i, p in enumerate(PROMPTS)]
+    chunks = [PrefillChunk(g, 0, len(g.token_ids)) for g in groups]
+    engine._prefill(chunks, cache, state, pick, 64)  # warm-up: first-call allocations are not the point
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine._prefill(chunks, cache, state, pick, 64)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert state.done[:8].logical_not().all() and (state.gen_len[:8] == 1).all()
