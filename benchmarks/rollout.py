@@ -1,7 +1,7 @@
 """Generated tokens/s of the built-in rollout engine against HF ``generate`` (GPU; not a timed test).
 
     python benchmarks/rollout.py --batches 64 256 --prompt-len 128 --new-tokens 512 [--compile] [--sdpa]
-        [--prefill-tokens 8192 32768] [--hf-tokens 64]
+        [--prefill-tokens 8192 32768] [--down-splits 1] [--hf-tokens 64]
 
 Qwen2.5-0.5B shape, random weights, bf16, fixed lengths (``ignore_eos``). Each configuration runs once to
 warm up (kernels, CUDA graphs, compilation) and is then timed ``--repeats`` times; the median is reported.
@@ -102,6 +102,14 @@ def main() -> None:
         default=[],
         help="also time the fastest variant with these prefill token budgets (default: the engine's)",
     )
+    ap.add_argument(
+        "--down-splits",
+        type=int,
+        nargs="+",
+        default=[],
+        help="also time the fastest variant with decode's down projection in this many GEMMs (1: cuBLAS alone; "
+        "compile_decode on CUDA uses 4)",
+    )
     ap.add_argument("--hf-tokens", type=int, default=64)
     args = ap.parse_args()
     model = build_model()
@@ -117,6 +125,9 @@ def main() -> None:
     for budget in args.prefill_tokens:  # on the fastest variant only
         name, kw, _ = base[-1]
         variants.append((f"{name}, prefill {budget}", {**kw, "max_num_batched_tokens": budget}, {}))
+    for splits in args.down_splits:  # on the fastest variant only
+        name, kw, _ = base[-1]
+        variants.append((f"{name}, down split {splits}", kw, dict(down_splits=splits)))
     g = torch.Generator().manual_seed(0)
     for batch in args.batches:
         prompts = torch.randint(100, 150000, (batch, args.prompt_len), generator=g).tolist()

@@ -47,6 +47,7 @@ class LayerDims:
     eps: float
     qkv_splits: tuple[int, ...]
     mlp_splits: tuple[int, ...]
+    down_splits: int = 1  # > 1: the down projection through split_linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -105,4 +106,36 @@ def attention_output_and_mlp(
     h = h + project(o, w.o, w.o_bias, (0,))[0]
     x = rms_norm(h, w.post_norm, dims.eps)
     gate, up = project(x, w.gate_up, w.gate_up_bias, dims.mlp_splits)
-    return h + project(F.silu(gate) * up, w.down, w.down_bias, (0,))[0]
+    act = F.silu(gate) * up  # (b, t, I)
+    if dims.down_splits > 1 and len(w.down) == 1:
+        return h + split_linear(
+            act, w.down[0], None if w.down_bias is None else w.down_bias[0], dims.down_splits
+        )
+    return h + project(act, w.down, w.down_bias, (0,))[0]
+
+
+def split_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, splits: int
+) -> torch.Tensor:
+    """F.linear as ``splits`` batched GEMMs over slices of the input dim, summed in float32.
+
+    cuBLAS runs a small-M GEMM with a long K (decode's down projection) as split-K plus a reduce kernel of
+    its own. Here the partials come out of one batched GEMM in float32 and their sum (at most 8 terms,
+    which inductor unrolls) fuses into the consumer: the residual add and the next RMSNorm. Same math as
+    cuBLAS's split-K: bf16 products, float32 accumulation and reduction, one rounding at the end.
+    """
+    *lead, inner = x.shape
+    out_dim = weight.shape[0]
+    if inner % splits:
+        return F.linear(x, weight, bias)
+    part = inner // splits
+    xs = x.reshape(-1, splits, part).transpose(0, 1)  # (S, M, I / S)
+    ws = weight.view(out_dim, splits, part).permute(1, 2, 0)  # (S, I / S, N), no copy
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        partials = torch.bmm(xs, ws, out_dtype=torch.float32)  # (S, M, N)
+    else:  # bmm's out_dtype is CUDA-only; upcasting first is the same float32 math
+        partials = torch.bmm(xs.float(), ws.float())
+    out = partials.sum(0)  # (M, N)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).view(*lead, out_dim)

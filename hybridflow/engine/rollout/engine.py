@@ -94,6 +94,11 @@ class RolloutEngine:
             self._decode = _compiled_per_bucket(self.runner.decode, len(buckets(max_num_seqs)))
             self._record = _compiled_per_bucket(DecodeState.record, len(buckets(max_num_seqs)))
             self.runner.compile_prefill()
+            if self.device.type == "cuda" and self.runner.dtype in (torch.bfloat16, torch.float16):
+                # The down projection as 4 batched GEMMs whose partials the next fused norm sums, instead of
+                # cuBLAS's split-K plus its own reduce kernel: 147k -> 156k tokens/s at batch 256 and 57k ->
+                # 60k at batch 64 on an H200 (benchmarks/RESULTS.md).
+                self.runner.down_splits = 4
         # Batch buckets whose decode step has run once (kernels compiled, cuBLAS warm), per call signature:
         # a later call with the same shapes and sampling captures its graphs without an eager warm-up step
         # (~10 ms at batch 256 on an H200). Anything that could recompile is in the key, so no compilation
@@ -180,7 +185,12 @@ class RolloutEngine:
         results: list[list[GenerationOutput | None]] = [[None] * params.n for _ in prompts]
         graphs = None
         if self.use_graphs:
-            signature = (slots, max_len, repr(dataclasses.replace(params, seed=None)))
+            signature = (
+                slots,
+                max_len,
+                repr(dataclasses.replace(params, seed=None)),
+                self.runner.down_splits,
+            )
             graphs = DecodeGraphs(
                 lambda b: self._decode_step(b, cache, state, pick),
                 slots,

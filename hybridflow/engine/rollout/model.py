@@ -16,6 +16,7 @@ reads each slot only up to its own position and also applies RoPE and writes the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -86,6 +87,9 @@ class LlamaRunner:
         # (the rollout engine's fused sampler); saves a float32 copy of (B, V) per step.
         self.float_logits = True
         self._prefill_layers = self._prefill_hidden  # compile_prefill() swaps in a compiled one
+        # Decode's down projection as this many batched GEMMs whose float32 partials the next fused kernel
+        # sums (blocks.split_linear); 1 leaves it to cuBLAS. Worth it only under torch.compile.
+        self.down_splits = 1
         self._bind_all()
 
     # ---- weight binding -------------------------------------------------------------------------------
@@ -232,6 +236,12 @@ class LlamaRunner:
             raise ValueError("decode_attention='triton' needs triton (pip install triton)")
         self._decode_attention = backend
 
+    def _decode_dims(self) -> LayerDims:
+        """The layer dims decode runs with: ``self.dims`` plus the down projection's split."""
+        if self.down_splits == 1:
+            return self.dims
+        return dataclasses.replace(self.dims, down_splits=self.down_splits)
+
     def make_cache(self, num_slots: int, max_len: int) -> KVCache:
         """Allocate a KV cache shaped for this model, in the runner's dtype and device."""
         return KVCache(
@@ -268,18 +278,20 @@ class LlamaRunner:
         positions: torch.Tensor,
         attend: Attend,
         rope: bool = True,
+        dims: LayerDims | None = None,
     ) -> torch.Tensor:
         """Embed (b, t) ids at (b, t) positions and run all layers; returns pre-norm hidden (b, t, hidden).
 
         Each layer is ``attention_inputs``, ``attend`` (writes the cache, runs attention), then
         ``attention_output_and_mlp``. ``rope=False`` hands q and k to ``attend`` before RoPE (the fused
-        decode kernel applies it).
+        decode kernel applies it); ``dims`` defaults to ``self.dims`` (decode passes its own).
         """
+        dims = self.dims if dims is None else dims
         h = F.embedding(input_ids, self.embed)  # (b, t, hidden)
         cos, sin = self._rope_tables(positions)
         for idx, w in enumerate(self.layers):
-            q, k, v = blocks.attention_inputs(h, w, cos, sin, self.dims, rope)
-            h = blocks.attention_output_and_mlp(h, attend(idx, q, k, v), w, self.dims)
+            q, k, v = blocks.attention_inputs(h, w, cos, sin, dims, rope)
+            h = blocks.attention_output_and_mlp(h, attend(idx, q, k, v), w, dims)
         return h
 
     def _prefill_hidden(
@@ -410,7 +422,7 @@ class LlamaRunner:
             def fused(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return kernel(q, k, v, cos, sin, cache.storage, idx, positions, self.scaling)
 
-            h = self._forward(input_ids[:, None], positions[:, None], fused, False)
+            h = self._forward(input_ids[:, None], positions[:, None], fused, False, self._decode_dims())
             return self._logits(h[:, 0])  # (B, V)
 
         slot_ids = torch.arange(batch, device=self.device)  # (B,)
@@ -428,5 +440,7 @@ class LlamaRunner:
                 q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
             )
 
-        h = self._forward(input_ids[:, None], positions[:, None], attend)  # (B, 1, hidden)
+        h = self._forward(
+            input_ids[:, None], positions[:, None], attend, True, self._decode_dims()
+        )  # (B, 1, hidden)
         return self._logits(h[:, 0])

@@ -145,3 +145,22 @@ def test_prefill_queues_without_waiting_for_the_gpu() -> None:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert state.done[:8].logical_not().all() and (state.gen_len[:8] == 1).all()
+
+
+def test_compiled_bf16_decode_splits_the_down_projection_and_keeps_its_values() -> None:
+    # compile_decode in bf16 on CUDA runs the down projection as 4 batched GEMMs (bmm with float32 out)
+    # whose partials inductor sums into the next norm: the logits must match the eager cuBLAS path.
+    model = model_on_gpu(torch.bfloat16)
+    engine = RolloutEngine(model, max_num_seqs=4, compile_decode=True)
+    runner = engine.runner
+    assert runner.down_splits == 4
+    caches = [runner.make_cache(4, 32) for _ in range(2)]
+    ids = torch.tensor([p[:3] for p in PROMPTS if len(p) >= 3] + [[4, 4, 4]])
+    lens, slots = torch.full((4,), 3), torch.arange(4)
+    for cache in caches:
+        runner.prefill(ids, lens, slots, torch.zeros(4, dtype=torch.long), cache)
+    token, positions = torch.tensor([1, 2, 3, 4], device="cuda"), lens.cuda()
+    got = torch.compile(runner.decode, fullgraph=True)(token, positions, caches[0]).float()
+    runner.down_splits = 1
+    want = runner.decode(token, positions, caches[1]).float()
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
