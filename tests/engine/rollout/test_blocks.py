@@ -34,6 +34,7 @@ def test_split_linear_falls_back_when_the_splits_do_not_divide() -> None:
 def test_runner_decode_with_a_split_down_projection_equals_cublas_path() -> None:
     model = build_tiny_model("qwen2", vocab_size=96, hidden_size=32, intermediate_size=64, seed=1)
     runner = LlamaRunner(model.eval())
+    assert runner.config.intermediate_size % 4 == 0  # else split_linear falls back to F.linear
     caches = [runner.make_cache(2, 16) for _ in range(3)]
     ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 5]])
     lens, slots, starts = torch.tensor([4, 2]), torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long)

@@ -154,6 +154,7 @@ def test_compiled_bf16_decode_splits_the_down_projection_and_keeps_its_values() 
     engine = RolloutEngine(model, max_num_seqs=4, compile_decode=True)
     runner = engine.runner
     assert runner.down_splits == 4
+    assert runner.config.intermediate_size % 4 == 0  # else split_linear falls back to F.linear
     caches = [runner.make_cache(4, 32) for _ in range(2)]
     ids = torch.tensor([p[:3] for p in PROMPTS if len(p) >= 3] + [[4, 4, 4]])
     lens, slots = torch.full((4,), 3), torch.arange(4)
