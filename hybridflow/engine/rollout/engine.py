@@ -85,6 +85,7 @@ class RolloutEngine:
         compile_decode: bool = False,
     ) -> None:
         self.runner = LlamaRunner(model, dtype, max_model_len)
+        self.device = next(model.parameters()).device
         # torch.compile fuses the decode step's elementwise work (norms, RoPE, SiLU*mul); it compiles once
         # per batch bucket (tens of seconds each), so it pays off for long runs and benchmarks. Prefill's
         # layer math is compiled too (automatic dynamic shapes).
@@ -104,7 +105,6 @@ class RolloutEngine:
         # (~10 ms at batch 256 on an H200). Anything that could recompile is in the key, so no compilation
         # ever runs under stream capture.
         self._warm_buckets: dict[tuple, set[int]] = {}
-        self.device = next(model.parameters()).device
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len

@@ -197,3 +197,10 @@ def test_compiled_decode_gets_a_graph_for_every_bucket_past_dynamos_default_limi
         torch.testing.assert_close(decode(torch.ones(b)), torch.full((b,), 3.0))
     assert len(graphs) == 12
     assert torch._dynamo.config.recompile_limit == 8  # only raised around the calls
+
+
+def test_compile_decode_builds_on_cpu_and_keeps_the_single_down_projection():
+    """compile_decode is accepted off CUDA; the split down projection is for CUDA bf16/fp16 only."""
+    engine = RolloutEngine(lively_model(), compile_decode=True)
+    assert engine.device.type == "cpu"
+    assert engine.runner.down_splits == 1
