@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from hybridflow.protocol import Batch
 
 logger = logging.getLogger(__name__)
@@ -75,7 +77,8 @@ class Dataflow:
             if missing:
                 raise ValueError(f"stage {stage.name!r} needs {missing}, which the batch lacks")
             start = time.perf_counter()
-            out = stage.run(batch, metrics)
+            with torch.profiler.record_function(f"stage/{stage.name}"):  # names the stage in a profile
+                out = stage.run(batch, metrics)
             metrics[f"timing_s/{stage.name}"] = time.perf_counter() - start
             if stage.replaces_batch:
                 freed += batch.nbytes()

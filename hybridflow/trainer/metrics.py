@@ -55,3 +55,15 @@ def throughput_metrics(batch: Batch, step_time: float, num_devices: int) -> dict
         out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
         out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
     return out
+
+
+def add_rollout_stats(metrics: dict[str, float], stats: dict[str, float] | None) -> None:
+    """Add a generate call's stats (``GenerationStats`` fields) to ``rollout/*``, summing over calls."""
+    if stats is None:
+        return
+    for key, value in stats.items():
+        metrics[f"rollout/{key}"] = metrics.get(f"rollout/{key}", 0.0) + float(value)
+    seconds = metrics["rollout/decode_s"]
+    metrics["rollout/decode_tokens_per_s"] = (
+        metrics["rollout/decode_tokens"] / seconds if seconds > 0 else 0.0
+    )

@@ -23,7 +23,7 @@ from hybridflow.rewards import place_on_last_token
 from hybridflow.trainer.dataflow import Dataflow, Stage
 from hybridflow.trainer.dumps import rollout_records, write_jsonl
 from hybridflow.trainer.loop import TrainingLoop
-from hybridflow.trainer.metrics import compute_data_metrics, throughput_metrics
+from hybridflow.trainer.metrics import add_rollout_stats, compute_data_metrics, throughput_metrics
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.utils.progress import Progress
 
@@ -121,7 +121,7 @@ class PPOTrainer(TrainingLoop):
         return metrics
 
     # ----- stages -----------------------------------------------------------------------------------------
-    def _generate(self, prompts: Batch) -> Batch:
+    def _generate(self, prompts: Batch, metrics: dict[str, float]) -> Batch:
         """Sample rollout.n responses per prompt; the prompts' non-tensor fields repeat alongside."""
         r = self.cfg.rollout
         params = self.c.actor.sampling_params(
@@ -134,6 +134,7 @@ class PPOTrainer(TrainingLoop):
             seed=self.cfg.trainer.seed + self.global_step,
         )
         out = self.c.actor.generate(prompts.select(PROMPT_KEYS, non_tensor_keys=[]), params)
+        add_rollout_stats(metrics, out.meta.pop("rollout_stats", None))
         for key, values in prompts.non_tensors.items():
             out[key] = np.repeat(values, r.n)
         return out
@@ -141,7 +142,7 @@ class PPOTrainer(TrainingLoop):
     def _rollout(self, batch: Batch, metrics: dict[str, float]) -> Batch:
         # From here on the batch holds one row per sample: prompts' fields repeat n times, interleaved.
         if not self.cfg.algorithm.filter_groups.enable:
-            return self._generate(batch)
+            return self._generate(batch, metrics)
         return self._dynamic_sampling(batch, metrics)
 
     def _dynamic_sampling(self, batch: Batch, metrics: dict[str, float]) -> Batch:
@@ -161,7 +162,7 @@ class PPOTrainer(TrainingLoop):
                 batch = collate_prompts(
                     [self.c.train[i] for i in self.sampler.next_batch()], self.c.pad_token_id
                 )
-            out = self._generate(batch)
+            out = self._generate(batch, metrics)
             scored = self._reward(out, metrics)
             for key in scored.keys():  # noqa: SIM118 (a Batch is not iterable)
                 out[key] = scored[key]

@@ -110,7 +110,7 @@ class ActorWorker:
         """Sample ``params.n`` responses per prompt; returns the training-layout batch, samples interleaved.
 
         Adds ``rollout_log_probs`` (B*n, R), the prompts' non-tensor fields repeated, ``uid`` (the prompt's
-        group) and ``finish_reason``.
+        group) and ``finish_reason``; ``meta["rollout_stats"]`` holds the engine's ``GenerationStats``.
         """
         if self.replica is not None:
             self.replica.sync(self.hf_model)  # every rank calls generate together: the gathers line up
@@ -133,6 +133,9 @@ class ActorWorker:
             batch[key] = np.repeat(values, params.n)
         batch["uid"] = np.repeat(np.array([f"{i}" for i in range(len(ids))], dtype=object), params.n)
         batch["finish_reason"] = np.array([s.finish_reason for s in flat], dtype=object)
+        stats = getattr(self.rollout, "last_stats", None)  # the built-in engine's; HF generate keeps none
+        if stats is not None:
+            batch.meta["rollout_stats"] = dataclasses.asdict(stats)
         return batch
 
     def compute_log_prob(self, batch: Batch) -> Batch:

@@ -114,10 +114,16 @@ class ActorHandle(RoleHandle):
         self.sampling_params = sampling  # a plain function of the config: no rank needed
 
     def generate(self, prompts: Batch, params: Any, desc: str = "rollout") -> Batch:
-        """``params.n`` samples per prompt, interleaved; ``uid`` numbers the prompts of the whole batch."""
+        """``params.n`` samples per prompt, interleaved; ``uid`` numbers the prompts of the whole batch.
+
+        ``meta["rollout_stats"]`` carries rank 0's generation stats when the engine keeps them.
+        """
         chunks, pad = split_batch(prompts, self.group.world)
         outputs = self.group.run_each("call", [("actor", "generate", c, params, desc) for c in chunks])
+        stats = [o.meta.pop("rollout_stats", None) for o in outputs]  # per rank: they differ, so not merged
         out = merge_batches(outputs, pad * params.n)
+        if stats[0] is not None:
+            out.meta["rollout_stats"] = stats[0]  # rank 0's, like the memory report
         out["uid"] = np.repeat(np.array([str(i) for i in range(len(prompts))], dtype=object), params.n)
         return out
 

@@ -18,6 +18,7 @@ from hybridflow.engine.rollout.model import LlamaRunner
 from hybridflow.engine.rollout.sampling import SamplingParams, make_generator, sample
 from hybridflow.engine.rollout.scheduler import PrefillChunk, PromptGroup, SlotScheduler
 from hybridflow.engine.rollout.state import REASONS, DecodeState
+from hybridflow.engine.rollout.stats import GenerationStats, PhaseTimer
 from hybridflow.engine.rollout.support import supports
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ class RolloutEngine:
         # reads, and bf16 -> float32 is exact, so it sees the same values as before.
         self.fused_sampler = _fused_sampler_available(self.device)
         self.runner.float_logits = not self.fused_sampler
+        self.last_stats = GenerationStats()  # of the last generate call
 
     def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> int:
         """Validate the prompts; return the cache length each slot needs."""
@@ -197,24 +199,33 @@ class RolloutEngine:
                 generator,
                 self._warm_buckets.setdefault(signature, set()),
             )
+        timer, stats = PhaseTimer(self.device), GenerationStats()
         try:
             while not sched.done:
-                for call in sched.admit():
-                    self._prefill(call, cache, state, pick, max_len)
+                with timer.span("prefill"):
+                    for call in sched.admit():
+                        self._prefill(call, cache, state, pick, max_len)
+                        stats.prefill_tokens += sum(c.length for c in call)
                 if graphs is not None and sched.num_running and params.max_new_tokens > 1:
                     graphs.prepare(sched.num_running)  # captures while the GPU runs the prefill just queued
                 steps = self._steps_before_sync(state, sched.num_running, params)
-                for _ in range(steps):
-                    if graphs is not None:
-                        graphs.run(sched.num_running)
-                    else:
-                        self._decode_step(sched.num_running, cache, state, pick)
+                with timer.span("decode"):
+                    for _ in range(steps):
+                        if graphs is not None:
+                            graphs.run(sched.num_running)
+                        else:
+                            self._decode_step(sched.num_running, cache, state, pick)
+                stats.decode_steps += steps
+                stats.decode_tokens += steps * sched.num_running
                 finished = self._retire(sched, cache, state, results)
                 if progress is not None and finished:
                     progress(finished)
         finally:
             del graphs  # graphs hold the cache tensors: drop them before freeing it
             cache.free()
+        seconds = timer.close()
+        stats.prefill_s, stats.decode_s = seconds.get("prefill", 0.0), seconds.get("decode", 0.0)
+        self.last_stats = stats
         return results  # type: ignore[return-value]
 
     def _sampler(self, params: SamplingParams) -> tuple[Sampler, torch.Generator | None]:

@@ -204,3 +204,19 @@ def test_compile_decode_builds_on_cpu_and_keeps_the_single_down_projection():
     engine = RolloutEngine(lively_model(), compile_decode=True)
     assert engine.device.type == "cpu"
     assert engine.runner.down_splits == 1
+
+
+def test_generate_reports_prefill_and_decode_work() -> None:
+    """last_stats counts each prompt's prefill once (samples share it) and one decode token per running
+    sequence and step; with ignore_eos every sample runs to max_new, so the counts are exact."""
+    engine = RolloutEngine(lively_model(), max_num_seqs=4)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=0)
+    out = engine.generate(PROMPTS, params)
+    stats = engine.last_stats
+    assert stats.prefill_tokens == sum(map(len, PROMPTS))
+    generated = sum(len(s.token_ids) for group in out for s in group)
+    assert generated == len(PROMPTS) * 2 * 6
+    assert stats.decode_tokens == generated - len(PROMPTS) * 2  # the first token of each sample: prefill
+    assert stats.decode_steps >= 5 * 2  # 8 samples in 4 slots: at least two waves of 5 steps
+    assert stats.prefill_s > 0 and stats.decode_s > 0
+    assert stats.decode_tokens_per_s == pytest.approx(stats.decode_tokens / stats.decode_s)
