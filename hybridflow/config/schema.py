@@ -152,7 +152,9 @@ class FSDPConfig:
         "auto", "Compute dtype: auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32."
     )
     reduce_dtype: str = option("float32", "Dtype of gradient reductions.")
-    master_dtype: str = option("float32", "Dtype of the sharded master weights and optimizer state.")
+    master_dtype: str = option(
+        "auto", "Dtype of master weights and optimizer state; auto = float32, the compute dtype for the ref."
+    )
 
 
 @dataclass

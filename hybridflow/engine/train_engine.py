@@ -39,6 +39,23 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return to_dtype(name)
 
 
+def master_dtype(name: str, trainable: bool, compute: torch.dtype) -> torch.dtype:
+    """Resolve ``fsdp.master_dtype``: 'auto' is float32 for a trained module and the compute dtype for a
+    frozen one (the reference). A frozen module in bf16 holds half the bytes and computes the same values:
+    FSDP2 would otherwise round its float32 weights to bf16 on every forward, the same rounding done once."""
+    if name == "auto":
+        return torch.float32 if trainable else compute
+    return to_dtype(name)
+
+
+def cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating-point parameters in place, leaving buffers alone: ``module.to(bf16)`` would round
+    RoPE's ``inv_freq`` to bf16 too, which moves every rotary angle (log-probs differ by ~1e-4)."""
+    for param in module.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
 def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
     """Warm-up steps from ``lr_warmup_steps``, or from ``lr_warmup_steps_ratio`` when that is negative."""
     return (
@@ -92,7 +109,7 @@ class TrainEngine:
         self.fsdp = fsdp
         self.grad_clip = grad_clip
         self.compute_dtype = compute_dtype(fsdp.param_dtype, self.device)
-        module.to(to_dtype(fsdp.master_dtype))
+        cast_parameters(module, master_dtype(fsdp.master_dtype, optim is not None, self.compute_dtype))
         self.module = shard_model(
             module,
             layers,

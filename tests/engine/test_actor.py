@@ -209,3 +209,31 @@ def test_bad_shapes_and_dtypes_get_clear_errors() -> None:
         build_scoring_inputs(ids.float(), mask, pos, R, True)
     with pytest.raises(ValueError, match="response length 11 must be positive and shorter"):
         build_scoring_inputs(ids, mask, pos, P + R, True)
+
+
+def frozen_in_bf16(rank: int) -> dict:
+    """A frozen engine computing in bf16, its weights stored as 'auto' (bf16) and as float32."""
+    from hybridflow.config.schema import FSDPConfig
+    from hybridflow.engine.actor import ActorEngine
+
+    out = {}
+    for master in ("auto", "float32"):
+        lm = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, seed=3)
+        fsdp = FSDPConfig(param_dtype="bfloat16", master_dtype=master)
+        engine = ActorEngine(lm, actor_config(), use_remove_padding=True, trainable=False, fsdp=fsdp)
+        dtypes = {p.dtype for p in engine.module.parameters()}
+        logps = engine.compute_log_prob(make_batch(), 1.0, micro_batch_size=3)["log_probs"]
+        out[master] = (dtypes, logps)
+    trained = ActorEngine(build_tiny_model("qwen2", vocab_size=64, hidden_size=32), actor_config(), fsdp=fsdp)
+    out["trained"] = {p.dtype for p in trained.module.parameters()}
+    return out
+
+
+def test_a_frozen_engine_keeps_its_weights_in_the_compute_dtype_with_equal_log_probs() -> None:
+    """master_dtype=auto stores the reference in bf16 when it computes in bf16 (half the bytes); FSDP2's
+    per-forward cast of float32 weights rounds the same way, so the log-probs are bit-identical."""
+    out = run_world(1, frozen_in_bf16)[0]
+    assert out["auto"][0] == {torch.bfloat16}
+    assert out["float32"][0] == {torch.float32}
+    assert out["trained"] == {torch.float32}  # a trained role keeps float32 masters under auto
+    assert torch.equal(out["auto"][1], out["float32"][1])
