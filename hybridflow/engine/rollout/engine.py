@@ -185,20 +185,7 @@ class RolloutEngine:
         state = DecodeState(slots, params.max_new_tokens, list(params.stop_token_ids), eos, self.device)
         pick, generator = self._sampler(params)
         results: list[list[GenerationOutput | None]] = [[None] * params.n for _ in prompts]
-        graphs = None
-        if self.use_graphs:
-            signature = (
-                slots,
-                max_len,
-                repr(dataclasses.replace(params, seed=None)),
-                self.runner.down_splits,
-            )
-            graphs = DecodeGraphs(
-                lambda b: self._decode_step(b, cache, state, pick),
-                slots,
-                generator,
-                self._warm_buckets.setdefault(signature, set()),
-            )
+        graphs = self._graphs(slots, max_len, params, cache, state, pick, generator)
         timer, stats = PhaseTimer(self.device), GenerationStats()
         try:
             while not sched.done:
@@ -227,6 +214,28 @@ class RolloutEngine:
         stats.prefill_s, stats.decode_s = seconds.get("prefill", 0.0), seconds.get("decode", 0.0)
         self.last_stats = stats
         return results  # type: ignore[return-value]
+
+    def _graphs(
+        self,
+        slots: int,
+        max_len: int,
+        params: SamplingParams,
+        cache: KVCache,
+        state: DecodeState,
+        pick: Sampler,
+        generator: torch.Generator | None,
+    ) -> DecodeGraphs | None:
+        """This call's CUDA graphs of the decode step, or None when graphs are off (CPU, enforce_eager)."""
+        if not self.use_graphs:
+            return None
+        # Everything that could recompile the step is in the key of the warm buckets.
+        signature = (slots, max_len, repr(dataclasses.replace(params, seed=None)), self.runner.down_splits)
+        return DecodeGraphs(
+            lambda b: self._decode_step(b, cache, state, pick),
+            slots,
+            generator,
+            self._warm_buckets.setdefault(signature, set()),
+        )
 
     def _sampler(self, params: SamplingParams) -> tuple[Sampler, torch.Generator | None]:
         """This call's sampler and the torch generator it draws from (None: the fused kernel or global RNG).
