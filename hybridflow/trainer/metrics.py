@@ -52,18 +52,40 @@ def throughput_metrics(batch: Batch, step_time: float, num_devices: int) -> dict
         "perf/throughput": tokens / max(step_time, 1e-9) / max(num_devices, 1),
     }
     if torch.cuda.is_available():
-        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
         out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
     return out
 
 
+def step_peak_memory(memory: dict[str, float]) -> dict[str, float]:
+    """``perf/max_memory_allocated_gb``: the highest of the phases' peaks (``memory/*_peak_gib``, rank 0).
+
+    Each worker call resets the device's peak counter to measure its own phase, so the counter read at the
+    end of a step holds only the last phase's peak; the step's peak is the largest phase peak.
+    """
+    peaks = [v for k, v in memory.items() if k.endswith("_peak_gib")]
+    return {"perf/max_memory_allocated_gb": max(peaks)} if peaks else {}
+
+
+# Where each GenerationStats field goes: device times under timing_s/ and the rate under perf/ (they vary
+# from run to run, like every figure under those prefixes); counts under rollout/.
+ROLLOUT_STAT_KEYS = {
+    "prefill_tokens": "rollout/prefill_tokens",
+    "decode_steps": "rollout/decode_steps",
+    "decode_tokens": "rollout/decode_tokens",
+    "prefill_s": "timing_s/gen_prefill",
+    "decode_s": "timing_s/gen_decode",
+}
+
+
 def add_rollout_stats(metrics: dict[str, float], stats: dict[str, float] | None) -> None:
-    """Add a generate call's stats (``GenerationStats`` fields) to ``rollout/*``, summing over calls."""
+    """Add a generate call's stats (``GenerationStats`` fields) to the step's metrics, summing over calls.
+
+    ``perf/rollout_decode_tokens_per_s`` is the tokens decoded per second of decode device time.
+    """
     if stats is None:
         return
-    for key, value in stats.items():
-        metrics[f"rollout/{key}"] = metrics.get(f"rollout/{key}", 0.0) + float(value)
-    seconds = metrics["rollout/decode_s"]
-    metrics["rollout/decode_tokens_per_s"] = (
-        metrics["rollout/decode_tokens"] / seconds if seconds > 0 else 0.0
-    )
+    for field, key in ROLLOUT_STAT_KEYS.items():
+        metrics[key] = metrics.get(key, 0.0) + float(stats[field])
+    seconds = metrics["timing_s/gen_decode"]
+    rate = metrics["rollout/decode_tokens"] / seconds if seconds > 0 else 0.0
+    metrics["perf/rollout_decode_tokens_per_s"] = rate

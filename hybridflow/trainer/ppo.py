@@ -23,7 +23,12 @@ from hybridflow.rewards import place_on_last_token
 from hybridflow.trainer.dataflow import Dataflow, Stage
 from hybridflow.trainer.dumps import rollout_records, write_jsonl
 from hybridflow.trainer.loop import TrainingLoop
-from hybridflow.trainer.metrics import add_rollout_stats, compute_data_metrics, throughput_metrics
+from hybridflow.trainer.metrics import (
+    add_rollout_stats,
+    compute_data_metrics,
+    step_peak_memory,
+    throughput_metrics,
+)
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.utils.progress import Progress
 
@@ -115,9 +120,11 @@ class PPOTrainer(TrainingLoop):
         metrics: dict[str, float] = {"training/global_step": float(self.global_step)}
         batch = self.dataflow.run(batch, metrics)
         elapsed = time.perf_counter() - start
-        metrics.update(self.c.actor.memory())
+        memory = self.c.actor.memory()
+        metrics.update(memory)
         metrics.update(compute_data_metrics(batch, self.cfg.data.max_response_length))
         metrics.update(throughput_metrics(batch, elapsed, self.cfg.trainer.world_size))
+        metrics.update(step_peak_memory(memory))
         return metrics
 
     # ----- stages -----------------------------------------------------------------------------------------

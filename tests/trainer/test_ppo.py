@@ -56,7 +56,7 @@ def check(history: list[dict[str, float]], expect: tuple[str, ...]) -> None:
     assert history[0]["rollout_corr/log_prob_abs_diff_max"] < 1e-4  # rollout engine vs trainer, float32
     for metrics in history:  # every sample's first token comes from prefill, the rest from decode steps
         assert metrics["rollout/decode_tokens"] >= metrics["response_length/mean"] * 8 - 8
-        assert metrics["rollout/decode_tokens_per_s"] > 0
+        assert metrics["perf/rollout_decode_tokens_per_s"] > 0
 
 
 COMMON = (
@@ -69,7 +69,7 @@ COMMON = (
     "timing_s/update_actor",
     "perf/throughput",
     "perf/lifecycle_freed_bytes",
-    "rollout/decode_tokens_per_s",
+    "perf/rollout_decode_tokens_per_s",
 )
 
 

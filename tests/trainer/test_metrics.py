@@ -1,0 +1,33 @@
+"""Step-level metrics that combine the workers' reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridflow.trainer.metrics import add_rollout_stats, step_peak_memory
+
+
+def test_the_step_peak_is_the_largest_phase_peak() -> None:
+    memory = {
+        "memory/actor.generate_peak_gib": 23.7,
+        "memory/actor.update_actor_peak_gib": 26.6,
+        "memory/ref.compute_ref_log_prob_peak_gib": 10.1,
+    }
+    assert step_peak_memory(memory) == {"perf/max_memory_allocated_gb": 26.6}
+    assert step_peak_memory({}) == {}  # CPU: no phase peaks, no metric
+
+
+def test_rollout_stats_add_up_over_generation_rounds() -> None:
+    """Dynamic sampling generates several rounds per step: counts and times sum, the rate is recomputed."""
+    metrics: dict[str, float] = {}
+    add_rollout_stats(metrics, None)  # HF generate keeps no stats
+    assert metrics == {}
+    first = {"prefill_tokens": 10, "decode_steps": 4, "decode_tokens": 40, "prefill_s": 0.5, "decode_s": 2.0}
+    second = {"prefill_tokens": 6, "decode_steps": 2, "decode_tokens": 20, "prefill_s": 0.5, "decode_s": 1.0}
+    add_rollout_stats(metrics, first)
+    assert metrics["perf/rollout_decode_tokens_per_s"] == pytest.approx(20.0)
+    add_rollout_stats(metrics, second)
+    assert metrics["rollout/decode_tokens"] == 60
+    assert metrics["timing_s/gen_decode"] == pytest.approx(3.0)
+    assert metrics["perf/rollout_decode_tokens_per_s"] == pytest.approx(20.0)
+    assert metrics["rollout/prefill_tokens"] == 16
