@@ -2,9 +2,33 @@
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 
 from hybridflow.protocol import Batch
+
+
+def pad_rows(
+    rows: list[list], width: int, fill: float, dtype: torch.dtype, left: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of different lengths as one (B, width) tensor padded with ``fill`` (on the left or the right),
+    and the (B, width) bool mask of the real entries.
+
+    One flat copy and one masked scatter instead of a tensor per row: at 1,024 rows of 1,024 tokens the
+    per-row version spends ~0.1 s of the host's time per tensor.
+    """
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))  # (B,)
+    if (lengths > width).any():
+        b = int(np.argmax(lengths > width))
+        raise ValueError(f"row {b} has {lengths[b]} entries, more than the width {width}")
+    columns = np.arange(width)  # (width,)
+    mask = columns >= width - lengths[:, None] if left else columns < lengths[:, None]  # (B, width)
+    out = np.full((len(rows), width), fill, dtype=torch.empty((), dtype=dtype).numpy().dtype)
+    # Row-major order of the mask's True entries is the order of the rows' concatenation.
+    out[mask] = np.fromiter(itertools.chain.from_iterable(rows), dtype=out.dtype, count=int(lengths.sum()))
+    return torch.from_numpy(out), torch.from_numpy(mask)
 
 
 def pack_prompt_response(
@@ -19,22 +43,20 @@ def pack_prompt_response(
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     P = max((len(p) for p in prompts), default=0)
     R = response_length
-    B = len(prompts)
-    ids = torch.full((B, P + R), pad_token_id, dtype=torch.long)  # (B, P + R)
-    mask = torch.zeros(B, P + R, dtype=torch.long)
-    for b, (p, r) in enumerate(zip(prompts, responses)):
+    for b, r in enumerate(responses):
         if len(r) > R:
             raise ValueError(f"response {b} has {len(r)} tokens, more than the response length {R}")
-        ids[b, P - len(p) : P] = torch.tensor(p, dtype=torch.long)
-        ids[b, P : P + len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[b, P - len(p) : P + len(r)] = 1
+    response_ids, response_mask = pad_rows(responses, R, pad_token_id, torch.long)  # (B, R)
+    prompt_ids, prompt_mask = pad_rows(prompts, P, pad_token_id, torch.long, left=True)  # (B, P)
+    ids = torch.cat([prompt_ids, response_ids], dim=1)  # (B, P + R)
+    mask = torch.cat([prompt_mask, response_mask], dim=1).long()  # (B, P + R)
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P + R)
     return Batch(
         {
             "input_ids": ids,
             "attention_mask": mask,
             "position_ids": position_ids,
-            "responses": ids[:, P:].clone(),
-            "response_mask": mask[:, P:].float(),
+            "responses": response_ids,
+            "response_mask": response_mask.float(),
         }
     )

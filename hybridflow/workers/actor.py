@@ -18,7 +18,7 @@ from hybridflow.engine.preference import update_preference
 from hybridflow.engine.reshard import RolloutReplica
 from hybridflow.engine.rollout.engine import make_rollout
 from hybridflow.engine.rollout.sampling import SamplingParams
-from hybridflow.engine.sequences import pack_prompt_response
+from hybridflow.engine.sequences import pack_prompt_response, pad_rows
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.logging import rank as dist_rank
@@ -125,10 +125,9 @@ class ActorWorker:
         batch = pack_prompt_response(
             [p for p in ids for _ in range(params.n)], [s.token_ids for s in flat], R, self.pad_token_id
         )
-        logps = torch.zeros(len(flat), R)
-        for i, s in enumerate(flat):
-            logps[i, : len(s.logprobs)] = torch.tensor(s.logprobs)
-        batch["rollout_log_probs"] = logps
+        batch["rollout_log_probs"] = pad_rows([s.logprobs for s in flat], R, 0.0, torch.float32)[
+            0
+        ]  # (B*n, R)
         for key, values in prompts.non_tensors.items():
             batch[key] = np.repeat(values, params.n)
         batch["uid"] = np.repeat(np.array([f"{i}" for i in range(len(ids))], dtype=object), params.n)
