@@ -152,9 +152,7 @@ class FSDPConfig:
         "auto", "Compute dtype: auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32."
     )
     reduce_dtype: str = option("float32", "Dtype of gradient reductions.")
-    master_dtype: str = option(
-        "auto", "Dtype of master weights and optimizer state; auto = float32, the compute dtype for the ref."
-    )
+    master_dtype: str = option("auto", "Master/optimizer dtype; auto = float32 (ref: its compute dtype).")
 
 
 @dataclass
