@@ -125,9 +125,8 @@ class ActorWorker:
         batch = pack_prompt_response(
             [p for p in ids for _ in range(params.n)], [s.token_ids for s in flat], R, self.pad_token_id
         )
-        batch["rollout_log_probs"] = pad_rows([s.logprobs for s in flat], R, 0.0, torch.float32)[
-            0
-        ]  # (B*n, R)
+        logps, _ = pad_rows([s.logprobs for s in flat], R, 0.0, torch.float32)  # (B*n, R)
+        batch["rollout_log_probs"] = logps
         for key, values in prompts.non_tensors.items():
             batch[key] = np.repeat(values, params.n)
         batch["uid"] = np.repeat(np.array([f"{i}" for i in range(len(ids))], dtype=object), params.n)
