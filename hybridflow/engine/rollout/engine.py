@@ -203,7 +203,6 @@ class RolloutEngine:
                         else:
                             self._decode_step(sched.num_running, cache, state, pick)
                 stats.decode_steps += steps
-                stats.decode_tokens += steps * sched.num_running
                 finished = self._retire(sched, cache, state, results)
                 if progress is not None and finished:
                     progress(finished)
@@ -212,6 +211,8 @@ class RolloutEngine:
             cache.free()
         seconds = timer.close()
         stats.prefill_s, stats.decode_s = seconds.get("prefill", 0.0), seconds.get("decode", 0.0)
+        # Tokens kept, not sequence-steps run: a sequence that stopped early rides along until the next sync.
+        stats.decode_tokens = sum(len(s.token_ids) - 1 for group in results for s in group)
         self.last_stats = stats
         return results  # type: ignore[return-value]
 

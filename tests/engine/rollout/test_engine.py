@@ -220,3 +220,11 @@ def test_generate_reports_prefill_and_decode_work() -> None:
     assert stats.decode_steps >= 5 * 2  # 8 samples in 4 slots: at least two waves of 5 steps
     assert stats.prefill_s > 0 and stats.decode_s > 0
     assert stats.decode_tokens_per_s == pytest.approx(stats.decode_tokens / stats.decode_s)
+    # With early stops, only the tokens kept count (not the steps a stopped sequence rode along).
+    first = out[0][0].token_ids[1]  # a token that does get sampled: some samples stop on it
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, eos_token_ids=[first], seed=0)
+    engine = RolloutEngine(lively_model(), max_num_seqs=4, sync_interval=4)
+    out = engine.generate(PROMPTS, params)
+    lengths = [len(s.token_ids) for group in out for s in group]
+    assert min(lengths) < 6  # the premise: some sample stopped early
+    assert engine.last_stats.decode_tokens == sum(lengths) - len(lengths)
