@@ -209,6 +209,10 @@ def main() -> None:
     p.add_argument("--profile-dir", type=Path, help="profile one extra step and write its kernel table here")
     p.add_argument("overrides", nargs="*", help="trainer config overrides, key=value")
     args = p.parse_args()
+    for name, least in (("steps", 1), ("warmup", 0), ("prompts", 1), ("prompt_len", 1), ("new_tokens", 2)):
+        value = getattr(args, name)
+        if value is not None and value < least:
+            p.error(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
     logging.basicConfig(level=logging.WARNING)
     w = dict(WORKLOADS[args.workload])
     for key in ("prompts", "prompt_len", "new_tokens"):

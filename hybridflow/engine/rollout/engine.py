@@ -189,10 +189,12 @@ class RolloutEngine:
         timer, stats = PhaseTimer(self.device), GenerationStats()
         try:
             while not sched.done:
-                with timer.span("prefill"):
-                    for call in sched.admit():
-                        self._prefill(call, cache, state, pick, max_len)
-                        stats.prefill_tokens += sum(c.length for c in call)
+                calls = sched.admit()
+                if calls:  # most syncs admit nothing: no events for an empty span
+                    with timer.span("prefill"):
+                        for call in calls:
+                            self._prefill(call, cache, state, pick, max_len)
+                            stats.prefill_tokens += sum(c.length for c in call)
                 if graphs is not None and sched.num_running and params.max_new_tokens > 1:
                     graphs.prepare(sched.num_running)  # captures while the GPU runs the prefill just queued
                 steps = self._steps_before_sync(state, sched.num_running, params)
