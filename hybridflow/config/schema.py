@@ -104,7 +104,7 @@ class RolloutConfig:
     )
     tensor_model_parallel_size: int = option(1, "Tensor-parallel size of one rollout replica.")
     free_cache_engine: bool = option(
-        True, "Free the KV cache after generation so training gets the memory back."
+        True, "After generating, free the KV cache and the rollout's cast weights for training."
     )
     enforce_eager: bool = option(False, "Disable CUDA graphs for decode (debugging).")
     compile_decode: bool = option(

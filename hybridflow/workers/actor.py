@@ -89,6 +89,7 @@ class ActorWorker:
             gpu_memory_utilization=r.gpu_memory_utilization,
             enforce_eager=r.enforce_eager,
             compile_decode=r.compile_decode,
+            free_cache_engine=r.free_cache_engine,
         )
         self.replica = None
         if unsharded is not None:

@@ -70,7 +70,8 @@ class RolloutEngine:
     """Generates from token-id prompts with a model it does not own: it reads the HF module's parameters.
 
     ``generate`` allocates the KV cache, runs the prompts through continuous batching (waves when they do
-    not all fit), and frees the cache again so training gets the memory back.
+    not all fit), and then, with ``free_cache_engine`` (the default), frees the cache and the runner's
+    cast weight buffers so training gets the memory back; without it both stay for the next call.
     """
 
     def __init__(
@@ -84,6 +85,7 @@ class RolloutEngine:
         sync_interval: int = 16,
         enforce_eager: bool = False,
         compile_decode: bool = False,
+        free_cache_engine: bool = True,
     ) -> None:
         self.runner = LlamaRunner(model, dtype, max_model_len)
         self.device = next(model.parameters()).device
@@ -111,6 +113,8 @@ class RolloutEngine:
         self.max_model_len = max_model_len
         self.gpu_memory_utilization = gpu_memory_utilization
         self.sync_interval = sync_interval
+        self.free_cache_engine = free_cache_engine
+        self._kept_cache: KVCache | None = None  # the last call's cache, when free_cache_engine is off
         self.use_graphs = not enforce_eager and self.device.type == "cuda"
         # Greedy and unfiltered sampling go through the fused Triton sampler on CUDA (one pass over the
         # logits, no float32 copy); settable, so tests can run it in Triton's CPU interpreter. It reads the LM
@@ -148,7 +152,9 @@ class RolloutEngine:
                 * max_len
             )
             total = torch.cuda.get_device_properties(self.device).total_memory
-            budget = self.gpu_memory_utilization * total - torch.cuda.memory_allocated(self.device)
+            # A cache kept from the last call is memory this call may reuse.
+            kept = self._kept_cache.nbytes() if self._kept_cache is not None else 0
+            budget = self.gpu_memory_utilization * total - torch.cuda.memory_allocated(self.device) + kept
             fit = int(budget // per_slot)
             if fit < 1:
                 raise ValueError(
@@ -172,15 +178,7 @@ class RolloutEngine:
         groups = [PromptGroup(i, list(p), params.n) for i, p in enumerate(prompts)]
         slots = self._num_slots(len(prompts) * params.n, max_len)
         sched = SlotScheduler(slots, self.max_num_batched_tokens, groups)
-        cache = KVCache(
-            self.runner.num_layers,
-            slots,
-            max_len,
-            self.runner.num_kv_heads,
-            self.runner.head_dim,
-            self.runner.dtype,
-            self.device,
-        )
+        cache = self._cache(slots, max_len)
         eos = [] if params.ignore_eos else list(params.eos_token_ids)
         state = DecodeState(slots, params.max_new_tokens, list(params.stop_token_ids), eos, self.device)
         pick, generator = self._sampler(params)
@@ -209,14 +207,33 @@ class RolloutEngine:
                 if progress is not None and finished:
                     progress(finished)
         finally:
-            del graphs  # graphs hold the cache tensors: drop them before freeing it
-            cache.free()
+            del graphs  # graphs hold the cache and weight tensors: drop them before freeing those
+            self._park(cache)
         seconds = timer.close()
         stats.prefill_s, stats.decode_s = seconds.get("prefill", 0.0), seconds.get("decode", 0.0)
         # Tokens kept, not sequence-steps run: a sequence that stopped early rides along until the next sync.
         stats.decode_tokens = sum(len(s.token_ids) - 1 for group in results for s in group)
         self.last_stats = stats
         return results  # type: ignore[return-value]
+
+    def _cache(self, slots: int, max_len: int) -> KVCache:
+        """The KV cache for this call: the one kept from the last call if it has the shape, else a new one."""
+        kept, self._kept_cache = self._kept_cache, None
+        if kept is not None and (kept.num_slots, kept.max_len) == (slots, max_len):
+            kept.storage.zero_()  # as a new cache: masked reads of unfilled positions then see zeros, not stale K/V
+            return kept
+        if kept is not None:
+            kept.free()
+        r = self.runner
+        return KVCache(r.num_layers, slots, max_len, r.num_kv_heads, r.head_dim, r.dtype, self.device)
+
+    def _park(self, cache: KVCache) -> None:
+        """After a call: free the cache and the cast weights (``free_cache_engine``), or keep the cache."""
+        if self.free_cache_engine:
+            cache.free()
+            self.runner.release()  # re-allocated and re-filled by the next call's refresh()
+        else:
+            self._kept_cache = cache
 
     def _graphs(
         self,

@@ -3,8 +3,9 @@
 The runner loads nothing of its own: it binds the HF module's parameters by reference, so the rollout
 engine generates with exactly the weights the trainer holds. Where the generation dtype differs from the
 parameters' (fp32 masters, bf16 generation) each weight is cast once into a buffer allocated at
-construction, and ``refresh()`` copies the current values into those buffers in place, so their addresses
-(and any CUDA graph captured on them) stay valid across train/generate switches.
+construction, and ``refresh()`` copies the current values into those buffers in place. Between generations
+``release()`` frees the buffers' storage (the engine does so with ``free_cache_engine``), so training never
+holds them beside FSDP2's own compute-dtype parameters; the next ``refresh()`` allocates it again.
 
 The math follows transformers' modeling_llama / modeling_qwen2 / modeling_qwen3 op for op (the layer's
 pieces around attention are in ``blocks``): RoPE tables computed in float32 from the module's own
@@ -126,6 +127,7 @@ class LlamaRunner:
         """One buffer holding ``srcs`` stacked on dim 0 in the runner's dtype; remembered for refresh()."""
         rows = [s.shape[0] for s in srcs]
         buf = torch.empty((sum(rows), *srcs[0].shape[1:]), dtype=self.dtype, device=self.device)
+        self._buffers.append(buf)
         for view, src, (module, name) in zip(buf.split(rows), srcs, parts):
             view.copy_(src)
             self._copies.append((view, module, name))
@@ -172,6 +174,7 @@ class LlamaRunner:
         self._memo: dict[tuple, list[torch.Tensor]] = {}
         self._aliases: list[tuple[torch.Tensor, nn.Module, str]] = []  # zero-copy: (tensor, module, name)
         self._copies: list[tuple[torch.Tensor, nn.Module, str]] = []  # cast buffers: (view, module, name)
+        self._buffers: list[torch.Tensor] = []  # the cast buffers themselves (release() frees their storage)
         self.dims = LayerDims(
             self.num_heads,
             self.num_kv_heads,
@@ -197,7 +200,7 @@ class LlamaRunner:
 
     @torch.no_grad()
     def refresh(self) -> bool:
-        """Copy the module's current weights into the cast buffers in place (no allocation).
+        """Copy the module's current weights into the cast buffers in place (re-allocated if released).
 
         Returns True when parameter storage moved (offload/reload, FSDP re-initialisation) so the runner
         had to rebind: tensor addresses changed and any captured CUDA graph must be re-captured.
@@ -207,9 +210,29 @@ class LlamaRunner:
             logger.info("model parameters moved since the runner bound them; rebinding")
             self._bind_all()
             return True
+        for buf in self._buffers:  # released after the last generate: allocate again (views stay valid)
+            if buf.untyped_storage().nbytes() == 0:
+                buf.untyped_storage().resize_(buf.numel() * buf.element_size())
         for dst, module, name in self._copies:
             dst.copy_(local_tensor(getattr(module, name)))
         return False
+
+    def release(self) -> int:
+        """Free the cast buffers' memory until the next ``refresh()``; returns the bytes freed.
+
+        The buffers are a rendering of the module's weights in the generation dtype, re-filled by every
+        ``refresh()``, so between generations they are dead weight: at the update's peak they would be a
+        second copy of the actor beside FSDP2's own compute-dtype parameters. Their tensors (and every view of
+        them) stay valid objects; only the storage goes, as FSDP2 does with its unsharded parameters. Weights
+        bound by reference are the module's own and are never touched. Any CUDA graph captured on the
+        buffers must be dropped first (the engine captures its graphs per call).
+        """
+        freed = 0
+        for buf in self._buffers:
+            storage = buf.untyped_storage()
+            freed += storage.nbytes()
+            storage.resize_(0)
+        return freed
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every distinct tensor the forward reads (for checks: data pointers, memory)."""

@@ -228,3 +228,38 @@ def test_generate_reports_prefill_and_decode_work() -> None:
     lengths = [len(s.token_ids) for group in out for s in group]
     assert min(lengths) < 6  # the premise: some sample stopped early
     assert engine.last_stats.decode_tokens == sum(lengths) - len(lengths)
+
+
+def cast_bytes(engine: RolloutEngine) -> int:
+    """Bytes the runner's cast weight buffers hold right now."""
+    return sum(t.untyped_storage().nbytes() for t in engine.runner.weight_tensors())
+
+
+def test_free_cache_engine_releases_the_cast_weights_until_the_next_call() -> None:
+    model = lively_model("llama")  # untied; float32 masters, generation in bf16: every weight is a cast buffer
+    engine = RolloutEngine(model, dtype=torch.bfloat16)
+    held = cast_bytes(engine)
+    assert held > 0
+    first = [[s.token_ids for s in g] for g in engine.generate(PROMPTS, greedy(6))]
+    assert cast_bytes(engine) == 0  # nothing of the rollout's weights outlives the call
+    again = [[s.token_ids for s in g] for g in engine.generate(PROMPTS, greedy(6))]
+    assert again == first  # re-allocated and re-filled from the masters
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # a "training step" between two generations
+    stepped = [[s.token_ids for s in g] for g in engine.generate(PROMPTS, greedy(6))]
+    fresh = RolloutEngine(model, dtype=torch.bfloat16).generate(PROMPTS, greedy(6))
+    assert stepped == [[s.token_ids for s in g] for g in fresh]
+    assert stepped != first
+
+
+def test_without_free_cache_engine_the_cache_and_weights_stay_for_the_next_call() -> None:
+    model = lively_model()
+    engine = RolloutEngine(model, dtype=torch.bfloat16, free_cache_engine=False)
+    held = cast_bytes(engine)
+    first = [[s.token_ids for s in g] for g in engine.generate(PROMPTS, greedy(6))]
+    cache = engine._kept_cache
+    assert cache is not None and cache.is_allocated and cast_bytes(engine) == held
+    again = [[s.token_ids for s in g] for g in engine.generate(PROMPTS, greedy(6))]
+    assert engine._kept_cache is cache and again == first  # same shapes: the kept cache is reused
+    engine.generate(PROMPTS[:1], greedy(3))  # another shape: a new cache, the old one freed
+    assert engine._kept_cache is not cache and not cache.is_allocated
