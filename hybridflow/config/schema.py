@@ -347,13 +347,13 @@ class RolloutCorrectionConfig:
     )
     rollout_rs_threshold_lower: float | None = option(None, "Lower rejection threshold; null = 1 / upper.")
     rollout_token_veto_threshold: float | None = option(
-        None, "Reject a sequence with any token ratio below this; null = off."
+        None, "Reject a sequence with any token ratio below this; null = off. Not implemented yet."
     )
     bypass_old_logprob_for_rollout: bool = option(
-        False, "Use rollout log-probs as the old policy (skip recompute)."
+        False, "Use the rollout's log-probs as the old policy (no recompute pass; verl's bypass mode)."
     )
     use_pure_rollout_correction: bool = option(
-        False, "Plain importance-weighted policy gradient, no PPO clip."
+        False, "Plain importance-weighted policy gradient, no PPO clip. Not implemented yet."
     )
 
 

@@ -267,6 +267,19 @@ def _check_rollout(cfg: Config, out: list[Problem]) -> None:
                 "set it below the upper threshold (or null for 1 / upper)",
             )
         )
+    # Accepted for verl configs, not built yet: refuse rather than ignore them silently.
+    for name, value in (
+        ("rollout_token_veto_threshold", rc.rollout_token_veto_threshold),
+        ("use_pure_rollout_correction", rc.use_pure_rollout_correction or None),
+    ):
+        if value is not None:
+            out.append(
+                Problem(
+                    f"algorithm.rollout_correction.{name}",
+                    f"{value} asks for a feature hybridflow does not implement yet",
+                    "leave it unset; rollout_is and rollout_rs are available",
+                )
+            )
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "grpo_passk") and r.n == 1:
         logger.warning(
             "algorithm.adv_estimator=%s with rollout.n=1: every group has one sample",

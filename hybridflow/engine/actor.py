@@ -55,6 +55,7 @@ class ActorEngine:
         """
         self.actor = actor
         self.rollout_n = rollout_n
+        self.last_log_probs: torch.Tensor | None = None  # an on-policy update's own (B, R), see update_policy
         self.remove_padding = use_remove_padding
         self._accumulation = {
             "defer_grad_sync": defer_grad_sync,
@@ -137,18 +138,31 @@ class ActorEngine:
         return batch.split(size)
 
     def update_policy(self, batch: Batch, temperature: float = 1.0) -> dict[str, float]:
-        """Run ``ppo_epochs`` passes over the mini-batches of ``batch``; returns verl-named actor metrics."""
-        keys = (*SCORING_KEYS, "response_mask", "advantages", "old_log_probs")
+        """Run ``ppo_epochs`` passes over the mini-batches of ``batch``; returns verl-named actor metrics.
+
+        On-policy (one epoch, one mini-batch) the ratio's denominator is the update's own detached
+        log-probs, so ``old_log_probs`` may be left out of ``batch``; the update then keeps those log-probs,
+        taken before its optimizer step, in ``last_log_probs`` (B, R) on the host, in the batch's order.
+        """
+        keys = (*SCORING_KEYS, "response_mask", "advantages")
         check_batch(batch, keys + (("ref_log_prob",) if self.actor.use_kl_loss else ()))
         self.engine.onload()
         self.module.train()
         minis = self._mini_batches(batch)
         # On-policy (one epoch, one mini-batch): the ratio is exactly 1, so ppo_kl is exactly 0 on step 1.
         on_policy = self.actor.ppo_epochs == 1 and len(minis) == 1
+        keep = "old_log_probs" not in batch
+        if keep and not on_policy:
+            raise ValueError(
+                f"the batch has no old_log_probs, which an update of {len(minis)} mini-batches x "
+                f"{self.actor.ppo_epochs} epochs needs; compute them first (only one epoch over one "
+                "mini-batch can do without)"
+            )
+        self.last_log_probs = None
         history: dict[str, list[float]] = defaultdict(list)
         for _ in range(self.actor.ppo_epochs):
             for mini in minis:
-                for key, value in self._update_mini_batch(mini, temperature, on_policy).items():
+                for key, value in self._update_mini_batch(mini, temperature, on_policy, keep).items():
                     history[key].append(value)
         self.engine.lr_step()
         self.engine.offload()
@@ -207,8 +221,9 @@ class ActorEngine:
 
     def _micro_losses(
         self, mini: Batch, parts: list[list[int]], temperature: float, on_policy: bool, cfg: PolicyLossConfig
-    ) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-        """Yield each micro-batch's loss and its metric contributions (already weighted to sum globally)."""
+    ) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]]:
+        """Yield each micro-batch's loss, its metric contributions (weighted to sum globally), and its
+        detached log-probs (b, R)."""
         a = self.actor
         agg = dict(
             dp_size=cfg.dp_size,
@@ -240,23 +255,31 @@ class ActorEngine:
                 )
                 loss = loss + a.kl_loss_coef * kl
                 metrics["actor/kl_loss"] = kl.detach() / cfg.dp_size
-            yield loss, metrics
+            yield loss, metrics, logp.detach()
 
-    def _update_mini_batch(self, mini: Batch, temperature: float, on_policy: bool) -> dict[str, float]:
+    def _update_mini_batch(
+        self, mini: Batch, temperature: float, on_policy: bool, keep_log_probs: bool = False
+    ) -> dict[str, float]:
         a = self.actor
         cfg = self._loss_config(mini)
         parts = micro_batch_indices(
             mini, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu
         )
         totals: dict[str, torch.Tensor] = {}  # float64 sums on the device: one host copy per mini-batch
-        for i, (loss, metrics) in enumerate(self._micro_losses(mini, parts, temperature, on_policy, cfg)):
+        logps = []  # on the device: one copy to the host at the end
+        micro = self._micro_losses(mini, parts, temperature, on_policy, cfg)
+        for i, (loss, metrics, logp) in enumerate(micro):
             self.accumulate_grads(i, len(parts))
             loss.backward()
+            if keep_log_probs:
+                logps.append(logp)
             for key, value in metrics.items():
                 value = torch.as_tensor(value, device=self.engine.device).detach().double()
                 totals[key] = totals[key] + value if key in totals else value
         keys = sorted(totals)
         summed = all_reduce_sum(torch.stack([totals[k] for k in keys]).cpu()) if keys else torch.zeros(0)
         out = dict(zip(keys, summed.tolist()))
+        if keep_log_probs:  # before the optimizer step, so these are the weights that generated the batch
+            self.last_log_probs = restore_order(logps, parts).cpu()
         out["actor/grad_norm"] = self.engine.optimizer_step()
         return out

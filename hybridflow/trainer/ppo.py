@@ -12,6 +12,7 @@ import torch
 
 from hybridflow.algos import (
     compute_kl_in_reward,
+    compute_offpolicy_metrics,
     compute_rollout_correction_and_rejection_mask,
     get_adv_estimator_fn,
     get_kl_controller,
@@ -36,6 +37,24 @@ logger = logging.getLogger(__name__)
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 SEQ_KEYS = (*PROMPT_KEYS, "responses")  # what every pass over (prompt + response) reads
+
+
+def old_log_prob_source(cfg: Config) -> str:
+    """Where the update's ``old_log_probs`` come from: "recompute", "rollout" or "update".
+
+    "recompute" is verl's default, a forward pass before the update. "rollout" is verl's bypass mode
+    (``rollout_correction.bypass_old_logprob_for_rollout``): the rollout's own log-probs stand in. "update":
+    one epoch over one mini-batch is on-policy, so the ratio's denominator is the update's own detached
+    log-probs (as in verl's actor) and nothing before the update reads ``old_log_probs`` (no KL in the reward,
+    no importance weights or rejection): the update returns those log-probs, taken before its optimizer
+    step, for the mismatch metrics, and the separate pass is skipped.
+    """
+    a, rc = cfg.algorithm, cfg.algorithm.rollout_correction
+    if rc.bypass_old_logprob_for_rollout:
+        return "rollout"
+    on_policy = cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size >= cfg.data.train_batch_size
+    read_before_update = a.use_kl_in_reward or rc.rollout_is is not None or rc.rollout_rs is not None
+    return "update" if on_policy and not read_before_update else "recompute"
 
 
 class PPOTrainer(TrainingLoop):
@@ -66,6 +85,7 @@ class PPOTrainer(TrainingLoop):
     def _stages(self) -> list[Stage]:
         cfg = self.cfg
         scores = ("token_level_scores", "acc")
+        self.old_source = old_log_prob_source(cfg)
         stages = [
             Stage(
                 "gen",
@@ -77,10 +97,12 @@ class PPOTrainer(TrainingLoop):
             Stage(
                 "reward", ("responses", "response_mask", "data_source", "ground_truth"), scores, self._reward
             ),
-            Stage(
-                "old_log_prob", ("input_ids", "responses"), ("old_log_probs", "entropys"), self._old_log_prob
-            ),
         ]
+        if self.old_source == "recompute":
+            reads = ("input_ids", "responses")
+            stages.append(Stage("old_log_prob", reads, ("old_log_probs", "entropys"), self._old_log_prob))
+        elif self.old_source == "rollout":
+            stages.append(Stage("old_log_prob", ("rollout_log_probs",), ("old_log_probs",), self._bypass))
         if cfg.trainer.rollout_data_dir:
             reads = (*SEQ_KEYS, "response_mask", "token_level_scores", "uid", "data_source", "ground_truth")
             stages.append(Stage("dump_rollout", reads, (), self._dump_rollout))
@@ -91,7 +113,8 @@ class PPOTrainer(TrainingLoop):
             stages.append(Stage("ref", SEQ_KEYS, ("ref_log_prob",), self._ref_log_prob))
         if self.c.critic is not None:
             stages.append(Stage("values", SEQ_KEYS, ("values",), self._values))
-        adv_reads = ["token_level_scores", "response_mask", "uid", "old_log_probs", "rollout_log_probs"]
+        adv_reads = ["token_level_scores", "response_mask", "uid", "rollout_log_probs"]
+        adv_reads += ["old_log_probs"] if self.old_source != "update" else []
         adv_reads += ["ref_log_prob"] if cfg.algorithm.use_kl_in_reward else []
         adv_reads += ["values"] if self.c.critic is not None else []
         adv_reads += ["reward_baselines"] if cfg.algorithm.adv_estimator == "remax" else []
@@ -107,7 +130,8 @@ class PPOTrainer(TrainingLoop):
                     self._update_critic,
                 )
             )
-        actor_reads = [*SEQ_KEYS, "advantages", "old_log_probs", "response_mask"]
+        actor_reads = [*SEQ_KEYS, "advantages", "response_mask"]
+        actor_reads += ["old_log_probs"] if self.old_source != "update" else ["rollout_log_probs"]
         actor_reads += ["ref_log_prob"] if cfg.actor.use_kl_loss else []
         stages.append(Stage("update_actor", tuple(actor_reads), (), self._update_actor))
         return stages
@@ -208,6 +232,9 @@ class PPOTrainer(TrainingLoop):
         metrics["actor/entropy"] = float((out["entropys"] * mask).sum() / mask.sum().clamp(min=1))
         return out
 
+    def _bypass(self, batch: Batch, metrics: dict[str, float]) -> Batch:
+        return Batch({"old_log_probs": batch["rollout_log_probs"]})
+
     def _greedy_baseline(self, batch: Batch, metrics: dict[str, float]) -> Batch:
         params = self.c.actor.sampling_params(1, 0.0, 1.0, -1, False, self.c.eos_token_ids, seed=None)
         n, R = self.cfg.rollout.n, batch["responses"].shape[1]
@@ -247,6 +274,8 @@ class PPOTrainer(TrainingLoop):
             kwargs.update(index=np.asarray(batch["uid"]), norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo)
         advantages, returns = get_adv_estimator_fn(est)(**kwargs)
         out = Batch({"advantages": advantages, "returns": returns, "token_level_rewards": rewards})
+        if "old_log_probs" not in batch:  # on-policy: the update reports the mismatch metrics
+            return out
         # Rollout-vs-trainer mismatch metrics every step; IS weights / rejection only when configured.
         rc = a.rollout_correction
         weights, new_mask, rc_metrics = compute_rollout_correction_and_rejection_mask(
@@ -276,8 +305,14 @@ class PPOTrainer(TrainingLoop):
         if self.global_step <= self.cfg.trainer.critic_warmup:
             return
         with Progress("update actor", unit="steps") as bar:
-            metrics.update(self.c.actor.update_actor(batch))
+            update_metrics, own = self.c.actor.update_actor(batch)
+            metrics.update(update_metrics)
             bar.update()
+        if own is not None and "rollout_log_probs" in batch:  # on-policy: no separate old-log-prob pass
+            mismatch = compute_offpolicy_metrics(
+                own["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]
+            )
+            metrics.update({f"rollout_corr/{k}": float(v) for k, v in mismatch.items()})
 
 
 def seed_everything(seed: int) -> None:

@@ -131,9 +131,18 @@ class ActorHandle(RoleHandle):
         """``old_log_probs`` and ``entropys``."""
         return self._split("compute_log_prob", batch)
 
-    def update_actor(self, batch: Batch) -> dict[str, float]:
-        """One PPO-family update; metrics reduced over the ranks."""
-        return self._split("update_actor", batch, ACTOR_UPDATE_KEYS)
+    def update_actor(self, batch: Batch) -> tuple[dict[str, float], Batch | None]:
+        """One PPO-family update: its metrics (reduced over the ranks), and, when ``batch`` has no
+        ``old_log_probs`` (on-policy), the update's own log-probs as ``old_log_probs``, else None."""
+        present = [k for k in ACTOR_UPDATE_KEYS if k in batch.tensors]
+        chunks, pad = split_batch(batch.select(present, []), self.group.world)
+        outputs = self.group.run_each("call", [("actor", "update_actor", c) for c in chunks])
+        if not isinstance(outputs[0], Batch):
+            return outputs[0], None
+        metrics = outputs[0].meta["metrics"]  # reduced over the ranks: the same on every one
+        for output in outputs:
+            del output.meta["metrics"]
+        return metrics, merge_batches(outputs, pad)
 
     def update_sft(self, batch: Batch) -> dict[str, float]:
         """Supervised step(s) on the response tokens."""

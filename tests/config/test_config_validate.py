@@ -121,6 +121,15 @@ def test_wrong_type(override: str, expected: str) -> None:
         ("rollout.top_k=-2", "rollout.top_k: must be -1 (off) or more, got -2"),
         ("algorithm.gamma=1.1", "algorithm.gamma: must be in [0, 1], got 1.1"),
         ("actor.optim.betas=[0.9,1.0]", "actor.optim.betas: must be two numbers in [0, 1), got [0.9, 1.0]"),
+        (
+            "algorithm.rollout_correction.rollout_token_veto_threshold=0.1",
+            "algorithm.rollout_correction.rollout_token_veto_threshold: 0.1 asks for a feature hybridflow does "
+            "not implement yet",
+        ),
+        (
+            "algorithm.rollout_correction.use_pure_rollout_correction=true",
+            "algorithm.rollout_correction.use_pure_rollout_correction: True asks for a feature",
+        ),
     ],
 )
 def test_out_of_range(override: str, expected: str) -> None:

@@ -237,3 +237,36 @@ def test_a_frozen_engine_keeps_its_weights_in_the_compute_dtype_with_equal_log_p
     assert out["float32"][0] == {torch.float32}
     assert out["trained"] == {torch.float32}  # a trained role keeps float32 masters under auto
     assert torch.equal(out["auto"][1], out["float32"][1])
+
+
+def update_without_old_log_probs(rank: int) -> dict:
+    """On-policy: the update keeps its own pre-step log-probs. Two mini-batches: a clear error instead."""
+    from hybridflow.engine.actor import ActorEngine
+
+    lm = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=2, seed=1)
+    engine = ActorEngine(lm, actor_config(ppo_epochs=1, ppo_mini_batch_size=B), use_remove_padding=True)
+    batch = make_batch()
+    before = engine.compute_log_prob(batch, micro_batch_size=3)["log_probs"]
+    engine.update_policy(batch)
+    kept = engine.last_log_probs
+    after = engine.compute_log_prob(batch, micro_batch_size=3)["log_probs"]
+    lm = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=2, seed=1)
+    two_minis = ActorEngine(lm, actor_config(ppo_epochs=1, ppo_mini_batch_size=4), use_remove_padding=True)
+    try:
+        two_minis.update_policy(make_batch())
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    mask = batch["response_mask"].bool()
+    return {
+        "kept_vs_before": float((kept - before)[mask].abs().max()),
+        "after_vs_before": float((after - before)[mask].abs().max()),
+        "error": error,
+    }
+
+
+def test_an_on_policy_update_keeps_its_own_pre_step_log_probs() -> None:
+    res = run_world(1, update_without_old_log_probs)[0]
+    assert res["kept_vs_before"] < 1e-5  # the update's forward ran on the weights before its step
+    assert res["after_vs_before"] > 1e-3  # and the step then moved them
+    assert "no old_log_probs" in res["error"] and "2 mini-batches" in res["error"]

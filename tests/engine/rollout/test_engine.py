@@ -236,7 +236,9 @@ def cast_bytes(engine: RolloutEngine) -> int:
 
 
 def test_free_cache_engine_releases_the_cast_weights_until_the_next_call() -> None:
-    model = lively_model("llama")  # untied; float32 masters, generation in bf16: every weight is a cast buffer
+    model = lively_model(
+        "llama"
+    )  # untied; float32 masters, generation in bf16: every weight is a cast buffer
     engine = RolloutEngine(model, dtype=torch.bfloat16)
     held = cast_bytes(engine)
     assert held > 0

@@ -165,3 +165,21 @@ def test_compiled_bf16_decode_splits_the_down_projection_and_keeps_its_values() 
     runner.down_splits = 1
     want = runner.decode(token, positions, caches[1]).float()
     assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_compiled_engine_frees_its_cast_weights_between_calls_and_refills_them() -> None:
+    # fp32 masters, bf16 generation: the runner's weights are cast buffers, freed after every call by
+    # default. Against an engine that keeps them (same compiled kernels), tokens must agree call after call,
+    # with a "training step" on the masters in between.
+    model = model_on_gpu(torch.float32)
+    kw = dict(dtype=torch.bfloat16, max_num_seqs=8, compile_decode=True)
+    freeing, keeping = RolloutEngine(model, **kw), RolloutEngine(model, free_cache_engine=False, **kw)
+    params = SamplingParams(n=2, max_new_tokens=12, temperature=0.0, do_sample=False)
+    runs = []
+    for _ in range(3):
+        runs.append(_tokens(freeing, params))
+        assert sum(t.untyped_storage().nbytes() for t in freeing.runner.weight_tensors()) == 0
+        assert runs[-1] == _tokens(keeping, params)
+        with torch.no_grad():
+            model.model.layers[0].mlp.down_proj.weight.mul_(-1.0)
+    assert runs[0] != runs[1]
