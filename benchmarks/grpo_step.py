@@ -238,7 +238,10 @@ def main() -> None:
         trainer.global_step += 1
         metrics = trainer.step()
         label = "warm-up" if i < args.warmup else "timed"
-        print(f"step {i + 1} ({label}): {metrics['perf/time_per_step']:.3f} s", flush=True)
+        stages = "  ".join(
+            f"{k.removeprefix('timing_s/')} {v:.3f}" for k, v in metrics.items() if k.startswith("timing_s/")
+        )
+        print(f"step {i + 1} ({label}): {metrics['perf/time_per_step']:.3f} s  [{stages}]", flush=True)
         if i >= args.warmup:
             runs.append(metrics)
     summary = summarize(runs, bytes_, w, n_params)
