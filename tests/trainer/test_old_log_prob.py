@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from dist_util import run_world
 
 from hybridflow.config import load_config
 from hybridflow.models import build_tiny_model_and_tokenizer
@@ -76,3 +77,21 @@ def test_bypass_uses_the_rollout_log_probs_as_the_old_policy() -> None:
         assert all(math.isfinite(v) for v in metrics.values())
         assert metrics["rollout_corr/kl"] == 0.0  # old == rollout by construction
         assert metrics["timing_s/old_log_prob"] < 1.0  # a copy, not a forward pass
+
+
+def spmd_history(rank: int, source: str | None) -> list[dict[str, float]]:
+    """One rank of a 2-process run (every rank runs the driver); ``source`` forces where old log-probs come from."""
+    if source is not None:
+        ppo.old_log_prob_source = lambda cfg: source
+    return run(["trainer.n_gpus_per_node=2", "trainer.device=cpu"])
+
+
+def test_two_ranks_return_the_update_log_probs_in_the_batch_order() -> None:
+    fused = run_world(2, spmd_history, None)[0]
+    separate = run_world(2, spmd_history, "recompute")[0]
+    assert "timing_s/old_log_prob" not in fused[0]
+    for a, b in zip(fused, separate):
+        for key in ("actor/pg_loss", "actor/grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
+        for key in [k for k in b if k.startswith("rollout_corr/")]:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
