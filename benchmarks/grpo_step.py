@@ -171,7 +171,8 @@ def print_table(summary: dict[str, float]) -> None:
 
 
 def profile_step(trainer: PPOTrainer, out_dir: Path) -> None:
-    """One more step under torch.profiler; writes the stage and kernel tables (device time) and prints them."""
+    """One more step under torch.profiler; writes the stage and kernel tables (device time), prints them, and
+    writes the ops by host time (``grpo_step_host.txt``)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -186,9 +187,11 @@ def profile_step(trainer: PPOTrainer, out_dir: Path) -> None:
     )
     stages = events.table(sort_by=total, row_limit=25, max_name_column_width=60)
     kernels = events.table(sort_by=self_, row_limit=60, max_name_column_width=100)
+    host = events.table(sort_by="cpu_time_total", row_limit=60, max_name_column_width=80)  # launch-bound?
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "grpo_step_stages.txt").write_text(stages)
     (out_dir / "grpo_step_kernels.txt").write_text(kernels)
+    (out_dir / "grpo_step_host.txt").write_text(host)
     print(stages)
     print(kernels[:12000])
 
