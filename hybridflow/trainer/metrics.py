@@ -80,12 +80,15 @@ ROLLOUT_STAT_KEYS = {
 def add_rollout_stats(metrics: dict[str, float], stats: dict[str, float] | None) -> None:
     """Add a generate call's stats (``GenerationStats`` fields) to the step's metrics, summing over calls.
 
-    ``perf/rollout_decode_tokens_per_s`` is the tokens decoded per second of decode device time.
+    ``perf/rollout_decode_tokens_per_s`` is the tokens decoded per second of decode device time;
+    ``rollout/kv_slots`` is the largest slot count of the calls, not a sum.
     """
     if stats is None:
         return
     for field, key in ROLLOUT_STAT_KEYS.items():
         metrics[key] = metrics.get(key, 0.0) + float(stats[field])
+    # The most sequences any call decoded at once; fewer than the samples means the rollout ran in waves.
+    metrics["rollout/kv_slots"] = max(metrics.get("rollout/kv_slots", 0.0), float(stats.get("slots", 0)))
     seconds = metrics["timing_s/gen_decode"]
     rate = metrics["rollout/decode_tokens"] / seconds if seconds > 0 else 0.0
     metrics["perf/rollout_decode_tokens_per_s"] = rate

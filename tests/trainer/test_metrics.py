@@ -23,7 +23,9 @@ def test_rollout_stats_add_up_over_generation_rounds() -> None:
     add_rollout_stats(metrics, None)  # HF generate keeps no stats
     assert metrics == {}
     first = {"prefill_tokens": 10, "decode_steps": 4, "decode_tokens": 40, "prefill_s": 0.5, "decode_s": 2.0}
+    first["slots"] = 8
     second = {"prefill_tokens": 6, "decode_steps": 2, "decode_tokens": 20, "prefill_s": 0.5, "decode_s": 1.0}
+    second["slots"] = 4
     add_rollout_stats(metrics, first)
     assert metrics["perf/rollout_decode_tokens_per_s"] == pytest.approx(20.0)
     add_rollout_stats(metrics, second)
@@ -31,3 +33,4 @@ def test_rollout_stats_add_up_over_generation_rounds() -> None:
     assert metrics["timing_s/gen_decode"] == pytest.approx(3.0)
     assert metrics["perf/rollout_decode_tokens_per_s"] == pytest.approx(20.0)
     assert metrics["rollout/prefill_tokens"] == 16
+    assert metrics["rollout/kv_slots"] == 8  # the largest call's, not a sum

@@ -70,6 +70,7 @@ COMMON = (
     "perf/throughput",
     "perf/lifecycle_freed_bytes",
     "perf/rollout_decode_tokens_per_s",
+    "rollout/kv_slots",
 )
 
 

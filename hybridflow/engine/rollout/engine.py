@@ -184,7 +184,7 @@ class RolloutEngine:
         pick, generator = self._sampler(params)
         results: list[list[GenerationOutput | None]] = [[None] * params.n for _ in prompts]
         graphs = self._graphs(slots, max_len, params, cache, state, pick, generator)
-        timer, stats = PhaseTimer(self.device), GenerationStats()
+        timer, stats = PhaseTimer(self.device), GenerationStats(slots=slots)
         try:
             while not sched.done:
                 calls = sched.admit()

@@ -17,6 +17,7 @@ class GenerationStats:
     prefill_tokens: int = 0  # prompt tokens run through prefill (once per prompt: samples share it)
     decode_steps: int = 0
     decode_tokens: int = 0  # tokens the decode steps produced and kept (each sample's first is prefill's)
+    slots: int = 0  # KV-cache slots: sequences decoded at once (fewer than the samples means waves)
     prefill_s: float = 0.0
     decode_s: float = 0.0
 
