@@ -220,7 +220,7 @@ class RolloutEngine:
         """The KV cache for this call: the one kept from the last call if it has the shape, else a new one."""
         kept, self._kept_cache = self._kept_cache, None
         if kept is not None and (kept.num_slots, kept.max_len) == (slots, max_len):
-            kept.storage.zero_()  # as a new cache: masked reads of unfilled positions then see zeros, not stale K/V
+            kept.storage.zero_()  # as if new: masked reads of unfilled positions see zeros, not stale K/V
             return kept
         if kept is not None:
             kept.free()
