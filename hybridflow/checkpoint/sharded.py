@@ -64,8 +64,10 @@ def check_shapes(saved: dict[str, list[int]], current: dict[str, list[int]], wha
 def save_sharded(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
     """Write ``module``'s (and ``optimizer``'s) sharded state under ``path``; all ranks call it together.
 
-    An optimizer that has not stepped yet has no state to save (and asking DCP for its state dict would
-    initialise it with a zero step, changing the run); returns whether optimizer state was written.
+    An optimizer without state has nothing to save (and asking DCP for its state dict would initialise it
+    with a step, changing the run); returns whether optimizer state was written. The engines allocate
+    AdamW's state when they build it, so a trained role's state (zero moments at step 0 before its first
+    update) is written from the start.
     """
     state: dict[str, Any] = {"model": get_model_state_dict(module)}
     with_optim = optimizer is not None and bool(optimizer.state)
@@ -92,7 +94,17 @@ def load_sharded(
     if "optim" in state:
         set_optimizer_state_dict(module, optimizer, state["optim"])
     elif optimizer is not None and optimizer.state:
-        optimizer.state.clear()  # the saved run had not stepped this optimizer yet: neither have we
+        _zero_state(optimizer)  # the saved run had not stepped this optimizer yet: neither have we
+
+
+def _zero_state(optimizer: torch.optim.Optimizer) -> None:
+    """Put allocated optimizer state back to its never-stepped values (zero moments, step 0), in place."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                value.zero_()
+            elif key == "step":
+                state[key] = 0
 
 
 def load_full_state(path: str | os.PathLike, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

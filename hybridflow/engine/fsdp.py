@@ -71,6 +71,19 @@ def set_accumulation(
     module.set_reshard_after_backward(last or not keep_params_gathered)
 
 
+def reshard_fsdp(model: nn.Module) -> None:
+    """Put every FSDP2 module of ``model`` in its sharded state, freeing the gathered compute-dtype params.
+
+    A forward without backward (a log-prob or value pass) under ``reshard_after_forward=False`` leaves its
+    modules gathered: FSDP2 keeps them for a backward that never comes, so a frozen reference would hold its
+    weights twice until the process ends. Resharding also makes module attributes the persistent sharded
+    params, which is what the rollout runner must bind (a gathered parameter's storage is freed later).
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def move_model(model: nn.Module, device: torch.device | str) -> None:
     """Move the (sharded) parameters and gradients of ``model`` to ``device`` in place."""
     model.to(device)

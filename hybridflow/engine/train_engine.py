@@ -13,11 +13,12 @@ from hybridflow.engine.fsdp import (
     grad_norm_and_clip,
     move_model,
     move_optimizer,
+    reshard_fsdp,
     set_accumulation,
     shard_model,
     to_dtype,
 )
-from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
+from hybridflow.engine.optim import allocate_state, build_lr_scheduler, build_optimizer
 from hybridflow.utils.dist import init_distributed, world_size
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class TrainEngine:
                 total_steps,
                 optim.min_lr_ratio,
             )
+            allocate_state(self.optimizer)  # steady-state memory from the start (see its docstring)
         self.skipped_steps = 0
         self.on_device = True
         self.offload()
@@ -192,7 +194,12 @@ class TrainEngine:
         self.on_device = True
 
     def offload(self) -> None:
-        """Move parameters / optimizer state to CPU as configured, handing the device memory to other phases."""
+        """Hand the device memory to other phases: free gathered parameters; offload as configured.
+
+        Every phase ends here, so a forward-only pass never leaves FSDP2's gathered compute-dtype copy
+        behind (``fsdp.reshard_fsdp``); parameters and optimizer state then move to CPU when configured.
+        """
+        reshard_fsdp(self.module)
         offloads = self.fsdp.param_offload or self.fsdp.optimizer_offload
         if not offloads or not self.on_device or self.device.type == "cpu":
             return  # nothing moves: keep the allocator's cache (emptying it costs a device sync)

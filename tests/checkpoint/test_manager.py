@@ -94,7 +94,8 @@ def test_checkpoint_reshards_between_world_sizes(tmp_path: Path, save_world: int
 def refuse_other_model(rank: int, run_dir: str) -> str:
     engine = make_engine()
     save(run_dir, 2, {"actor": RoleState(engine.module, engine.engine.optimizer, "lm.")}, {}, {})
-    assert read_meta(Path(run_dir) / "global_step_2")["roles"]["actor"]["optimizer"] is False  # never stepped
+    # never stepped, but the engine allocated AdamW's state (zero moments at step 0), so it is saved
+    assert read_meta(Path(run_dir) / "global_step_2")["roles"]["actor"]["optimizer"] is True
     wider = make_engine(hidden=48)
     with pytest.raises(CheckpointError) as err:
         load(Path(run_dir) / "global_step_2", {"actor": RoleState(wider.module, wider.engine.optimizer)})
@@ -115,3 +116,22 @@ def test_an_incomplete_folder_is_not_a_checkpoint(tmp_path: Path) -> None:
         read_meta(tmp_path / "global_step_3")
     with pytest.raises(CheckpointError, match="does not exist"):
         read_meta(tmp_path / "global_step_9")
+
+
+def weights_only_into_a_stepped_optimizer(rank: int, run_dir: str) -> tuple[list[float], float]:
+    engine = make_engine()
+    save(run_dir, 3, {"actor": RoleState(engine.module, None, "lm.")}, {}, {})
+    assert read_meta(Path(run_dir) / "global_step_3")["roles"]["actor"]["optimizer"] is False
+    engine.update_policy(my_rows(0, 1))  # moments and step counts move
+    optimizer = engine.engine.optimizer
+    load(Path(run_dir) / "global_step_3", {"actor": RoleState(engine.module, optimizer, "lm.")})
+    states = list(optimizer.state.values())
+    moments = [s[k].to_local() for s in states for k in ("exp_avg", "exp_avg_sq")]
+    return [float(s["step"]) for s in states], max(float(m.abs().max()) for m in moments)
+
+
+def test_a_checkpoint_without_optimizer_state_resets_the_moments(tmp_path: Path) -> None:
+    # The saved run had not stepped: the loading optimizer keeps its allocated state, back at zero.
+    ((steps, largest),) = run_world(1, weights_only_into_a_stepped_optimizer, str(tmp_path))
+    assert steps and set(steps) == {0.0}
+    assert largest == 0.0

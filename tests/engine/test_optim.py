@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from hybridflow.engine.optim import build_lr_scheduler, build_optimizer, lr_multiplier
+from hybridflow.engine.optim import allocate_state, build_lr_scheduler, build_optimizer, lr_multiplier
 
 
 def test_constant_with_warmup() -> None:
@@ -40,3 +40,46 @@ def test_bad_schedule_and_no_params() -> None:
         build_lr_scheduler(build_optimizer([p], lr=1.0), "linear")
     with pytest.raises(ValueError, match="no trainable parameters"):
         build_optimizer([torch.nn.Parameter(torch.ones(1), requires_grad=False)], lr=1.0)
+
+
+def _three_steps(eager: bool, weight_decay: float) -> tuple[list[torch.Tensor], dict]:
+    """Three AdamW steps (with a schedule) on a small net; ``eager`` allocates the state first."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    opt = build_optimizer(net.parameters(), lr=1e-2, weight_decay=weight_decay)
+    sched = build_lr_scheduler(opt, "cosine", warmup_steps=1, total_steps=4)
+    if eager:
+        before = [p.detach().clone() for p in net.parameters()]
+        allocate_state(opt)
+        assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))  # lr 0: nothing moved
+        assert all(p.grad is None for p in net.parameters())
+        assert opt.param_groups[0]["lr"] == 0.0 and sched.get_last_lr() == [0.0]  # warm-up's first lr
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        net(x).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in net.parameters()], opt.state_dict()
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_allocated_state_leaves_training_bit_identical(weight_decay: float) -> None:
+    lazy_params, lazy_state = _three_steps(False, weight_decay)
+    eager_params, eager_state = _three_steps(True, weight_decay)
+    assert all(torch.equal(a, b) for a, b in zip(lazy_params, eager_params))
+    for key, lazy in lazy_state["state"].items():
+        for name, value in lazy.items():
+            assert torch.equal(eager_state["state"][key][name], value), (key, name)
+
+
+def test_allocate_state_creates_zero_moments_at_step_zero() -> None:
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = build_optimizer([p], lr=1e-3)
+    allocate_state(opt)
+    state = opt.state[p]
+    assert float(state["step"]) == 0.0
+    assert state["exp_avg"].shape == p.shape and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+    moments = state["exp_avg"]
+    allocate_state(opt)  # already there: untouched
+    assert opt.state[p]["exp_avg"] is moments

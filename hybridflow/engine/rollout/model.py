@@ -25,12 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridflow.engine.fsdp import reshard_fsdp
 from hybridflow.engine.packing import to_device
 from hybridflow.engine.rollout import blocks
 from hybridflow.engine.rollout.blocks import LayerDims, LayerWeights
 from hybridflow.engine.rollout.kv_cache import KVCache, write_kv
 from hybridflow.engine.rollout.support import check_structure, check_supported
-from hybridflow.engine.rollout.weights import join_in_place, local_tensor, reshard_fsdp
+from hybridflow.engine.rollout.weights import join_in_place, local_tensor
 
 logger = logging.getLogger(__name__)
 

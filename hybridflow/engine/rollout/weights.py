@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 
 import torch
-from torch import nn
 
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -58,16 +57,3 @@ def join_in_place(params: list[torch.Tensor], cuda_only: bool = True) -> torch.T
             view.copy_(p)
             p.data = view  # the module keeps its Parameter object; its storage is now the joined buffer
     return joined
-
-
-def reshard_fsdp(model: nn.Module) -> None:
-    """Put FSDP2 modules in their sharded state, so module attributes are the persistent sharded params.
-
-    An unsharded (all-gathered) parameter is a temporary whose storage FSDP frees on the next reshard;
-    binding to it would leave the runner reading freed memory.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
