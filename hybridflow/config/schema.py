@@ -96,7 +96,7 @@ class RolloutConfig:
     dtype: str = option(
         "auto", "Generation dtype: auto (the training compute dtype), bfloat16, float16, float32."
     )
-    gpu_memory_utilization: float = option(0.5, "Fraction of GPU memory the KV cache may use, in (0, 1].")
+    gpu_memory_utilization: float = option(0.5, "GPU memory fraction this process may hold once the KV cache is in, (0, 1].")
     max_num_seqs: int = option(1024, "Most sequences decoded at once (continuous-batching slots).")
     max_num_batched_tokens: int = option(8192, "Token budget of one prefill chunk.")
     max_model_len: int | None = option(

@@ -8,7 +8,7 @@ import pytest
 import torch
 from dist_util import run_world
 
-from hybridflow.engine.rollout.engine import HFRollout, RolloutEngine, make_rollout
+from hybridflow.engine.rollout.engine import HFRollout, RolloutEngine, make_rollout, slots_within_budget
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.models import build_tiny_model
 
@@ -265,3 +265,14 @@ def test_without_free_cache_engine_the_cache_and_weights_stay_for_the_next_call(
     assert engine._kept_cache is cache and again == first  # same shapes: the kept cache is reused
     engine.generate(PROMPTS[:1], greedy(3))  # another shape: a new cache, the old one freed
     assert engine._kept_cache is not cache and not cache.is_allocated
+
+
+def test_a_memory_bound_slot_count_is_a_multiple_of_the_granule() -> None:
+    # The W2 1.5B case: 962 slots fit in the first step and 960 in the next; both become 960, so the
+    # compiled decode buckets (specialised on the cache shape) survive from one step to the next.
+    assert slots_within_budget(1024, 962) == slots_within_budget(1024, 960) == 960
+    assert slots_within_budget(1024, 2000) == 1024  # the work, not memory, bounds it: exact
+    assert slots_within_budget(100, 100) == 100
+    assert slots_within_budget(1024, 130) == 128
+    assert slots_within_budget(1024, 127) == 127  # under two granules: every slot counts
+    assert slots_within_budget(1024, 1) == 1
