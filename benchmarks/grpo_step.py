@@ -244,7 +244,8 @@ def main() -> None:
         stages = "  ".join(
             f"{k.removeprefix('timing_s/')} {v:.3f}" for k, v in metrics.items() if k.startswith("timing_s/")
         )
-        print(f"step {i + 1} ({label}): {metrics['perf/time_per_step']:.3f} s  [{stages}]", flush=True)
+        slots = f"  kv slots {metrics['rollout/kv_slots']:.0f}" if "rollout/kv_slots" in metrics else ""
+        print(f"step {i + 1} ({label}): {metrics['perf/time_per_step']:.3f} s  [{stages}]{slots}", flush=True)
         if i >= args.warmup:
             runs.append(metrics)
     summary = summarize(runs, bytes_, w, n_params)
