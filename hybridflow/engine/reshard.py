@@ -5,8 +5,11 @@ each rank keeps one replica of the policy in the rollout dtype (tensor-parallel 
 generating for its own share of the prompts). Before every generation the replica is refreshed in place,
 one parameter at a time: all-gather the shards, copy into the replica's tensor, drop the gathered copy. So
 at most one gathered parameter exists beside the replica, and the replica's tensors keep their addresses
-(CUDA graphs captured on them stay valid). At world size 1 none of this is needed: the rollout engine reads
-the training module's own parameters.
+(CUDA graphs captured on them stay valid). Between generations ``release()`` frees the replica's memory
+(the worker does so with ``rollout.free_cache_engine``), so the update does not hold a whole bf16 copy of
+the policy beside its shards; the next ``sync()`` allocates it again, under the same tensors, so the rollout
+runner's bindings stay valid. At world size 1 none of this is needed: the rollout engine reads the training
+module's own parameters.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class RolloutReplica:
         for p in self.module.parameters():
             p.requires_grad_(False)
         self.params = dict(self.module.named_parameters())
+        self._released: list[tuple[torch.UntypedStorage, int]] = []  # (storage, bytes) freed by release()
         logger.info(
             "HybridEngine initialized: train_view=(fsdp=%d), generate_view=(tp=1, dp=%d), replica in %s",
             world,
@@ -41,10 +45,34 @@ class RolloutReplica:
             dtype,
         )
 
+    def release(self) -> int:
+        """Free the replica's parameter memory until the next ``sync()``; returns the bytes freed.
+
+        Only the storage goes: every tensor (and every view or alias of it, such as the rollout runner's
+        bindings or a q/k/v group the runner joined into one buffer) stays a valid object, and ``sync()``
+        re-allocates the same storage objects, so nothing has to be bound again.
+        """
+        seen: set[int] = set()
+        for p in self.module.parameters():
+            storage = p.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen:  # tied or already freed
+                continue
+            seen.add(storage.data_ptr())
+            self._released.append((storage, storage.nbytes()))
+            storage.resize_(0)
+        return sum(n for _, n in self._released)
+
     @torch.no_grad()
     def sync(self, sharded: nn.Module) -> None:
         """Refresh every replica tensor from ``sharded`` (the FSDP2 module of the same architecture)."""
+        for storage, nbytes in self._released:  # released after the last generation: allocate again
+            storage.resize_(nbytes)
+        self._released = []
+        copied = set()
         for name, param in sharded.named_parameters():
             target = self.params.get(name)
             assert target is not None, f"{name} has no replica tensor"
             target.copy_(_full(param.detach()))
+            copied.add(name)
+        # every replica tensor was written (a re-allocated one would otherwise hold garbage)
+        assert copied == set(self.params), f"replica tensors not refreshed: {set(self.params) - copied}"

@@ -121,6 +121,8 @@ class ActorWorker:
         ids = [row[m].tolist() for row, m in zip(prompts["input_ids"], mask)]
         with Progress(desc, total=len(ids) * params.n, unit="samples") as bar:
             outputs = self.rollout.generate(ids, params, progress=bar.update)
+        if self.replica is not None and self.cfg.rollout.free_cache_engine:
+            self.replica.release()  # the update needs its memory; the next sync() allocates it again
         flat = [s for group in outputs for s in group]
         R = self.cfg.data.max_response_length
         batch = pack_prompt_response(
