@@ -96,7 +96,7 @@ class RolloutConfig:
     dtype: str = option(
         "auto", "Generation dtype: auto (the training compute dtype), bfloat16, float16, float32."
     )
-    gpu_memory_utilization: float = option(0.5, "GPU memory fraction this process may hold once the KV cache is in, (0, 1].")
+    gpu_memory_utilization: float = option(0.5, "GPU share this process may hold with its KV cache, (0, 1].")
     max_num_seqs: int = option(1024, "Most sequences decoded at once (continuous-batching slots).")
     max_num_batched_tokens: int = option(8192, "Token budget of one prefill chunk.")
     max_model_len: int | None = option(
@@ -104,7 +104,7 @@ class RolloutConfig:
     )
     tensor_model_parallel_size: int = option(1, "Tensor-parallel size of one rollout replica.")
     free_cache_engine: bool = option(
-        True, "After generating, free the KV cache and the rollout's cast weights for training."
+        True, "After generating, free the KV cache and the rollout's weight copies for training."
     )
     enforce_eager: bool = option(False, "Disable CUDA graphs for decode (debugging).")
     compile_decode: bool = option(
