@@ -1,7 +1,7 @@
 """Generated tokens/s of the built-in rollout engine against HF ``generate`` (GPU; not a timed test).
 
     python benchmarks/rollout.py --batches 64 256 --prompt-len 128 --new-tokens 512 [--compile] [--sdpa]
-        [--prefill-tokens 8192 32768] [--down-splits 1] [--hf-tokens 64]
+        [--prefill-tokens 8192 32768] [--k-splits "" "o=2,down=4"] [--hf-tokens 64]
 
 Qwen2.5-0.5B shape, random weights, bf16, fixed lengths (``ignore_eos``). Each configuration runs once to
 warm up (kernels, CUDA graphs, compilation) and is then timed ``--repeats`` times; the median is reported.
@@ -19,6 +19,7 @@ import time
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from hybridflow.engine.rollout.blocks import KSplits
 from hybridflow.engine.rollout.engine import RolloutEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 
@@ -103,18 +104,17 @@ def main() -> None:
         help="also time the fastest variant with these prefill token budgets (default: the engine's)",
     )
     ap.add_argument(
-        "--down-splits",
-        type=int,
+        "--k-splits",
         nargs="+",
         default=[],
-        help="also time the fastest variant with decode's down projection in this many GEMMs (1: cuBLAS alone; "
-        "compile_decode on CUDA uses 4)",
+        help="also time the fastest variant with decode's projections split over K like this, e.g. 'o=2,down=4' "
+        "('' for cuBLAS alone; compile_decode on CUDA uses the engine's DECODE_K_SPLITS)",
     )
     ap.add_argument("--hf-tokens", type=int, default=64)
     args = ap.parse_args()
     model = build_model()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    print(f"{'batch':>6} {'engine':>30} {'tok/s':>10} {'roofline':>9} {'of roofline':>12}")
+    print(f"{'batch':>6} {'engine':>44} {'tok/s':>10} {'roofline':>9} {'of roofline':>12}")
     # (name, engine kwargs, runner settings)
     variants = [("graphs", dict(compile_decode=False), {})]
     if args.compile:
@@ -125,9 +125,9 @@ def main() -> None:
     for budget in args.prefill_tokens:  # on the fastest variant only
         name, kw, _ = base[-1]
         variants.append((f"{name}, prefill {budget}", {**kw, "max_num_batched_tokens": budget}, {}))
-    for splits in args.down_splits:  # on the fastest variant only
+    for spec in args.k_splits:  # on the fastest variant only
         name, kw, _ = base[-1]
-        variants.append((f"{name}, down split {splits}", kw, dict(down_splits=splits)))
+        variants.append((f"{name}, K splits [{spec}]", kw, dict(k_splits=KSplits.parse(spec))))
     g = torch.Generator().manual_seed(0)
     for batch in args.batches:
         prompts = torch.randint(100, 150000, (batch, args.prompt_len), generator=g).tolist()
@@ -138,11 +138,11 @@ def main() -> None:
             for key, value in settings.items():
                 setattr(engine.runner, key, value)
             tps = time_engine(engine, prompts, params, args.repeats)
-            print(f"{batch:>6} {name:>30} {tps:>10,.0f} {roof:>9,.0f} {tps / roof:>11.1%}", flush=True)
+            print(f"{batch:>6} {name:>44} {tps:>10,.0f} {roof:>9,.0f} {tps / roof:>11.1%}", flush=True)
         if args.hf_tokens:
             tps = time_hf(model, prompts, args.hf_tokens)
             print(
-                f"{batch:>6} {'HF generate (' + str(args.hf_tokens) + ' tok)':>30} {tps:>10,.0f} {roof:>9,.0f} "
+                f"{batch:>6} {'HF generate (' + str(args.hf_tokens) + ' tok)':>44} {tps:>10,.0f} {roof:>9,.0f} "
                 f"{tps / roof:>11.1%}",
                 flush=True,
             )

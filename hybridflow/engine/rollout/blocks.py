@@ -38,6 +38,35 @@ class LayerWeights:
 
 
 @dataclass(frozen=True)
+class KSplits:
+    """How many batched GEMMs over slices of the input dim each projection group runs as (1: one GEMM).
+
+    At decode's small M a GEMM has too few output tiles to keep the SMs busy (q/k/v at M = 64 is ~9 tiles of
+    128 columns); slicing K multiplies the tiles, and the float32 partials' sum fuses into the consumer
+    under torch.compile (``split_linear``). Only worth it compiled, on CUDA, at small batch.
+    """
+
+    qkv: int = 1
+    o: int = 1
+    gate_up: int = 1
+    down: int = 1
+
+    @classmethod
+    def parse(cls, spec: str) -> KSplits:
+        """Parse ``"o=2,down=4"`` (unnamed groups stay 1); raises ValueError naming a bad entry."""
+        values: dict[str, int] = {}
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            name, _, count = item.partition("=")
+            if name not in cls.__dataclass_fields__ or not count.isdigit() or int(count) < 1:
+                raise ValueError(
+                    f"bad K split {item!r} in {spec!r}: use group=count with a group among "
+                    f"{', '.join(cls.__dataclass_fields__)} and a count >= 1, e.g. 'o=2,down=4'"
+                )
+            values[name] = int(count)
+        return cls(**values)
+
+
+@dataclass(frozen=True)
 class LayerDims:
     """The shapes and constants every layer shares (static values for torch.compile)."""
 
@@ -47,7 +76,7 @@ class LayerDims:
     eps: float
     qkv_splits: tuple[int, ...]
     mlp_splits: tuple[int, ...]
-    down_splits: int = 1  # > 1: the down projection through split_linear
+    k_splits: KSplits = KSplits()  # > 1: that projection group through split_linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,11 +94,19 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def project(
-    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor] | None, splits: tuple[int, ...]
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor] | None,
+    splits: tuple[int, ...],
+    k_splits: int = 1,
 ) -> list[torch.Tensor]:
-    """Apply a group of linear layers, fused (one weight, split after) or separate (one weight each)."""
+    """Apply a group of linear layers, fused (one weight, split after) or separate (one weight each).
+
+    ``k_splits`` > 1 runs a fused group through ``split_linear`` (separate weights ignore it).
+    """
     if len(weights) == 1:
-        y = F.linear(x, weights[0], None if biases is None else biases[0])
+        bias = None if biases is None else biases[0]
+        y = F.linear(x, weights[0], bias) if k_splits == 1 else split_linear(x, weights[0], bias, k_splits)
         return list(y.split(list(splits), dim=-1)) if len(splits) > 1 else [y]
     biases = biases if biases is not None else [None] * len(weights)
     return [F.linear(x, w, b) for w, b in zip(weights, biases)]
@@ -84,7 +121,7 @@ def attention_inputs(
     """
     b, t, _ = h.shape
     x = rms_norm(h, w.input_norm, dims.eps)
-    q, k, v = project(x, w.qkv, w.qkv_bias, dims.qkv_splits)
+    q, k, v = project(x, w.qkv, w.qkv_bias, dims.qkv_splits, dims.k_splits.qkv)
     q = q.view(b, t, dims.num_heads, dims.head_dim)  # (b, t, H, D)
     k = k.view(b, t, dims.num_kv_heads, dims.head_dim)  # (b, t, KVH, D)
     v = v.view(b, t, dims.num_kv_heads, dims.head_dim).transpose(1, 2)  # (b, KVH, t, D)
@@ -103,15 +140,11 @@ def attention_output_and_mlp(
     """The rest of the layer: h (b, t, hidden) plus o's projection, then plus the MLP of its norm."""
     b, t, _ = h.shape
     o = o.transpose(1, 2).reshape(b, t, dims.num_heads * dims.head_dim)  # (b, H, t, D) -> (b, t, H * D)
-    h = h + project(o, w.o, w.o_bias, (0,))[0]
+    h = h + project(o, w.o, w.o_bias, (0,), dims.k_splits.o)[0]
     x = rms_norm(h, w.post_norm, dims.eps)
-    gate, up = project(x, w.gate_up, w.gate_up_bias, dims.mlp_splits)
+    gate, up = project(x, w.gate_up, w.gate_up_bias, dims.mlp_splits, dims.k_splits.gate_up)
     act = F.silu(gate) * up  # (b, t, I)
-    if dims.down_splits > 1 and len(w.down) == 1:
-        return h + split_linear(
-            act, w.down[0], None if w.down_bias is None else w.down_bias[0], dims.down_splits
-        )
-    return h + project(act, w.down, w.down_bias, (0,))[0]
+    return h + project(act, w.down, w.down_bias, (0,), dims.k_splits.down)[0]
 
 
 def split_linear(
@@ -120,9 +153,10 @@ def split_linear(
     """F.linear as ``splits`` batched GEMMs over slices of the input dim, summed in float32.
 
     cuBLAS runs a small-M GEMM with a long K (decode's down projection) as split-K plus a reduce kernel of
-    its own. Here the partials come out of one batched GEMM in float32 and their sum (at most 8 terms,
-    which inductor unrolls) fuses into the consumer: the residual add and the next RMSNorm. Same math as
-    cuBLAS's split-K: bf16 products, float32 accumulation and reduction, one rounding at the end.
+    its own, and a short-K one on few output tiles. Here the partials come out of one batched GEMM in
+    float32 and their sum (at most 8 terms, which inductor unrolls) fuses into the consumer: the residual
+    add and the next RMSNorm, or SiLU*up. Same math as cuBLAS's split-K: bf16 products, float32
+    accumulation and reduction, one rounding at the end.
     """
     *lead, inner = x.shape
     out_dim = weight.shape[0]
@@ -133,9 +167,10 @@ def split_linear(
     ws = weight.view(out_dim, splits, part).permute(1, 2, 0)  # (S, I / S, N), no copy
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
         partials = torch.bmm(xs, ws, out_dtype=torch.float32)  # (S, M, N)
-    else:  # bmm's out_dtype is CUDA-only; upcasting first is the same float32 math
-        partials = torch.bmm(xs.float(), ws.float())
+    else:  # bmm's out_dtype is CUDA-only; upcasting first is the same float32 math (float64 stays float64)
+        acc = torch.promote_types(x.dtype, torch.float32)
+        partials = torch.bmm(xs.to(acc), ws.to(acc))
     out = partials.sum(0)  # (M, N)
     if bias is not None:
-        out = out + bias.float()
+        out = out + bias.to(out.dtype)
     return out.to(x.dtype).view(*lead, out_dim)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from hybridflow.engine.packing import to_device
+from hybridflow.engine.rollout.blocks import KSplits
 from hybridflow.engine.rollout.graphs import DecodeGraphs, buckets
 from hybridflow.engine.rollout.kv_cache import KVCache
 from hybridflow.engine.rollout.model import LlamaRunner
@@ -66,6 +67,10 @@ class GenerationOutput:
     finish_reason: str  # "eos", "stop" or "length"
 
 
+# The K splits of the compiled bf16/fp16 decode step on CUDA (blocks.split_linear): the down projection as 4
+# batched GEMMs whose partials the next fused norm sums, instead of cuBLAS's split-K plus its own reduce
+# kernel: 147k -> 156k tokens/s at batch 256 and 57k -> 60k at batch 64 on an H200 (benchmarks/RESULTS.md).
+DECODE_K_SPLITS = KSplits(down=4)
 SLOT_GRANULE = 64  # a memory-bound slot count is a multiple of this (see slots_within_budget)
 
 
@@ -117,10 +122,7 @@ class RolloutEngine:
             self._record = _compiled_per_bucket(DecodeState.record, len(buckets(max_num_seqs)))
             self.runner.compile_prefill()
             if self.device.type == "cuda" and self.runner.dtype in (torch.bfloat16, torch.float16):
-                # The down projection as 4 batched GEMMs whose partials the next fused norm sums, instead of
-                # cuBLAS's split-K plus its own reduce kernel: 147k -> 156k tokens/s at batch 256 and 57k ->
-                # 60k at batch 64 on an H200 (benchmarks/RESULTS.md).
-                self.runner.down_splits = 4
+                self.runner.k_splits = DECODE_K_SPLITS
         # Batch buckets whose decode step has run once (kernels compiled, cuBLAS warm), per call signature:
         # a later call with the same shapes and sampling captures its graphs without an eager warm-up step
         # (~10 ms at batch 256 on an H200). Anything that could recompile is in the key, so no compilation
@@ -266,7 +268,7 @@ class RolloutEngine:
         if not self.use_graphs:
             return None
         # Everything that could recompile the step is in the key of the warm buckets.
-        signature = (slots, max_len, repr(dataclasses.replace(params, seed=None)), self.runner.down_splits)
+        signature = (slots, max_len, repr(dataclasses.replace(params, seed=None)), self.runner.k_splits)
         return DecodeGraphs(
             lambda b: self._decode_step(b, cache, state, pick),
             slots,

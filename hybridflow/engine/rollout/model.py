@@ -28,7 +28,7 @@ from torch import nn
 from hybridflow.engine.fsdp import reshard_fsdp
 from hybridflow.engine.packing import to_device
 from hybridflow.engine.rollout import blocks
-from hybridflow.engine.rollout.blocks import LayerDims, LayerWeights
+from hybridflow.engine.rollout.blocks import KSplits, LayerDims, LayerWeights
 from hybridflow.engine.rollout.kv_cache import KVCache, write_kv
 from hybridflow.engine.rollout.support import check_structure, check_supported
 from hybridflow.engine.rollout.weights import join_in_place, local_tensor
@@ -89,10 +89,10 @@ class LlamaRunner:
         # (the rollout engine's fused sampler); saves a float32 copy of (B, V) per step.
         self.float_logits = True
         self._prefill_layers = self._prefill_hidden  # compile_prefill() swaps in a compiled one
-        # Decode's down projection as this many batched GEMMs whose float32 partials the next fused kernel
-        # sums (blocks.split_linear); 1 leaves it to cuBLAS. Worth it only under torch.compile.
-        self.down_splits = 1
         self._bind_all()
+        # Decode's projections as batched GEMMs over slices of K whose float32 partials the next fused kernel
+        # sums (blocks.split_linear); all 1 leaves them to cuBLAS. Worth it only under torch.compile.
+        self.k_splits = KSplits()
 
     # ---- weight binding -------------------------------------------------------------------------------
 
@@ -260,11 +260,15 @@ class LlamaRunner:
             raise ValueError("decode_attention='triton' needs triton (pip install triton)")
         self._decode_attention = backend
 
-    def _decode_dims(self) -> LayerDims:
-        """The layer dims decode runs with: ``self.dims`` plus the down projection's split."""
-        if self.down_splits == 1:
-            return self.dims
-        return dataclasses.replace(self.dims, down_splits=self.down_splits)
+    @property
+    def k_splits(self) -> KSplits:
+        """How decode splits its projections over K (``blocks.KSplits``); settable."""
+        return self._decode_dims.k_splits
+
+    @k_splits.setter
+    def k_splits(self, value: KSplits) -> None:
+        # Built here, not in the traced decode: dynamo (torch 2.11) cannot trace dataclasses.replace.
+        self._decode_dims = dataclasses.replace(self.dims, k_splits=value)
 
     def make_cache(self, num_slots: int, max_len: int) -> KVCache:
         """Allocate a KV cache shaped for this model, in the runner's dtype and device."""
@@ -446,7 +450,7 @@ class LlamaRunner:
             def fused(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return kernel(q, k, v, cos, sin, cache.storage, idx, positions, self.scaling)
 
-            h = self._forward(input_ids[:, None], positions[:, None], fused, False, self._decode_dims())
+            h = self._forward(input_ids[:, None], positions[:, None], fused, False, self._decode_dims)
             return self._logits(h[:, 0])  # (B, V)
 
         slot_ids = torch.arange(batch, device=self.device)  # (B,)
@@ -465,6 +469,6 @@ class LlamaRunner:
             )
 
         h = self._forward(
-            input_ids[:, None], positions[:, None], attend, True, self._decode_dims()
+            input_ids[:, None], positions[:, None], attend, True, self._decode_dims
         )  # (B, 1, hidden)
         return self._logits(h[:, 0])

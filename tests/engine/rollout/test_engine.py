@@ -8,6 +8,7 @@ import pytest
 import torch
 from dist_util import run_world
 
+from hybridflow.engine.rollout.blocks import KSplits
 from hybridflow.engine.rollout.engine import HFRollout, RolloutEngine, make_rollout, slots_within_budget
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.models import build_tiny_model
@@ -203,7 +204,7 @@ def test_compile_decode_builds_on_cpu_and_keeps_the_single_down_projection():
     """compile_decode is accepted off CUDA; the split down projection is for CUDA bf16/fp16 only."""
     engine = RolloutEngine(lively_model(), compile_decode=True)
     assert engine.device.type == "cpu"
-    assert engine.runner.down_splits == 1
+    assert engine.runner.k_splits == KSplits()
 
 
 def test_generate_reports_prefill_and_decode_work() -> None:

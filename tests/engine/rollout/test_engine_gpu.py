@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from hybridflow.engine.rollout.engine import RolloutEngine
+from hybridflow.engine.rollout.blocks import KSplits
+from hybridflow.engine.rollout.engine import DECODE_K_SPLITS, RolloutEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.scheduler import PrefillChunk, PromptGroup
 from hybridflow.engine.rollout.state import DecodeState
@@ -153,7 +154,7 @@ def test_compiled_bf16_decode_splits_the_down_projection_and_keeps_its_values() 
     model = model_on_gpu(torch.bfloat16)
     engine = RolloutEngine(model, max_num_seqs=4, compile_decode=True)
     runner = engine.runner
-    assert runner.down_splits == 4
+    assert runner.k_splits == DECODE_K_SPLITS
     assert runner.config.intermediate_size % 4 == 0  # else split_linear falls back to F.linear
     caches = [runner.make_cache(4, 32) for _ in range(2)]
     ids = torch.tensor([p[:3] for p in PROMPTS if len(p) >= 3] + [[4, 4, 4]])
@@ -162,7 +163,7 @@ def test_compiled_bf16_decode_splits_the_down_projection_and_keeps_its_values() 
         runner.prefill(ids, lens, slots, torch.zeros(4, dtype=torch.long), cache)
     token, positions = torch.tensor([1, 2, 3, 4], device="cuda"), lens.cuda()
     got = torch.compile(runner.decode, fullgraph=True)(token, positions, caches[0]).float()
-    runner.down_splits = 1
+    runner.k_splits = KSplits()
     want = runner.decode(token, positions, caches[1]).float()
     assert (got - want).abs().max() <= 2e-2 * want.abs().max()
 
