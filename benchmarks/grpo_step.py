@@ -106,7 +106,6 @@ def trainer_config(args: argparse.Namespace, w: dict, total_steps: int):
         f"rollout.n={w['n']}",
         "rollout.ignore_eos=true",
         f"rollout.compile_decode={str(cuda).lower()}",
-        "rollout.gpu_memory_utilization=0.4",
         "rollout.log_prob_use_dynamic_bsz=true",
         "rollout.log_prob_max_token_len_per_gpu=32768",
         "ref.log_prob_use_dynamic_bsz=true",
