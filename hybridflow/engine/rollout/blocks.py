@@ -41,9 +41,10 @@ class LayerWeights:
 class KSplits:
     """How many batched GEMMs over slices of the input dim each projection group runs as (1: one GEMM).
 
-    At decode's small M a GEMM has too few output tiles to keep the SMs busy (q/k/v at M = 64 is ~9 tiles of
-    128 columns); slicing K multiplies the tiles, and the float32 partials' sum fuses into the consumer
-    under torch.compile (``split_linear``). Only worth it compiled, on CUDA, at small batch.
+    At decode's small M a GEMM has few output tiles (q/k/v at M = 64 is ~9 tiles of 128 columns) or a long
+    K loop (down); slicing K multiplies the tiles, and the float32 partials' sum fuses into the consumer
+    under torch.compile (``split_linear``). Only worth it compiled, on CUDA; on an H200 only the down
+    projection's split paid (benchmarks/RESULTS.md has the sweep).
     """
 
     qkv: int = 1
