@@ -8,7 +8,11 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hybridflow.engine.rollout.engine import GenerationOutput
+    from hybridflow.engine.rollout.sampling import SamplingParams
 
 NAME = "generate"
 HELP = "Generate responses for a JSONL file of prompts with the built-in rollout engine."
@@ -86,7 +90,6 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from hybridflow.engine.rollout.engine import make_rollout
-    from hybridflow.engine.rollout.sampling import SamplingParams
     from hybridflow.models import load_causal_lm, load_tokenizer
 
     device = (
@@ -98,20 +101,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.model)
     model = load_causal_lm(args.model, dtype=dtype).to(device).eval()
     prompts = read_prompts(args.prompts, tokenizer)
-    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-    eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [tokenizer.eos_token_id])
-    params = SamplingParams(
-        n=args.n,
-        max_new_tokens=args.max_new_tokens,
-        temperature=0.0 if args.greedy else args.temperature,
-        do_sample=not args.greedy,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        eos_token_ids=[i for i in eos_ids if i is not None],
-        ignore_eos=args.ignore_eos,
-        seed=args.seed,
-    )
+    params = sampling_params(args, model, tokenizer)
     extra = {"compile_decode": True} if args.compile_decode else {}  # (HF generate takes no such option)
     engine = make_rollout(
         model, args.engine, pad_token_id=tokenizer.pad_token_id or 0, max_num_seqs=args.max_num_seqs, **extra
@@ -126,27 +116,49 @@ def run(args: argparse.Namespace) -> int:
     ) as bar:
         results = engine.generate(prompts, params, progress=bar.update)
     elapsed = time.perf_counter() - start
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    total = 0
-    with open(args.out, "w") as f:
-        for i, samples in enumerate(results):
-            for s, out in enumerate(samples):
-                total += len(out.token_ids)
-                f.write(
-                    json.dumps(
-                        {
-                            "prompt_index": i,
-                            "sample_index": s,
-                            "text": tokenizer.decode(out.token_ids, skip_special_tokens=True),
-                            "token_ids": out.token_ids,
-                            "logprobs": out.logprobs,
-                            "finish_reason": out.finish_reason,
-                        }
-                    )
-                    + "\n"
-                )
+    total = write_samples(Path(args.out), results, tokenizer)
     print(
         f"{len(prompts) * args.n} samples, {total} tokens in {elapsed:.2f}s: {total / elapsed:,.0f} tokens/s "
         f"-> {args.out}"
     )
     return 0
+
+
+def sampling_params(args: argparse.Namespace, model: Any, tokenizer: Any) -> SamplingParams:
+    """The command's SamplingParams; EOS ids from the model's generation config, else the tokenizer's."""
+    from hybridflow.engine.rollout.sampling import SamplingParams
+
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [tokenizer.eos_token_id])
+    return SamplingParams(
+        n=args.n,
+        max_new_tokens=args.max_new_tokens,
+        temperature=0.0 if args.greedy else args.temperature,
+        do_sample=not args.greedy,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        eos_token_ids=[i for i in eos_ids if i is not None],
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+    )
+
+
+def write_samples(path: Path, results: list[list[GenerationOutput]], tokenizer: Any) -> int:
+    """Write one JSON line per sample to ``path``; returns the number of generated tokens."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    total = 0
+    with open(path, "w") as f:
+        for i, samples in enumerate(results):
+            for s, out in enumerate(samples):
+                total += len(out.token_ids)
+                line = {
+                    "prompt_index": i,
+                    "sample_index": s,
+                    "text": tokenizer.decode(out.token_ids, skip_special_tokens=True),
+                    "token_ids": out.token_ids,
+                    "logprobs": out.logprobs,
+                    "finish_reason": out.finish_reason,
+                }
+                f.write(json.dumps(line) + "\n")
+    return total

@@ -217,6 +217,7 @@ def _check_consistency(cfg: Config, out: list[Problem]) -> None:
                 )
             )
     _check_rollout(cfg, out)
+    _check_rollout_correction(cfg, out)
     _check_trainer(cfg, out)
 
 
@@ -257,6 +258,14 @@ def _check_rollout(cfg: Config, out: list[Problem]) -> None:
                 f"e.g. reward.overlong_buffer.len={max(1, d.max_response_length // 4)}",
             )
         )
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "grpo_passk") and r.n == 1:
+        logger.warning(
+            "algorithm.adv_estimator=%s with rollout.n=1: every group has one sample",
+            cfg.algorithm.adv_estimator,
+        )
+
+
+def _check_rollout_correction(cfg: Config, out: list[Problem]) -> None:
     rc = cfg.algorithm.rollout_correction
     upper = rc.rollout_rs_threshold if rc.rollout_rs_threshold is not None else rc.rollout_is_threshold
     if rc.rollout_rs_threshold_lower is not None and rc.rollout_rs_threshold_lower >= upper:
@@ -280,11 +289,6 @@ def _check_rollout(cfg: Config, out: list[Problem]) -> None:
                     "leave it unset; rollout_is and rollout_rs are available",
                 )
             )
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "grpo_passk") and r.n == 1:
-        logger.warning(
-            "algorithm.adv_estimator=%s with rollout.n=1: every group has one sample",
-            cfg.algorithm.adv_estimator,
-        )
 
 
 def _check_trainer(cfg: Config, out: list[Problem]) -> None:
