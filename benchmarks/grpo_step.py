@@ -16,6 +16,8 @@ the MFU of the update and log-prob passes (6N and 2N FLOPs per token over 790 TF
 embedding once), the rollout's decode tokens/s and its fraction of the HBM roofline (every decode step
 streams the bf16 weights and the KV cache in context at 4.3 TB/s), the peak memory of each phase and of
 the step, and the bytes the dataflow freed. ``--profile-dir`` profiles one more step (kernel tables).
+A last line names the machine as the timed steps left it (the GPU's clocks, power and temperature from
+``nvidia-smi``, the host CPU), since step times differ between machine starts.
 
 CPU smoke run: ``--model-size tiny --device cpu --prompts 2 --prompt-len 16 --new-tokens 8 --steps 1 --warmup 1``.
 """
@@ -25,7 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -195,6 +201,39 @@ def profile_step(trainer: PPOTrainer, out_dir: Path) -> None:
     print(kernels[:12000])
 
 
+def machine() -> dict[str, str]:
+    """The GPU's clocks, power and temperature now (nvidia-smi, when present) and the host CPU."""
+    info = {"host_cpu": platform.processor() or platform.machine(), "host_cores": str(os.cpu_count())}
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        info["host_cpu"] = names[0] if names else info["host_cpu"]
+    except OSError:
+        pass
+    if torch.cuda.is_available() and shutil.which("nvidia-smi"):
+        fields = ["clocks.sm", "clocks.max.sm", "clocks.mem", "power.draw", "temperature.gpu"]
+        cmd = ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"]
+        try:
+            first = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.splitlines()[0]
+        except (OSError, subprocess.SubprocessError, IndexError):
+            return info
+        values = [v.strip() for v in first.split(",")]
+        if len(values) == len(fields):  # else nvidia-smi answered with an error line
+            info.update(zip(fields, values))
+    return info
+
+
+def machine_line(info: dict[str, str]) -> str:
+    """One line for ``machine()``: what can differ between two machine starts."""
+    gpu = ""
+    if "clocks.sm" in info:
+        gpu = (
+            f"SM clock {info['clocks.sm']}/{info['clocks.max.sm']} MHz, memory clock {info['clocks.mem']} MHz, "
+            f"{info['power.draw']} W, {info['temperature.gpu']} C; "
+        )
+    return f"machine: {gpu}host {info['host_cpu']}, {info['host_cores']} cores"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="W1")
@@ -252,8 +291,11 @@ def main() -> None:
     print(f"{args.workload} {args.model_size} on {gpu}, torch {torch.__version__}, N = {n_params / 1e9:.3f}B, "
           f"median of {args.steps} steps after {args.warmup} warm-up")  # fmt: skip
     print_table(summary)
+    info = machine()  # right after the timed steps, before the profile step
+    print(machine_line(info))
     if args.out is not None:
         record = {"workload": args.workload, "model_size": args.model_size, "gpu": gpu, **summary}
+        record["machine"] = info
         with args.out.open("a") as f:
             f.write(json.dumps(record) + "\n")
     if args.profile_dir is not None:

@@ -32,3 +32,4 @@ def test_w2_smoke_run_reports_every_figure(tmp_path: Path) -> None:
     assert 0 < record["perf/rollout_decode_roofline_fraction"] < 1
     assert 0 < record["mfu/update_actor"] < 1
     assert "perf/throughput" in done.stdout
+    assert "machine: " in done.stdout and record["machine"]["host_cores"] == str(os.cpu_count())
