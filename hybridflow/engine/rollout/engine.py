@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -89,6 +90,24 @@ def slots_within_budget(wanted: int, fit: int) -> int:
     return fit
 
 
+def one_wave_notice(wanted: int, slots: int, per_slot: int, used: int, total: int, utilization: float) -> str:
+    """The advice when memory holds only ``slots`` of the ``wanted`` sequences: the utilization for one wave.
+
+    ``used`` is what the KV cache cannot have (memory allocated at the call, less a kept cache).
+    """
+    need = math.ceil((used + wanted * per_slot) / total * 100) / 100
+    fix = (
+        f"rollout.gpu_memory_utilization={need:.2f} would hold all of them"
+        if need <= 1
+        else "they do not fit in one wave on this GPU even at rollout.gpu_memory_utilization=1; lower "
+        "data.max_response_length or rollout.n, or offload (fsdp.param_offload, fsdp.optimizer_offload)"
+    )
+    return (
+        f"the KV cache holds {slots} of {wanted} sequences at rollout.gpu_memory_utilization={utilization}, "
+        f"so the rollout runs in waves (each wave decodes to the full length again); {fix}"
+    )
+
+
 class RolloutEngine:
     """Generates from token-id prompts with a model it does not own: it reads the HF module's parameters.
 
@@ -135,6 +154,7 @@ class RolloutEngine:
         self.sync_interval = sync_interval
         self.free_cache_engine = free_cache_engine
         self._kept_cache: KVCache | None = None  # the last call's cache, when free_cache_engine is off
+        self._wave_notices: set[tuple[int, int]] = set()  # (wanted, slots) already reported as waves
         self.use_graphs = not enforce_eager and self.device.type == "cuda"
         # Greedy and unfiltered sampling go through the fused Triton sampler on CUDA (one pass over the
         # logits, no float32 copy); settable, so tests can run it in Triton's CPU interpreter. It reads the LM
@@ -180,7 +200,13 @@ class RolloutEngine:
                     f"no KV-cache slot of {max_len} tokens fits in rollout.gpu_memory_utilization="
                     f"{self.gpu_memory_utilization} of the GPU; raise it or lower max_model_len"
                 )
-            slots = slots_within_budget(slots, int(budget // per_slot))
+            wanted, slots = slots, slots_within_budget(slots, int(budget // per_slot))
+            if slots < wanted and (wanted, slots) not in self._wave_notices:  # once per shape, not every step
+                self._wave_notices.add((wanted, slots))
+                used = torch.cuda.memory_allocated(self.device) - kept
+                logger.warning(
+                    one_wave_notice(wanted, slots, per_slot, used, total, self.gpu_memory_utilization)
+                )
         return slots
 
     @torch.no_grad()

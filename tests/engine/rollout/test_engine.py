@@ -9,7 +9,13 @@ import torch
 from dist_util import run_world
 
 from hybridflow.engine.rollout.blocks import KSplits
-from hybridflow.engine.rollout.engine import HFRollout, RolloutEngine, make_rollout, slots_within_budget
+from hybridflow.engine.rollout.engine import (
+    HFRollout,
+    RolloutEngine,
+    make_rollout,
+    one_wave_notice,
+    slots_within_budget,
+)
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.models import build_tiny_model
 
@@ -277,3 +283,13 @@ def test_a_memory_bound_slot_count_is_a_multiple_of_the_granule() -> None:
     assert slots_within_budget(1024, 130) == 128
     assert slots_within_budget(1024, 127) == 127  # under two granules: every slot counts
     assert slots_within_budget(1024, 1) == 1
+
+
+def test_a_memory_bound_rollout_names_the_utilization_for_one_wave() -> None:
+    # W2 1.5B on an H200 at 0.4: 25 GB held elsewhere, 36.7 MB per slot, 960 of 1,024 sequences fit.
+    gb = 10**9
+    msg = one_wave_notice(1024, 960, 36_700_000, 25 * gb, 150_750_000_000, 0.4)
+    assert "holds 960 of 1024 sequences at rollout.gpu_memory_utilization=0.4" in msg
+    assert "rollout.gpu_memory_utilization=0.42 would hold all of them" in msg  # (25 + 37.6) / 150.75
+    too_big = one_wave_notice(1024, 960, 200_000_000, 25 * gb, 150_750_000_000, 0.9)
+    assert "even at rollout.gpu_memory_utilization=1" in too_big and "data.max_response_length" in too_big
