@@ -192,9 +192,10 @@ class RolloutEngine:
                 * max_len
             )
             total = torch.cuda.get_device_properties(self.device).total_memory
-            # A cache kept from the last call is memory this call may reuse.
+            # What the cache cannot have: memory allocated now, less a cache kept from the last call (reused).
             kept = self._kept_cache.nbytes() if self._kept_cache is not None else 0
-            budget = self.gpu_memory_utilization * total - torch.cuda.memory_allocated(self.device) + kept
+            used = torch.cuda.memory_allocated(self.device) - kept
+            budget = self.gpu_memory_utilization * total - used
             if budget < per_slot:
                 raise ValueError(
                     f"no KV-cache slot of {max_len} tokens fits in rollout.gpu_memory_utilization="
@@ -203,7 +204,6 @@ class RolloutEngine:
             wanted, slots = slots, slots_within_budget(slots, int(budget // per_slot))
             if slots < wanted and (wanted, slots) not in self._wave_notices:  # once per shape, not every step
                 self._wave_notices.add((wanted, slots))
-                used = torch.cuda.memory_allocated(self.device) - kept
                 logger.warning(
                     one_wave_notice(wanted, slots, per_slot, used, total, self.gpu_memory_utilization)
                 )
