@@ -293,3 +293,22 @@ def test_a_memory_bound_rollout_names_the_utilization_for_one_wave() -> None:
     assert "rollout.gpu_memory_utilization=0.42 would hold all of them" in msg  # (25 + 37.6) / 150.75
     too_big = one_wave_notice(1024, 960, 200_000_000, 25 * gb, 150_750_000_000, 0.9)
     assert "even at rollout.gpu_memory_utilization=1" in too_big and "data.max_response_length" in too_big
+
+
+def test_the_wave_warning_is_logged_once_per_shape(monkeypatch, caplog) -> None:
+    # _num_slots's GPU branch, with the device's memory figures given (no CUDA here): a GPU of 3,000 slots
+    # with 500 taken, and the cache may have half of it: 1,000 fit of 1,100 wanted. The warning comes once,
+    # not once per step.
+    engine = RolloutEngine(lively_model(), max_num_seqs=4096)
+    per_slot = engine.runner.cache_bytes_per_token() * 64
+    monkeypatch.setattr(engine, "device", torch.device("cuda"))
+    props = type("Props", (), {"total_memory": 3000 * per_slot})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: props)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda _: 500 * per_slot)
+    with caplog.at_level("WARNING", logger="hybridflow.engine.rollout.engine"):
+        for _ in range(3):
+            assert engine._num_slots(1100, 64) == 960  # 1,000 rounded down to the granule
+    notices = [r.getMessage() for r in caplog.records if "runs in waves" in r.getMessage()]
+    assert len(notices) == 1
+    assert "holds 960 of 1100 sequences" in notices[0]
+    assert "gpu_memory_utilization=0.54 would hold all of them" in notices[0]  # (500 + 1,100) / 3,000
