@@ -23,6 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from hybridflow.utils.optim_state import zero_state
+
 logger = logging.getLogger(__name__)
 
 
@@ -94,17 +96,7 @@ def load_sharded(
     if "optim" in state:
         set_optimizer_state_dict(module, optimizer, state["optim"])
     elif optimizer is not None and optimizer.state:
-        _zero_state(optimizer)  # the saved run had not stepped this optimizer yet: neither have we
-
-
-def _zero_state(optimizer: torch.optim.Optimizer) -> None:
-    """Put allocated optimizer state back to its never-stepped values (zero moments, step 0), in place."""
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                value.zero_()
-            elif key == "step":
-                state[key] = 0
+        zero_state(optimizer)  # the saved run had not stepped this optimizer yet: neither have we
 
 
 def load_full_state(path: str | os.PathLike, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

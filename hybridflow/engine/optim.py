@@ -8,6 +8,8 @@ from collections.abc import Iterable
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from hybridflow.utils.optim_state import zero_state
+
 SCHEDULES = ("constant", "cosine")
 
 
@@ -54,11 +56,7 @@ def allocate_state(optimizer: torch.optim.Optimizer) -> None:
         for group, lr in zip(optimizer.param_groups, lrs):
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
-    for state in optimizer.state.values():
-        if isinstance(state.get("step"), torch.Tensor):
-            state["step"].zero_()
-        elif "step" in state:
-            state["step"] = 0
+    zero_state(optimizer)  # the step counters back to 0 (the moments are zero already)
 
 
 def lr_multiplier(
