@@ -52,15 +52,15 @@ class RolloutReplica:
         bindings or a q/k/v group the runner joined into one buffer) stays a valid object, and ``sync()``
         re-allocates the same storage objects, so nothing has to be bound again.
         """
-        seen: set[int] = set()
+        freed = 0
         for p in self.module.parameters():
             storage = p.untyped_storage()
-            if storage.nbytes() == 0 or storage.data_ptr() in seen:  # tied or already freed
+            if storage.nbytes() == 0:  # tied, a view of a storage freed just now, or released already
                 continue
-            seen.add(storage.data_ptr())
             self._released.append((storage, storage.nbytes()))
+            freed += storage.nbytes()
             storage.resize_(0)
-        return sum(n for _, n in self._released)
+        return freed
 
     @torch.no_grad()
     def sync(self, sharded: nn.Module) -> None:

@@ -31,6 +31,7 @@ def replica_round_trip(rank: int) -> dict:
     }
     freed = replica.release()
     emptied = all(p.untyped_storage().nbytes() == 0 for p in replica.params.values())
+    assert replica.release() == 0  # nothing left to free: a second release reports no bytes
     with torch.no_grad():
         for p in sharded.parameters():
             p.to_local().mul_(2.0)
