@@ -16,8 +16,9 @@ the MFU of the update and log-prob passes (6N and 2N FLOPs per token over 790 TF
 embedding once), the rollout's decode tokens/s and its fraction of the HBM roofline (every decode step
 streams the bf16 weights and the KV cache in context at 4.3 TB/s), the peak memory of each phase and of
 the step, and the bytes the dataflow freed. ``--profile-dir`` profiles one more step (kernel tables).
-A last line names the machine as the timed steps left it (the GPU's clocks, power and temperature from
-``nvidia-smi``, the host CPU), since step times differ between machine starts.
+A last line names the machine as the timed steps ran on it (the GPU's SM and memory clocks, power,
+temperature and clock-event reasons, sampled from ``nvidia-smi`` every 200 ms during those steps, and the
+host CPU), since step times differ between machine starts.
 
 CPU smoke run: ``--model-size tiny --device cpu --prompts 2 --prompt-len 16 --new-tokens 8 --steps 1 --warmup 1``.
 """
@@ -27,11 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
-import shutil
 import statistics
-import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -44,6 +41,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_clocks import ClockSampler, machine_line
 from train_mfu import PEAK_FLOPS, build_model, count_params
 
 from hybridflow.config import load_config
@@ -201,37 +199,16 @@ def profile_step(trainer: PPOTrainer, out_dir: Path) -> None:
     print(kernels[:12000])
 
 
-def machine() -> dict[str, str]:
-    """The GPU's clocks, power and temperature now (nvidia-smi, when present) and the host CPU."""
-    info = {"host_cpu": platform.processor() or platform.machine(), "host_cores": str(os.cpu_count())}
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        info["host_cpu"] = names[0] if names else info["host_cpu"]
-    except OSError:
-        pass
-    if torch.cuda.is_available() and shutil.which("nvidia-smi"):
-        fields = ["clocks.sm", "clocks.max.sm", "clocks.mem", "power.draw", "temperature.gpu"]
-        cmd = ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"]
-        try:
-            first = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.splitlines()[0]
-        except (OSError, subprocess.SubprocessError, IndexError):
-            return info
-        values = [v.strip() for v in first.split(",")]
-        if len(values) == len(fields):  # else nvidia-smi answered with an error line
-            info.update(zip(fields, values))
-    return info
-
-
-def machine_line(info: dict[str, str]) -> str:
-    """One line for ``machine()``: what can differ between two machine starts."""
-    gpu = ""
-    if "clocks.sm" in info:
-        gpu = (
-            f"SM clock {info['clocks.sm']}/{info['clocks.max.sm']} MHz, memory clock {info['clocks.mem']} MHz, "
-            f"{info['power.draw']} W, {info['temperature.gpu']} C; "
-        )
-    return f"machine: {gpu}host {info['host_cpu']}, {info['host_cores']} cores"
+def run_step(trainer: PPOTrainer, number: int, label: str) -> dict[str, float]:
+    """One trainer step; prints its stage times and returns its metrics."""
+    trainer.global_step += 1
+    metrics = trainer.step()
+    stages = "  ".join(
+        f"{k.removeprefix('timing_s/')} {v:.3f}" for k, v in metrics.items() if k.startswith("timing_s/")
+    )
+    slots = f"  kv slots {metrics['rollout/kv_slots']:.0f}" if "rollout/kv_slots" in metrics else ""
+    print(f"step {number} ({label}): {metrics['perf/time_per_step']:.3f} s  [{stages}]{slots}", flush=True)
+    return metrics
 
 
 def main() -> None:
@@ -274,24 +251,16 @@ def main() -> None:
     trainer = PPOTrainer(cfg, build_components(cfg, model, tokenizer, reward_fn=hash_reward, train=train))
     del model  # the actor trains it in place; the reference made its own copy before the actor took it
 
-    runs = []
-    for i in range(args.warmup + args.steps):
-        trainer.global_step += 1
-        metrics = trainer.step()
-        label = "warm-up" if i < args.warmup else "timed"
-        stages = "  ".join(
-            f"{k.removeprefix('timing_s/')} {v:.3f}" for k, v in metrics.items() if k.startswith("timing_s/")
-        )
-        slots = f"  kv slots {metrics['rollout/kv_slots']:.0f}" if "rollout/kv_slots" in metrics else ""
-        print(f"step {i + 1} ({label}): {metrics['perf/time_per_step']:.3f} s  [{stages}]{slots}", flush=True)
-        if i >= args.warmup:
-            runs.append(metrics)
+    for i in range(args.warmup):
+        run_step(trainer, i + 1, "warm-up")
+    with ClockSampler() as clocks:  # samples nvidia-smi while the timed steps run
+        runs = [run_step(trainer, args.warmup + i + 1, "timed") for i in range(args.steps)]
     summary = summarize(runs, bytes_, w, n_params)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{args.workload} {args.model_size} on {gpu}, torch {torch.__version__}, N = {n_params / 1e9:.3f}B, "
           f"median of {args.steps} steps after {args.warmup} warm-up")  # fmt: skip
     print_table(summary)
-    info = machine()  # right after the timed steps, before the profile step
+    info = clocks.info()
     print(machine_line(info))
     if args.out is not None:
         record = {"workload": args.workload, "model_size": args.model_size, "gpu": gpu, **summary}
