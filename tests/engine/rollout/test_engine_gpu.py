@@ -184,3 +184,42 @@ def test_compiled_engine_frees_its_cast_weights_between_calls_and_refills_them()
         with torch.no_grad():
             model.model.layers[0].mlp.down_proj.weight.mul_(-1.0)
     assert runs[0] != runs[1]
+
+
+def test_a_memory_bound_rollout_warns_once_and_its_advice_fits_one_wave(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The device's own memory figures: a third of the GPU held by a blocker, and a utilization that leaves
+    # the cache about 5 of the 12 slots the call wants. Waves change no greedy token; the utilization the
+    # warning names runs the same call in one wave, without a warning.
+    model = model_on_gpu(torch.float32)
+    params = SamplingParams(n=3, max_new_tokens=12, temperature=0.0, do_sample=False, ignore_eos=True)
+    one_wave = RolloutEngine(model, max_num_seqs=64)
+    expected = one_wave.generate(PROMPTS, params)
+    assert one_wave.last_stats.slots == 12
+    total = torch.cuda.get_device_properties(0).total_memory
+    blocker = torch.empty(total // 3, dtype=torch.uint8, device="cuda")
+    per_slot = one_wave.runner.cache_bytes_per_token() * (max(map(len, PROMPTS)) + params.max_new_tokens)
+    tight = (torch.cuda.memory_allocated() + 5.5 * per_slot) / total
+    logger = "hybridflow.engine.rollout.engine"
+    with caplog.at_level("WARNING", logger=logger):
+        waves = RolloutEngine(model, max_num_seqs=64, gpu_memory_utilization=tight)
+        for _ in range(2):
+            got = waves.generate(PROMPTS, params)
+            assert 0 < waves.last_stats.slots < 12
+            assert [[s.token_ids for s in g] for g in got] == [[s.token_ids for s in g] for g in expected]
+    notices = [
+        r.getMessage() for r in caplog.records if r.name == logger and "runs in waves" in r.getMessage()
+    ]
+    assert len(notices) == 1, notices  # once per shape, not once per call
+    advice = float(
+        notices[0].split("would hold all of them")[0].rsplit("rollout.gpu_memory_utilization=", 1)[1]
+    )
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=logger):
+        fits = RolloutEngine(model, max_num_seqs=64, gpu_memory_utilization=advice)
+        fits.generate(PROMPTS, params)
+    assert fits.last_stats.slots == 12 and not [
+        r for r in caplog.records if "runs in waves" in r.getMessage()
+    ]
+    del blocker
