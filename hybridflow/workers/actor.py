@@ -152,16 +152,15 @@ class ActorWorker:
         )
         return Batch({"old_log_probs": out["log_probs"], "entropys": out["entropys"]})
 
-    def update_actor(self, batch: Batch) -> dict[str, float] | Batch:
-        """PPO-family update over the batch (mini-batches, epochs); its metrics.
+    def update_actor(self, batch: Batch) -> Batch:
+        """PPO-family update over the batch (mini-batches, epochs); its metrics in ``meta["metrics"]``.
 
-        Without ``old_log_probs`` (an on-policy update, see ``ActorEngine.update_policy``) it returns the
-        update's own log-probs as ``old_log_probs``, with the metrics in ``meta["metrics"]``.
+        Without ``old_log_probs`` in ``batch`` (an on-policy update, see ``ActorEngine.update_policy``) the
+        result also carries the update's own log-probs as ``old_log_probs``; otherwise it has no rows.
         """
         metrics = self.engine.update_policy(batch, temperature=self.cfg.rollout.temperature)
-        if "old_log_probs" in batch:
-            return metrics
-        return Batch({"old_log_probs": self.engine.last_log_probs}, meta={"metrics": metrics})
+        own = {} if "old_log_probs" in batch else {"old_log_probs": self.engine.last_log_probs}
+        return Batch(own, meta={"metrics": metrics})
 
     def update_preference(self, batch: Batch) -> dict[str, float]:
         """One DPO/IPO/KTO optimizer step over this rank's pairs (``batch.meta["preference_kind"]``)."""

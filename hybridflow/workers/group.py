@@ -137,9 +137,9 @@ class ActorHandle(RoleHandle):
         present = [k for k in ACTOR_UPDATE_KEYS if k in batch.tensors]
         chunks, pad = split_batch(batch.select(present, []), self.group.world)
         outputs = self.group.run_each("call", [("actor", "update_actor", c) for c in chunks])
-        if not isinstance(outputs[0], Batch):
-            return outputs[0], None
         metrics = outputs[0].meta["metrics"]  # reduced over the ranks: the same on every one
+        if "old_log_probs" not in outputs[0]:
+            return metrics, None
         for output in outputs:
             del output.meta["metrics"]
         return metrics, merge_batches(outputs, pad)
