@@ -20,12 +20,16 @@ def build_optimizer(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
 ) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters (sharded DTensors under FSDP2 work as they are)."""
+    """AdamW over the trainable parameters (sharded DTensors under FSDP2 work as they are).
+
+    On CUDA the fused implementation (one multi-tensor kernel reads and writes each parameter, gradient and
+    moment once); elsewhere, parameters offloaded to the host included, the multi-tensor ``foreach`` one.
+    """
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
         raise ValueError("the model has no trainable parameters; nothing to optimise")
-    # foreach=True keeps the step to a few fused kernels on GPU; it also works on DTensor shards.
-    return torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, foreach=True)
+    impl = {"fused": True} if all(p.device.type == "cuda" for p in trainable) else {"foreach": True}
+    return torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, **impl)
 
 
 @torch.no_grad()

@@ -83,3 +83,29 @@ def test_allocate_state_creates_zero_moments_at_step_zero() -> None:
     moments = state["exp_avg"]
     allocate_state(opt)  # already there: untouched
     assert opt.state[p]["exp_avg"] is moments
+
+
+def _steps_of(opt: torch.optim.Optimizer, param: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
+    for grad in grads:
+        param.grad = grad.clone()
+        opt.step()
+    return param.detach().clone()
+
+
+def test_host_parameters_get_the_foreach_adamw() -> None:
+    opt = build_optimizer([torch.nn.Parameter(torch.ones(3))], lr=1e-3)
+    assert opt.defaults["foreach"] and not opt.defaults["fused"]
+
+
+@pytest.mark.gpu
+def test_cuda_parameters_get_the_fused_adamw_with_foreach_values() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    start = torch.randn(4096, device="cuda", generator=g)
+    grads = [torch.randn(4096, device="cuda", generator=g) for _ in range(3)]
+    fused_p, foreach_p = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    fused = build_optimizer([fused_p], lr=1e-3)
+    assert fused.defaults["fused"]
+    foreach = torch.optim.AdamW([foreach_p], lr=1e-3, weight_decay=0.01, foreach=True)
+    a, b = _steps_of(fused, fused_p, grads), _steps_of(foreach, foreach_p, grads)
+    assert not torch.equal(a, start)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)  # the same update up to float32 rounding
