@@ -95,8 +95,9 @@ if triton is not None:
         and rounded once to the cache dtype, as the compiled torch path does), the split that holds the
         row's position writes the new k and v into the cache, and that position is attended from registers.
 
-        One body on purpose: the same code with RoPE, the cache loop and the new-token step as ``@triton.jit``
-        helpers decoded 4% slower at batch 64 on the H200 (58.2k against 60.7k tokens/s, two runs each).
+        One body on purpose: with RoPE, the cache loop and the new-token step as ``@triton.jit`` helpers the
+        rollout benchmark decoded 4% slower at batch 64 on the H200, though the kernel alone timed the same
+        (benchmarks/RESULTS.md, eighth session).
         """
         b = tl.program_id(0).to(tl.int64)  # row offsets exceed 2^31 elements for large caches
         kvh = tl.program_id(1)
