@@ -114,6 +114,7 @@ VERL_ALIASES: dict[str, str] = {
     "reward_model.max_length": "reward.model.max_length",
     "reward_model.model.fsdp_config.param_offload": "reward.model.param_offload",
     "reward_model.reward_manager": "reward.manager",
+    "reward_model.launch_reward_fn_async": "reward.launch_async",
     "reward_model.overlong_buffer.enable": "reward.overlong_buffer.enable",
     "reward_model.overlong_buffer.len": "reward.overlong_buffer.len",
     "reward_model.overlong_buffer.penalty_factor": "reward.overlong_buffer.penalty_factor",

@@ -306,11 +306,10 @@ class RewardConfig:
     custom_function: CustomRewardFunctionConfig = section(CustomRewardFunctionConfig, "User reward function.")
     model: RewardModelConfig = section(RewardModelConfig, "Reward model.")
     overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig, "DAPO overlong penalty.")
-    on_error: str = option(
-        "raise", "A reward function that fails: raise (stop the run) or zero (score 0, logged)."
-    )
+    on_error: str = option("raise", "A failing reward function: raise (stop the run) or zero (logged).")
     num_workers: int = option(0, "Processes scoring in parallel; 0 scores in the trainer process.")
     timeout_s: float = option(60.0, "Seconds one reward call may take in the process pool.")
+    launch_async: bool = option(False, "Score in a thread while the log-prob passes run on the GPU workers.")
 
 
 @dataclass

@@ -321,6 +321,18 @@ def _check_trainer(cfg: Config, out: list[Problem]) -> None:
                 "set reward.model.path=DIR (a sequence-classification checkpoint)",
             )
         )
+    if cfg.reward.launch_async and cfg.reward.model.enable:
+        out.append(
+            Problem(
+                "reward.launch_async",
+                "is true with a reward model, which scores on the GPU workers the log-prob passes use",
+                "set reward.launch_async=false (it overlaps only a reward function with those passes)",
+            )
+        )
+    if cfg.reward.launch_async and cfg.algorithm.adv_estimator == "remax":
+        logger.warning(
+            "reward.launch_async is off for ReMax: its greedy baseline calls the scorer in the step"
+        )
     if cfg.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
         logger.warning(
             "actor.use_kl_loss and algorithm.use_kl_in_reward are both on: the KL is penalised twice"

@@ -3,6 +3,11 @@
 Each stage names the batch keys it reads and writes. ``Dataflow`` orders the stages so every read is
 written earlier (or comes with the input), times each one into ``timing_s/<stage>``, and drops every key
 right after its last reader, so a step never holds tensors nobody will read again.
+
+A ``background`` stage (the reward function with ``reward.launch_async``, as verl's
+``launch_reward_fn_async``) runs in a thread on a snapshot of the keys it reads while the stages after it
+go on; the first stage that reads one of its writes waits for it (``timing_s/<stage>_wait``), and so does
+the end of the step.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +32,9 @@ class Stage:
     """One step of the dataflow: ``run(batch, metrics)`` returns the keys it writes (as a Batch) or None.
 
     ``replaces_batch`` marks a stage whose output becomes the whole batch (rollout: B prompts in, B * n
-    samples out, carrying the prompts' fields along).
+    samples out, carrying the prompts' fields along). ``background`` runs it in a thread beside the later
+    stages until one of them reads what it writes; it must not call the worker groups (their collectives
+    would interleave with the foreground's).
     """
 
     name: str
@@ -34,6 +42,11 @@ class Stage:
     writes: tuple[str, ...]
     run: StageFn
     replaces_batch: bool = False
+    background: bool = False
+
+    def __post_init__(self) -> None:
+        if self.background and self.replaces_batch:
+            raise ValueError(f"stage {self.name!r}: a background stage cannot replace the batch")
 
 
 def order_stages(stages: Sequence[Stage], available: set[str]) -> list[Stage]:
@@ -72,20 +85,57 @@ class Dataflow:
     def run(self, batch: Batch, metrics: dict[str, float]) -> Batch:
         """Run every stage; adds ``timing_s/<stage>`` and ``perf/lifecycle_freed_bytes`` to ``metrics``."""
         freed = 0
-        for i, stage in enumerate(self.stages):
-            missing = [k for k in stage.reads if k not in batch]
-            if missing:
-                raise ValueError(f"stage {stage.name!r} needs {missing}, which the batch lacks")
-            start = time.perf_counter()
-            with torch.profiler.record_function(f"stage/{stage.name}"):  # names the stage in a profile
-                out = stage.run(batch, metrics)
-            metrics[f"timing_s/{stage.name}"] = time.perf_counter() - start
-            if stage.replaces_batch:
-                freed += batch.nbytes()
-                batch = out
-            elif out is not None:
-                for key in out.keys():  # noqa: SIM118 (a Batch is not iterable)
-                    batch[key] = out[key]
-            freed += batch.drop([k for k in self.release_after[i] if k in batch])
+        pending: dict[int, Future] = {}  # background stages in flight, by index
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dataflow") as pool:
+            for i, stage in enumerate(self.stages):
+                for j in [j for j in pending if set(self.stages[j].writes) & set(stage.reads)]:
+                    batch, freed = self._join(j, pending.pop(j), batch, metrics, freed, stage.name)
+                missing = [k for k in stage.reads if k not in batch]
+                if missing:
+                    raise ValueError(f"stage {stage.name!r} needs {missing}, which the batch lacks")
+                if stage.background:  # on a shallow copy of the batch: later drops and writes do not touch it
+                    pending[i] = pool.submit(_timed, stage, batch.select())
+                    continue
+                start = time.perf_counter()
+                with torch.profiler.record_function(f"stage/{stage.name}"):  # names the stage in a profile
+                    out = stage.run(batch, metrics)
+                metrics[f"timing_s/{stage.name}"] = time.perf_counter() - start
+                if stage.replaces_batch:
+                    freed += batch.nbytes()
+                    batch = out
+                elif out is not None:
+                    _merge(batch, out)
+                freed += batch.drop([k for k in self.release_after[i] if k in batch])
+            for j in list(pending):
+                batch, freed = self._join(j, pending.pop(j), batch, metrics, freed, "end")
         metrics["perf/lifecycle_freed_bytes"] = float(freed)
         return batch
+
+    def _join(
+        self, j: int, future: Future, batch: Batch, metrics: dict[str, float], freed: int, waiter: str
+    ) -> tuple[Batch, int]:
+        """Wait for background stage ``j`` (for ``waiter``), merge its output and metrics, and drop the keys
+        it read last (kept while it ran)."""
+        stage = self.stages[j]
+        start = time.perf_counter()
+        out, own_metrics, seconds = future.result()  # re-raises the stage's exception here
+        metrics[f"timing_s/{stage.name}_wait"] = time.perf_counter() - start
+        metrics.update(own_metrics)
+        metrics[f"timing_s/{stage.name}"] = seconds
+        logger.debug("background stage %s joined before %s", stage.name, waiter)
+        if out is not None:
+            _merge(batch, out)
+        return batch, freed + batch.drop([k for k in self.release_after[j] if k in batch])
+
+
+def _merge(batch: Batch, out: Batch) -> None:
+    for key in out.keys():  # noqa: SIM118 (a Batch is not iterable)
+        batch[key] = out[key]
+
+
+def _timed(stage: Stage, view: Batch) -> tuple[Batch | None, dict[str, float], float]:
+    """Run a background stage on its view, with metrics of its own (merged at the join) and its seconds."""
+    own: dict[str, float] = {}
+    start = time.perf_counter()
+    out = stage.run(view, own)
+    return out, own, time.perf_counter() - start

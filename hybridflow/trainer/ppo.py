@@ -95,7 +95,12 @@ class PPOTrainer(TrainingLoop):
                 replaces_batch=True,
             ),
             Stage(
-                "reward", ("responses", "response_mask", "data_source", "ground_truth"), scores, self._reward
+                "reward",
+                ("responses", "response_mask", "data_source", "ground_truth"),
+                scores,
+                self._reward,
+                # beside the log-prob passes, joined before "adv"; ReMax's baseline scores in between
+                background=cfg.reward.launch_async and cfg.algorithm.adv_estimator != "remax",
             ),
         ]
         if self.old_source == "recompute":

@@ -99,6 +99,7 @@ CASES = [
     ("reward_model.micro_batch_size_per_gpu=8", "reward.model.micro_batch_size_per_gpu", 8),
     ("reward_model.model.path=/models/rm", "reward.model.path", "/models/rm"),
     ("reward_model.overlong_buffer.len=16", "reward.overlong_buffer.len", 16),
+    ("reward_model.launch_reward_fn_async=True", "reward.launch_async", True),
     ("actor_rollout_ref.nccl_timeout=1200", "trainer.nccl_timeout", 1200),
     ("actor_rollout_ref.actor.use_torch_compile=False", "actor.use_torch_compile", False),
 ]

@@ -362,3 +362,12 @@ def test_every_checked_path_is_a_real_field() -> None:
     checked = [p for paths in _RANGES.values() for p in paths] + list(CHOICES)
     assert not [p for p in checked if p not in leaves]
     assert len(checked) == len(set(checked))  # each field has one range rule
+
+
+def test_async_reward_is_refused_with_a_reward_model_and_off_for_remax(caplog) -> None:
+    message = str(_error(["reward.launch_async=true", "reward.model.enable=true", "reward.model.path=/m"]))
+    assert message.startswith("reward.launch_async: is true with a reward model")
+    assert "set reward.launch_async=false" in message
+    with caplog.at_level(logging.WARNING, logger="hybridflow.config.validate"):
+        cfg = load_config(overrides=["reward.launch_async=true", "algorithm.adv_estimator=remax"])
+    assert cfg.reward.launch_async and "reward.launch_async is off for ReMax" in caplog.text

@@ -94,6 +94,25 @@ def test_kl_in_reward_and_as_a_loss(kl: list[str]) -> None:
     check(history, COMMON + expect)
 
 
+def test_reward_in_a_thread_beside_the_log_prob_passes_changes_no_result() -> None:
+    kl = [
+        "actor.use_kl_loss=true",
+        "algorithm.rollout_correction.rollout_is=token",
+    ]  # ref and old-log-prob passes run
+    inline, threaded = run(kl), run([*kl, "reward.launch_async=true"])
+    check(threaded, (*COMMON, "timing_s/reward_wait", "timing_s/old_log_prob", "timing_s/ref"))
+    assert "timing_s/reward_wait" not in inline[0]
+    for a, b in zip(inline, threaded):
+        same = (
+            "critic/score/mean",
+            "actor/pg_loss",
+            "actor/kl_loss",
+            "actor/grad_norm",
+            "response_length/mean",
+        )
+        assert {k: a[k] for k in same} == {k: b[k] for k in same}
+
+
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
