@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from hybridflow.protocol import Batch
+from hybridflow.utils.text import batch_decode
 
 logger = logging.getLogger(__name__)
 
@@ -31,14 +32,14 @@ def _plain(value: Any) -> Any:
 def decode_prompts(tokenizer: Any, prompts: Batch) -> list[str]:
     """The prompt texts (left padding removed, special tokens kept: they show the chat template)."""
     mask = prompts["attention_mask"].bool()
-    return tokenizer.batch_decode([row[m].tolist() for row, m in zip(prompts["input_ids"], mask)])
+    return batch_decode(tokenizer, [row[m].tolist() for row, m in zip(prompts["input_ids"], mask)])
 
 
 def decode_responses(tokenizer: Any, batch: Batch) -> list[str]:
     """The response texts without special tokens."""
     mask = batch["response_mask"].bool()
     rows = [row[m].tolist() for row, m in zip(batch["responses"], mask)]
-    return tokenizer.batch_decode(rows, skip_special_tokens=True)
+    return batch_decode(tokenizer, rows, skip_special_tokens=True)
 
 
 def generation_records(

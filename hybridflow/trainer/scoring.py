@@ -10,6 +10,7 @@ import torch
 from hybridflow.config.schema import Config
 from hybridflow.protocol import Batch
 from hybridflow.rewards import RewardManager, default_compute_score, known_data_sources, load_reward_function
+from hybridflow.utils.text import batch_decode
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class Scorer:
             out = self.reward_model.compute_scores(batch)  # (B,)
             return self._with_penalty(out, {"acc": (out > 0).float().tolist()}, mask)
         response_ids = [row[m].tolist() for row, m in zip(batch["responses"], mask)]
-        texts = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+        texts = batch_decode(self.tokenizer, response_ids, skip_special_tokens=True)
         prompt_ids = None
         if self.manager.kind == "token":
             prompt_mask = batch["attention_mask"][:, : -mask.shape[1]].bool()
