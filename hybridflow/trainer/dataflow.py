@@ -5,7 +5,7 @@ written earlier (or comes with the input), times each one into ``timing_s/<stage
 right after its last reader, so a step never holds tensors nobody will read again.
 
 A ``background`` stage (the reward function with ``reward.launch_async``, as verl's
-``launch_reward_fn_async``) runs in a thread on a snapshot of the keys it reads while the stages after it
+``launch_reward_fn_async``) runs in a thread on a shallow copy of the batch while the stages after it
 go on; the first stage that reads one of its writes waits for it (``timing_s/<stage>_wait``), and so does
 the end of the step.
 """
