@@ -99,8 +99,20 @@ class RankWorker:
         return {"roles": role_meta, "engines": engines, "world_size": world_size()}
 
     def load_checkpoint(self, path: str, engines: dict[str, Any]) -> None:
-        """Load this rank's roles from a checkpoint (resharding as needed) and the schedulers' states."""
-        checkpoint.manager.read_roles(path, self._role_states(), self.group)
+        """Load this rank's roles from a checkpoint (resharding as needed) and the schedulers' states.
+
+        The roles load on the device and offload after: torch's ``Optimizer.load_state_dict`` puts every
+        state tensor (and a fused AdamW's step counters) on its parameter's device, so loading into a role
+        whose parameters sit on CPU would leave the moments there after the parameters come back.
+        """
+        train_engines = [role.engine.engine for role in self._trainable().values()]
+        for engine in train_engines:
+            engine.onload()
+        try:
+            checkpoint.manager.read_roles(path, self._role_states(), self.group)
+        finally:
+            for engine in train_engines:
+                engine.offload()
         for name, role in self._trainable().items():
             engine, saved = role.engine.engine, engines[name]
             if engine.scheduler is not None and saved["scheduler"] is not None:
