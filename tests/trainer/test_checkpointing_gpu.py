@@ -22,6 +22,7 @@ EAGER = ["actor.use_torch_compile=false", "critic.use_torch_compile=false"]
 OFFLOAD = {
     "none": [],
     "optimizer": ["actor.fsdp.optimizer_offload=true", "critic.fsdp.optimizer_offload=true"],
+    "params": ["actor.fsdp.param_offload=true", "critic.fsdp.param_offload=true"],
     "params_and_optimizer": [
         f"{role}.fsdp.{what}_offload=true" for role in ("actor", "critic") for what in ("param", "optimizer")
     ],
