@@ -23,9 +23,15 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
-def _full(param: torch.Tensor) -> torch.Tensor:
+def _full(param: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The whole tensor of an FSDP2 parameter (a collective on every rank), or the tensor itself."""
-    return param.full_tensor() if hasattr(param, "full_tensor") else param
+    if not hasattr(param, "full_tensor"):
+        return param
+    if param.device != device:
+        # NCCL gathers only device tensors and an offloaded shard (fsdp.param_offload) is on the host:
+        # bring this one shard over, so the sync never holds more than one parameter's shard beside the replica.
+        param = param.to(device)
+    return param.full_tensor()
 
 
 class RolloutReplica:
@@ -72,7 +78,7 @@ class RolloutReplica:
         for name, param in sharded.named_parameters():
             target = self.params.get(name)
             assert target is not None, f"{name} has no replica tensor"
-            target.copy_(_full(param.detach()))
+            target.copy_(_full(param.detach(), target.device))
             copied.add(name)
         # every replica tensor was written (a re-allocated one would otherwise hold garbage)
         assert copied == set(self.params), f"replica tensors not refreshed: {set(self.params) - copied}"

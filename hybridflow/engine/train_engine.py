@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -192,6 +194,22 @@ class TrainEngine:
         if self.fsdp.optimizer_offload and self.optimizer is not None:
             move_optimizer(self.optimizer, self.device)
         self.on_device = True
+
+    @contextlib.contextmanager
+    def onloaded(self) -> Iterator[None]:
+        """Hold parameters and optimizer state on the device for the block, then hand memory back as before.
+
+        For work outside the phases that reads or writes every shard: NCCL gathers only device tensors (an
+        export of offloaded shards fails at world size > 1), and a loaded optimizer state lands on its
+        parameter's device.
+        """
+        was_on_device = self.on_device
+        self.onload()
+        try:
+            yield
+        finally:
+            if not was_on_device:
+                self.offload()
 
     def offload(self) -> None:
         """Hand the device memory to other phases: free gathered parameters; offload as configured.

@@ -6,6 +6,7 @@ roles from the config. Either way the driver reaches the roles only through thes
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -74,13 +75,18 @@ class RankWorker:
             for name, role in self._trainable().items()
         }
 
+    def _actor_state(self) -> dict[str, torch.Tensor]:
+        """The actor's whole weights on CPU (a collective: all ranks call it; offloaded shards gather on the
+        device)."""
+        engine = self.roles["actor"].engine
+        with engine.engine.onloaded():
+            return full_state_dict(engine.module)
+
     def save_checkpoint(self, tmp: str, save_hf: bool) -> dict[str, Any]:
         """Write this rank's shards (all ranks together) and, on rank 0, the export configs; returns meta."""
         tmp_dir = Path(tmp)
         role_meta = checkpoint.manager.write_roles(tmp_dir, self._role_states(), self.group)
-        hf_state = (
-            full_state_dict(self.roles["actor"].engine.module) if save_hf and "actor" in self.roles else None
-        )
+        hf_state = self._actor_state() if save_hf and "actor" in self.roles else None
         engines = {}
         for name, role in self._trainable().items():
             engine = role.engine.engine
@@ -105,14 +111,10 @@ class RankWorker:
         state tensor (and a fused AdamW's step counters) on its parameter's device, so loading into a role
         whose parameters sit on CPU would leave the moments there after the parameters come back.
         """
-        train_engines = [role.engine.engine for role in self._trainable().values()]
-        for engine in train_engines:
-            engine.onload()
-        try:
+        with contextlib.ExitStack() as onloaded:
+            for role in self._trainable().values():
+                onloaded.enter_context(role.engine.engine.onloaded())
             checkpoint.manager.read_roles(path, self._role_states(), self.group)
-        finally:
-            for engine in train_engines:
-                engine.offload()
         for name, role in self._trainable().items():
             engine, saved = role.engine.engine, engines[name]
             if engine.scheduler is not None and saved["scheduler"] is not None:
@@ -126,7 +128,7 @@ class RankWorker:
     def save_hf_model(self, out_dir: str) -> str:
         """Write the actor's current weights as a Hugging Face directory (rank 0 writes; all ranks call)."""
         actor = self.roles["actor"]
-        state = full_state_dict(actor.engine.module)
+        state = self._actor_state()
         if env_rank() == 0:
             save_hf_model(state, actor.hf_model.config, self.tokenizer, out_dir, "lm.")
         return out_dir
