@@ -13,8 +13,9 @@ import math
 from pathlib import Path
 
 import pytest
+from reward_model_util import save_reward_model
 from test_preference_job import pairs, rows_of, run, write_jsonl
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hybridflow.cli.main import main
 from hybridflow.models import build_tiny_model_and_tokenizer
@@ -68,27 +69,14 @@ def test_dpo_and_kto_train_with_the_reference_on_or_off_the_device(
     assert metrics[0]["kl"] == pytest.approx(0.0, abs=1e-4) and finite(metrics)
 
 
-def save_reward_model(path: Path, vocab_size: int) -> None:
-    cfg = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_labels=1,
-        pad_token_id=0,
-    )
-    Qwen2ForSequenceClassification(cfg).save_pretrained(path)
-
-
-def test_grpo_with_a_reward_model_and_every_role_offloaded(tmp_path: Path, base_model: Path) -> None:
-    save_reward_model(tmp_path / "rm", len(AutoTokenizer.from_pretrained(base_model)))
+def grpo_with_reward_model(model: Path, tmp_path: Path, *extra: str) -> list[str]:
+    """``hybridflow train`` arguments: GRPO with a KL loss scored by a fresh tiny reward model, 2 steps."""
+    save_reward_model(tmp_path / "rm", len(AutoTokenizer.from_pretrained(model)))
     (tmp_path / "empty.yaml").write_text("{}\n")
-    args = [
+    return [
         "train",
         str(tmp_path / "empty.yaml"),
-        f"model.path={base_model}",
+        f"model.path={model}",
         f"trainer.default_local_dir={tmp_path / 'run'}",
         *EAGER,
         "algorithm.adv_estimator=grpo",
@@ -103,13 +91,20 @@ def test_grpo_with_a_reward_model_and_every_role_offloaded(tmp_path: Path, base_
         "trainer.logger=[console,jsonl]",
         "reward.model.enable=true",
         f"reward.model.path={tmp_path / 'rm'}",
-        "reward.model.param_offload=true",
-        "ref.fsdp.param_offload=true",
-        "actor.fsdp.param_offload=true",
-        "actor.fsdp.optimizer_offload=true",
+        *extra,
     ]
-    assert main(args) == 0
-    train = [m for m in rows_of(tmp_path / "run") if "critic/score/mean" in m]  # not the validation row
+
+
+def scored_steps(run_dir: Path) -> list[dict]:
+    """The training rows of a run's metrics (the validation row has no scores)."""
+    return [m for m in rows_of(run_dir) if "critic/score/mean" in m]
+
+
+def test_grpo_with_a_reward_model_and_every_role_offloaded(tmp_path: Path, base_model: Path) -> None:
+    offload = ["reward.model.param_offload=true", "ref.fsdp.param_offload=true"]
+    offload += ["actor.fsdp.param_offload=true", "actor.fsdp.optimizer_offload=true"]
+    assert main(grpo_with_reward_model(base_model, tmp_path, *offload)) == 0
+    train = scored_steps(tmp_path / "run")
     assert [m["step"] for m in train] == [1, 2] and finite(train)
     assert train[0]["critic/score/mean"] != 0.0  # the reward model's scores reached the advantages
 

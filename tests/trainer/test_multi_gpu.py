@@ -13,9 +13,8 @@ import pytest
 import torch
 from dist_util import run_world
 from test_checkpointing import argv, metrics
-from test_jobs_gpu import save_reward_model
+from test_jobs_gpu import grpo_with_reward_model, scored_steps
 from test_preference_job import pairs, rows_of, run, write_jsonl
-from transformers import AutoTokenizer
 
 from hybridflow.checkpoint import read_meta
 from hybridflow.cli.main import main
@@ -107,33 +106,9 @@ def run_dpo(rank: int, tmp: str, model: str, data: str, offload: bool) -> int:
 
 
 def test_grpo_with_a_reward_model_and_validation_on_two_gpus(tmp_path: Path, tiny_model: Path) -> None:
-    save_reward_model(tmp_path / "rm", len(AutoTokenizer.from_pretrained(tiny_model)))
-    (tmp_path / "empty.yaml").write_text("{}\n")
-    args = [
-        "train",
-        str(tmp_path / "empty.yaml"),
-        f"model.path={tiny_model}",
-        f"trainer.default_local_dir={tmp_path / 'run'}",
-        *TWO,
-        "algorithm.adv_estimator=grpo",
-        "actor.use_kl_loss=true",
-        "data.train_batch_size=4",
-        "rollout.n=2",
-        "actor.ppo_mini_batch_size=4",
-        "data.max_response_length=8",
-        "data.task_train_size=8",
-        "data.task_val_size=4",
-        "trainer.total_training_steps=2",
-        "trainer.val_before_train=true",
-        "trainer.logger=[console,jsonl]",
-        "reward.model.enable=true",
-        f"reward.model.path={tmp_path / 'rm'}",
-        "reward.model.micro_batch_size_per_gpu=2",
-        "reward.model.param_offload=true",
-        "ref.fsdp.param_offload=true",
-    ]
-    assert run_world(2, spmd, args, timeout=600) == [0, 0]
-    rows = rows_of(tmp_path / "run")
-    assert any(k.startswith("val") for k in rows[0])  # validation ran before the first step
-    train = [m for m in rows if "critic/score/mean" in m]
+    extra = [*TWO, "trainer.val_before_train=true", "reward.model.micro_batch_size_per_gpu=2"]
+    extra += ["reward.model.param_offload=true", "ref.fsdp.param_offload=true"]
+    assert run_world(2, spmd, grpo_with_reward_model(tiny_model, tmp_path, *extra), timeout=600) == [0, 0]
+    assert any(k.startswith("val") for k in rows_of(tmp_path / "run")[0])  # validation ran before step 1
+    train = scored_steps(tmp_path / "run")
     assert [m["step"] for m in train] == [1, 2] and train[0]["critic/score/mean"] != 0.0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForSequenceClassification
+from reward_model_util import save_reward_model
 
 from hybridflow.config import load_config
 from hybridflow.engine.sequences import pack_prompt_response
@@ -15,23 +15,6 @@ from hybridflow.models import build_tiny_model_and_tokenizer
 from hybridflow.trainer.builder import build_components
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.workers.reward_model import RewardModelWorker
-
-
-def save_reward_model(path: Path, vocab_size: int) -> Qwen2ForSequenceClassification:
-    torch.manual_seed(3)
-    cfg = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_labels=1,
-        pad_token_id=0,
-    )
-    model = Qwen2ForSequenceClassification(cfg).eval()
-    model.save_pretrained(path)
-    return model
 
 
 @torch.no_grad()
