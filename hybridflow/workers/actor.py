@@ -18,6 +18,7 @@ from hybridflow.engine.preference import update_preference
 from hybridflow.engine.reshard import RolloutReplica
 from hybridflow.engine.rollout.engine import make_rollout
 from hybridflow.engine.rollout.sampling import SamplingParams
+from hybridflow.engine.rollout.support import supports
 from hybridflow.engine.sequences import pack_prompt_response, pad_rows
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import init_distributed, world_size
@@ -66,8 +67,15 @@ class ActorWorker:
         self.cfg = cfg
         self.pad_token_id = pad_token_id
         init_distributed()
-        # Data-parallel size > 1: the rollout reads a replica refreshed from the shards (the hybrid engine).
-        unsharded = copy.deepcopy(model) if world_size() > 1 else None
+        r = cfg.rollout
+        max_len = r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
+        native = r.engine == "native" and supports(model, max_len)
+        if r.engine == "native" and not native:
+            logger.warning("the built-in rollout engine does not cover this model: HF generate, much slower")
+        # The built-in engine reads the training module's own parameters at data-parallel size 1. Otherwise
+        # the rollout runs a replica refreshed from the shards before each generation (the hybrid engine):
+        # at size > 1 each rank needs whole weights, and HF generate cannot run the FSDP2-wrapped module.
+        unsharded = copy.deepcopy(model) if world_size() > 1 or not native else None
         self.engine = ActorEngine(
             model,
             cfg.actor,
@@ -76,11 +84,10 @@ class ActorWorker:
             gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
             total_steps=total_steps,
         )
-        r = cfg.rollout
+        device = self.engine.engine.device
         dtype = None if r.dtype == "auto" else to_dtype(r.dtype)
-        if dtype is None and self.engine.engine.device.type == "cuda":
+        if dtype is None and device.type == "cuda":
             dtype = self.engine.engine.compute_dtype  # generate in the training compute dtype (bf16)
-        max_len = r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
         kwargs = dict(
             dtype=dtype,
             max_num_seqs=r.max_num_seqs,
@@ -90,13 +97,13 @@ class ActorWorker:
             enforce_eager=r.enforce_eager,
             compile_decode=r.compile_decode,
             free_cache_engine=r.free_cache_engine,
+            device=device,  # the GPU, also while offloaded parameters sit on the host
         )
         self.replica = None
         if unsharded is not None:
-            device = self.engine.engine.device
             self.replica = RolloutReplica(unsharded, dtype or torch.float32, device, world_size())
         target = self.replica.module if self.replica is not None else self.hf_model
-        self.rollout = make_rollout(target, r.engine, pad_token_id=pad_token_id, **kwargs)
+        self.rollout = make_rollout(target, "native" if native else "hf", pad_token_id=pad_token_id, **kwargs)
 
     @property
     def hf_model(self) -> nn.Module:

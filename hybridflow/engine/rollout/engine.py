@@ -128,9 +128,10 @@ class RolloutEngine:
         enforce_eager: bool = False,
         compile_decode: bool = False,
         free_cache_engine: bool = True,
+        device: torch.device | None = None,
     ) -> None:
-        self.runner = LlamaRunner(model, dtype, max_model_len)
-        self.device = next(model.parameters()).device
+        self.runner = LlamaRunner(model, dtype, max_model_len, device)
+        self.device = self.runner.device
         # torch.compile fuses the decode step's elementwise work (norms, RoPE, SiLU*mul); it compiles once
         # per batch bucket (tens of seconds each), so it pays off for long runs and benchmarks. Prefill's
         # layer math is compiled too (automatic dynamic shapes).

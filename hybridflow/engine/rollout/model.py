@@ -62,7 +62,11 @@ class LlamaRunner:
     """
 
     def __init__(
-        self, hf_model: nn.Module, dtype: torch.dtype | None = None, max_len: int | None = None
+        self,
+        hf_model: nn.Module,
+        dtype: torch.dtype | None = None,
+        max_len: int | None = None,
+        device: torch.device | None = None,
     ) -> None:
         config = hf_model.config
         check_supported(config, max_len)
@@ -83,7 +87,9 @@ class LlamaRunner:
         self.scaling = self.head_dim**-0.5
         embed = local_tensor(hf_model.model.embed_tokens.weight)
         self.dtype = embed.dtype if dtype is None else dtype
-        self.device = embed.device
+        # The model's own device unless told: a trainer whose parameters are offloaded between phases
+        # (fsdp.param_offload) generates on its GPU from cast buffers filled from the host copies.
+        self.device = embed.device if device is None else torch.device(device)
         self.decode_attention = _pick_decode_attention(self.device, self.dtype)
         # False: prefill/decode return logits in the compute dtype, for a consumer that upcasts as it reads
         # (the rollout engine's fused sampler); saves a float32 copy of (B, V) per step.

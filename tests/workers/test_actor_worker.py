@@ -1,0 +1,69 @@
+"""The actor worker's rollout on its own FSDP2-wrapped weights: HF generate beside the built-in engine, and
+(on the GPU) generation while the parameters are offloaded.
+
+With ``actor.fsdp.param_offload`` the parameters are on the host whenever no phase runs, including when the
+rollout engine is built and when it generates. The built-in engine must still run on the trainer's GPU,
+reading the weights into its cast buffers there; HF ``generate`` runs a replica refreshed from the shards
+(it cannot run the FSDP2-wrapped module itself).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from dist_util import run_world
+
+
+def prompts() -> dict[str, torch.Tensor]:
+    """Four left-padded prompts of 3-6 tokens."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 60, (4, 6), generator=g)
+    mask = torch.ones(4, 6, dtype=torch.long)
+    for row, pad in enumerate([0, 1, 3, 2]):
+        mask[row, :pad] = 0
+    return {
+        "input_ids": ids * mask,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+    }
+
+
+def generate_with(rank: int, overrides: list[str], cpu: bool = False) -> dict:
+    """Greedy responses of a fresh tiny actor built with ``overrides``, and where its pieces live."""
+    if cpu:  # float32 on the CPU even on a GPU host (this process has not touched CUDA yet)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    from hybridflow.config import load_config
+    from hybridflow.models import build_tiny_model
+    from hybridflow.protocol import Batch
+    from hybridflow.workers.actor import ActorWorker
+
+    cfg = load_config(None, ["data.max_response_length=8", "rollout.ignore_eos=true", *overrides])
+    model = build_tiny_model("qwen2", vocab_size=64, hidden_size=64, num_hidden_layers=2, seed=5)
+    worker = ActorWorker(model, cfg, total_steps=1, pad_token_id=0)
+    params = worker.sampling_params(1, 0.0, 1.0, -1, False, [], None)
+    out = worker.generate(Batch(prompts()), params)
+    return {
+        "responses": out["responses"],
+        "rollout_device": str(worker.rollout.device) if hasattr(worker.rollout, "device") else None,
+        "param_device_after": str(next(worker.hf_model.parameters()).device),
+    }
+
+
+def test_hf_generate_in_the_worker_gives_the_built_in_engines_tokens() -> None:
+    (native,) = run_world(1, generate_with, ["rollout.engine=native"], True)
+    (hf,) = run_world(1, generate_with, ["rollout.engine=hf"], True)
+    assert torch.equal(hf["responses"], native["responses"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["native", "hf"])
+def test_an_offloaded_actor_generates_on_the_gpu_like_one_on_the_gpu(engine: str) -> None:
+    common = [f"rollout.engine={engine}", "actor.use_torch_compile=false"]
+    (on_gpu,) = run_world(1, generate_with, common)
+    (offloaded,) = run_world(1, generate_with, [*common, "actor.fsdp.param_offload=true"])
+    assert offloaded["param_device_after"] == "cpu"  # generation left the parameters where they were
+    if engine == "native":
+        assert offloaded["rollout_device"] == on_gpu["rollout_device"] == "cuda:0"
+    assert torch.equal(offloaded["responses"], on_gpu["responses"])
