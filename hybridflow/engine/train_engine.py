@@ -21,18 +21,15 @@ from hybridflow.engine.fsdp import (
     to_dtype,
 )
 from hybridflow.engine.optim import allocate_state, build_lr_scheduler, build_optimizer
+from hybridflow.utils.device import cuda_in_use
 from hybridflow.utils.dist import init_distributed, world_size
 
 logger = logging.getLogger(__name__)
 
 
 def default_device() -> torch.device:
-    """This rank's CUDA device when there is one, else the CPU."""
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    """This rank's CUDA device when it computes on CUDA (``trainer.device``), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if cuda_in_use() else torch.device("cpu")
 
 
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -31,10 +31,17 @@ from hybridflow.trainer.preference import PreferenceTrainer
 from hybridflow.trainer.sft import encode_pairs, run_sft
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.trainer.validation import validate
+from hybridflow.utils.device import use_device_type
 from hybridflow.utils.seed import set_seed
 from hybridflow.workers.actor import ActorWorker
 
 logger = logging.getLogger(__name__)
+
+
+def start_job(cfg: Config) -> None:
+    """What every job does first in its process: take the device type (``trainer.device``) and seed."""
+    use_device_type(cfg.trainer.device)
+    set_seed(cfg.trainer.seed)
 
 
 def save_hf_model(actor: ActorWorker, tokenizer: Any, base: torch.nn.Module | None, out_dir: Path) -> Path:
@@ -55,7 +62,7 @@ def sft_job(
     rows: list[dict] | None = None,
 ) -> dict[str, float]:
     """Supervised fine-tuning of ``model.path`` (or the given model) on the train rows; saves to ``out_dir``."""
-    set_seed(cfg.trainer.seed)
+    start_job(cfg)
     if model is None:
         model, tokenizer = load_policy(cfg)
     base = copy.deepcopy(model)  # a clean module to receive the trained weights for saving
@@ -108,7 +115,7 @@ def rl_job(
     cfg: Config, components: Components | None = None, reward_fn: Any = None
 ) -> list[dict[str, float]]:
     """PPO-family training as configured; writes config.yaml, metrics.jsonl and curves.png to the run dir."""
-    set_seed(cfg.trainer.seed)
+    start_job(cfg)
     run_dir = Path(cfg.trainer.run_dir())
     save_config(cfg, run_dir / "config.yaml")
     owned = components is None  # close only what this job built: a caller may go on using its components
@@ -127,7 +134,7 @@ def load_components_from(path: Path, cfg: Config, reward_fn: Any = None) -> Comp
 
 def eval_job(cfg: Config, out: Path, checkpoint_dir: Path | None = None) -> dict[str, float]:
     """Validation only, with the policy of ``checkpoint_dir`` (else ``model.path``); generations to ``out``."""
-    set_seed(cfg.trainer.seed)
+    start_job(cfg)
     if checkpoint_dir is not None:
         model = load_role_model(checkpoint_dir, "actor")
         tokenizer = load_tokenizer(str(checkpoint_dir / "actor" / HF_CONFIG))
@@ -155,7 +162,7 @@ def preference_job(
 ) -> list[dict[str, float]]:
     """DPO/IPO (``kind="dpo"``) or KTO (``kind="kto"``) as configured, in the run directory like RL runs."""
     cfg = preference_config(cfg)
-    set_seed(cfg.trainer.seed)
+    start_job(cfg)
     run_dir = Path(cfg.trainer.run_dir())
     save_config(cfg, run_dir / "config.yaml")
     owned = components is None

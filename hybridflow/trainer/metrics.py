@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.protocol import Batch
+from hybridflow.utils.device import cuda_in_use
 
 
 def _stats(name: str, values: torch.Tensor) -> dict[str, float]:
@@ -51,7 +52,7 @@ def throughput_metrics(batch: Batch, step_time: float, num_devices: int) -> dict
         "perf/time_per_step": step_time,
         "perf/throughput": tokens / max(step_time, 1e-9) / max(num_devices, 1),
     }
-    if torch.cuda.is_available():
+    if cuda_in_use():
         out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
     return out
 

@@ -10,6 +10,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hybridflow.utils.device import cuda_in_use
+
 logger = logging.getLogger(__name__)
 
 
@@ -21,8 +23,8 @@ def free_port() -> int:
 
 
 def default_backend() -> str:
-    """NCCL when CUDA is available, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """NCCL when this process computes on CUDA, gloo otherwise."""
+    return "nccl" if cuda_in_use() else "gloo"
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int]:

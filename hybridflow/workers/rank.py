@@ -18,6 +18,7 @@ from hybridflow.checkpoint import RoleState
 from hybridflow.checkpoint.export import save_hf_model, write_hf_config
 from hybridflow.checkpoint.manager import HF_CONFIG
 from hybridflow.engine.fsdp import full_state_dict
+from hybridflow.utils.device import cuda_in_use
 from hybridflow.utils.dist import world_size
 from hybridflow.utils.logging import rank as env_rank
 
@@ -43,7 +44,7 @@ class RankWorker:
 
     def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``roles[role].method(*args, **kwargs)`` on this rank, noting the phase's peak device memory."""
-        if not torch.cuda.is_available():
+        if not cuda_in_use():
             return getattr(self.roles[role], method)(*args, **kwargs)
         torch.cuda.reset_peak_memory_stats()
         out = getattr(self.roles[role], method)(*args, **kwargs)

@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 import pytest
+from dist_util import run_world
 from reward_model_util import save_reward_model
 from test_preference_job import pairs, rows_of, run, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -107,6 +108,20 @@ def test_grpo_with_a_reward_model_and_every_role_offloaded(tmp_path: Path, base_
     train = scored_steps(tmp_path / "run")
     assert [m["step"] for m in train] == [1, 2] and finite(train)
     assert train[0]["critic/score/mean"] != 0.0  # the reward model's scores reached the advantages
+    assert "perf/max_memory_reserved_gb" in train[0]  # the run computed on the GPU
+
+
+def test_trainer_device_cpu_keeps_a_run_off_the_gpu(tmp_path: Path, base_model: Path) -> None:
+    # A fresh process: this one's process group is NCCL once a GPU job has run in it.
+    args = grpo_with_reward_model(base_model, tmp_path, "trainer.device=cpu")
+    assert run_world(1, run_main, args) == [0]
+    train = scored_steps(tmp_path / "run")
+    assert [m["step"] for m in train] == [1, 2] and finite(train)
+    assert not [k for k in train[0] if k.startswith("memory/") or k == "perf/max_memory_reserved_gb"]
+
+
+def run_main(rank: int, args: list[str]) -> int:
+    return main(args)
 
 
 def test_generate_samples_on_the_gpu(tmp_path: Path, base_model: Path) -> None:

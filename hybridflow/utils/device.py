@@ -1,0 +1,31 @@
+"""Which device type this process computes on: CUDA when a GPU is visible, unless the run asks for the CPU.
+
+``trainer.device`` sets it once per process (the jobs and each Ray rank call ``use_device_type``); everything
+that would otherwise ask ``torch.cuda.is_available()`` (the engines' device, the process-group backend, the
+memory figures) asks ``cuda_in_use()``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_KINDS = ("auto", "cuda", "cpu")
+_cpu_only = False
+
+
+def use_device_type(kind: str) -> None:
+    """Compute on ``kind`` in this process: auto (CUDA when visible), cuda (a GPU must be visible) or cpu."""
+    global _cpu_only
+    if kind not in _KINDS:
+        raise ValueError(f"trainer.device: unknown value {kind!r}; use one of: {', '.join(_KINDS)}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "trainer.device=cuda, but this process sees no CUDA device; check CUDA_VISIBLE_DEVICES and the "
+            "driver, or set trainer.device=auto (or cpu) to run on the CPU"
+        )
+    _cpu_only = kind == "cpu"
+
+
+def cuda_in_use() -> bool:
+    """Whether this process computes on CUDA."""
+    return not _cpu_only and torch.cuda.is_available()
