@@ -184,7 +184,7 @@ def build_eval_components(
     val = build_rl_dataset(cfg.data, tokenizer, "val", cfg.trainer.seed)
     check_data_sources(val, cfg, reward_fn)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    actor = ActorWorker(model, cfg, 1, pad_id)
+    actor = ActorWorker(model, cfg, 1, pad_id, trainable=False)  # no optimizer state to hold for evaluation
     scorer = Scorer(build_reward_manager(cfg, reward_fn), tokenizer, cfg, None)
     return Components(
         tokenizer, pad_id, eos_ids_of(model, tokenizer), actor, None, None, None, val, scorer, 0

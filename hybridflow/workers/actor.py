@@ -63,7 +63,10 @@ RANK_SEED_STRIDE = 1_000_003
 class ActorWorker:
     """Holds the policy: ``generate`` reads the training module's parameters in place (a dtype cast at most)."""
 
-    def __init__(self, model: nn.Module, cfg: Config, total_steps: int, pad_token_id: int) -> None:
+    def __init__(
+        self, model: nn.Module, cfg: Config, total_steps: int, pad_token_id: int, trainable: bool = True
+    ) -> None:
+        """``trainable=False``: generation and log-probs only (evaluation), without AdamW or float32 masters."""
         self.cfg = cfg
         self.pad_token_id = pad_token_id
         init_distributed()
@@ -83,6 +86,7 @@ class ActorWorker:
             use_remove_padding=cfg.model.use_remove_padding,
             gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
             total_steps=total_steps,
+            trainable=trainable,
         )
         device = self.engine.engine.device
         dtype = None if r.dtype == "auto" else to_dtype(r.dtype)

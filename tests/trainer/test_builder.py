@@ -1,0 +1,22 @@
+"""What the builders give each job: evaluation holds the policy without training state."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.config import load_config
+from hybridflow.models import build_tiny_model_and_tokenizer
+from hybridflow.trainer.builder import build_eval_components
+from hybridflow.trainer.validation import validate
+
+
+def test_evaluation_builds_a_frozen_actor_and_validates() -> None:
+    model, tokenizer = build_tiny_model_and_tokenizer(hidden_size=32, num_hidden_layers=1)
+    cfg = load_config(None, ["data.task_val_size=4", "data.max_response_length=4"])
+    components = build_eval_components(cfg, model, tokenizer)
+    engine = components.actor.engine.engine
+    assert engine.optimizer is None  # no AdamW moments: evaluation holds the weights and the rollout only
+    metrics = validate(cfg, components, prefix="val-core")
+    components.scorer.close()
+    assert any(k.startswith("val-core/") for k in metrics)
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
