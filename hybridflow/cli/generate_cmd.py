@@ -91,12 +91,10 @@ def run(args: argparse.Namespace) -> int:
 
     from hybridflow.engine.rollout.engine import make_rollout
     from hybridflow.models import load_causal_lm, load_tokenizer
+    from hybridflow.utils.device import cuda_in_use, use_device_type
 
-    device = (
-        torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if args.device == "auto"
-        else torch.device(args.device)
-    )
+    use_device_type(args.device, "--device")  # a missing GPU stops here, with the fix
+    device = torch.device("cuda" if cuda_in_use() else "cpu")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     tokenizer = load_tokenizer(args.model)
     model = load_causal_lm(args.model, dtype=dtype).to(device).eval()

@@ -13,15 +13,24 @@ _KINDS = ("auto", "cuda", "cpu")
 _cpu_only = False
 
 
-def use_device_type(kind: str) -> None:
-    """Compute on ``kind`` in this process: auto (CUDA when visible), cuda (a GPU must be visible) or cpu."""
+def use_device_type(kind: str, setting: str = "trainer.device") -> None:
+    """Compute on ``kind`` in this process: auto (CUDA when visible), cuda (a GPU must be visible) or cpu.
+
+    ``setting`` names the user's option in the messages (a config key, or a command-line flag).
+    """
     global _cpu_only
     if kind not in _KINDS:
-        raise ValueError(f"trainer.device: unknown value {kind!r}; use one of: {', '.join(_KINDS)}")
+        raise ValueError(f"{setting}: unknown value {kind!r}; use one of: {', '.join(_KINDS)}")
     if kind == "cuda" and not torch.cuda.is_available():
+        flag = setting.startswith("-")
+        given, fix = (
+            (f"{setting} cuda", f"pass {setting} auto")
+            if flag
+            else (f"{setting}=cuda", f"set {setting}=auto")
+        )
         raise ValueError(
-            "trainer.device=cuda, but this process sees no CUDA device; check CUDA_VISIBLE_DEVICES and the "
-            "driver, or set trainer.device=auto (or cpu) to run on the CPU"
+            f"{given}, but this process sees no CUDA device; check CUDA_VISIBLE_DEVICES and the driver, or "
+            f"{fix} (or cpu) to run on the CPU"
         )
     _cpu_only = kind == "cpu"
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from hybridflow.cli.main import main
 from hybridflow.models import build_tiny_model_and_tokenizer
@@ -73,6 +74,13 @@ def test_generate_writes_one_line_per_sample(
         ([{"prompt": ""}], [], "p.jsonl:1: the prompt is empty"),
         ([{"text": "x"}], [], 'p.jsonl:1: expected an object with "prompt"'),
         ([{"prompt": "x"}], ["--n", "0"], "n"),
+        ([{"prompt": "x"}], ["--device", "tpu"], "--device: unknown value 'tpu'"),
+        pytest.param(
+            [{"prompt": "x"}],
+            ["--device", "cuda"],
+            "--device cuda, but this process sees no CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU"),
+        ),
     ],
 )
 def test_bad_inputs_exit_2_with_the_row(

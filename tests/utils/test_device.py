@@ -36,3 +36,5 @@ def test_cuda_without_a_gpu_stops_the_cli_with_the_fix(capsys: pytest.CaptureFix
     err = capsys.readouterr().err
     assert "trainer.device=cuda, but this process sees no CUDA device" in err
     assert "set trainer.device=auto" in err and "Traceback" not in err
+    with pytest.raises(ValueError, match="pass --device auto"):
+        use_device_type("cuda", "--device")
