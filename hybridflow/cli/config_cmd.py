@@ -32,6 +32,21 @@ def split_file_and_overrides(args: list[str]) -> tuple[str | None, list[str]]:
     return None, list(args)
 
 
+def names_a_model(overrides: list[str]) -> bool:
+    """Whether ``key=value`` overrides alone set ``model.path`` (verl's way to run without a config file).
+
+    Without a config file the training commands run their built-in demo, unless the overrides name a model
+    to train: then they are a run of their own, from the defaults.
+    """
+    from hybridflow.config import load_config
+    from hybridflow.config.errors import ConfigError
+
+    try:
+        return load_config(None, overrides).model.path is not None
+    except ConfigError:
+        return False  # the demo, which takes the same overrides, reports the problem
+
+
 def run(args: argparse.Namespace) -> int:
     """Resolve and print the config."""
     path, overrides = split_file_and_overrides(args.args)

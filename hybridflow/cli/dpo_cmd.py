@@ -7,7 +7,7 @@ import argparse
 NAME = "dpo"
 HELP = (
     "Offline preference training with DPO (IPO with preference.loss_type=ipo, cDPO with "
-    "preference.label_smoothing); no config: the built-in demo."
+    "preference.label_smoothing); no config and no model.path=...: the built-in demo."
 )
 
 
@@ -20,18 +20,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_preference(args: argparse.Namespace, kind: str) -> int:
     """Train with ``kind`` (dpo or kto) and say where the results are; dpo without a config is the demo."""
-    from hybridflow.cli.config_cmd import split_file_and_overrides
+    from hybridflow.cli.config_cmd import names_a_model, split_file_and_overrides
     from hybridflow.config import load_config
     from hybridflow.trainer.jobs import preference_job
 
     path, overrides = split_file_and_overrides(args.args)
-    if path is None and kind == "dpo":
+    own_run = path is not None or names_a_model(overrides)
+    if not own_run and kind == "dpo":
         from hybridflow.trainer.demo import format_table, run_dpo_demo
 
         print(format_table(run_dpo_demo(overrides), "DPO"))
         return 0
-    if path is None:
-        raise ValueError(f"hybridflow {kind} needs a config (model.path, data.train_files, ...)")
+    if not own_run:
+        raise ValueError(
+            f"hybridflow {kind} needs a config file or model.path=DIR (with data.train_files=[FILE], ...)"
+        )
     cfg = load_config(path, overrides)
     history = preference_job(cfg, kind)
     print(f"done: {len(history)} steps; metrics in {cfg.trainer.run_dir()}/metrics.jsonl")

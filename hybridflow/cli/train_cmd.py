@@ -1,11 +1,11 @@
-"""``hybridflow train [CONFIG.yaml] [key=value ...]``: the built-in demo with no config, else an RL run."""
+"""``hybridflow train [CONFIG.yaml] [key=value ...]``: an RL run; with neither a config nor ``model.path``, the demo."""
 
 from __future__ import annotations
 
 import argparse
 
 NAME = "train"
-HELP = "Train with PPO/GRPO and friends (no config: the built-in CPU demo)."
+HELP = "Train with PPO/GRPO and friends (no config and no model.path=...: the built-in CPU demo)."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,10 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo or the configured job, printing the before/after table for the demo."""
-    from hybridflow.cli.config_cmd import split_file_and_overrides
+    from hybridflow.cli.config_cmd import names_a_model, split_file_and_overrides
 
     path, overrides = split_file_and_overrides(args.args)
-    if path is None:
+    if path is None and not names_a_model(overrides):
         from hybridflow.trainer.demo import format_table, run_demo
 
         print(format_table(run_demo(overrides)))
