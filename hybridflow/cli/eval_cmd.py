@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hybridflow.cli.output import add_overwrite_flag, check_output_file
+
 NAME = "eval"
 HELP = "Validate a model or checkpoint on the held-out prompts and write the generations to JSONL."
 
@@ -19,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(its actor, with the run's config.yaml), then overrides such as rollout.val_kwargs.n=4.",
     )
     parser.add_argument("--out", default=None, help="Generations JSONL (default: {run_dir}/eval.jsonl).")
+    add_overwrite_flag(parser, "an existing --out file")
 
 
 def _resolve(target: str) -> tuple[Path | None, Path | None]:
@@ -52,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
         )
     config, ckpt = _resolve(first)
     cfg = load_config(str(config) if config else None, overrides)
-    out = Path(args.out or Path(cfg.trainer.run_dir()) / "eval.jsonl")
+    out = Path(args.out or Path(cfg.trainer.run_dir()) / "eval.jsonl").expanduser()
+    check_output_file(out, args.overwrite)
     metrics = eval_job(cfg, out, ckpt)
     for key in sorted(metrics):
         print(f"{key}: {metrics[key]:.4f}")

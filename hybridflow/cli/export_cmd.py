@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hybridflow.cli.output import add_overwrite_flag, check_output_dir
+
 NAME = "export"
 HELP = "Write a checkpoint's actor or critic as a Hugging Face model directory (the model merger)."
 
@@ -22,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "float32", "bfloat16", "float16"],
         help="Weight dtype of the export (auto: the model config's dtype, else float32).",
     )
-    parser.add_argument("--overwrite", action="store_true", help="Replace files in a non-empty --out.")
+    add_overwrite_flag(parser, "files in a non-empty --out")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,8 +43,7 @@ def run(args: argparse.Namespace) -> int:
             )
         ckpt = latest
     out = Path(args.out).expanduser()
-    if out.exists() and any(out.iterdir()) and not args.overwrite:
-        raise ValueError(f"--out {out} is not empty; choose a new directory or pass --overwrite")
+    check_output_dir(out, args.overwrite)
     export_hf(ckpt, out, role=args.role, dtype=args.dtype)
     print(f"exported the {args.role} of {ckpt} to {out}")
     return 0

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybridflow.cli.output import add_overwrite_flag, check_output_file
+
 if TYPE_CHECKING:
     from hybridflow.engine.rollout.engine import GenerationOutput
     from hybridflow.engine.rollout.sampling import SamplingParams
@@ -29,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='JSONL file: one object per line with "prompt" (text, or chat messages) or "messages".',
     )
     parser.add_argument("--out", required=True, help="Output JSONL file, one line per sample.")
+    add_overwrite_flag(parser, "an existing --out file")
     parser.add_argument("--n", type=int, default=1, help="Samples per prompt.")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="Most tokens generated per sample.")
     parser.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature.")
@@ -93,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     from hybridflow.models import load_causal_lm, load_tokenizer
     from hybridflow.utils.device import cuda_in_use, use_device_type
 
+    check_output_file(Path(args.out), args.overwrite)
     use_device_type(args.device, "--device")  # a missing GPU stops here, with the fix
     device = torch.device("cuda" if cuda_in_use() else "cpu")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hybridflow.cli.output import add_overwrite_flag, check_output_dir
+
 NAME = "sft"
 HELP = "Supervised fine-tuning on prompt/response rows (loss on the response only)."
 
@@ -18,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="YAML config and overrides (model.path, data.train_files, actor.optim.lr, ...).",
     )
     parser.add_argument("--out", default=None, help="Output model directory (default: {run_dir}/sft_model).")
+    add_overwrite_flag(parser, "files in a non-empty --out")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
 
     path, overrides = split_file_and_overrides(args.args)
     cfg = load_config(path, overrides)
-    out = Path(args.out or Path(cfg.trainer.run_dir()) / "sft_model")
+    out = Path(args.out or Path(cfg.trainer.run_dir()) / "sft_model").expanduser()
+    check_output_dir(out, args.overwrite)  # before training, so a refusal costs nothing
     metrics = sft_job(cfg, out)
     print(f"SFT done: loss {metrics['sft/loss']:.4f}; model saved to {out}")
     return 0
