@@ -16,7 +16,7 @@ from hybridflow.engine.actor import ActorEngine
 from hybridflow.engine.fsdp import to_dtype
 from hybridflow.engine.preference import update_preference
 from hybridflow.engine.reshard import RolloutReplica
-from hybridflow.engine.rollout.engine import make_rollout
+from hybridflow.engine.rollout.engine import RolloutEngine, make_rollout
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.support import supports
 from hybridflow.engine.sequences import pack_prompt_response, pad_rows
@@ -108,6 +108,19 @@ class ActorWorker:
             self.replica = RolloutReplica(unsharded, dtype or torch.float32, device, world_size())
         target = self.replica.module if self.replica is not None else self.hf_model
         self.rollout = make_rollout(target, "native" if native else "hf", pad_token_id=pad_token_id, **kwargs)
+        self._release_rollout_weights()
+
+    def _release_rollout_weights(self) -> int:
+        """Free the rollout's own copy of the weights (a replica, or the engine's cast buffers); bytes freed.
+
+        Every generation fills them again first, so until the first one, and in jobs that never generate
+        (SFT, DPO, KTO), they would only hold a second copy of the policy beside the training state.
+        """
+        if self.replica is not None:
+            return self.replica.release()
+        if isinstance(self.rollout, RolloutEngine):
+            return self.rollout.runner.release()
+        return 0
 
     @property
     def hf_model(self) -> nn.Module:

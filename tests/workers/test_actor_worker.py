@@ -67,3 +67,45 @@ def test_an_offloaded_actor_generates_on_the_gpu_like_one_on_the_gpu(engine: str
     if engine == "native":
         assert offloaded["rollout_device"] == on_gpu["rollout_device"] == "cuda:0"
     assert torch.equal(offloaded["responses"], on_gpu["responses"])
+
+
+def cast_buffer_bytes(rank: int) -> dict:
+    """Bytes of the rollout's cast weights at build time and after a call, and the call's tokens."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    from hybridflow.config import load_config
+    from hybridflow.engine.rollout.engine import RolloutEngine
+    from hybridflow.models import build_tiny_model
+    from hybridflow.protocol import Batch
+    from hybridflow.workers.actor import ActorWorker
+
+    def held(engine: RolloutEngine) -> int:
+        return sum(t.untyped_storage().nbytes() for t in engine.runner.weight_tensors())
+
+    # bfloat16 generation from float32 masters: the engine works from cast copies of the weights.
+    overrides = ["data.max_response_length=8", "rollout.dtype=bfloat16", "rollout.free_cache_engine=false"]
+    cfg = load_config(None, overrides)
+    model = build_tiny_model("qwen2", vocab_size=64, hidden_size=64, num_hidden_layers=2, seed=5)
+    plain = RolloutEngine(
+        build_tiny_model("qwen2", vocab_size=64, hidden_size=64, num_hidden_layers=2, seed=5), torch.bfloat16
+    )
+    worker = ActorWorker(model, cfg, total_steps=1, pad_token_id=0)
+    at_build = held(worker.rollout)
+    params = worker.sampling_params(1, 0.0, 1.0, -1, False, [], None)
+    out = worker.generate(Batch(prompts()), params)
+    rows = [row[m.bool()].tolist() for row, m in zip(prompts()["input_ids"], prompts()["attention_mask"])]
+    want = [g[0].token_ids for g in plain.generate(rows, params)]
+    return {
+        "at_build": at_build,
+        "after": held(worker.rollout),
+        "got": out["responses"].tolist(),
+        "want": want,
+    }
+
+
+def test_the_rollout_holds_no_weight_copy_before_it_generates() -> None:
+    (r,) = run_world(1, cast_buffer_bytes)
+    assert r["at_build"] == 0  # nothing allocated for SFT/DPO/KTO jobs, or before the first rollout
+    assert r["after"] > 0  # filled by the call (and kept: free_cache_engine=false)
+    assert [row[: len(w)] for row, w in zip(r["got"], r["want"])] == r[
+        "want"
+    ]  # refilled with the real weights
