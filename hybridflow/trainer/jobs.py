@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,18 @@ from hybridflow.workers.actor import ActorWorker
 logger = logging.getLogger(__name__)
 
 
-def start_job(cfg: Config) -> None:
-    """What every job does first in its process: take the device type (``trainer.device``) and seed."""
+def start_job(cfg: Config, single_process: str | None = None) -> None:
+    """What every job does first in its process: take the device type (``trainer.device``) and seed.
+
+    ``single_process`` names a job that runs in one process only: launched on several ranks, every rank
+    would repeat the whole job and write the same files, so it is refused.
+    """
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if single_process is not None and launched > 1:
+        raise ValueError(
+            f"hybridflow {single_process} runs in one process, but this is one of {launched} ranks; launch it "
+            "without torchrun (train, dpo and kto run on several ranks)"
+        )
     use_device_type(cfg.trainer.device)
     set_seed(cfg.trainer.seed)
 
@@ -62,7 +73,7 @@ def sft_job(
     rows: list[dict] | None = None,
 ) -> dict[str, float]:
     """Supervised fine-tuning of ``model.path`` (or the given model) on the train rows; saves to ``out_dir``."""
-    start_job(cfg)
+    start_job(cfg, single_process="sft")
     if model is None:
         model, tokenizer = load_policy(cfg)
     base = copy.deepcopy(model)  # a clean module to receive the trained weights for saving
@@ -134,7 +145,7 @@ def load_components_from(path: Path, cfg: Config, reward_fn: Any = None) -> Comp
 
 def eval_job(cfg: Config, out: Path, checkpoint_dir: Path | None = None) -> dict[str, float]:
     """Validation only, with the policy of ``checkpoint_dir`` (else ``model.path``); generations to ``out``."""
-    start_job(cfg)
+    start_job(cfg, single_process="eval")
     if checkpoint_dir is not None:
         model = load_role_model(checkpoint_dir, "actor")
         tokenizer = load_tokenizer(str(checkpoint_dir / "actor" / HF_CONFIG))
