@@ -133,3 +133,14 @@ def test_generate_samples_on_the_gpu(tmp_path: Path, base_model: Path) -> None:
     assert len(lines) == 4
     for r in lines:
         assert len(r["token_ids"]) == len(r["logprobs"]) == 5 and all(lp <= 0 for lp in r["logprobs"])
+
+
+def test_eval_validates_a_model_on_the_gpu(tmp_path: Path, base_model: Path, capsys) -> None:
+    # The frozen actor's rollout reads the FSDP2 shards in place at world 1 (no cast copy): this runs that path.
+    config = tmp_path / "eval.yaml"
+    config.write_text(f"model:\n  path: {base_model}\ndata:\n  task_val_size: 4\n")
+    out = tmp_path / "eval.jsonl"
+    assert main(["eval", str(config), *EAGER, "rollout.val_kwargs.n=2", "--out", str(out)]) == 0
+    assert "val-core/arithmetic/acc/mean@2" in capsys.readouterr().out
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 8 and all(r["response"] is not None for r in rows)
