@@ -144,6 +144,7 @@ class FSDPConfig:
 
     param_offload: bool = option(False, "Keep parameters on CPU between phases.")
     optimizer_offload: bool = option(False, "Keep optimizer state on CPU between phases.")
+    pin_memory: bool = option(True, "Offload through pinned host memory: faster, takes up to 2x the bytes.")
     reshard_after_forward: bool | None = option(
         None, "Free gathered parameters after each layer's forward; null = only when sharded over > 1 rank."
     )

@@ -30,7 +30,7 @@ def _full(param: torch.Tensor, device: torch.device) -> torch.Tensor:
     if param.device != device:
         # NCCL gathers only device tensors and an offloaded shard (fsdp.param_offload) is on the host:
         # bring this one shard over, so the sync never holds more than one parameter's shard beside the replica.
-        param = param.to(device)
+        param = param.to(device, non_blocking=True)  # a DMA when the shard is pinned (offload pins it)
     return param.full_tensor()
 
 

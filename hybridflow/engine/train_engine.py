@@ -187,9 +187,9 @@ class TrainEngine:
         if self.on_device:
             return
         if self.fsdp.param_offload:
-            move_model(self.module, self.device)
+            move_model(self.module, self.device, self.fsdp.pin_memory)
         if self.fsdp.optimizer_offload and self.optimizer is not None:
-            move_optimizer(self.optimizer, self.device)
+            move_optimizer(self.optimizer, self.device, self.fsdp.pin_memory)
         self.on_device = True
 
     @contextlib.contextmanager
@@ -219,9 +219,9 @@ class TrainEngine:
         if not offloads or not self.on_device or self.device.type == "cpu":
             return  # nothing moves: keep the allocator's cache (emptying it costs a device sync)
         if self.fsdp.param_offload:
-            move_model(self.module, "cpu")
+            move_model(self.module, "cpu", self.fsdp.pin_memory)
         if self.fsdp.optimizer_offload and self.optimizer is not None:
-            move_optimizer(self.optimizer, "cpu")
+            move_optimizer(self.optimizer, "cpu", self.fsdp.pin_memory)
         self.on_device = not (self.fsdp.param_offload or self.fsdp.optimizer_offload)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

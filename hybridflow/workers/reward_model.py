@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from hybridflow.config.schema import Config
-from hybridflow.engine.fsdp import to_dtype
+from hybridflow.engine.fsdp import move_model, to_dtype
 from hybridflow.engine.scorer import decoder_of
 from hybridflow.engine.train_engine import default_device
 from hybridflow.models.loader import resolve_local_dir
@@ -46,12 +46,12 @@ class RewardModelWorker:
             )
         self.offload = rm.param_offload
         self.micro_batch_size = rm.micro_batch_size_per_gpu
-        self.model.to("cpu" if self.offload else self.device)
+        move_model(self.model, "cpu" if self.offload else self.device)
 
     @torch.no_grad()
     def compute_scores(self, batch: Batch) -> torch.Tensor:
         """One float score per sample (B,), on CPU."""
-        self.model.to(self.device)
+        move_model(self.model, self.device)
         scores = []
         for start in range(0, len(batch), self.micro_batch_size):
             ids = batch["input_ids"][start : start + self.micro_batch_size].to(self.device)  # (b, T)
@@ -63,5 +63,5 @@ class RewardModelWorker:
             rows = hidden[torch.arange(len(ids), device=self.device), last]  # (b, H)
             scores.append(self.model.score(rows).float().squeeze(-1).cpu())
         if self.offload:
-            self.model.to("cpu")
+            move_model(self.model, "cpu")  # through pinned memory, like the trained roles
         return torch.cat(scores)

@@ -38,6 +38,18 @@ logger = logging.getLogger(__name__)
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _fill(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, casting on ``dst``'s device when ``src`` is an offloaded host tensor.
+
+    A cross-device copy that also changes dtype converts on the host first (float32 -> bfloat16 through a
+    pageable temporary); moving the float32 tensor over as it is, a DMA from pinned memory, then casting on
+    the GPU is faster (0.5B actor offloaded, W1: see ``benchmarks/RESULTS.md``, tenth session).
+    """
+    if src.device != dst.device:
+        src = src.to(dst.device, non_blocking=True)  # ordered on the stream before the cast below
+    dst.copy_(src)
+
+
 def _pick_decode_attention(device: torch.device, dtype: torch.dtype) -> str:
     """Decode attention backend: triton when the kernel can run (CUDA, bf16/fp16, triton imports), else sdpa."""
     fits = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
@@ -136,7 +148,7 @@ class LlamaRunner:
         buf = torch.empty((sum(rows), *srcs[0].shape[1:]), dtype=self.dtype, device=self.device)
         self._buffers.append(buf)
         for view, src, (module, name) in zip(buf.split(rows), srcs, parts):
-            view.copy_(src)
+            _fill(view, src)
             self._copies.append((view, module, name))
         return buf
 
@@ -221,7 +233,7 @@ class LlamaRunner:
             if buf.untyped_storage().nbytes() == 0:
                 buf.untyped_storage().resize_(buf.numel() * buf.element_size())
         for dst, module, name in self._copies:
-            dst.copy_(local_tensor(getattr(module, name)))
+            _fill(dst, local_tensor(getattr(module, name)))
         return False
 
     def release(self) -> int:
