@@ -61,9 +61,7 @@ class DataConfig:
         None, "Prompts per generation round with dynamic sampling; null = train_batch_size."
     )
     shuffle: bool = option(True, "Shuffle the training prompts each epoch (seeded by trainer.seed).")
-    filter_overlong_prompts: bool = option(
-        False, "Drop prompts longer than max_prompt_length (count logged)."
-    )
+    filter_overlong_prompts: bool = option(False, "Drop prompts over max_prompt_length (count logged).")
     truncation: str = option("error", "What to do with an over-long prompt: error, left, right or middle.")
 
 
@@ -143,7 +141,9 @@ class FSDPConfig:
     """FSDP2 sharding, mixed precision and CPU offload of one role."""
 
     param_offload: bool = option(False, "Keep parameters on CPU between phases.")
-    optimizer_offload: bool = option(False, "Keep optimizer state on CPU between phases.")
+    optimizer_offload: bool | str = option(
+        False, "Keep optimizer state on CPU between phases; auto (actor): only for a rollout short of room."
+    )
     pin_memory: bool = option(True, "Offload through pinned host memory: faster, takes up to 2x the bytes.")
     reshard_after_forward: bool | None = option(
         None, "Free gathered parameters after each layer's forward; null = only when sharded over > 1 rank."

@@ -219,6 +219,21 @@ def _check_consistency(cfg: Config, out: list[Problem]) -> None:
     _check_rollout(cfg, out)
     _check_rollout_correction(cfg, out)
     _check_trainer(cfg, out)
+    _check_offload(cfg, out)
+
+
+def _check_offload(cfg: Config, out: list[Problem]) -> None:
+    """``optimizer_offload`` is true, false, or (the actor's only) auto."""
+    for role in ("actor", "critic", "ref"):
+        path = f"{role}.fsdp.optimizer_offload"
+        value = get_path(cfg, path)
+        if isinstance(value, bool) or (role == "actor" and value == "auto"):
+            continue
+        if role == "actor":
+            fix = "use true, false or auto (auto: only while a rollout would otherwise run in waves)"
+        else:
+            fix = "use true or false (auto is the actor's: it makes room for the actor's rollout)"
+        out.append(Problem(path, f"unknown value {value!r}", fix))
 
 
 def _check_rollout(cfg: Config, out: list[Problem]) -> None:

@@ -104,6 +104,17 @@ def move_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str,
     _host_sync(device)
 
 
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's optimizer state that ``move_optimizer`` moves (the moments' local shards)."""
+    total = 0
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                local = value.to_local() if hasattr(value, "to_local") else value
+                total += local.numel() * local.element_size()
+    return total
+
+
 def _host_sync(device: torch.device | str) -> None:
     """Wait for device-to-host copies issued with ``non_blocking=True``, so the host tensors hold their values.
 

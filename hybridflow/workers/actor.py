@@ -122,6 +122,20 @@ class ActorWorker:
             return self.rollout.runner.release()
         return 0
 
+    def _make_room(self, ids: list[list[int]], params: SamplingParams) -> None:
+        """``optimizer_offload=auto``: moments to the host for a rollout that would otherwise run in waves."""
+        if not isinstance(self.rollout, RolloutEngine):
+            return  # HF generate sizes nothing from memory
+        short = self.rollout.memory_shortfall(ids, params)
+        if short > 0:
+            freed = self.engine.engine.make_room()  # back on the device at the next phase's onload()
+            logger.info(
+                "optimizer_offload=auto: the KV cache was %.2f GiB short of one wave; moved %.2f GiB of "
+                "optimizer state to the host for this rollout",
+                short / 2**30,
+                freed / 2**30,
+            )
+
     @property
     def hf_model(self) -> nn.Module:
         """The Hugging Face model inside the FSDP2 wrapper (its parameters are the training weights)."""
@@ -143,6 +157,8 @@ class ActorWorker:
             params = dataclasses.replace(params, seed=params.seed + RANK_SEED_STRIDE * dist_rank())
         mask = prompts["attention_mask"].bool()
         ids = [row[m].tolist() for row, m in zip(prompts["input_ids"], mask)]
+        if self.cfg.actor.fsdp.optimizer_offload == "auto":
+            self._make_room(ids, params)
         with Progress(desc, total=len(ids) * params.n, unit="samples") as bar:
             outputs = self.rollout.generate(ids, params, progress=bar.update)
         if self.replica is not None and self.cfg.rollout.free_cache_engine:

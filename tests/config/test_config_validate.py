@@ -167,6 +167,17 @@ def test_other_enums(override: str, path: str) -> None:
     assert str(_error([override])).startswith(f"{path}: unknown value")
 
 
+def test_optimizer_offload_is_a_bool_or_the_actors_auto() -> None:
+    cfg = load_config(overrides=["actor.fsdp.optimizer_offload=auto", "critic.fsdp.optimizer_offload=true"])
+    assert (cfg.actor.fsdp.optimizer_offload, cfg.critic.fsdp.optimizer_offload) == ("auto", True)
+    message = str(_error(["critic.fsdp.optimizer_offload=auto"]))
+    assert message.startswith("critic.fsdp.optimizer_offload: unknown value 'auto'; fix: use true or false")
+    message = str(_error(["actor.fsdp.optimizer_offload=sometimes"]))
+    assert message.startswith(
+        "actor.fsdp.optimizer_offload: unknown value 'sometimes'; fix: use true, false or auto"
+    )
+
+
 @pytest.mark.parametrize("name", ["low_var_kl+", "k3", "mse", "k1+"])
 def test_kl_names_and_straight_through_variants(name: str) -> None:
     assert load_config(overrides=[f"actor.kl_loss_type={name}"]).actor.kl_loss_type == name

@@ -1,5 +1,5 @@
-"""The actor worker's rollout on its own FSDP2-wrapped weights: HF generate beside the built-in engine, and
-(on the GPU) generation while the parameters are offloaded.
+"""The actor worker's rollout on its own FSDP2-wrapped weights: HF generate beside the built-in engine;
+on the GPU, generation while the parameters are offloaded and the room ``optimizer_offload=auto`` makes.
 
 With ``actor.fsdp.param_offload`` the parameters are on the host whenever no phase runs, including when the
 rollout engine is built and when it generates. The built-in engine must still run on the trainer's GPU,
@@ -57,6 +57,13 @@ def test_hf_generate_in_the_worker_gives_the_built_in_engines_tokens() -> None:
     assert torch.equal(hf["responses"], native["responses"])
 
 
+def test_optimizer_offload_auto_generates_as_before_on_cpu() -> None:
+    # Nothing is sized from memory on CPU: auto never moves anything there, and the tokens are the same.
+    (auto,) = run_world(1, generate_with, ["actor.fsdp.optimizer_offload=auto"], True)
+    (plain,) = run_world(1, generate_with, [], True)
+    assert torch.equal(auto["responses"], plain["responses"])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("engine", ["native", "hf"])
 def test_an_offloaded_actor_generates_on_the_gpu_like_one_on_the_gpu(engine: str) -> None:
@@ -109,3 +116,52 @@ def test_the_rollout_holds_no_weight_copy_before_it_generates() -> None:
     assert [row[: len(w)] for row, w in zip(r["got"], r["want"])] == r[
         "want"
     ]  # refilled with the real weights
+
+
+def rollout_slots_short_of_room(rank: int) -> dict:
+    """Rollouts of 32 sequences with the KV budget set to half of what they need, without and with
+    ``actor.fsdp.optimizer_offload=auto``; where the AdamW moments are after each."""
+    from hybridflow.config import load_config
+    from hybridflow.models import build_tiny_model
+    from hybridflow.protocol import Batch
+    from hybridflow.workers.actor import ActorWorker
+
+    overrides = ["data.max_response_length=32", "rollout.ignore_eos=true", "rollout.enforce_eager=true"]
+    cfg = load_config(
+        None, [*overrides, "actor.use_torch_compile=false", "actor.fsdp.optimizer_offload=auto"]
+    )
+    model = build_tiny_model("qwen2", vocab_size=64, hidden_size=256, num_hidden_layers=4, seed=5)
+    worker = ActorWorker(model, cfg, total_steps=1, pad_token_id=0)
+    engine, rollout = worker.engine.engine, worker.rollout
+    params = worker.sampling_params(8, 0.0, 1.0, -1, False, [], None)  # 4 prompts x 8 = 32 sequences
+    rows = [row[m.bool()].tolist() for row, m in zip(prompts()["input_ids"], prompts()["attention_mask"])]
+
+    def moments_device() -> str:
+        return str(next(iter(engine.optimizer.state.values()))["exp_avg"].device)
+
+    def run(auto: bool, short_of_room: bool) -> dict:
+        cfg.actor.fsdp.optimizer_offload = "auto" if auto else False
+        rollout.gpu_memory_utilization = 0.5
+        if short_of_room:  # a budget for half the sequences, set from the memory in use right now
+            max_len = rollout._check_prompts(rows, params)
+            per_slot, used, total, _ = rollout._kv_budget(max_len, rollout.runner.pending_bytes())
+            rollout.gpu_memory_utilization = (used + 16 * per_slot) / total
+            assert rollout.memory_shortfall(rows, params) > 0
+        out = worker.generate(Batch(prompts()), params)
+        return {"slots": out.meta["rollout_stats"]["slots"], "moments": moments_device()}
+
+    roomy = run(auto=True, short_of_room=False)
+    waves = run(auto=False, short_of_room=True)
+    one_wave = run(auto=True, short_of_room=True)
+    one_wave["pinned"] = next(iter(engine.optimizer.state.values()))["exp_avg"].to_local().is_pinned()
+    engine.onload()  # the next phase brings the moments back
+    return {"roomy": roomy, "waves": waves, "one_wave": one_wave, "after_onload": moments_device()}
+
+
+@pytest.mark.gpu
+def test_optimizer_offload_auto_makes_room_for_a_rollout_that_would_run_in_waves() -> None:
+    (got,) = run_world(1, rollout_slots_short_of_room)
+    assert got["roomy"] == {"slots": 32, "moments": "cuda:0"}  # enough room: nothing moves
+    assert got["waves"]["slots"] < 32 and got["waves"]["moments"] == "cuda:0"
+    assert got["one_wave"] == {"slots": 32, "moments": "cpu", "pinned": True}
+    assert got["after_onload"] == "cuda:0"

@@ -100,7 +100,8 @@ def one_wave_notice(wanted: int, slots: int, per_slot: int, used: int, total: in
         f"rollout.gpu_memory_utilization={need:.2f} would hold all of them"
         if need <= 1
         else "they do not fit in one wave on this GPU even at rollout.gpu_memory_utilization=1; lower "
-        "data.max_response_length or rollout.n, or offload (fsdp.param_offload, fsdp.optimizer_offload)"
+        "data.max_response_length or rollout.n, or offload (actor.fsdp.optimizer_offload=auto, "
+        "actor.fsdp.param_offload=true)"
     )
     return (
         f"the KV cache holds {slots} of {wanted} sequences at rollout.gpu_memory_utilization={utilization}, "
@@ -182,21 +183,38 @@ class RolloutEngine:
             )
         return min(max_len, limit)
 
+    def _kv_budget(self, max_len: int, pending: int = 0) -> tuple[int, int, int, float]:
+        """(bytes per slot of ``max_len`` tokens, bytes the cache cannot have, device bytes, cache budget).
+
+        ``pending``: bytes about to be allocated before the cache (weight buffers the next refresh fills).
+        """
+        runner = self.runner
+        per_slot = KVCache.bytes_per_token(
+            runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype
+        )
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        # What the cache cannot have: memory allocated now, less a cache kept from the last call (reused).
+        kept = self._kept_cache.nbytes() if self._kept_cache is not None else 0
+        used = torch.cuda.memory_allocated(self.device) - kept + pending
+        return per_slot * max_len, used, total, self.gpu_memory_utilization * total - used
+
+    def memory_shortfall(self, prompts: list[list[int]], params: SamplingParams) -> int:
+        """Device bytes the KV cache lacks to decode all of this call's sequences at once (0: it fits).
+
+        0 on CPU, where nothing is sized from memory. Counts the weight buffers the call fills first.
+        """
+        if self.device.type != "cuda":
+            return 0
+        max_len = self._check_prompts(prompts, params)
+        wanted = min(self.max_num_seqs, len(prompts) * params.n)
+        per_slot, _, _, budget = self._kv_budget(max_len, self.runner.pending_bytes())
+        return max(0, math.ceil(wanted * per_slot - budget))
+
     def _num_slots(self, sequences: int, max_len: int) -> int:
         """Slots for this call: bounded by max_num_seqs, the work, and the memory budget on GPU."""
         slots = min(self.max_num_seqs, sequences)
         if self.device.type == "cuda":
-            per_slot = (
-                KVCache.bytes_per_token(
-                    self.runner.num_layers, self.runner.num_kv_heads, self.runner.head_dim, self.runner.dtype
-                )
-                * max_len
-            )
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            # What the cache cannot have: memory allocated now, less a cache kept from the last call (reused).
-            kept = self._kept_cache.nbytes() if self._kept_cache is not None else 0
-            used = torch.cuda.memory_allocated(self.device) - kept
-            budget = self.gpu_memory_utilization * total - used
+            per_slot, used, total, budget = self._kv_budget(max_len)
             if budget < per_slot:
                 raise ValueError(
                     f"no KV-cache slot of {max_len} tokens fits in rollout.gpu_memory_utilization="

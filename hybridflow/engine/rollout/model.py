@@ -253,6 +253,10 @@ class LlamaRunner:
             storage.resize_(0)
         return freed
 
+    def pending_bytes(self) -> int:
+        """Bytes the next ``refresh()`` allocates: the cast buffers released since the last one."""
+        return sum(b.numel() * b.element_size() for b in self._buffers if b.untyped_storage().nbytes() == 0)
+
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every distinct tensor the forward reads (for checks: data pointers, memory)."""
         seen: dict[int, torch.Tensor] = {}
