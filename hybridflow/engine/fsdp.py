@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from hybridflow.config.schema import FSDPConfig
 from hybridflow.models.loader import resolve_dtype
 from hybridflow.utils.dist import init_distributed
 
@@ -106,13 +108,63 @@ def move_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str,
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of this rank's optimizer state that ``move_optimizer`` moves (the moments' local shards)."""
+    return local_bytes(
+        v
+        for state in optimizer.state.values()
+        for k, v in state.items()
+        if torch.is_tensor(v) and k != "step"
+    )
+
+
+def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of this rank's share of ``tensors`` (the local shard of a DTensor, or the tensor itself)."""
     total = 0
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and key != "step":
-                local = value.to_local() if hasattr(value, "to_local") else value
-                total += local.numel() * local.element_size()
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
     return total
+
+
+def pinned_pool_fits(offload_bytes: int, ranks: int, available: int | None, share: float = 0.8) -> bool:
+    """Whether pinning ``offload_bytes`` on each of ``ranks`` processes fits in ``share`` of ``available``.
+
+    Counts the worst case, twice the bytes: torch's caching host allocator rounds every pinned block up to
+    a power of two (1.85x measured for the 0.5B actor). Pinned pages cannot be swapped out, so a pool that
+    outgrows the host fails the allocation or starves the rest of the job. Unknown ``available``: fits.
+    """
+    return available is None or 2 * offload_bytes * ranks <= share * available
+
+
+def choose_pinning(
+    fsdp: FSDPConfig,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    ranks: int,
+    available: int | None,
+) -> bool:
+    """``fsdp.pin_memory``, unless the worst-case pinned pool of ``ranks`` like this one would not fit the host.
+
+    ``available``: the host's available memory in bytes (None: unknown, assume room).
+    """
+    moves = fsdp.param_offload or fsdp.optimizer_offload  # "auto" moves the moments too
+    if not (fsdp.pin_memory and moves):
+        return fsdp.pin_memory
+    nbytes = local_bytes(module.parameters()) if fsdp.param_offload else 0
+    if fsdp.optimizer_offload and optimizer is not None:
+        nbytes += optimizer_state_bytes(optimizer)
+    if pinned_pool_fits(nbytes, ranks, available):
+        return True
+    logger.warning(
+        "fsdp.pin_memory: offloading %.1f GiB on each of %d ranks of this host could pin up to %.1f GiB "
+        "(torch rounds pinned blocks up to a power of two), more than 80%% of the %.1f GiB available; "
+        "offloading through pageable memory instead, which is slower. Free host memory, or set "
+        "fsdp.pin_memory=false to choose this yourself",
+        nbytes / 2**30,
+        ranks,
+        2 * nbytes * ranks / 2**30,
+        available / 2**30,
+    )
+    return False
 
 
 def _host_sync(device: torch.device | str) -> None:

@@ -12,6 +12,7 @@ from torch import nn
 
 from hybridflow.config.schema import FSDPConfig, OptimConfig
 from hybridflow.engine.fsdp import (
+    choose_pinning,
     grad_norm_and_clip,
     move_model,
     move_optimizer,
@@ -24,6 +25,7 @@ from hybridflow.engine.fsdp import (
 from hybridflow.engine.optim import allocate_state, build_lr_scheduler, build_optimizer
 from hybridflow.utils.device import cuda_in_use
 from hybridflow.utils.dist import init_distributed, world_size
+from hybridflow.utils.host import available_host_bytes, ranks_on_host
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +137,11 @@ class TrainEngine:
         self.skipped_steps = 0
         self.on_device = True
         self.moments_away = False  # moved to the host for one rollout (optimizer_offload=auto)
+        self.pin_memory = fsdp.pin_memory
+        if self.device.type == "cuda":  # a CPU run moves nothing
+            self.pin_memory = choose_pinning(
+                fsdp, self.module, self.optimizer, ranks_on_host(), available_host_bytes()
+            )
         self.offload()
 
     @property
@@ -187,14 +194,14 @@ class TrainEngine:
     def onload(self) -> None:
         """Bring offloaded parameters / optimizer state back to the device before a phase that needs them."""
         if self.moments_away:
-            move_optimizer(self.optimizer, self.device, self.fsdp.pin_memory)
+            move_optimizer(self.optimizer, self.device, self.pin_memory)
             self.moments_away = False
         if self.on_device:
             return
         if self.fsdp.param_offload:
-            move_model(self.module, self.device, self.fsdp.pin_memory)
+            move_model(self.module, self.device, self.pin_memory)
         if self._offloads_moments:
-            move_optimizer(self.optimizer, self.device, self.fsdp.pin_memory)
+            move_optimizer(self.optimizer, self.device, self.pin_memory)
         self.on_device = True
 
     @property
@@ -214,7 +221,7 @@ class TrainEngine:
         if self._offloads_moments and not self.on_device:
             return 0  # already on the host between phases
         freed = optimizer_state_bytes(self.optimizer)
-        move_optimizer(self.optimizer, "cpu", self.fsdp.pin_memory)
+        move_optimizer(self.optimizer, "cpu", self.pin_memory)
         self.moments_away = True
         torch.cuda.empty_cache()
         return freed
@@ -246,9 +253,9 @@ class TrainEngine:
         if not offloads or not self.on_device or self.device.type == "cpu":
             return  # nothing moves: keep the allocator's cache (emptying it costs a device sync)
         if self.fsdp.param_offload:
-            move_model(self.module, "cpu", self.fsdp.pin_memory)
+            move_model(self.module, "cpu", self.pin_memory)
         if self._offloads_moments:
-            move_optimizer(self.optimizer, "cpu", self.fsdp.pin_memory)
+            move_optimizer(self.optimizer, "cpu", self.pin_memory)
         self.on_device = False
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

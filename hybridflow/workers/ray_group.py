@@ -68,6 +68,7 @@ class RankProcess:
             RANK=str(self.rank),
             WORLD_SIZE=str(self.world),
             LOCAL_RANK="0",  # Ray gives each actor exactly its own device(s): index 0 of the visible ones
+            LOCAL_WORLD_SIZE=str(cfg.trainer.n_gpus_per_node),  # at most this many ranks share the host
             MASTER_ADDR=master[0],
             MASTER_PORT=str(master[1]),
         )
