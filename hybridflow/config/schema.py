@@ -100,7 +100,7 @@ class RolloutConfig:
     max_model_len: int | None = option(
         None, "KV-cache context length; null = max_prompt_length + max_response_length."
     )
-    tensor_model_parallel_size: int = option(1, "Tensor-parallel size of one rollout replica.")
+    tensor_model_parallel_size: int = option(1, "Tensor-parallel size of a rollout replica; only 1 for now.")
     free_cache_engine: bool = option(
         True, "After generating, free the KV cache and the rollout's weight copies for training."
     )
@@ -204,7 +204,7 @@ class ActorConfig:
     )
     grad_clip: float = option(1.0, "Gradient-norm clipping threshold.")
     ulysses_sequence_parallel_size: int = option(
-        1, "Ulysses sequence-parallel size (needs use_remove_padding)."
+        1, "Ulysses sequence-parallel size; only 1 for now (verl's key, refused above 1)."
     )
     use_torch_compile: bool | None = option(
         None, "torch.compile each decoder layer of the actor and reference; null = on GPU, off on CPU."
@@ -243,7 +243,7 @@ class CriticConfig:
     loss_agg_mode: str = option("token-mean", "How token value losses are aggregated.")
     grad_clip: float = option(1.0, "Gradient-norm clipping threshold.")
     ulysses_sequence_parallel_size: int = option(
-        1, "Ulysses sequence-parallel size (needs use_remove_padding)."
+        1, "Ulysses sequence-parallel size; only 1 for now (verl's key, refused above 1)."
     )
     use_torch_compile: bool | None = option(
         None, "torch.compile each decoder layer of the critic; null = on GPU, off on CPU."

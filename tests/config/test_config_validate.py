@@ -262,17 +262,17 @@ def test_micro_batch_is_not_checked_with_dynamic_bsz() -> None:
     assert cfg.actor.use_dynamic_bsz
 
 
-def test_sequence_parallel_divides_the_data_parallel_size() -> None:
-    # world 4, Ulysses 2 -> dp 2: 4 prompts x n=2 = 8 samples, 4 per data-parallel rank.
+def test_micro_batches_split_the_share_of_every_rank() -> None:
+    # world 4: 4 prompts x n=2 = 8 samples, 2 per data-parallel rank.
     base = [
         "trainer.n_gpus_per_node=4",
-        "actor.ulysses_sequence_parallel_size=2",
-        "model.use_remove_padding=true",
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=4",
+        "rollout.n=2",
     ]
-    base += ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2"]
-    assert load_config(overrides=[*base, "actor.ppo_micro_batch_size_per_gpu=4"]).trainer.world_size == 4
+    assert load_config(overrides=[*base, "actor.ppo_micro_batch_size_per_gpu=2"]).trainer.world_size == 4
     message = str(_error([*base, "actor.ppo_micro_batch_size_per_gpu=3"]))
-    assert "per-GPU mini-batch of 4 samples" in message
+    assert "per-GPU mini-batch of 2 samples" in message
 
 
 def test_mini_batch_samples_must_split_over_data_parallel_ranks() -> None:
@@ -312,28 +312,35 @@ def test_do_sample_with_temperature_zero(prefix: str) -> None:
     assert cfg.rollout.temperature == 0 or cfg.rollout.val_kwargs.temperature == 0
 
 
-def test_ulysses_needs_remove_padding() -> None:
-    base = ["trainer.n_gpus_per_node=2", "actor.ulysses_sequence_parallel_size=2"]
-    message = str(_error(base))
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_sequence_parallelism_is_refused_until_it_exists(role: str) -> None:
+    base = ["trainer.n_gpus_per_node=2", "model.use_remove_padding=true", "algorithm.adv_estimator=gae"]
+    message = str(_error([*base, f"{role}.ulysses_sequence_parallel_size=2"]))
     assert message.startswith(
-        "actor.ulysses_sequence_parallel_size: sequence parallelism needs model.use_remove_padding=true"
+        f"{role}.ulysses_sequence_parallel_size: is 2, but sequence parallelism is not implemented"
     )
-    assert "fix: set model.use_remove_padding=true" in message
+    assert f"fix: set {role}.ulysses_sequence_parallel_size=1" in message
+    # the critic's setting counts only when a critic is trained
     assert (
-        load_config(overrides=[*base, "model.use_remove_padding=true"]).actor.ulysses_sequence_parallel_size
-        == 2
+        load_config(
+            overrides=["critic.ulysses_sequence_parallel_size=2"]
+        ).actor.ulysses_sequence_parallel_size
+        == 1
     )
 
 
-def test_ulysses_must_divide_the_world() -> None:
-    message = str(_error(["actor.ulysses_sequence_parallel_size=2", "model.use_remove_padding=true"]))
-    assert message.startswith("actor.ulysses_sequence_parallel_size: 2 does not divide the world size 1")
+def test_tensor_parallel_rollout_is_refused_until_it_exists() -> None:
+    message = str(_error(["trainer.n_gpus_per_node=2", "rollout.tensor_model_parallel_size=2"]))
+    assert message.startswith(
+        "rollout.tensor_model_parallel_size: is 2, but the rollout has no tensor parallelism"
+    )
+    assert "fix: set rollout.tensor_model_parallel_size=1" in message
+    assert load_config(
+        overrides=["actor_rollout_ref.rollout.tensor_model_parallel_size=1"]
+    )  # verl's key, at 1
 
 
 def test_other_consistency_rules() -> None:
-    assert str(_error(["rollout.tensor_model_parallel_size=2"])).startswith(
-        "rollout.tensor_model_parallel_size: 2 does not divide"
-    )
     assert str(_error(["rollout.max_model_len=100"])).startswith("rollout.max_model_len: 100 is shorter than")
     assert str(_error(["data.gen_batch_size=8"])).startswith(
         "data.gen_batch_size: 8 is smaller than data.train_batch_size=16"
