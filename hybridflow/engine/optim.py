@@ -87,12 +87,17 @@ def build_lr_scheduler(
     warmup_steps: int = 0,
     total_steps: int = 1,
     min_lr_ratio: float = 0.0,
+    num_cycles: float = 0.5,
 ) -> LambdaLR:
-    """A LambdaLR with linear warm-up over ``warmup_steps``, then constant or cosine decay to ``min_lr_ratio``."""
+    """A LambdaLR with linear warm-up over ``warmup_steps``, then constant or cosine decay to ``min_lr_ratio``.
+
+    ``num_cycles`` cosine cycles span the steps after warm-up (0.5: one half-cosine from lr down to the floor).
+    """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown lr schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if warmup_steps < 0 or total_steps < 1:
         raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {warmup_steps} and {total_steps}")
     return LambdaLR(
-        optimizer, lambda step: lr_multiplier(step, schedule, warmup_steps, total_steps, min_lr_ratio)
+        optimizer,
+        lambda step: lr_multiplier(step, schedule, warmup_steps, total_steps, min_lr_ratio, num_cycles),
     )

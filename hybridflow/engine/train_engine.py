@@ -132,6 +132,7 @@ class TrainEngine:
                 warmup_steps(optim, total_steps),
                 total_steps,
                 optim.min_lr_ratio,
+                optim.num_cycles,
             )
             allocate_state(self.optimizer)  # steady-state memory from the start (see its docstring)
         self.skipped_steps = 0

@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+from dist_util import run_world
 
 from hybridflow.engine.optim import allocate_state, build_lr_scheduler, build_optimizer, lr_multiplier
 
@@ -109,3 +110,36 @@ def test_cuda_parameters_get_the_fused_adamw_with_foreach_values() -> None:
     a, b = _steps_of(fused, fused_p, grads), _steps_of(foreach, foreach_p, grads)
     assert not torch.equal(a, start)
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6)  # the same update up to float32 rounding
+
+
+def test_cosine_cycles_shape_the_schedule() -> None:
+    opt = build_optimizer([torch.nn.Parameter(torch.ones(1))], lr=1.0)
+    sched = build_lr_scheduler(opt, "cosine", warmup_steps=0, total_steps=4, num_cycles=1.0)
+    lrs = []
+    for _ in range(5):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([1.0, 0.5, 0.0, 0.5, 1.0], abs=1e-6)  # one whole cycle: down and back up
+
+
+def engine_lrs(rank: int, num_cycles: float) -> list[float]:
+    """The learning rates a CPU TrainEngine steps through with ``optim.num_cycles`` from the config."""
+    from hybridflow.config.schema import FSDPConfig, OptimConfig
+    from hybridflow.engine.train_engine import TrainEngine
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    optim = OptimConfig(lr=1.0, lr_scheduler_type="cosine", num_cycles=num_cycles)
+    engine = TrainEngine(net, [], FSDPConfig(), optim, total_steps=4, use_torch_compile=False)
+    lrs = []
+    for _ in range(3):
+        lrs.append(engine.lr)
+        engine.lr_step()
+    return lrs
+
+
+def test_the_engine_takes_num_cycles_from_the_config() -> None:
+    (half,) = run_world(1, engine_lrs, 0.5)
+    (whole,) = run_world(1, engine_lrs, 1.0)
+    assert half == pytest.approx([1.0, 0.8535534, 0.5], abs=1e-6)  # the default half-cosine
+    assert whole == pytest.approx([1.0, 0.5, 0.0], abs=1e-6)
