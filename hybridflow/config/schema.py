@@ -27,7 +27,7 @@ class ModelConfig:
         None, "Local Hugging Face model directory; null builds the built-in tiny model."
     )
     tokenizer_path: str | None = option(None, "Tokenizer directory; null uses model.path.")
-    tiny_arch: str = option("qwen2", "Architecture of the built-in tiny model when model.path is null.")
+    tiny_arch: str = option("qwen2", "Architecture of the demo's tiny model: qwen2 or llama.")
     trust_remote_code: bool = option(False, "Allow custom modelling code shipped with the checkpoint.")
     override_config: dict[str, Any] = option({}, "Keys set on the HF model config after loading it.")
     attn_implementation: str = option("sdpa", "Attention implementation passed to transformers.")
@@ -148,7 +148,7 @@ class FSDPConfig:
     reshard_after_forward: bool | None = option(
         None, "Free gathered parameters after each layer's forward; null = only when sharded over > 1 rank."
     )
-    fsdp_size: int = option(-1, "Ranks per FSDP shard group; -1 shards over all data-parallel ranks.")
+    fsdp_size: int = option(-1, "Ranks per FSDP shard group: only -1 (all ranks) for now.")
     param_dtype: str = option(
         "auto", "Compute dtype: auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32."
     )
@@ -285,7 +285,7 @@ class RewardModelConfig:
     path: str | None = option(None, "Reward model directory (sequence classification).")
     trust_remote_code: bool = option(False, "Allow custom modelling code of the reward model.")
     micro_batch_size_per_gpu: int = option(16, "Sequences per GPU per reward-model forward.")
-    max_length: int | None = option(None, "Truncate scored sequences to this length; null = no limit.")
+    max_length: int | None = option(None, "Reward-model truncation; only null (whole sequences) for now.")
     param_offload: bool = option(False, "Keep the reward model on CPU between phases.")
 
 
@@ -409,7 +409,7 @@ class TrainerConfig:
     )
     validation_data_dir: str | None = option(None, "Directory for validation generation dumps; null = off.")
     critic_warmup: int = option(0, "Steps that train only the critic before the actor starts.")
-    balance_batch: bool = option(True, "Reorder samples so data-parallel ranks get similar token counts.")
+    balance_batch: bool = option(True, "Balance tokens over data-parallel ranks (not built yet: no effect).")
     nnodes: int = option(1, "Number of nodes.")
     n_gpus_per_node: int = option(1, "Devices per node (processes per node on CPU).")
     device: str = option("auto", "Device type: auto (cuda when available, else cpu), cuda or cpu.")

@@ -216,6 +216,33 @@ def _check_unimplemented(cfg: Config, out: list[Problem]) -> None:
                 "set rollout.tensor_model_parallel_size=1 (the policy must fit one device in the rollout dtype)",
             )
         )
+    for role in ("actor", "critic", "ref"):
+        size = get_path(cfg, f"{role}.fsdp.fsdp_size")
+        if size not in (-1, cfg.trainer.world_size):
+            out.append(
+                Problem(
+                    f"{role}.fsdp.fsdp_size",
+                    f"is {size}, but hybrid sharding (FSDP groups smaller than the world of "
+                    f"{cfg.trainer.world_size} ranks) is not implemented: every role shards over all ranks",
+                    f"set {role}.fsdp.fsdp_size=-1",
+                )
+            )
+    if cfg.reward.model.enable and cfg.reward.model.max_length is not None:
+        out.append(
+            Problem(
+                "reward.model.max_length",
+                f"is {cfg.reward.model.max_length}, but the reward model scores whole sequences (no truncation)",
+                "leave it null; data.max_prompt_length + data.max_response_length bound what it reads",
+            )
+        )
+    if cfg.data.gen_batch_size is not None and not cfg.algorithm.filter_groups.enable:
+        out.append(
+            Problem(
+                "data.gen_batch_size",
+                "sets the prompts of a dynamic-sampling round, but algorithm.filter_groups.enable is false",
+                "leave it null, or set algorithm.filter_groups.enable=true",
+            )
+        )
     for role in ("actor", "critic") if cfg.use_critic else ("actor",):
         sp = get_path(cfg, f"{role}.ulysses_sequence_parallel_size")
         ckpt = f"{'critic.' if role == 'critic' else ''}model.enable_gradient_checkpointing"

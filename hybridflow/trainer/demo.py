@@ -1,6 +1,6 @@
 """``hybridflow train`` with no arguments: a tiny model learns arithmetic by SFT, then improves by GRPO.
 
-1. Build a tiny Qwen2-architecture model and a character tokenizer (no download).
+1. Build a tiny model (Qwen2 architecture, or `model.tiny_arch`) and a character tokenizer (no download).
 2. Warm it up with a short SFT on the built-in arithmetic task's reference answers.
 3. Measure greedy accuracy on held-out problems.
 4. Run GRPO with the exact-match reward.
@@ -105,7 +105,7 @@ def warm_up(overrides: list[str], sft_overrides: list[str] | None, extra: list[s
     run_dir = Path(cfg.trainer.run_dir())
     set_seed(cfg.trainer.seed)
     model, tokenizer = build_tiny_model_and_tokenizer(
-        run_dir / "base_model", seed=cfg.trainer.seed, **TINY_MODEL
+        run_dir / "base_model", arch=cfg.model.tiny_arch, seed=cfg.trainer.seed, **TINY_MODEL
     )
     logger.info("demo: SFT warm-up for %d steps", sft_cfg.trainer.total_training_steps)
     rows = load_split_rows(sft_cfg.data, "train", sft_cfg.trainer.seed)

@@ -44,6 +44,8 @@ class TrainingLoop:
         """Train from the current step to ``total_steps``, validating and saving as configured."""
         history = []
         t = self.cfg.trainer
+        if t.val_only:
+            return [self._validate_only()]
         if self.global_step >= self.total_steps:
             logger.warning(
                 "the run is already complete at step %d of %d; nothing to train (start a fresh run with "
@@ -67,12 +69,37 @@ class TrainingLoop:
             history.append(metrics)
         return history
 
+    def _validate_only(self) -> dict[str, float]:
+        """``trainer.val_only``: validate the current policy (after any resume), log it, train nothing."""
+        if self.c.val is None:
+            raise ValueError(
+                "trainer.val_only=true but there is no validation set; set data.val_files (or, for the "
+                "built-in task, data.task_val_size > 0)"
+            )
+        metrics = self.validate()
+        self._log(self.global_step, metrics)
+        return metrics
+
     def validate(self) -> dict[str, float]:
-        """Validation metrics; the generations go to ``trainer.validation_data_dir/{step}.jsonl`` if set."""
-        records: list[dict[str, Any]] | None = [] if self.cfg.trainer.validation_data_dir else None
+        """Validation metrics; the generations go to ``trainer.validation_data_dir/{step}.jsonl`` if set.
+
+        ``trainer.log_val_generations`` > 0 also writes that many of them to the log (rank 0).
+        """
+        t = self.cfg.trainer
+        records: list[dict[str, Any]] | None = [] if t.validation_data_dir or t.log_val_generations else None
         metrics = validate(self.cfg, self.c, prefix="val-core", records=records)
         if records is not None and self.rank == 0:
-            write_jsonl(records, Path(self.cfg.trainer.validation_data_dir) / f"{self.global_step}.jsonl")
+            if t.validation_data_dir:
+                write_jsonl(records, Path(t.validation_data_dir) / f"{self.global_step}.jsonl")
+            for i, r in enumerate(records[: t.log_val_generations]):
+                logger.info(
+                    "validation sample %d at step %d (score %s): %r -> %r",
+                    i,
+                    self.global_step,
+                    r.get("score"),
+                    r.get("prompt"),
+                    r.get("response"),
+                )
         return metrics
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:

@@ -63,8 +63,13 @@ class PPOTrainer(TrainingLoop):
     def __init__(self, cfg: Config, components: Any, tracker: Tracker | None = None) -> None:
         super().__init__(cfg, components, tracker)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
+        # With dynamic sampling a round draws data.gen_batch_size prompts (verl's oversampling), else one batch.
+        per_round = cfg.data.gen_batch_size if cfg.algorithm.filter_groups.enable else None
         self.sampler = PromptSampler(
-            len(components.train), cfg.data.train_batch_size, cfg.trainer.seed, shuffle=cfg.data.shuffle
+            len(components.train),
+            per_round or cfg.data.train_batch_size,
+            cfg.trainer.seed,
+            shuffle=cfg.data.shuffle,
         )
         self.dataflow = Dataflow(
             self._stages(),

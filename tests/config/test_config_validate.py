@@ -329,6 +329,37 @@ def test_sequence_parallelism_is_refused_until_it_exists(role: str) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("overrides", "start"),
+    [
+        (
+            ["actor.fsdp.fsdp_size=2", "trainer.n_gpus_per_node=4"],
+            "actor.fsdp.fsdp_size: is 2, but hybrid sharding",
+        ),
+        (
+            ["ref.fsdp.fsdp_size=1", "trainer.n_gpus_per_node=2"],
+            "ref.fsdp.fsdp_size: is 1, but hybrid sharding",
+        ),
+        (
+            ["reward.model.enable=true", "reward.model.path=/rm", "reward.model.max_length=64"],
+            "reward.model.max_length: is 64, but the reward model scores whole sequences",
+        ),
+        (["data.gen_batch_size=32"], "data.gen_batch_size: sets the prompts of a dynamic-sampling round"),
+    ],
+)
+def test_settings_that_would_be_ignored_are_refused(overrides: list[str], start: str) -> None:
+    assert str(_error(overrides)).startswith(start)
+
+
+def test_settings_that_take_effect_pass() -> None:
+    cfg = load_config(
+        overrides=["actor.fsdp.fsdp_size=2", "trainer.n_gpus_per_node=2"]
+    )  # the world: all ranks
+    assert cfg.actor.fsdp.fsdp_size == 2
+    cfg = load_config(overrides=["data.gen_batch_size=32", "algorithm.filter_groups.enable=true"])
+    assert cfg.data.gen_batch_size == 32
+
+
 def test_tensor_parallel_rollout_is_refused_until_it_exists() -> None:
     message = str(_error(["trainer.n_gpus_per_node=2", "rollout.tensor_model_parallel_size=2"]))
     assert message.startswith(
@@ -342,7 +373,7 @@ def test_tensor_parallel_rollout_is_refused_until_it_exists() -> None:
 
 def test_other_consistency_rules() -> None:
     assert str(_error(["rollout.max_model_len=100"])).startswith("rollout.max_model_len: 100 is shorter than")
-    assert str(_error(["data.gen_batch_size=8"])).startswith(
+    assert str(_error(["data.gen_batch_size=8", "algorithm.filter_groups.enable=true"])).startswith(
         "data.gen_batch_size: 8 is smaller than data.train_batch_size=16"
     )
     assert str(_error(["trainer.resume_mode=resume_path"])).startswith("trainer.resume_from_path: is empty")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ def test_demo_path_runs_and_writes_the_run_directory(tmp_path: Path) -> None:
         "rollout.n=2",
         "trainer.total_training_steps=2",
         "actor.ppo_micro_batch_size_per_gpu=8",
+        "model.tiny_arch=llama",  # the slow tests below run the default qwen2
     ]
     result = run_demo(
         small,
@@ -39,6 +41,7 @@ def test_demo_path_runs_and_writes_the_run_directory(tmp_path: Path) -> None:
         "base_model/config.json",
     ):
         assert (tmp_path / name).exists(), name
+    assert json.loads((tmp_path / "base_model" / "config.json").read_text())["model_type"] == "llama"
     table = format_table(result)
     assert "after SFT" in table and "after GRPO" in table and "(16 problems)" in table
 

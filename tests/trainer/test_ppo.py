@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -193,6 +194,56 @@ def test_dynamic_sampling_gives_up_with_a_clear_message() -> None:
     trainer = PPOTrainer(cfg, build_components(cfg, model, tokenizer, reward_fn=lambda *a, **k: 1.0))
     with pytest.raises(ValueError, match=r"in 2 rounds; raise algorithm\.filter_groups\.max_num_gen_batches"):
         trainer.fit()
+
+
+def test_dynamic_sampling_draws_gen_batch_size_prompts_a_round() -> None:
+    calls: list[str] = []
+
+    def constant(data_source, solution_str, ground_truth, extra_info=None) -> float:
+        calls.append(solution_str)
+        return 1.0  # no group ever varies: every round is spent
+
+    overrides = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=2"]
+    cfg = load_config(None, [*BASE, *overrides, "data.gen_batch_size=8", "trainer.val_before_train=false"])
+    model, tokenizer = build_tiny_model_and_tokenizer(hidden_size=32, num_hidden_layers=2)
+    trainer = PPOTrainer(cfg, build_components(cfg, model, tokenizer, reward_fn=constant))
+    with pytest.raises(ValueError, match="in 2 rounds"):
+        trainer.fit()
+    assert len(calls) == 2 * 8 * 2  # 2 rounds x gen_batch_size 8 prompts x rollout.n 2
+
+
+def test_val_only_validates_and_trains_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = load_config(None, [*BASE, "trainer.val_only=true", "trainer.log_val_generations=3"])
+    model, tokenizer = build_tiny_model_and_tokenizer(hidden_size=32, num_hidden_layers=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = PPOTrainer(cfg, build_components(cfg, model, tokenizer))
+    with caplog.at_level(logging.INFO, logger="hybridflow.trainer.loop"):
+        history = trainer.fit()
+    assert len(history) == 1 and trainer.global_step == 0
+    assert any(k.startswith("val-core/") for k in history[0])
+    assert not any(k.startswith("actor/") for k in history[0])  # no update ran
+    after = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    assert all(v.equal(before[k]) for k, v in after.items())
+    samples = [r.getMessage() for r in caplog.records if "validation sample" in r.getMessage()]
+    assert len(samples) == 3 and samples[0].startswith("validation sample 0 at step 0 (score ")
+
+
+def test_val_only_without_a_validation_set_names_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    model_dir = tmp_path / "model"
+    build_tiny_model_and_tokenizer(out_dir=model_dir, hidden_size=32, num_hidden_layers=1)
+    data = write_jsonl(tmp_path / "train.jsonl", [GOOD] * 4)  # training files and no validation files
+    args = [
+        f"model.path={model_dir}",
+        f"data.train_files=[{data}]",
+        f"trainer.default_local_dir={tmp_path}/run",
+    ]
+    args += ["data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "trainer.val_only=true"]
+    assert main(["train", str(write_jsonl(tmp_path / "cfg.yaml", [])), *args]) == 2
+    err = capsys.readouterr().err
+    assert "trainer.val_only=true but there is no validation set; set data.val_files" in err
+    assert "Traceback" not in err
 
 
 def test_rollout_correction_weights_and_rejection() -> None:
