@@ -409,7 +409,7 @@ class TrainerConfig:
     )
     validation_data_dir: str | None = option(None, "Directory for validation generation dumps; null = off.")
     critic_warmup: int = option(0, "Steps that train only the critic before the actor starts.")
-    balance_batch: bool = option(True, "Balance tokens over data-parallel ranks (not built yet: no effect).")
+    balance_batch: bool = option(True, "Reorder samples so data-parallel ranks get similar token counts.")
     nnodes: int = option(1, "Number of nodes.")
     n_gpus_per_node: int = option(1, "Devices per node (processes per node on CPU).")
     device: str = option("auto", "Device type: auto (cuda when available, else cpu), cuda or cpu.")

@@ -21,6 +21,7 @@ from hybridflow.config.schema import Config
 from hybridflow.data import PromptSampler, collate_prompts
 from hybridflow.protocol import Batch
 from hybridflow.rewards import place_on_last_token
+from hybridflow.trainer.balance import balance_order
 from hybridflow.trainer.dataflow import Dataflow, Stage
 from hybridflow.trainer.dumps import rollout_records, write_jsonl
 from hybridflow.trainer.loop import TrainingLoop
@@ -183,8 +184,15 @@ class PPOTrainer(TrainingLoop):
     def _rollout(self, batch: Batch, metrics: dict[str, float]) -> Batch:
         # From here on the batch holds one row per sample: prompts' fields repeat n times, interleaved.
         if not self.cfg.algorithm.filter_groups.enable:
-            return self._generate(batch, metrics)
-        return self._dynamic_sampling(batch, metrics)
+            out = self._generate(batch, metrics)
+        else:
+            out = self._dynamic_sampling(batch, metrics)
+        world = self.cfg.trainer.world_size
+        if not self.cfg.trainer.balance_batch or world == 1:
+            return out
+        order, balance = balance_order(out["attention_mask"].sum(-1).tolist(), world)
+        metrics.update(balance)
+        return out[order]  # rank r's contiguous share is now the r-th balanced group
 
     def _dynamic_sampling(self, batch: Batch, metrics: dict[str, float]) -> Batch:
         """DAPO: keep only groups whose scores vary, generating more rounds until the batch is full."""
