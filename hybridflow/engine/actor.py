@@ -128,6 +128,16 @@ class ActorEngine:
         self.engine.offload()
         return out
 
+    def _epoch_order(self, rows: int, epoch: int) -> torch.Tensor:
+        """``actor.shuffle``: a permutation of the rows for this epoch's mini-batches.
+
+        Seeded by the updates done so far (the LR schedule's step count, which checkpoints restore) and the
+        epoch, so a resumed run shuffles as the uninterrupted one did.
+        """
+        done = self.engine.scheduler.last_epoch if self.engine.scheduler is not None else 0
+        generator = torch.Generator().manual_seed(1_000_003 * done + epoch)
+        return torch.randperm(rows, generator=generator)
+
     def _mini_batches(self, batch: Batch) -> list[Batch]:
         size = self.actor.ppo_mini_batch_size * self.rollout_n // world_size()
         if size < 1:
@@ -160,7 +170,9 @@ class ActorEngine:
             )
         self.last_log_probs = None
         history: dict[str, list[float]] = defaultdict(list)
-        for _ in range(self.actor.ppo_epochs):
+        for epoch in range(self.actor.ppo_epochs):
+            if self.actor.shuffle and not on_policy:
+                minis = self._mini_batches(batch[self._epoch_order(len(batch), epoch).numpy()])
             for mini in minis:
                 for key, value in self._update_mini_batch(mini, temperature, on_policy, keep).items():
                     history[key].append(value)

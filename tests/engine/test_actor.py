@@ -306,3 +306,12 @@ def test_no_phase_leaves_the_gathered_parameters_behind() -> None:
         "old-log-prob pass": 0,
         "update": 0,
     }
+
+
+def test_shuffle_reorders_the_mini_batches_of_each_epoch_reproducibly() -> None:
+    shuffle = (True, {"shuffle": True}, {})
+    (plain, shuffled, again) = run_world(1, train, 1, [(True, {}, {}), shuffle, shuffle])[0]
+    differs = [not torch.equal(shuffled["state"][k], plain["state"][k]) for k in plain["state"]]
+    assert any(differs)  # other samples met in each mini-batch: other steps
+    assert all(torch.equal(shuffled["state"][k], again["state"][k]) for k in plain["state"])  # seeded
+    assert shuffled["metrics"]["actor/pg_loss"] == again["metrics"]["actor/pg_loss"]
