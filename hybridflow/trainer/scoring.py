@@ -85,7 +85,8 @@ class Scorer:
     ) -> tuple[torch.Tensor, dict[str, list[float]]]:
         if self.overlong.enable:
             penalty = self._overlong_penalty(mask.sum(-1).float())
-            extras["overlong_penalty"] = penalty.tolist()
+            if self.overlong.log:  # as verl: the per-sample penalty becomes a reward_extra metric on request
+                extras["overlong_penalty"] = penalty.tolist()
             out = out + penalty
         return out, extras
 

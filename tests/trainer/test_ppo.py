@@ -175,6 +175,7 @@ def test_dapo_dynamic_sampling_keeps_varied_groups_and_overlong_penalty() -> Non
             "actor.clip_ratio_high=0.28",
             "reward.overlong_buffer.enable=true",
             "reward.overlong_buffer.len=4",
+            "reward.overlong_buffer.log=true",
         ],
     )
     model, tokenizer = build_tiny_model_and_tokenizer(hidden_size=32, num_hidden_layers=2)
