@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -86,7 +87,7 @@ def sft_job(
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     actor = ActorWorker(model, cfg, steps, pad)
-    tracker = Tracker(out_dir, steps, loggers=cfg.trainer.logger, plot_every=0)
+    tracker = Tracker(out_dir, steps, loggers=cfg.trainer.logger, plot_every=0, **run_names(cfg))
     history = run_sft(
         actor,
         prompts,
@@ -103,6 +104,16 @@ def sft_job(
     return history[-1]
 
 
+def run_names(cfg: Config) -> dict[str, Any]:
+    """What the experiment trackers (wandb) file a run under: project, experiment and the whole config."""
+    t = cfg.trainer
+    return {
+        "project_name": t.project_name,
+        "experiment_name": t.experiment_name,
+        "config": dataclasses.asdict(cfg),
+    }
+
+
 def run_loop(trainer: TrainingLoop, run_dir: Path, close: bool) -> list[dict[str, float]]:
     """Resume, train with the tracker, save ``final_model``; ``close`` stops the workers afterwards."""
     cfg, components = trainer.cfg, trainer.c
@@ -111,8 +122,8 @@ def run_loop(trainer: TrainingLoop, run_dir: Path, close: bool) -> list[dict[str
         run_dir,
         components.total_steps,
         loggers=cfg.trainer.logger,
-        experiment_name=cfg.trainer.experiment_name,
         resume_step=start if start > 0 else None,
+        **run_names(cfg),
     ) as tracker:
         trainer.tracker = tracker
         history = trainer.fit()

@@ -1,9 +1,12 @@
 """Tracker: metrics.jsonl lines, the console line, curves.png, logger validation and resume trimming."""
 
+import importlib.machinery
 import json
 import logging
 import math
 import struct
+import sys
+import types
 import zlib
 
 import numpy as np
@@ -179,3 +182,46 @@ def test_tqdm_mode_writes_the_line_above_a_bar(tmp_path, capsys, caplog):
     assert "Step 2/10 | Reward: 0.5" in err
     assert "2/10" in err.replace("Step 2/10", "")  # the bar's own counter
     assert not [r for r in caplog.records if r.getMessage().startswith("Step")]  # not logged twice
+
+
+class FakeWandb(types.ModuleType):
+    """Stands in for the wandb service (not installed here): records what a run sends it."""
+
+    def __init__(self) -> None:
+        super().__init__("wandb")
+        self.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+        self.inits: list[dict] = []
+        self.logged: list[tuple[int, dict]] = []
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return self
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.logged.append((step, metrics))
+
+    def finish(self) -> None:
+        pass
+
+
+def test_a_run_files_itself_under_the_configured_project(tmp_path, monkeypatch) -> None:
+    from test_checkpointing import argv
+
+    from hybridflow.cli.main import main
+    from hybridflow.models import build_tiny_model_and_tokenizer
+
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    model = tmp_path / "model"
+    build_tiny_model_and_tokenizer(out_dir=model, hidden_size=32, num_hidden_layers=1)
+    (tmp_path / "job").mkdir()
+    extra = [
+        "trainer.total_training_steps=1",
+        "trainer.logger=[console,wandb]",
+        "trainer.project_name=myproj",
+    ]
+    assert main(argv(model, tmp_path / "job" / "run", *extra, "trainer.experiment_name=exp1")) == 0
+    (init,) = fake.inits
+    assert init["project"] == "myproj" and init["name"] == "exp1"
+    assert init["config"]["trainer"]["project_name"] == "myproj"  # the whole config travels with the run
+    assert [step for step, m in fake.logged if "actor/pg_loss" in m] == [1]
