@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from hybridflow.config.schema import FSDPConfig
+from hybridflow.engine.host_store import HostStore
 from hybridflow.models.loader import resolve_dtype
 from hybridflow.utils.dist import init_distributed
 
@@ -97,12 +98,30 @@ def move_model(model: nn.Module, device: torch.device | str, pin: bool = True) -
     _host_sync(device)
 
 
-def move_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str, pin: bool = True) -> None:
-    """Move every optimizer state tensor (Adam moments) to ``device`` in place (host copies pinned with ``pin``)."""
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and key != "step":
-                state[key] = value.to(device, non_blocking=pin)
+def move_optimizer(
+    optimizer: torch.optim.Optimizer,
+    device: torch.device | str,
+    pin: bool = True,
+    store: HostStore | None = None,
+) -> None:
+    """Move every optimizer state tensor (Adam moments) to ``device`` in place (host copies pinned with ``pin``).
+
+    With ``store``, moves to the host copy into its exact-size buffer (pinned or not as the store is)
+    instead of taking fresh host memory each time.
+    """
+    entries = [
+        (state, key)
+        for state in optimizer.state.values()
+        for key, value in state.items()
+        if isinstance(value, torch.Tensor) and key != "step"
+    ]
+    if store is not None and torch.device(device).type == "cpu":
+        homes = store.stash([state[key] for state, key in entries])
+        for (state, key), home in zip(entries, homes):
+            state[key] = home
+    else:
+        for state, key in entries:
+            state[key] = state[key].to(device, non_blocking=pin)
     _host_sync(device)
 
 
@@ -125,14 +144,22 @@ def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def pinned_pool_fits(offload_bytes: int, ranks: int, available: int | None, share: float = 0.8) -> bool:
-    """Whether pinning ``offload_bytes`` on each of ``ranks`` processes fits in ``share`` of ``available``.
+def pinned_pool_fits(pinned_bytes: int, ranks: int, available: int | None, share: float = 0.8) -> bool:
+    """Whether pinning ``pinned_bytes`` on each of ``ranks`` processes fits in ``share`` of ``available``.
 
-    Counts the worst case, twice the bytes: torch's caching host allocator rounds every pinned block up to
-    a power of two (1.85x measured for the 0.5B actor). Pinned pages cannot be swapped out, so a pool that
-    outgrows the host fails the allocation or starves the rest of the job. Unknown ``available``: fits.
+    Pinned pages cannot be swapped out, so a pool that outgrows the host fails the allocation or starves
+    the rest of the job. Unknown ``available``: fits.
     """
-    return available is None or 2 * offload_bytes * ranks <= share * available
+    return available is None or pinned_bytes * ranks <= share * available
+
+
+def worst_case_pinned_bytes(param_bytes: int, moment_bytes: int) -> int:
+    """Host memory an engine may pin to offload these bytes of parameters and of optimizer moments.
+
+    Parameters go through torch's caching host allocator, which rounds each block up to a power of two:
+    twice their bytes at worst (1.85x measured for the 0.5B actor). Moments go to a ``HostStore``: exact.
+    """
+    return 2 * param_bytes + moment_bytes
 
 
 def choose_pinning(
@@ -149,19 +176,20 @@ def choose_pinning(
     moves = fsdp.param_offload or fsdp.optimizer_offload  # "auto" moves the moments too
     if not (fsdp.pin_memory and moves):
         return fsdp.pin_memory
-    nbytes = local_bytes(module.parameters()) if fsdp.param_offload else 0
-    if fsdp.optimizer_offload and optimizer is not None:
-        nbytes += optimizer_state_bytes(optimizer)
-    if pinned_pool_fits(nbytes, ranks, available):
+    param_bytes = local_bytes(module.parameters()) if fsdp.param_offload else 0
+    moves_moments = fsdp.optimizer_offload and optimizer is not None
+    moment_bytes = optimizer_state_bytes(optimizer) if moves_moments else 0
+    pinned = worst_case_pinned_bytes(param_bytes, moment_bytes)
+    if pinned_pool_fits(pinned, ranks, available):
         return True
     logger.warning(
         "fsdp.pin_memory: offloading %.1f GiB on each of %d ranks of this host could pin up to %.1f GiB "
-        "(torch rounds pinned blocks up to a power of two), more than 80%% of the %.1f GiB available; "
-        "offloading through pageable memory instead, which is slower. Free host memory, or set "
+        "(torch rounds pinned blocks of parameters up to a power of two), more than 80%% of the %.1f GiB "
+        "available; offloading through pageable memory instead, which is slower. Free host memory, or set "
         "fsdp.pin_memory=false to choose this yourself",
-        nbytes / 2**30,
+        (param_bytes + moment_bytes) / 2**30,
         ranks,
-        2 * nbytes * ranks / 2**30,
+        pinned * ranks / 2**30,
         available / 2**30,
     )
     return False

@@ -22,6 +22,7 @@ from hybridflow.engine.fsdp import (
     shard_model,
     to_dtype,
 )
+from hybridflow.engine.host_store import HostStore
 from hybridflow.engine.optim import allocate_state, build_lr_scheduler, build_optimizer
 from hybridflow.utils.device import cuda_in_use
 from hybridflow.utils.dist import init_distributed, world_size
@@ -143,6 +144,7 @@ class TrainEngine:
             self.pin_memory = choose_pinning(
                 fsdp, self.module, self.optimizer, ranks_on_host(), available_host_bytes()
             )
+        self.moment_store = HostStore(self.pin_memory)  # the moments' host home, allocated at first use
         self.offload()
 
     @property
@@ -222,7 +224,7 @@ class TrainEngine:
         if self._offloads_moments and not self.on_device:
             return 0  # already on the host between phases
         freed = optimizer_state_bytes(self.optimizer)
-        move_optimizer(self.optimizer, "cpu", self.pin_memory)
+        move_optimizer(self.optimizer, "cpu", self.pin_memory, self.moment_store)
         self.moments_away = True
         torch.cuda.empty_cache()
         return freed
@@ -256,7 +258,7 @@ class TrainEngine:
         if self.fsdp.param_offload:
             move_model(self.module, "cpu", self.pin_memory)
         if self._offloads_moments:
-            move_optimizer(self.optimizer, "cpu", self.pin_memory)
+            move_optimizer(self.optimizer, "cpu", self.pin_memory, self.moment_store)
         self.on_device = False
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -6,13 +6,19 @@ import logging
 
 from dist_util import run_world
 
-from hybridflow.engine.fsdp import pinned_pool_fits
+from hybridflow.engine.fsdp import pinned_pool_fits, worst_case_pinned_bytes
 
 
-def test_the_pinned_pool_counts_twice_the_bytes_of_every_rank_on_the_host() -> None:
-    assert pinned_pool_fits(10, 4, 100)  # 2 x 10 x 4 = 80 <= 80% of 100
-    assert not pinned_pool_fits(10, 5, 100)
+def test_the_pinned_pool_counts_every_rank_on_the_host() -> None:
+    assert pinned_pool_fits(20, 4, 100)  # 20 x 4 = 80 <= 80% of 100
+    assert not pinned_pool_fits(20, 5, 100)
     assert pinned_pool_fits(10**15, 8, None)  # unknown host memory: assume room
+
+
+def test_parameters_may_pin_twice_their_bytes_and_moments_exactly_theirs() -> None:
+    assert worst_case_pinned_bytes(param_bytes=10, moment_bytes=0) == 20  # torch rounds to a power of two
+    assert worst_case_pinned_bytes(param_bytes=0, moment_bytes=10) == 10  # a HostStore is exact
+    assert worst_case_pinned_bytes(param_bytes=10, moment_bytes=20) == 40
 
 
 def decisions(rank: int) -> dict:
@@ -31,8 +37,12 @@ def decisions(rank: int) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     both = FSDPConfig(param_offload=True, optimizer_offload=True)
     engine = TrainEngine(model, list(model.model.layers), both, OptimConfig(), use_torch_compile=False)
-    nbytes = 3 * 4 * n_params  # float32 parameters + two AdamW moments
-    need = 2 * nbytes * 2 / 0.8  # what two such ranks may pin, over the 80% share
+    params, moments = 4 * n_params, 8 * n_params  # float32 parameters, two float32 AdamW moments
+
+    def host(pinned: int) -> float:
+        return 2 * pinned / 0.8  # the host memory two such ranks need to pin this much, at the 80% share
+
+    need = host(2 * params + moments)  # parameters may pin twice their bytes, moments exactly theirs
 
     def choose(fsdp: FSDPConfig, available: float | None) -> bool:
         return choose_pinning(
@@ -43,9 +53,10 @@ def decisions(rank: int) -> dict:
         "roomy": choose(both, need + 1024),
         "short": choose(both, need - 1024),
         "unknown": choose(both, None),
-        "params_only_short": choose(FSDPConfig(param_offload=True), need / 3 - 1024),
-        "params_only_fits": choose(FSDPConfig(param_offload=True), need / 3 + 1024),
-        "auto_counts_moments": choose(FSDPConfig(optimizer_offload="auto"), 2 * need / 3 - 1024),
+        "params_only_short": choose(FSDPConfig(param_offload=True), host(2 * params) - 1024),
+        "params_only_fits": choose(FSDPConfig(param_offload=True), host(2 * params) + 1024),
+        "auto_counts_moments": choose(FSDPConfig(optimizer_offload="auto"), host(moments) - 1024),
+        "moments_fit_exactly": choose(FSDPConfig(optimizer_offload=True), host(moments) + 1024),
         "not_wanted": choose(FSDPConfig(param_offload=True, pin_memory=False), need + 1024),
         "no_offload": choose(FSDPConfig(), 0),
         "messages": messages,
@@ -54,7 +65,7 @@ def decisions(rank: int) -> dict:
 
 def test_offload_falls_back_to_pageable_memory_when_the_pool_would_not_fit() -> None:
     (got,) = run_world(1, decisions)
-    assert got["roomy"] and got["unknown"] and got["params_only_fits"]
+    assert got["roomy"] and got["unknown"] and got["params_only_fits"] and got["moments_fit_exactly"]
     assert not got["short"] and not got["params_only_short"] and not got["auto_counts_moments"]
     assert not got["not_wanted"]  # fsdp.pin_memory=false is the user's choice
     assert got["no_offload"]  # nothing moves: the setting stands as configured

@@ -1,5 +1,6 @@
 """On the GPU: offloading a trained role moves its shards and AdamW moments through pinned host memory (unless
-``fsdp.pin_memory=false``), and training with offload between steps computes what training without it does.
+``fsdp.pin_memory=false``; the moments into one exact-size ``HostStore``), and training with offload between
+steps computes what training without it does.
 
 Run on the GPU machine with ``pytest -m gpu tests/engine/test_train_engine_gpu.py``.
 """
@@ -26,6 +27,7 @@ def train(rank: int, offload: bool, pin: bool = True) -> dict:
     engine = TrainEngine(model, list(model.model.layers), fsdp, OptimConfig(lr=1e-2), use_torch_compile=False)
     ids = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(0))  # (B, T)
     host: list[bool] = []
+    homes: list[bool] = []  # every moment's host copy inside the engine's one exact-size store
     for _ in range(STEPS):
         engine.onload()
         loss = engine.module(input_ids=ids.cuda(), labels=ids.cuda()).loss
@@ -35,10 +37,23 @@ def train(rank: int, offload: bool, pin: bool = True) -> dict:
         shards = [p.to_local() for p in engine.module.parameters()]
         shards += [s["exp_avg_sq"].to_local() for s in engine.optimizer.state.values()]  # DTensors too
         host.append(all(t.device.type == "cpu" and t.is_pinned() for t in shards))
+        homes.append(offload and in_store(engine))
     # Read on the host right after the offload: the values must be there without any further sync.
     params = [p.to_local().detach().cpu().clone() for p in engine.module.parameters()]
     moments = [s["exp_avg"].to_local().cpu().clone() for s in engine.optimizer.state.values()]
-    return {"host_pinned": host, "params": params, "moments": moments, "loss": float(loss)}
+    return {"host_pinned": host, "in_store": homes, "params": params, "moments": moments, "loss": float(loss)}
+
+
+def in_store(engine) -> bool:
+    """Whether the moments' host copies are views of the engine's ``HostStore``, which is their exact size."""
+    from hybridflow.engine.fsdp import optimizer_state_bytes
+
+    store = engine.moment_store
+    start, n = store.flat.data_ptr(), store.nbytes
+    moments = [v.to_local() for s in engine.optimizer.state.values() for k, v in s.items() if k != "step"]
+    inside = all(start <= m.data_ptr() and m.data_ptr() + m.nbytes <= start + n for m in moments)
+    exact = optimizer_state_bytes(engine.optimizer)
+    return inside and exact <= n < exact + 256 * len(moments)  # each home padded to 256 bytes at most
 
 
 @pytest.mark.parametrize("pin", [True, False])
@@ -47,6 +62,7 @@ def test_offload_leaves_training_unchanged_and_pins_as_configured(pin: bool) -> 
     (resident,) = run_world(1, train, False)
     assert offloaded["host_pinned"] == [pin] * STEPS  # fsdp.pin_memory=false: pageable host copies
     assert resident["host_pinned"] == [False] * STEPS  # nothing moves without offload
+    assert offloaded["in_store"] == [True] * STEPS  # the same exact-size home at every offload
     assert offloaded["loss"] == resident["loss"]
     for a, b in zip(offloaded["params"] + offloaded["moments"], resident["params"] + resident["moments"]):
         assert torch.equal(a, b)

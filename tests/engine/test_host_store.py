@@ -1,0 +1,68 @@
+"""The optimizer moments' exact-size host home: copies in place, one buffer, DTensors kept as DTensors.
+
+Pinning needs a GPU (``tests/engine/test_train_engine_gpu.py``); here the store runs unpinned on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+from dist_util import run_world
+
+from hybridflow.engine.host_store import HostStore
+
+
+def test_stash_copies_into_one_exact_buffer_and_reuses_it() -> None:
+    tensors = [torch.randn(3, 5), torch.arange(7, dtype=torch.int64), torch.randn(2, dtype=torch.bfloat16)]
+    store = HostStore(pin=False)
+    homes = store.stash(tensors)
+    assert all(torch.equal(h, t) and h.dtype == t.dtype for h, t in zip(homes, tensors))
+    assert store.nbytes == 3 * 256  # each home on a 256-byte boundary: 60, 56 and 4 bytes round up
+    start = store.flat.data_ptr()
+    assert [h.data_ptr() - start for h in homes] == [0, 256, 512]
+
+    tensors[0].fill_(2.0)  # a later offload of the same tensors writes the same memory
+    again = store.stash(tensors)
+    assert store.flat.data_ptr() == start and again[0].data_ptr() == start
+    assert torch.equal(again[0], torch.full((3, 5), 2.0)) and torch.equal(homes[0], again[0])
+
+    other = store.stash([torch.ones(4)])  # another layout: a new buffer of its size
+    assert store.nbytes == 256 and torch.equal(other[0], torch.ones(4))
+    store.release()
+    assert store.nbytes == 0 and store.homes == []
+
+
+def train(rank: int, store: bool) -> dict:
+    """Three AdamW steps on a tiny LM, the moments moved to a store (or not) between the steps."""
+    from hybridflow.config.schema import FSDPConfig, OptimConfig
+    from hybridflow.engine.fsdp import move_optimizer
+    from hybridflow.engine.train_engine import TrainEngine
+    from hybridflow.models import build_tiny_model
+
+    model = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=2, seed=1)
+    engine = TrainEngine(
+        model, list(model.model.layers), FSDPConfig(), OptimConfig(lr=1e-2), use_torch_compile=False
+    )
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))  # (B, T)
+    kinds = []
+    for _ in range(3):
+        engine.module(input_ids=ids, labels=ids).loss.backward()
+        engine.optimizer_step()
+        if store:
+            move_optimizer(engine.optimizer, "cpu", pin=False, store=engine.moment_store)
+            moment = engine.optimizer.state[next(iter(engine.optimizer.state))]["exp_avg"]
+            flat = engine.moment_store.flat
+            inside = flat.data_ptr() <= moment.to_local().data_ptr() < flat.data_ptr() + flat.numel()
+            kinds.append((type(moment).__name__, tuple(moment.placements), inside))
+    params = [p.to_local().detach().clone() for p in engine.module.parameters()]
+    moments = [
+        v.to_local().clone() for s in engine.optimizer.state.values() for k, v in s.items() if k != "step"
+    ]
+    return {"params": params, "moments": moments, "kinds": kinds}
+
+
+def test_moments_in_the_store_train_as_they_would_in_place() -> None:
+    (stored,) = run_world(1, train, True)
+    (plain,) = run_world(1, train, False)
+    assert all(kind == ("DTensor", stored["kinds"][0][1], True) for kind in stored["kinds"])
+    for a, b in zip(stored["params"] + stored["moments"], plain["params"] + plain["moments"]):
+        assert torch.equal(a, b)
