@@ -142,7 +142,7 @@ class FSDPConfig:
 
     param_offload: bool = option(False, "Keep parameters on CPU between phases.")
     optimizer_offload: bool | str = option(
-        False, "Keep optimizer state on CPU between phases; auto (actor): only for a rollout short of room."
+        False, "Keep optimizer state on CPU between phases; auto: only for a rollout short of room."
     )
     pin_memory: bool = option(True, "Offload via pinned host memory: faster; parameters may pin 2x.")
     reshard_after_forward: bool | None = option(

@@ -258,17 +258,30 @@ def _check_unimplemented(cfg: Config, out: list[Problem]) -> None:
 
 
 def _check_offload(cfg: Config, out: list[Problem]) -> None:
-    """``optimizer_offload`` is true, false, or (the actor's only) auto."""
+    """``optimizer_offload`` is true, false, or auto (the trained roles on the rollout's GPUs)."""
     for role in ("actor", "critic", "ref"):
         path = f"{role}.fsdp.optimizer_offload"
         value = get_path(cfg, path)
-        if isinstance(value, bool) or (role == "actor" and value == "auto"):
+        if isinstance(value, bool):
             continue
-        if role == "actor":
+        if value == "auto" and role == "actor":
+            continue
+        if value == "auto" and role == "critic" and cfg.trainer.placement != "split":
+            continue
+        if value != "auto":
             fix = "use true, false or auto (auto: only while a rollout would otherwise run in waves)"
+            out.append(Problem(path, f"unknown value {value!r}", fix))
+        elif role == "ref":
+            out.append(
+                Problem(
+                    path, "auto has no moments to move", "use true or false (the reference has no optimizer)"
+                )
+            )
         else:
-            fix = "use true or false (auto is the actor's: it makes room for the actor's rollout)"
-        out.append(Problem(path, f"unknown value {value!r}", fix))
+            fix = (
+                "use true or false (auto makes room for the rollout, and a split critic has GPUs of its own)"
+            )
+            out.append(Problem(path, "auto with trainer.placement=split", fix))
 
 
 def _check_rollout(cfg: Config, out: list[Problem]) -> None:

@@ -215,9 +215,10 @@ class TrainEngine:
     def make_room(self) -> int:
         """Move the optimizer state to the host until the next ``onload()``; returns the device bytes freed.
 
-        For ``optimizer_offload=auto``: the actor calls it before a rollout whose KV cache would otherwise
-        not hold all its sequences at once, since a second wave of decoding costs far more than moving the
-        moments out and back (0.18 s for a 0.5B actor on an H200). Nothing to move: returns 0.
+        For ``optimizer_offload=auto``: the actor calls it (on its own engine, then a colocated critic's)
+        before a rollout whose KV cache would otherwise not hold all its sequences at once, since a second
+        wave of decoding costs far more than moving the moments out and back (0.18 s for a 0.5B actor on an
+        H200). Nothing to move: returns 0.
         """
         if self.optimizer is None or self.moments_away or self.device.type == "cpu":
             return 0

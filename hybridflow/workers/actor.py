@@ -20,6 +20,7 @@ from hybridflow.engine.rollout.engine import RolloutEngine, make_rollout
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.support import supports
 from hybridflow.engine.sequences import pack_prompt_response, pad_rows
+from hybridflow.engine.train_engine import TrainEngine
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.logging import rank as dist_rank
@@ -108,6 +109,10 @@ class ActorWorker:
             self.replica = RolloutReplica(unsharded, dtype or torch.float32, device, world_size())
         target = self.replica.module if self.replica is not None else self.hf_model
         self.rollout = make_rollout(target, "native" if native else "hf", pad_token_id=pad_token_id, **kwargs)
+        # Engines whose moments may leave the GPU for a rollout short of room (optimizer_offload=auto); the
+        # builder adds a critic on the same devices.
+        auto = trainable and cfg.actor.fsdp.optimizer_offload == "auto"
+        self.room_donors: list[TrainEngine] = [self.engine.engine] if auto else []
         self._release_rollout_weights()
 
     def _release_rollout_weights(self) -> int:
@@ -123,18 +128,25 @@ class ActorWorker:
         return 0
 
     def _make_room(self, ids: list[list[int]], params: SamplingParams) -> None:
-        """``optimizer_offload=auto``: moments to the host for a rollout that would otherwise run in waves."""
+        """``optimizer_offload=auto``: moments to the host for a rollout that would otherwise run in waves.
+
+        The engines of ``room_donors`` give up their moments in turn (the actor's first) until the KV cache
+        holds every sequence at once; each gets them back at its next phase's ``onload()``.
+        """
         if not isinstance(self.rollout, RolloutEngine):
             return  # HF generate sizes nothing from memory
         short = self.rollout.memory_shortfall(ids, params)
-        if short > 0:
-            freed = self.engine.engine.make_room()  # back on the device at the next phase's onload()
+        for donor in self.room_donors:
+            if short <= 0:
+                return
+            freed = donor.make_room()
             logger.info(
                 "optimizer_offload=auto: the KV cache was %.2f GiB short of one wave; moved %.2f GiB of "
                 "optimizer state to the host for this rollout",
                 short / 2**30,
                 freed / 2**30,
             )
+            short = self.rollout.memory_shortfall(ids, params)
 
     @property
     def hf_model(self) -> nn.Module:
@@ -157,7 +169,7 @@ class ActorWorker:
             params = dataclasses.replace(params, seed=params.seed + RANK_SEED_STRIDE * dist_rank())
         mask = prompts["attention_mask"].bool()
         ids = [row[m].tolist() for row, m in zip(prompts["input_ids"], mask)]
-        if self.cfg.actor.fsdp.optimizer_offload == "auto":
+        if self.room_donors:
             self._make_room(ids, params)
         with Progress(desc, total=len(ids) * params.n, unit="samples") as bar:
             outputs = self.rollout.generate(ids, params, progress=bar.update)

@@ -77,6 +77,8 @@ def build_roles(
         out["ref"] = ReferenceWorker(ref_model, cfg)
     if critic_model is not None:
         out["critic"] = CriticWorker(critic_model, cfg, total_steps)
+        if cfg.critic.fsdp.optimizer_offload == "auto" and "actor" in out:  # on the rollout's devices
+            out["actor"].room_donors.append(out["critic"].engine.engine)
     return out
 
 

@@ -167,11 +167,17 @@ def test_other_enums(override: str, path: str) -> None:
     assert str(_error([override])).startswith(f"{path}: unknown value")
 
 
-def test_optimizer_offload_is_a_bool_or_the_actors_auto() -> None:
-    cfg = load_config(overrides=["actor.fsdp.optimizer_offload=auto", "critic.fsdp.optimizer_offload=true"])
-    assert (cfg.actor.fsdp.optimizer_offload, cfg.critic.fsdp.optimizer_offload) == ("auto", True)
-    message = str(_error(["critic.fsdp.optimizer_offload=auto"]))
-    assert message.startswith("critic.fsdp.optimizer_offload: unknown value 'auto'; fix: use true or false")
+def test_optimizer_offload_is_a_bool_or_auto_for_the_roles_beside_the_rollout() -> None:
+    cfg = load_config(overrides=["actor.fsdp.optimizer_offload=auto", "critic.fsdp.optimizer_offload=auto"])
+    assert (cfg.actor.fsdp.optimizer_offload, cfg.critic.fsdp.optimizer_offload) == ("auto", "auto")
+    message = str(_error(["critic.fsdp.optimizer_offload=auto", "trainer.placement=split"]))
+    assert message.startswith(
+        "critic.fsdp.optimizer_offload: auto with trainer.placement=split; fix: use true"
+    )
+    message = str(_error(["ref.fsdp.optimizer_offload=auto"]))
+    assert message.startswith(
+        "ref.fsdp.optimizer_offload: auto has no moments to move; fix: use true or false"
+    )
     message = str(_error(["actor.fsdp.optimizer_offload=sometimes"]))
     assert message.startswith(
         "actor.fsdp.optimizer_offload: unknown value 'sometimes'; fix: use true, false or auto"

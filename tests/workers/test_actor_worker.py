@@ -140,7 +140,7 @@ def rollout_slots_short_of_room(rank: int) -> dict:
         return str(next(iter(engine.optimizer.state.values()))["exp_avg"].device)
 
     def run(auto: bool, short_of_room: bool) -> dict:
-        cfg.actor.fsdp.optimizer_offload = "auto" if auto else False
+        worker.room_donors = [engine] if auto else []  # as built with optimizer_offload=auto / false
         rollout.gpu_memory_utilization = 0.5
         if short_of_room:  # a budget for half the sequences, set from the memory in use right now
             max_len = rollout._check_prompts(rows, params)
@@ -165,3 +165,57 @@ def test_optimizer_offload_auto_makes_room_for_a_rollout_that_would_run_in_waves
     assert got["waves"]["slots"] < 32 and got["waves"]["moments"] == "cuda:0"
     assert got["one_wave"] == {"slots": 32, "moments": "cpu", "pinned": True}
     assert got["after_onload"] == "cuda:0"
+
+
+def room_from_actor_and_critic(rank: int) -> dict:
+    """PPO roles with ``optimizer_offload=auto`` on actor and critic: where the moments are after rollouts
+    short of less than the actor's moments, and of more."""
+    from hybridflow.config import load_config
+    from hybridflow.engine.fsdp import optimizer_state_bytes
+    from hybridflow.models import build_tiny_model
+    from hybridflow.protocol import Batch
+    from hybridflow.workers.build import build_roles
+
+    auto = ["actor.fsdp.optimizer_offload=auto", "critic.fsdp.optimizer_offload=auto"]
+    overrides = ["data.max_response_length=32", "rollout.ignore_eos=true", "rollout.enforce_eager=true"]
+    off = ["actor.use_torch_compile=false", "critic.use_torch_compile=false"]
+    cfg = load_config(None, [*overrides, *off, *auto, "algorithm.adv_estimator=gae"])
+    model = build_tiny_model("qwen2", vocab_size=64, hidden_size=256, num_hidden_layers=4, seed=5)
+    roles = build_roles(cfg, model, total_steps=1, pad_id=0)
+    worker, actor, critic = roles["actor"], roles["actor"].engine.engine, roles["critic"].engine.engine
+    rollout = worker.rollout
+    params = worker.sampling_params(8, 0.0, 1.0, -1, False, [], None)  # 4 prompts x 8 = 32 sequences
+    rows = [row[m.bool()].tolist() for row, m in zip(prompts()["input_ids"], prompts()["attention_mask"])]
+    moments = {
+        "actor": optimizer_state_bytes(actor.optimizer),
+        "critic": optimizer_state_bytes(critic.optimizer),
+    }
+
+    def where(engine) -> str:
+        return str(next(iter(engine.optimizer.state.values()))["exp_avg"].device.type)
+
+    def short_by(nbytes: int) -> dict:
+        """One rollout whose KV cache lacks ``nbytes`` for one wave; then both roles' next phase."""
+        max_len = rollout._check_prompts(rows, params)
+        per_slot, used, total, _ = rollout._kv_budget(max_len, rollout.runner.pending_bytes())
+        rollout.gpu_memory_utilization = (used + 32 * per_slot - nbytes) / total
+        out = worker.generate(Batch(prompts()), params)
+        got = {"slots": out.meta["rollout_stats"]["slots"], "actor": where(actor), "critic": where(critic)}
+        actor.onload(), critic.onload()
+        return got
+
+    return {
+        "donors": [d is actor for d in worker.room_donors] + [d is critic for d in worker.room_donors],
+        "actor_enough": short_by(moments["actor"] // 2),
+        "both_needed": short_by(moments["actor"] + moments["critic"] // 2),
+        "back": (where(actor), where(critic)),
+    }
+
+
+@pytest.mark.gpu
+def test_optimizer_offload_auto_takes_the_critics_moments_when_the_actors_are_not_enough() -> None:
+    (got,) = run_world(1, room_from_actor_and_critic)
+    assert got["donors"] == [True, False, False, True]  # the actor's engine first, then the critic's
+    assert got["actor_enough"] == {"slots": 32, "actor": "cpu", "critic": "cuda"}
+    assert got["both_needed"] == {"slots": 32, "actor": "cpu", "critic": "cpu"}
+    assert got["back"] == ("cuda", "cuda")
