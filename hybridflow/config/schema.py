@@ -144,7 +144,7 @@ class FSDPConfig:
     optimizer_offload: bool | str = option(
         False, "Keep optimizer state on CPU between phases; auto: only for a rollout short of room."
     )
-    pin_memory: bool = option(True, "Offload via pinned host memory: faster; parameters may pin 2x.")
+    pin_memory: bool = option(True, "Offload through pinned (page-locked) host memory: faster DMA copies.")
     reshard_after_forward: bool | None = option(
         None, "Free gathered parameters after each layer's forward; null = only when sharded over > 1 rank."
     )

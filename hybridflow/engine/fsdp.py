@@ -87,15 +87,36 @@ def reshard_fsdp(model: nn.Module) -> None:
             module.reshard()
 
 
-def move_model(model: nn.Module, device: torch.device | str, pin: bool = True) -> None:
+def move_model(
+    model: nn.Module, device: torch.device | str, pin: bool = True, store: HostStore | None = None
+) -> None:
     """Move the (sharded) parameters and gradients of ``model`` to ``device`` in place.
 
     With ``pin`` the host copies are pinned and both directions are DMA copies (see ``_host_sync``): on an
     H200 the 0.5B actor's float32 shards and AdamW moments (5.9 GB) went out in ~0.15 s and back in ~0.11 s,
-    against ~0.97 s and ~0.38 s through pageable memory (``benchmarks/RESULTS.md``, tenth session).
+    against ~0.97 s and ~0.38 s through pageable memory (``benchmarks/RESULTS.md``, tenth session). With
+    ``store``, moves to the host copy each shard into its exact-size home there, except shards that FSDP2
+    keeps padded (a dimension 0 that the ranks do not divide evenly): FSDP2 re-pads those into memory of its
+    own whatever they are given, so they take fresh host memory as without a store.
     """
-    model.to(device, non_blocking=pin)
+    if store is None or torch.device(device).type != "cpu":
+        model.to(device, non_blocking=pin)
+    else:
+        params = [p for p in model.parameters() if not _padded(p)]
+        homes = {id(p): home for p, home in zip(params, store.stash(params))}
+
+        def to_host(t: torch.Tensor) -> torch.Tensor:
+            home = homes.get(id(t))
+            return home if home is not None else t.to(device, non_blocking=pin)
+
+        model._apply(to_host)  # what Module.to does, with the homes as the moved tensors (FSDP2 re-registers)
     _host_sync(device)
+
+
+def _padded(param: torch.Tensor) -> bool:
+    """Whether FSDP2 holds this shard inside a larger, padded buffer (an uneven split over the ranks)."""
+    local = param.to_local() if hasattr(param, "to_local") else param
+    return local.untyped_storage().nbytes() > local.numel() * local.element_size()
 
 
 def move_optimizer(
@@ -153,13 +174,13 @@ def pinned_pool_fits(pinned_bytes: int, ranks: int, available: int | None, share
     return available is None or pinned_bytes * ranks <= share * available
 
 
-def worst_case_pinned_bytes(param_bytes: int, moment_bytes: int) -> int:
-    """Host memory an engine may pin to offload these bytes of parameters and of optimizer moments.
+def pinned_param_bytes(module: nn.Module) -> int:
+    """Host memory offloading ``module``'s shards may pin: their bytes, twice for padded shards.
 
-    Parameters go through torch's caching host allocator, which rounds each block up to a power of two:
-    twice their bytes at worst (1.85x measured for the 0.5B actor). Moments go to a ``HostStore``: exact.
+    Shards go to a ``HostStore`` of their exact size, except padded ones (``move_model``), which take
+    torch's pinned pool: its caching host allocator rounds each block up to a power of two.
     """
-    return 2 * param_bytes + moment_bytes
+    return sum(local_bytes([p]) * (2 if _padded(p) else 1) for p in module.parameters())
 
 
 def choose_pinning(
@@ -176,18 +197,15 @@ def choose_pinning(
     moves = fsdp.param_offload or fsdp.optimizer_offload  # "auto" moves the moments too
     if not (fsdp.pin_memory and moves):
         return fsdp.pin_memory
-    param_bytes = local_bytes(module.parameters()) if fsdp.param_offload else 0
-    moves_moments = fsdp.optimizer_offload and optimizer is not None
-    moment_bytes = optimizer_state_bytes(optimizer) if moves_moments else 0
-    pinned = worst_case_pinned_bytes(param_bytes, moment_bytes)
+    pinned = pinned_param_bytes(module) if fsdp.param_offload else 0
+    if fsdp.optimizer_offload and optimizer is not None:
+        pinned += optimizer_state_bytes(optimizer)  # a HostStore of their exact size
     if pinned_pool_fits(pinned, ranks, available):
         return True
     logger.warning(
-        "fsdp.pin_memory: offloading %.1f GiB on each of %d ranks of this host could pin up to %.1f GiB "
-        "(torch rounds pinned blocks of parameters up to a power of two), more than 80%% of the %.1f GiB "
-        "available; offloading through pageable memory instead, which is slower. Free host memory, or set "
-        "fsdp.pin_memory=false to choose this yourself",
-        (param_bytes + moment_bytes) / 2**30,
+        "fsdp.pin_memory: offloading on each of %d ranks of this host could pin up to %.1f GiB, more than "
+        "80%% of the %.1f GiB available; offloading through pageable memory instead, which is slower. Free "
+        "host memory, or set fsdp.pin_memory=false to choose this yourself",
         ranks,
         pinned * ranks / 2**30,
         available / 2**30,
@@ -198,10 +216,10 @@ def choose_pinning(
 def _host_sync(device: torch.device | str) -> None:
     """Wait for device-to-host copies issued with ``non_blocking=True``, so the host tensors hold their values.
 
-    torch gives such a copy a pinned destination (its caching host allocator, which rounds blocks up to a
-    power of two: the pinned pool can reach twice the offloaded bytes) and returns before the DMA is done.
-    Host-to-device copies need no wait: the stream orders them before the kernels that read them, and a
-    pinned source freed meanwhile is not reused until its copy completes.
+    Such a copy into pinned memory (a ``HostStore``'s, or what torch's caching host allocator hands out)
+    returns before the DMA is done. Host-to-device copies need no wait: the stream orders them before the
+    kernels that read them and before the next offload's copies into the same homes, and a pinned block of
+    torch's freed meanwhile is not reused until its copy completes.
     """
     if torch.device(device).type == "cpu" and torch.cuda.is_initialized():
         torch.cuda.synchronize()

@@ -1,11 +1,11 @@
-"""Exact-size host homes for tensors that leave the GPU between phases (an optimizer's moments).
+"""Exact-size host homes for tensors that leave the GPU between phases (parameter shards, optimizer moments).
 
 A ``non_blocking`` device-to-host copy takes its pinned destination from torch's caching host allocator,
 which rounds every block up to a power of two and keeps it: the 0.5B actor's shards and moments pinned
-1.85x their bytes on the H200 (``benchmarks/RESULTS.md``, tenth session), and the first offload of a run
-spent 4.3 s growing that pool. A ``HostStore`` instead allocates one flat host buffer of the tensors' exact
-size, pins it once with ``cudaHostRegister`` (as torch's own checkpoint stager does), and every offload
-copies into the same place.
+10.4 GiB for 5.5 GiB on the H200 (``benchmarks/RESULTS.md``, tenth and eleventh sessions), and the first
+two offloads of a run spent ~8 s growing that pool. A ``HostStore`` instead allocates one flat host buffer
+of the tensors' exact size, pins it once with ``cudaHostRegister`` (as torch's own checkpoint stager does),
+and every offload copies into the same place.
 """
 
 from __future__ import annotations

@@ -144,7 +144,8 @@ class TrainEngine:
             self.pin_memory = choose_pinning(
                 fsdp, self.module, self.optimizer, ranks_on_host(), available_host_bytes()
             )
-        self.moment_store = HostStore(self.pin_memory)  # the moments' host home, allocated at first use
+        # The host homes of the offloaded shards and moments, allocated at the first offload.
+        self.param_store, self.moment_store = HostStore(self.pin_memory), HostStore(self.pin_memory)
         self.offload()
 
     @property
@@ -257,7 +258,7 @@ class TrainEngine:
         if not offloads or not self.on_device or self.device.type == "cpu":
             return  # nothing moves: keep the allocator's cache (emptying it costs a device sync)
         if self.fsdp.param_offload:
-            move_model(self.module, "cpu", self.pin_memory)
+            move_model(self.module, "cpu", self.pin_memory, self.param_store)
         if self._offloads_moments:
             move_optimizer(self.optimizer, "cpu", self.pin_memory, self.moment_store)
         self.on_device = False

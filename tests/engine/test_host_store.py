@@ -5,6 +5,8 @@ Pinning needs a GPU (``tests/engine/test_train_engine_gpu.py``); here the store 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from dist_util import run_world
 
@@ -31,28 +33,43 @@ def test_stash_copies_into_one_exact_buffer_and_reuses_it() -> None:
     assert store.nbytes == 0 and store.homes == []
 
 
-def train(rank: int, store: bool) -> dict:
-    """Three AdamW steps on a tiny LM, the moments moved to a store (or not) between the steps."""
+def tiny_engine(vocab: int, seed: int) -> tuple:
+    """A CPU ``TrainEngine`` (AdamW, lr 1e-2) over a tiny LM of ``vocab`` tokens, and a batch (2, 12) of ids."""
     from hybridflow.config.schema import FSDPConfig, OptimConfig
-    from hybridflow.engine.fsdp import move_optimizer
     from hybridflow.engine.train_engine import TrainEngine
     from hybridflow.models import build_tiny_model
 
-    model = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=2, seed=1)
+    model = build_tiny_model("qwen2", vocab_size=vocab, hidden_size=32, num_hidden_layers=2, seed=1)
     engine = TrainEngine(
         model, list(model.model.layers), FSDPConfig(), OptimConfig(lr=1e-2), use_torch_compile=False
     )
-    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))  # (B, T)
-    kinds = []
+    return engine, torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(seed))
+
+
+def train_steps(engine, ids: torch.Tensor, between: Callable[[], None] | None) -> None:
+    """Three AdamW steps on ``ids``, calling ``between`` after each."""
     for _ in range(3):
         engine.module(input_ids=ids, labels=ids).loss.backward()
         engine.optimizer_step()
-        if store:
-            move_optimizer(engine.optimizer, "cpu", pin=False, store=engine.moment_store)
-            moment = engine.optimizer.state[next(iter(engine.optimizer.state))]["exp_avg"]
-            flat = engine.moment_store.flat
-            inside = flat.data_ptr() <= moment.to_local().data_ptr() < flat.data_ptr() + flat.numel()
-            kinds.append((type(moment).__name__, tuple(moment.placements), inside))
+        if between is not None:
+            between()
+
+
+def train(rank: int, store: bool) -> dict:
+    """Three AdamW steps on a tiny LM, the moments moved to a store (or not) between the steps."""
+    from hybridflow.engine.fsdp import move_optimizer
+
+    engine, ids = tiny_engine(vocab=64, seed=0)
+    kinds = []
+
+    def offload() -> None:
+        move_optimizer(engine.optimizer, "cpu", pin=False, store=engine.moment_store)
+        moment = engine.optimizer.state[next(iter(engine.optimizer.state))]["exp_avg"]
+        flat = engine.moment_store.flat
+        inside = flat.data_ptr() <= moment.to_local().data_ptr() < flat.data_ptr() + flat.numel()
+        kinds.append((type(moment).__name__, tuple(moment.placements), inside))
+
+    train_steps(engine, ids, offload if store else None)
     params = [p.to_local().detach().clone() for p in engine.module.parameters()]
     moments = [
         v.to_local().clone() for s in engine.optimizer.state.values() for k, v in s.items() if k != "step"
@@ -66,3 +83,47 @@ def test_moments_in_the_store_train_as_they_would_in_place() -> None:
     assert all(kind == ("DTensor", stored["kinds"][0][1], True) for kind in stored["kinds"])
     for a, b in zip(stored["params"] + stored["moments"], plain["params"] + plain["moments"]):
         assert torch.equal(a, b)
+
+
+def train_sharded(rank: int, store: bool) -> dict:
+    """Three AdamW steps on two ranks whose 65-row embedding splits unevenly (FSDP2 pads its shard),
+    the parameters moved to a store and back to fresh memory (as onload does) between the steps."""
+    from hybridflow.engine.fsdp import _padded, local_bytes, move_model, pinned_param_bytes
+
+    engine, ids = tiny_engine(vocab=65, seed=rank)
+    params = list(engine.module.parameters())
+    padded = [_padded(p) for p in params]
+    homes = []
+
+    def offload_and_back() -> None:
+        move_model(engine.module, "cpu", pin=False, store=engine.param_store)
+        flat = engine.param_store.flat
+        start, end = flat.data_ptr(), flat.data_ptr() + flat.numel()
+        homes.append([start <= p.to_local().data_ptr() < end for p in engine.module.parameters()])
+        engine.module._apply(lambda t: t.clone())  # onload: every shard into memory of its own again
+
+    train_steps(engine, ids, offload_and_back if store else None)
+    even = sum(local_bytes([p]) for p, pad in zip(params, padded) if not pad)
+    return {
+        "padded": padded,
+        "homes": homes,
+        "store_bytes": engine.param_store.nbytes,
+        "even_bytes": even,
+        "pinned_bytes": pinned_param_bytes(engine.module),
+        "padded_bytes": sum(local_bytes([p]) for p, pad in zip(params, padded) if pad),
+        "same_objects": all(a is b for a, b in zip(params, engine.module.parameters())),
+        "params": [p.to_local().detach().clone() for p in engine.module.parameters()],
+    }
+
+
+def test_parameters_offload_into_the_store_except_padded_shards_and_train_the_same() -> None:
+    stored = run_world(2, train_sharded, True)
+    plain = run_world(2, train_sharded, False)
+    for rank, (got, want) in enumerate(zip(stored, plain)):
+        assert any(got["padded"]) == (rank == 1)  # 65 rows: 33 on rank 0, 32 (padded to 33) on rank 1
+        assert got["homes"] == [[not pad for pad in got["padded"]]] * 3  # the same homes at every offload
+        assert got["even_bytes"] <= got["store_bytes"] < got["even_bytes"] + 256 * len(got["padded"])
+        assert got["pinned_bytes"] == got["even_bytes"] + 2 * got["padded_bytes"]
+        assert got["same_objects"]  # the optimizer's parameters are still the module's
+        for a, b in zip(got["params"], want["params"]):
+            assert torch.equal(a, b)

@@ -6,19 +6,13 @@ import logging
 
 from dist_util import run_world
 
-from hybridflow.engine.fsdp import pinned_pool_fits, worst_case_pinned_bytes
+from hybridflow.engine.fsdp import pinned_pool_fits
 
 
 def test_the_pinned_pool_counts_every_rank_on_the_host() -> None:
     assert pinned_pool_fits(20, 4, 100)  # 20 x 4 = 80 <= 80% of 100
     assert not pinned_pool_fits(20, 5, 100)
     assert pinned_pool_fits(10**15, 8, None)  # unknown host memory: assume room
-
-
-def test_parameters_may_pin_twice_their_bytes_and_moments_exactly_theirs() -> None:
-    assert worst_case_pinned_bytes(param_bytes=10, moment_bytes=0) == 20  # torch rounds to a power of two
-    assert worst_case_pinned_bytes(param_bytes=0, moment_bytes=10) == 10  # a HostStore is exact
-    assert worst_case_pinned_bytes(param_bytes=10, moment_bytes=20) == 40
 
 
 def decisions(rank: int) -> dict:
@@ -42,7 +36,7 @@ def decisions(rank: int) -> dict:
     def host(pinned: int) -> float:
         return 2 * pinned / 0.8  # the host memory two such ranks need to pin this much, at the 80% share
 
-    need = host(2 * params + moments)  # parameters may pin twice their bytes, moments exactly theirs
+    need = host(params + moments)  # one rank: no padded shard, so everything goes to exact-size stores
 
     def choose(fsdp: FSDPConfig, available: float | None) -> bool:
         return choose_pinning(
@@ -53,8 +47,8 @@ def decisions(rank: int) -> dict:
         "roomy": choose(both, need + 1024),
         "short": choose(both, need - 1024),
         "unknown": choose(both, None),
-        "params_only_short": choose(FSDPConfig(param_offload=True), host(2 * params) - 1024),
-        "params_only_fits": choose(FSDPConfig(param_offload=True), host(2 * params) + 1024),
+        "params_only_short": choose(FSDPConfig(param_offload=True), host(params) - 1024),
+        "params_only_fits": choose(FSDPConfig(param_offload=True), host(params) + 1024),
         "auto_counts_moments": choose(FSDPConfig(optimizer_offload="auto"), host(moments) - 1024),
         "moments_fit_exactly": choose(FSDPConfig(optimizer_offload=True), host(moments) + 1024),
         "not_wanted": choose(FSDPConfig(param_offload=True, pin_memory=False), need + 1024),

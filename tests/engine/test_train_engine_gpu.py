@@ -1,6 +1,6 @@
 """On the GPU: offloading a trained role moves its shards and AdamW moments through pinned host memory (unless
-``fsdp.pin_memory=false``; the moments into one exact-size ``HostStore``), and training with offload between
-steps computes what training without it does.
+``fsdp.pin_memory=false``), each into one exact-size ``HostStore``, and training with offload between steps
+computes what training without it does.
 
 Run on the GPU machine with ``pytest -m gpu tests/engine/test_train_engine_gpu.py``.
 """
@@ -45,15 +45,19 @@ def train(rank: int, offload: bool, pin: bool = True) -> dict:
 
 
 def in_store(engine) -> bool:
-    """Whether the moments' host copies are views of the engine's ``HostStore``, which is their exact size."""
-    from hybridflow.engine.fsdp import optimizer_state_bytes
-
-    store = engine.moment_store
-    start, n = store.flat.data_ptr(), store.nbytes
+    """Whether the host copies of the shards and of the moments are views of the engine's two
+    ``HostStore``s, each of their exact size (one rank: no shard is padded)."""
     moments = [v.to_local() for s in engine.optimizer.state.values() for k, v in s.items() if k != "step"]
-    inside = all(start <= m.data_ptr() and m.data_ptr() + m.nbytes <= start + n for m in moments)
-    exact = optimizer_state_bytes(engine.optimizer)
-    return inside and exact <= n < exact + 256 * len(moments)  # each home padded to 256 bytes at most
+    shards = [p.to_local() for p in engine.module.parameters()]
+    return exactly_in(engine.moment_store, moments) and exactly_in(engine.param_store, shards)
+
+
+def exactly_in(store, tensors: list[torch.Tensor]) -> bool:
+    """Every tensor inside ``store``'s buffer, which is their bytes, each padded to 256 at most."""
+    start, n = store.flat.data_ptr(), store.nbytes
+    inside = all(start <= t.data_ptr() and t.data_ptr() + t.nbytes <= start + n for t in tensors)
+    exact = sum(t.nbytes for t in tensors)
+    return inside and exact <= n < exact + 256 * len(tensors)
 
 
 @pytest.mark.parametrize("pin", [True, False])
