@@ -264,20 +264,13 @@ def _check_offload(cfg: Config, out: list[Problem]) -> None:
         value = get_path(cfg, path)
         if isinstance(value, bool):
             continue
-        if value == "auto" and role == "actor":
-            continue
-        if value == "auto" and role == "critic" and cfg.trainer.placement != "split":
-            continue
         if value != "auto":
             fix = "use true, false or auto (auto: only while a rollout would otherwise run in waves)"
             out.append(Problem(path, f"unknown value {value!r}", fix))
         elif role == "ref":
-            out.append(
-                Problem(
-                    path, "auto has no moments to move", "use true or false (the reference has no optimizer)"
-                )
-            )
-        else:
+            fix = "use true or false (the reference has no optimizer)"
+            out.append(Problem(path, "auto has no moments to move", fix))
+        elif role == "critic" and cfg.trainer.placement == "split":
             fix = (
                 "use true or false (auto makes room for the rollout, and a split critic has GPUs of its own)"
             )

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from hybridflow.config.schema import FSDPConfig
-from hybridflow.engine.host_store import HostStore
+from hybridflow.engine.host_store import HostStore, local_tensor
 from hybridflow.models.loader import resolve_dtype
 from hybridflow.utils.dist import init_distributed
 
@@ -115,7 +115,7 @@ def move_model(
 
 def _padded(param: torch.Tensor) -> bool:
     """Whether FSDP2 holds this shard inside a larger, padded buffer (an uneven split over the ranks)."""
-    local = param.to_local() if hasattr(param, "to_local") else param
+    local = local_tensor(param)
     return local.untyped_storage().nbytes() > local.numel() * local.element_size()
 
 
@@ -158,11 +158,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of this rank's share of ``tensors`` (the local shard of a DTensor, or the tensor itself)."""
-    total = 0
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        total += local.numel() * local.element_size()
-    return total
+    return sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors)
 
 
 def pinned_pool_fits(pinned_bytes: int, ranks: int, available: int | None, share: float = 0.8) -> bool:

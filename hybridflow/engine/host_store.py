@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 _ALIGN = 256  # bytes: each home starts on a DMA-friendly boundary (and any dtype's element size divides it)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's tensor: the local shard of a DTensor, or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -78,12 +78,12 @@ class HostStore:
         Pinned homes are filled by DMA without waiting: the caller synchronises before reading them. A new
         list of shapes or dtypes (another optimizer state) re-allocates the buffer.
         """
-        locals_ = [_local(t) for t in tensors]
+        locals_ = [local_tensor(t) for t in tensors]
         layout = [(t.shape, t.dtype) for t in locals_]
         if layout != self._layout:
             self._allocate(tensors, layout)
         for home, src in zip(self.homes, locals_):
-            _local(home).copy_(src, non_blocking=self.pin)
+            local_tensor(home).copy_(src, non_blocking=self.pin)
         return list(self.homes)
 
     def _allocate(self, tensors: list[torch.Tensor], layout: list[tuple[torch.Size, torch.dtype]]) -> None:

@@ -100,8 +100,8 @@ def one_wave_notice(wanted: int, slots: int, per_slot: int, used: int, total: in
         f"rollout.gpu_memory_utilization={need:.2f} would hold all of them"
         if need <= 1
         else "they do not fit in one wave on this GPU even at rollout.gpu_memory_utilization=1; lower "
-        "data.max_response_length or rollout.n, or offload (actor.fsdp.optimizer_offload=auto, and "
-        "critic's in PPO; actor.fsdp.param_offload=true)"
+        "data.max_response_length or rollout.n, or offload (actor.fsdp.optimizer_offload=auto, in PPO "
+        "critic.fsdp.optimizer_offload=auto too, or actor.fsdp.param_offload=true)"
     )
     return (
         f"the KV cache holds {slots} of {wanted} sequences at rollout.gpu_memory_utilization={utilization}, "
