@@ -24,6 +24,11 @@ def write_prompts(path: Path, rows: list) -> Path:
     return path
 
 
+def generate_argv(model: Path, prompts: Path, out: Path | str, *extra: str) -> list[str]:
+    """The ``hybridflow generate`` arguments for ``model``, ``prompts`` and ``out``, then ``extra``."""
+    return ["generate", "--model", str(model), "--prompts", str(prompts), "--out", str(out), *extra]
+
+
 def test_generate_writes_one_line_per_sample(
     model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -37,22 +42,9 @@ def test_generate_writes_one_line_per_sample(
     )
     out = tmp_path / "out" / "gen.jsonl"
     code = main(
-        [
-            "generate",
-            "--model",
-            str(model_dir),
-            "--prompts",
-            str(prompts),
-            "--out",
-            str(out),
-            "--n",
-            "2",
-            "--max-new-tokens",
-            "5",
-            "--seed",
-            "1",
-            "--ignore-eos",
-        ]
+        generate_argv(
+            model_dir, prompts, out, "--n", "2", "--max-new-tokens", "5", "--seed", "1", "--ignore-eos"
+        )
     )
     assert code == 0
     lines = [json.loads(x) for x in out.read_text().splitlines()]
@@ -87,18 +79,7 @@ def test_bad_inputs_exit_2_with_the_row(
     model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture, rows: list, extra: list, message: str
 ) -> None:
     prompts = write_prompts(tmp_path / "p.jsonl", rows)
-    code = main(
-        [
-            "generate",
-            "--model",
-            str(model_dir),
-            "--prompts",
-            str(prompts),
-            "--out",
-            str(tmp_path / "o.jsonl"),
-            *extra,
-        ]
-    )
+    code = main(generate_argv(model_dir, prompts, tmp_path / "o.jsonl", *extra))
     assert code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
@@ -106,8 +87,6 @@ def test_bad_inputs_exit_2_with_the_row(
 
 def test_unknown_model_directory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     prompts = write_prompts(tmp_path / "p.jsonl", [{"prompt": "x"}])
-    code = main(
-        ["generate", "--model", str(tmp_path / "nope"), "--prompts", str(prompts), "--out", "o.jsonl"]
-    )
+    code = main(generate_argv(tmp_path / "nope", prompts, "o.jsonl"))
     assert code == 2
     assert "nope" in capsys.readouterr().err

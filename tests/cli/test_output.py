@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_generate_cmd import generate_argv
 
 from hybridflow.cli.main import main
 from hybridflow.cli.output import check_output_dir, check_output_file
@@ -63,17 +64,7 @@ def test_generate_keeps_an_existing_file_unless_told(
     prompts.write_text(json.dumps({"prompt": "1+1="}) + "\n")
     out = tmp_path / "notes.jsonl"
     out.write_text("mine\n")
-    cmd = [
-        "generate",
-        "--model",
-        str(model_dir),
-        "--prompts",
-        str(prompts),
-        "--out",
-        str(out),
-        "--max-new-tokens",
-        "2",
-    ]
+    cmd = generate_argv(model_dir, prompts, out, "--max-new-tokens", "2")
     assert main(cmd) == 2 and "--overwrite" in capsys.readouterr().err
     assert out.read_text() == "mine\n"
     assert main([*cmd, "--overwrite"]) == 0
