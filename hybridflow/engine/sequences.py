@@ -9,6 +9,38 @@ import torch
 
 from hybridflow.protocol import Batch
 
+# Fields of the training layout laid out along the prompt + response row: the prompt is left-padded, so a
+# batch whose prompts were padded to a shorter width widens on the left and its responses stay aligned.
+ROW_FIELDS = ("input_ids", "attention_mask", "position_ids")
+# Fields aligned with the response columns (right-padded to the response length), filled with 0 (masked).
+RESPONSE_FIELDS = (
+    "response_mask",
+    "rollout_log_probs",
+    "old_log_probs",
+    "entropys",
+    "ref_log_prob",
+    "values",
+    "advantages",
+    "returns",
+    "token_level_scores",
+    "token_level_rewards",
+    "rollout_is_weights",
+)
+
+
+def layout_padding(pad_token_id: int) -> dict[str, tuple[str, float]]:
+    """How each field of the training layout widens (``Batch.concat``'s ``pad``): token ids fill with the pad
+    token, masks, positions and per-token values with 0, rows on the left and response columns on the right.
+
+    Ranks (and dynamic-sampling rounds) pad their prompts to their own longest one; with this, their shares
+    join into one batch whose every row keeps its tokens, mask and positions.
+    """
+    pad = {key: ("left", 0) for key in ROW_FIELDS}
+    pad["input_ids"] = ("left", pad_token_id)
+    pad["responses"] = ("right", pad_token_id)
+    pad.update({key: ("right", 0) for key in RESPONSE_FIELDS})
+    return pad
+
 
 def pad_rows(
     rows: list[list], width: int, fill: float, dtype: torch.dtype, left: bool = False

@@ -28,12 +28,15 @@ from hybridflow.protocol.fields import (
     _merge_meta,
     _names,
     _object_array,
+    _pad_width,
     _resolve_index,
     _tensors_equal,
 )
 
 # Row index accepted by ``Batch.__getitem__`` (a string index returns a field instead).
 Index = int | slice | Sequence[int] | np.ndarray | torch.Tensor
+# How ``Batch.concat`` may widen a tensor field along dim 1: field -> (side 'left' | 'right', fill value).
+Padding = Mapping[str, tuple[str, float]]
 
 _SAVE_FORMAT = "hybridflow.Batch/1"
 
@@ -321,8 +324,13 @@ class Batch:
         return self[: len(self) - pad_size]
 
     @staticmethod
-    def concat(batches: Sequence[Batch]) -> Batch:
-        """Concatenate along dim 0; fields must match, meta is merged and must agree."""
+    def concat(batches: Sequence[Batch], pad: Padding | None = None) -> Batch:
+        """Concatenate along dim 0; fields must match, meta is merged and must agree.
+
+        ``pad`` names the tensor fields whose parts may differ in width (dim 1), e.g. prompts left-padded
+        to each part's own longest one: those parts are first padded to the widest, on the given side
+        with the given fill value. Every other field must have the same trailing shape in every part.
+        """
         batches = list(batches)
         if not batches:
             raise ValueError("Batch.concat needs at least one batch")
@@ -331,16 +339,9 @@ class Batch:
             if b.tensors.keys() != first.tensors.keys() or b.non_tensors.keys() != first.non_tensors.keys():
                 diff = sorted(set(b.keys()) ^ set(first.keys()))
                 raise ValueError(f"concat: batch {i} and batch 0 have different fields {diff}")
-        tensors = {}
-        for k, t in first.tensors.items():
-            parts = [b.tensors[k] for b in batches]
-            if any(p.shape[1:] != t.shape[1:] or p.dtype != t.dtype for p in parts):
-                found = sorted({f"{tuple(p.shape[1:])} {p.dtype}" for p in parts})
-                raise ValueError(
-                    f"concat: tensors[{k!r}] have different trailing shapes or dtypes {found}; "
-                    "pad them to a common length and cast to one dtype first"
-                )
-            tensors[k] = torch.cat(parts, dim=0)
+        tensors = {
+            k: _concat_field(k, [b.tensors[k] for b in batches], (pad or {}).get(k)) for k in first.tensors
+        }
         non_tensors = {}
         for k in first.non_tensors:
             try:
@@ -431,3 +432,19 @@ class Batch:
             f"Batch(batch_size={len(self)},\n  tensors={{{tensors}}},\n"
             f"  non_tensors={{{non_tensors}}},\n  meta={{{meta}}})"
         )
+
+
+def _concat_field(key: str, parts: list[torch.Tensor], pad: tuple[str, float] | None) -> torch.Tensor:
+    """One tensor field of ``Batch.concat``: parts widened to the widest first when ``pad`` allows it."""
+    if pad is not None and all(p.dim() >= 2 for p in parts):
+        width = max(p.shape[1] for p in parts)
+        parts = [_pad_width(p, width, *pad) for p in parts]
+    t = parts[0]
+    if any(p.shape[1:] != t.shape[1:] or p.dtype != t.dtype for p in parts):
+        found = sorted({f"{tuple(p.shape[1:])} {p.dtype}" for p in parts})
+        hint = "" if pad is not None else f", or name {key!r} in concat's pad= to pad its width"
+        raise ValueError(
+            f"concat: tensors[{key!r}] have different trailing shapes or dtypes {found}; "
+            f"pad them to a common length and cast to one dtype first{hint}"
+        )
+    return torch.cat(parts, dim=0)

@@ -119,6 +119,17 @@ def _merge_meta(metas: Sequence[Mapping[str, Any]], op: str) -> dict[str, Any]:
     return out
 
 
+def _pad_width(t: torch.Tensor, width: int, side: str, value: float) -> torch.Tensor:
+    """``t`` padded along dim 1 with ``value`` on ``side`` ('left' or 'right') to ``width`` columns."""
+    if side not in ("left", "right"):
+        raise ValueError(f"padding side must be 'left' or 'right', got {side!r}")
+    extra = width - t.shape[1]
+    if extra == 0:
+        return t
+    fill = t.new_full((t.shape[0], extra, *t.shape[2:]), value)
+    return torch.cat([fill, t] if side == "left" else [t, fill], dim=1)
+
+
 def _resolve_index(index: Any, n: int) -> slice | np.ndarray:
     """Turn a row index into a forward slice (views) or a 1-D int64 array of non-negative rows (copies)."""
     if isinstance(index, slice):

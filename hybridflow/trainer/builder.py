@@ -122,12 +122,12 @@ def _groups(cfg: Config, model: torch.nn.Module | None, tokenizer: Any, steps: i
 
 
 def _handles(
-    cfg: Config, groups: list[WorkerGroup]
+    cfg: Config, groups: list[WorkerGroup], pad_id: int
 ) -> tuple[ActorHandle, RefHandle | None, CriticHandle | None]:
     critic_group = next((g for g in groups if g.name == "critic"), groups[0])
-    actor = ActorHandle(groups[0], functools.partial(make_sampling_params, cfg))
-    ref = RefHandle(groups[0], "ref") if cfg.use_reference else None
-    critic = CriticHandle(critic_group, "critic") if cfg.use_critic else None
+    actor = ActorHandle(groups[0], functools.partial(make_sampling_params, cfg), pad_id)
+    ref = RefHandle(groups[0], "ref", pad_id) if cfg.use_reference else None
+    critic = CriticHandle(critic_group, "critic", pad_id) if cfg.use_critic else None
     return actor, ref, critic
 
 
@@ -155,7 +155,7 @@ def build_components(
     steps = total_training_steps(cfg, len(train))
     groups = _groups(cfg, model, tokenizer, steps)
     eos = groups[0].run_all("stop_tokens")[0]
-    actor, ref, critic = _handles(cfg, groups)
+    actor, ref, critic = _handles(cfg, groups, pad_id_of(tokenizer))
     vocab = len(tokenizer) if model is None else model.config.vocab_size
     rm = RewardModelWorker(cfg, vocab) if cfg.reward.model.enable else None
     scorer = Scorer(build_reward_manager(cfg, reward_fn), tokenizer, cfg, rm)
@@ -243,7 +243,7 @@ def build_preference_components(
     )
     steps = total_training_steps(cfg, len(train))
     groups = _groups(cfg, model, tokenizer, steps)
-    actor, ref, _ = _handles(cfg, groups)
+    actor, ref, _ = _handles(cfg, groups, pad_id_of(tokenizer))
     scorer = Scorer(build_reward_manager(cfg, None), tokenizer, cfg, None)
     eos = groups[0].run_all("stop_tokens")[0]
     logger.info("%s: %d training rows, %d steps, %d rank(s)", kind, len(train), steps, cfg.trainer.world_size)

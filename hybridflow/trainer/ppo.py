@@ -19,6 +19,7 @@ from hybridflow.algos import (
 )
 from hybridflow.config.schema import Config
 from hybridflow.data import PromptSampler, collate_prompts
+from hybridflow.engine.sequences import layout_padding
 from hybridflow.protocol import Batch
 from hybridflow.rewards import place_on_last_token
 from hybridflow.trainer.balance import balance_order
@@ -226,7 +227,8 @@ class PPOTrainer(TrainingLoop):
             kept.append(out[keep.numpy()])
         metrics["train/num_gen_batches"] = float(rounds)
         metrics["train/kept_group_ratio"] = sum(len(k) for k in kept) / n / max(total, 1)
-        return Batch.concat(kept)[: want * n]
+        # Each round's prompts were padded to that round's longest: widen them to one layout.
+        return Batch.concat(kept, pad=layout_padding(self.c.pad_token_id))[: want * n]
 
     def _reward(self, batch: Batch, metrics: dict[str, float]) -> Batch | None:
         if "token_level_scores" in batch:

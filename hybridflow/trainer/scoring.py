@@ -64,8 +64,9 @@ class Scorer:
         texts = batch_decode(self.tokenizer, response_ids, skip_special_tokens=True)
         prompt_ids = None
         if self.manager.kind == "token":
-            prompt_mask = batch["attention_mask"][:, : -mask.shape[1]].bool()
-            prompt_ids = [row[m].tolist() for row, m in zip(batch["input_ids"], prompt_mask)]
+            prompt_len = batch["input_ids"].shape[1] - mask.shape[1]  # the left-padded prompt columns
+            prompt_mask = batch["attention_mask"][:, :prompt_len].bool()  # (B, P)
+            prompt_ids = [row[m].tolist() for row, m in zip(batch["input_ids"][:, :prompt_len], prompt_mask)]
         extra_infos = list(batch["extra_info"]) if "extra_info" in batch else None
         scores, extras = self.manager.score(
             list(batch["data_source"]),

@@ -15,7 +15,9 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from hybridflow.engine.sequences import layout_padding
 from hybridflow.protocol import Batch
+from hybridflow.protocol.batch import Padding
 from hybridflow.workers.dispatch import Dispatch, merge_batches, split_batch
 from hybridflow.workers.rank import RankWorker
 
@@ -38,13 +40,18 @@ class WorkerGroup(ABC):
         """Broadcast: every rank gets the same arguments."""
         return self.run_each(method, [args] * self.world, **kwargs)
 
-    def dispatch(self, mode: Dispatch, role: str, method: str, batch: Batch) -> Any:
-        """Call ``roles[role].method`` with ``batch`` as ``mode`` says; outputs come back in input order."""
+    def dispatch(
+        self, mode: Dispatch, role: str, method: str, batch: Batch, widths: Padding | None = None
+    ) -> Any:
+        """Call ``roles[role].method`` with ``batch`` as ``mode`` says; outputs come back in input order.
+
+        ``widths``: how the fields of split outputs widen when the ranks' shares differ in width.
+        """
         if mode is Dispatch.SPLIT:
             chunks, pad = split_batch(batch, self.world)
             outputs = self.run_each("call", [(role, method, chunk) for chunk in chunks])
             if isinstance(outputs[0], Batch):
-                return merge_batches(outputs, pad)
+                return merge_batches(outputs, pad, widths)
             return outputs[0]  # metrics: already reduced over the ranks
         if mode is Dispatch.BROADCAST:
             return self.run_all("call", role, method, batch)[0]
@@ -95,22 +102,23 @@ PREFERENCE_KEYS = (*SEQ_KEYS, "ref_seq_logps", "labels")
 
 
 class RoleHandle:
-    """The driver's view of one role in a group."""
+    """The driver's view of one role in a group; ``pad_token_id`` fills token ids when shares widen."""
 
-    def __init__(self, group: WorkerGroup, role: str) -> None:
+    def __init__(self, group: WorkerGroup, role: str, pad_token_id: int) -> None:
         self.group = group
         self.role = role
+        self.widths = layout_padding(pad_token_id)
 
     def _split(self, method: str, batch: Batch, keys: tuple[str, ...] = SEQ_KEYS) -> Any:
         present = [k for k in keys if k in batch.tensors]
-        return self.group.dispatch(Dispatch.SPLIT, self.role, method, batch.select(present, []))
+        return self.group.dispatch(Dispatch.SPLIT, self.role, method, batch.select(present, []), self.widths)
 
 
 class ActorHandle(RoleHandle):
     """Rollout, log-probs and updates of the actor, each rank on its share of the batch."""
 
-    def __init__(self, group: WorkerGroup, sampling: Any) -> None:
-        super().__init__(group, "actor")
+    def __init__(self, group: WorkerGroup, sampling: Any, pad_token_id: int) -> None:
+        super().__init__(group, "actor", pad_token_id)
         self.sampling_params = sampling  # a plain function of the config: no rank needed
 
     def generate(self, prompts: Batch, params: Any, desc: str = "rollout") -> Batch:
@@ -121,7 +129,7 @@ class ActorHandle(RoleHandle):
         chunks, pad = split_batch(prompts, self.group.world)
         outputs = self.group.run_each("call", [("actor", "generate", c, params, desc) for c in chunks])
         stats = [o.meta.pop("rollout_stats", None) for o in outputs]  # per rank: they differ, so not merged
-        out = merge_batches(outputs, pad * params.n)
+        out = merge_batches(outputs, pad * params.n, self.widths)  # each rank pads to its longest prompt
         if stats[0] is not None:
             out.meta["rollout_stats"] = stats[0]  # rank 0's, like the memory report
         out["uid"] = np.repeat(np.array([str(i) for i in range(len(prompts))], dtype=object), params.n)
@@ -142,7 +150,7 @@ class ActorHandle(RoleHandle):
             return metrics, None
         for output in outputs:
             del output.meta["metrics"]
-        return metrics, merge_batches(outputs, pad)
+        return metrics, merge_batches(outputs, pad, self.widths)
 
     def update_sft(self, batch: Batch) -> dict[str, float]:
         """Supervised step(s) on the response tokens."""

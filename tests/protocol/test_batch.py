@@ -230,6 +230,19 @@ def test_concat():
         Batch.concat([a, hot])
 
 
+def test_concat_widens_the_named_fields_on_their_side():
+    left = Batch({"ids": torch.tensor([[1, 2, 3]]), "v": torch.tensor([[0.5]]), "n": torch.ones(1)})
+    right = Batch({"ids": torch.tensor([[4]]), "v": torch.tensor([[0.1, 0.2]]), "n": torch.zeros(1)})
+    c = Batch.concat([left, right], pad={"ids": ("left", 9), "v": ("right", 0.0), "n": ("left", 0)})
+    assert c["ids"].tolist() == [[1, 2, 3], [9, 9, 4]] and c["ids"].dtype == torch.int64
+    assert c["v"].tolist() == [[0.5, 0.0], [pytest.approx(0.1), pytest.approx(0.2)]]
+    assert c["n"].tolist() == [1.0, 0.0]  # a 1-D field named in pad is joined as it is
+    with pytest.raises(ValueError, match=r"tensors\['v'\].*or name 'v' in concat's pad="):
+        Batch.concat([left, right], pad={"ids": ("left", 9)})
+    with pytest.raises(ValueError, match="padding side must be 'left' or 'right'"):
+        Batch.concat([left, right], pad={"ids": ("middle", 0), "v": ("right", 0.0)})
+
+
 def test_repeat_interleaved_and_tiled():
     b = _make(2)
     inter = b.repeat(3)

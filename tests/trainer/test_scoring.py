@@ -39,3 +39,25 @@ def test_the_overlong_penalty_always_applies_and_is_logged_on_request(log: bool)
     assert scores.tolist() == pytest.approx([1.0, 1.0, 0.5, 0.0])
     assert ("overlong_penalty" in extras) == log
     scorer.close()
+
+
+def test_a_token_id_reward_gets_each_samples_own_prompt_and_response_ids() -> None:
+    """Prompts of different lengths, left-padded: the function sees each prompt's tokens, no padding."""
+    from hybridflow.engine.sequences import pack_prompt_response
+
+    seen: list[tuple[list[int], list[int]]] = []
+
+    def by_ids(prompt_ids, response_ids, tokenizer) -> float:
+        seen.append((list(prompt_ids), list(response_ids)))
+        return float(len(prompt_ids))
+
+    prompts, responses = [[7, 8, 9, 10, 11], [12], [13, 14]], [[20, 21], [22, 23, 24], [25]]
+    samples = pack_prompt_response(prompts, responses, 4, pad_token_id=0)
+    samples["data_source"] = np.array(["x"] * 3, dtype=object)
+    samples["ground_truth"] = np.array(["1"] * 3, dtype=object)
+    cfg = load_config(None, ["data.max_response_length=4"])
+    scorer = Scorer(build_reward_manager(cfg, by_ids), build_char_tokenizer(), cfg)
+    scores, _ = scorer.score(samples)
+    assert seen == list(zip(prompts, responses))
+    assert scores.tolist() == [5.0, 1.0, 2.0]
+    scorer.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from hybridflow.protocol import Batch
@@ -42,7 +43,7 @@ class Doubler:
 
 def test_local_group_of_one_rank_calls_the_role_directly() -> None:
     group = LocalGroup(RankWorker({"critic": Doubler()}))
-    handle = CriticHandle(group, "critic")
+    handle = CriticHandle(group, "critic", 0)
     batch = Batch(
         {"input_ids": torch.ones(3, 2), "responses": torch.arange(3.0)[:, None], "other": torch.zeros(3)}
     )
@@ -50,3 +51,24 @@ def test_local_group_of_one_rank_calls_the_role_directly() -> None:
     batch["returns"] = torch.ones(3, 1)
     assert handle.update_critic(batch) == {"critic/vf_loss": 3.0}
     assert group.world == 1 and group.run_all("has", "critic") == [True]
+
+
+def test_shares_of_different_widths_merge_into_the_one_batch_layout() -> None:
+    """Each rank lays out its samples with its own longest prompt; merged, they equal one rank's layout."""
+    from hybridflow.engine.sequences import layout_padding, pack_prompt_response
+
+    prompts = [[5, 6, 7, 8, 9, 10], [11], [12, 13], [14, 15, 16, 17]]  # rank 0 gets the long one
+    responses = [[1, 2], [3], [4, 4, 4], [2]]  # end at different places; R = 3
+    whole = pack_prompt_response(prompts, responses, 3, pad_token_id=0)
+    shares = [pack_prompt_response(prompts[i : i + 2], responses[i : i + 2], 3, 0) for i in (0, 2)]
+    for share in shares:
+        share["rollout_log_probs"] = -share["response_mask"] * share["responses"]  # a per-token value
+    whole["rollout_log_probs"] = -whole["response_mask"] * whole["responses"]
+    assert shares[0]["input_ids"].shape[1] == 9 and shares[1]["input_ids"].shape[1] == 7
+    merged = merge_batches(shares, 0, layout_padding(0))
+    assert merged.keys() == whole.keys()
+    for key in whole.keys():  # noqa: SIM118 (a Batch is not iterable)
+        assert torch.equal(merged[key], whole[key]), key
+    with pytest.raises(ValueError, match=r"different trailing shapes.*pad="):
+        merge_batches(shares, 0)  # without the layout the widths cannot join
+    assert merge_batches(shares, 1, layout_padding(0))["input_ids"].shape == (3, 9)  # pad rows still go
