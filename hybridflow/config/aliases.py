@@ -8,6 +8,7 @@ overrides and as nested YAML keys. A key that is also one of our own field paths
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -139,27 +140,165 @@ VERL_VALUE_MAPS: dict[str, dict[Any, Any]] = {
     f"{_ARR}.rollout.name": {"vllm": "native", "sglang": "native"},
 }
 
-# verl keys that have no effect here: accepted with a one-line warning so verl scripts run unchanged.
-VERL_IGNORED: dict[str, str] = {
-    f"{_ARR}.hybrid_engine": "the hybrid engine is always on",
-    f"{_ARR}.actor.strategy": "the training engine is always FSDP2",
-    "critic.strategy": "the training engine is always FSDP2",
-    "reward_model.strategy": "the training engine is always FSDP2",
-    f"{_ARR}.actor.entropy_from_logits_with_chunking": "entropy is always computed in chunks",
-    f"{_ARR}.actor.entropy_checkpointing": "the engine decides what to recompute",
-    f"{_ARR}.actor.fsdp_config.grad_offload": "gradients are never offloaded (FSDP2)",
-    "critic.model.fsdp_config.grad_offload": "gradients are never offloaded (FSDP2)",
-    f"{_ARR}.ref.fsdp_config.optimizer_offload": "the reference has no optimizer",
-    f"{_ARR}.ref.ulysses_sequence_parallel_size": "the reference uses the actor's setting",
-    f"{_ARR}.rollout.mode": "the built-in engine has one mode",
-    f"{_ARR}.rollout.enable_chunked_prefill": "prefill is always chunked by max_num_batched_tokens",
-    f"{_ARR}.rollout.load_format": "the engine reads the trainer's weights in place",
-    f"{_ARR}.model.use_shm": "models load from a local directory",
-    f"{_ARR}.model.use_liger": "liger kernels are not used",
-    f"{_ARR}.model.use_fused_kernels": "the engine picks its own kernels",
-    "data.dataloader_num_workers": "prompts are tokenised up front",
-    "trainer.default_hdfs_dir": "HDFS upload is not supported; checkpoints stay in trainer.default_local_dir",
-    "trainer.del_local_ckpt_after_load": "local checkpoints are kept",
+# What runs in place of a translated value, for its notice ('{value}' is the verl value).
+VERL_VALUE_NOTES: dict[str, str] = {
+    f"{_ARR}.rollout.name": (
+        "the built-in rollout engine runs in place of {value}, on the trainer's own weights"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class IgnoredKey:
+    """A verl key with no field here: the values that ask for what hybridflow does anyway, and the others.
+
+    An accepted value changes nothing and logs ``notice`` (how hybridflow behaves) once; any other value is
+    refused: ``refusal`` says what it asks for that hybridflow does not do, ``fix`` what to write instead
+    (``{key}`` is the verl key).
+    """
+
+    notice: str
+    accepts: tuple[Any, ...] | None = None  # None: every value
+    refusal: str = ""
+    fix: str = ""
+
+    def accepts_value(self, value: Any) -> bool:
+        """Whether ``value`` is one of the accepted values (``True`` is not ``1`` here)."""
+        if self.accepts is None:
+            return True
+        return any(type(value) is type(ok) and value == ok for ok in self.accepts)
+
+    def accepted_text(self) -> str:
+        """The accepted values as a user writes them: 'true or false', 'fsdp or fsdp2', 'any value'."""
+        if self.accepts is None:
+            return "any value"
+        return " or ".join(_yaml_literal(v) for v in self.accepts)
+
+    def refused_message(self, value: Any) -> str:
+        """Why ``value`` is refused."""
+        if self.refusal:
+            return f"{value!r} is not supported: {self.refusal}"
+        return f"{value!r} is not a value of this verl key: use {self.accepted_text()}"
+
+    def fix_for(self, key: str) -> str:
+        """The fix of a refused value of ``key``."""
+        return (self.fix or "set {key}=" + self.accepted_text() + ", or remove it").format(key=key)
+
+
+def _yaml_literal(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "''" if value == "" else str(value)
+
+
+_BOOL = (True, False)
+_FSDP = ("fsdp", "fsdp2")
+_ONLY_FSDP2 = (
+    "hybridflow trains only with FSDP2 (Megatron's tensor/pipeline-parallel training views do not exist yet)"
+)
+_FSDP_FIX = "set {key}=fsdp2 (or fsdp), or remove it"
+_SAME = "either value gives the same numbers"
+
+
+def _grad_offload(role: str) -> IgnoredKey:
+    return IgnoredKey(
+        "gradients stay on the device and are freed after every optimizer step",
+        (False,),
+        "gradients are not offloaded (they are freed after every optimizer step, so none are held between "
+        "phases)",
+        f"remove it; to free device memory between phases set {role}.fsdp.param_offload=true and/or "
+        f"{role}.fsdp.optimizer_offload=true",
+    )
+
+
+# verl keys that have no field here, judged by value: accepted with a one-line warning where hybridflow
+# already behaves that way (verl scripts run unchanged), refused with the fix where the value asks for
+# something hybridflow does not do.
+VERL_IGNORED: dict[str, IgnoredKey] = {
+    f"{_ARR}.hybrid_engine": IgnoredKey(
+        "the actor and the rollout always share one copy of the weights (the hybrid engine)",
+        (True,),
+        "the split layout (a rollout with weights of its own) does not exist yet",
+        "remove {key} or set it to true",
+    ),
+    f"{_ARR}.actor.strategy": IgnoredKey(
+        "the actor trains with FSDP2 (fsdp and fsdp2 both mean FSDP2 here)", _FSDP, _ONLY_FSDP2, _FSDP_FIX
+    ),
+    "critic.strategy": IgnoredKey(
+        "the critic trains with FSDP2 (fsdp and fsdp2 both mean FSDP2 here)", _FSDP, _ONLY_FSDP2, _FSDP_FIX
+    ),
+    "reward_model.strategy": IgnoredKey(
+        "the reward model runs forward-only, a whole copy on each rank's device (nothing to shard)",
+        _FSDP,
+        _ONLY_FSDP2,
+        _FSDP_FIX,
+    ),
+    f"{_ARR}.actor.entropy_from_logits_with_chunking": IgnoredKey(
+        f"entropy is always computed in row chunks of the logits ({_SAME})", _BOOL
+    ),
+    f"{_ARR}.actor.entropy_checkpointing": IgnoredKey(
+        f"the entropy of each chunk is always recomputed in backward, never stored ({_SAME})", _BOOL
+    ),
+    f"{_ARR}.actor.fsdp_config.grad_offload": _grad_offload("actor"),
+    "critic.model.fsdp_config.grad_offload": _grad_offload("critic"),
+    f"{_ARR}.ref.fsdp_config.optimizer_offload": IgnoredKey(
+        "the reference has no optimizer, so there is nothing to offload (ref.fsdp.param_offload moves its "
+        "weights)",
+        _BOOL,
+    ),
+    f"{_ARR}.ref.ulysses_sequence_parallel_size": IgnoredKey(
+        "the reference holds whole sequences (sequence-parallel size 1)",
+        (1,),
+        "sequence parallelism is not implemented: every rank holds whole sequences",
+        "set {key}=1 (or remove it); for long sequences use ref.log_prob_use_dynamic_bsz with a token budget",
+    ),
+    f"{_ARR}.rollout.mode": IgnoredKey(
+        "the built-in engine generates each step's batch in the worker processes with continuous batching, "
+        "in place of verl's sync and async (server) rollouts",
+        ("sync", "async"),
+    ),
+    f"{_ARR}.rollout.enable_chunked_prefill": IgnoredKey(
+        "prefill always runs in chunks of rollout.max_num_batched_tokens tokens (set it to at least "
+        "data.max_prompt_length to prefill every prompt in one piece)",
+        _BOOL,
+    ),
+    f"{_ARR}.rollout.load_format": IgnoredKey(
+        "the rollout reads the trainer's weights in place; nothing is loaded from disk for it"
+    ),
+    f"{_ARR}.model.use_shm": IgnoredKey(
+        "models load from model.path as it is",
+        (False,),
+        "copying the model to shared memory (/dev/shm) first is not supported",
+        "remove it (or copy the model to /dev/shm yourself and set model.path there)",
+    ),
+    f"{_ARR}.model.use_liger": IgnoredKey(
+        "Liger kernels are not used",
+        (False,),
+        "Liger kernels are not used (the fused LM head already scores without full logits)",
+        "remove {key} or set it to false",
+    ),
+    f"{_ARR}.model.use_fused_kernels": IgnoredKey(
+        f"log-probs and entropy always come from the fused, chunked LM head, never full logits ({_SAME})",
+        _BOOL,
+    ),
+    "data.dataloader_num_workers": IgnoredKey(
+        "prompts are tokenised up front in the trainer process, so there is no loading work for workers"
+    ),
+    "trainer.default_hdfs_dir": IgnoredKey(
+        "checkpoints stay in trainer.default_local_dir",
+        (None, ""),
+        "uploading checkpoints to HDFS is not supported",
+        "remove it (or set it to null); checkpoints are written to trainer.default_local_dir, copy them from "
+        "there",
+    ),
+    "trainer.del_local_ckpt_after_load": IgnoredKey(
+        "local checkpoints are kept after a resume",
+        (False,),
+        "deleting the local checkpoint after loading it is not supported",
+        "remove it or set it to false (trainer.max_ckpt_to_keep bounds how many checkpoints stay on disk)",
+    ),
 }
 
 # verl keys whose meaning we do not map automatically: using one is an error that says what to write.
@@ -209,10 +348,16 @@ def translate_value(verl_key: str, value: Any) -> Any:
         return value
 
 
-def ignored_reason(path: str) -> str | None:
-    """Why a verl key is ignored, or None when it is not one of the ignored keys."""
+def value_note(verl_key: str, value: Any) -> str | None:
+    """What runs in place of a translated verl value (e.g. rollout.name=vllm), or None."""
+    note = VERL_VALUE_NOTES.get(verl_key)
+    return None if note is None else note.format(value=value)
+
+
+def ignored_key(path: str) -> tuple[str, IgnoredKey] | None:
+    """The ignored verl key that ``path`` is (or lies below) and its entry; None when there is none."""
     key = _longest_prefix(path, VERL_IGNORED)
-    return None if key is None else VERL_IGNORED[key]
+    return None if key is None else (key, VERL_IGNORED[key])
 
 
 def unsupported_fix(path: str) -> str | None:

@@ -79,21 +79,34 @@ def _flatten(path: str, value: Any, out: list[_Item], problems: list[Problem]) -
             _flatten(f"{path}.{key}" if path else str(key), sub, out, problems)
         return
     if verl_key is not None:
-        translated = aliases.translate_value(verl_key, value)
-        note = f" (value {value!r} -> {translated!r})" if translated != value else ""
-        kind = "shorthand" if verl_key in aliases.SHORTHANDS else "verl key"
-        aliases.notice_once(path, f"{kind} '{path}' -> '{ours}'{note}")
-        out.append(_Item(ours, translated, path))
+        out.append(_Item(ours, _translated(path, ours, verl_key, value), path))
         return
-    reason = aliases.ignored_reason(path)
-    if reason is not None:
-        aliases.notice_once(path, f"verl key '{path}' ignored: {reason}", logging.WARNING)
+    ignored = aliases.ignored_key(path)
+    if ignored is not None:
+        key, entry = ignored
+        if entry.accepts_value(value):
+            message = f"verl key '{path}' ignored: {entry.notice} (value {value!r})"
+            aliases.notice_once(path, message, logging.WARNING)
+        else:
+            problems.append(Problem(path, entry.refused_message(value), entry.fix_for(key)))
         return
     fix = aliases.unsupported_fix(path)
     if fix is not None:
         problems.append(Problem(path, "this verl key is not supported", fix))
         return
     out.append(_Item(ours, value, None))
+
+
+def _translated(path: str, ours: str, verl_key: str, value: Any) -> Any:
+    """The value a verl key or shorthand means here; its first use logs the mapping (and what runs)."""
+    translated = aliases.translate_value(verl_key, value)
+    note = ""
+    if translated != value:
+        instead = aliases.value_note(verl_key, value)
+        note = f" (value {value!r} -> {translated!r}{': ' + instead if instead else ''})"
+    kind = "shorthand" if verl_key in aliases.SHORTHANDS else "verl key"
+    aliases.notice_once(path, f"{kind} '{path}' -> '{ours}'{note}")
+    return translated
 
 
 def _all_keys() -> list[str]:

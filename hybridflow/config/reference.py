@@ -15,7 +15,13 @@ from pathlib import Path
 
 import yaml
 
-from hybridflow.config.aliases import VERL_ALIASES, VERL_IGNORED, VERL_UNSUPPORTED, VERL_VALUE_MAPS
+from hybridflow.config.aliases import (
+    VERL_ALIASES,
+    VERL_IGNORED,
+    VERL_UNSUPPORTED,
+    VERL_VALUE_MAPS,
+    VERL_VALUE_NOTES,
+)
 from hybridflow.config.choices import CHOICES
 from hybridflow.config.schema import schema_index
 
@@ -47,14 +53,28 @@ def fields_markdown() -> str:
 
 
 def aliases_markdown() -> str:
-    """The verl keys we accept (with value translations), ignore, or refuse with a fix."""
+    """The verl keys we accept (with value translations), judge by value, or refuse with a fix."""
     out = ["| verl key | hybridflow key |", "|---|---|"]
     for verl_key, ours in VERL_ALIASES.items():
         values = VERL_VALUE_MAPS.get(verl_key)
         note = " (" + ", ".join(f"`{a}` -> `{b}`" for a, b in values.items()) + ")" if values else ""
+        instead = VERL_VALUE_NOTES.get(verl_key)
+        note += f": {instead.format(value=' / '.join(map(str, values or ['it'])))}" if instead else ""
         out.append(f"| `{verl_key}` | `{ours}`{note} |")
-    out += ["", "Accepted and ignored, with a warning:", "", "| verl key | why |", "|---|---|"]
-    out += [f"| `{key}` | {why} |" for key, why in VERL_IGNORED.items()]
+    out += [
+        "",
+        "Keys without a field here, judged by value: a value that asks for what hybridflow does anyway is",
+        "accepted with a one-line warning saying how it behaves; any other value is refused with the fix.",
+        "",
+        "| verl key | accepted | how hybridflow behaves | any other value is refused: why; fix |",
+        "|---|---|---|---|",
+    ]
+    for key, entry in VERL_IGNORED.items():
+        refused = "-"
+        if entry.accepts is not None:
+            because = f"{entry.refusal}; " if entry.refusal else ""
+            refused = f"{because}fix: {entry.fix_for(key)}"
+        out.append(f"| `{key}` | `{entry.accepted_text()}` | {entry.notice} | {refused} |")
     out += ["", "Refused, with this fix:", "", "| verl key | fix |", "|---|---|"]
     out += [f"| `{key}` | {fix} |" for key, fix in VERL_UNSUPPORTED.items()]
     return "\n".join(out) + "\n"

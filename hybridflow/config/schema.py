@@ -42,8 +42,13 @@ class ModelConfig:
 class DataConfig:
     """Prompt datasets, lengths and the number of prompts per step."""
 
-    train_files: list[str] | None = option(None, "Training parquet/jsonl files; null uses the built-in task.")
-    val_files: list[str] | None = option(None, "Validation parquet/jsonl files; null uses the built-in task.")
+    train_files: list[str] | None = option(
+        None, "Training parquet/jsonl files; null uses the built-in task (an empty list is an error)."
+    )
+    val_files: list[str] | None = option(
+        None,
+        "Validation files; null = none with train_files, else the built-in task (an empty list is an error).",
+    )
     task: str = option("arithmetic", "Built-in synthetic task used when train_files is null.")
     task_train_size: int = option(2000, "Number of generated training problems of the built-in task.")
     task_val_size: int = option(200, "Number of generated held-out problems of the built-in task.")
@@ -92,7 +97,9 @@ class RolloutConfig:
     ignore_eos: bool = option(False, "Keep generating after EOS up to the response length (benchmarks).")
     stop_token_ids: list[int] = option([], "Extra token ids that end a response besides EOS.")
     dtype: str = option(
-        "auto", "Generation dtype: auto (the training compute dtype), bfloat16, float16, float32."
+        "auto",
+        "Generation dtype: auto (the training compute dtype, actor.fsdp.param_dtype), bfloat16, float16, "
+        "float32.",
     )
     gpu_memory_utilization: float = option(0.5, "GPU share this process may hold with its KV cache, (0, 1].")
     max_num_seqs: int = option(1024, "Most sequences decoded at once (continuous-batching slots).")
@@ -343,7 +350,7 @@ class RolloutCorrectionConfig:
     rollout_is_batch_normalize: bool = option(False, "Normalise importance weights to mean 1 over the batch.")
     rollout_rs: str | None = option(None, "Rejection sampling: null (off), token, sequence or geometric.")
     rollout_rs_threshold: float | None = option(
-        None, "Upper rejection threshold; null = rollout_is_threshold."
+        None, "Upper rejection threshold; null = rollout_is_threshold (filled in when rollout_rs is set)."
     )
     rollout_rs_threshold_lower: float | None = option(None, "Lower rejection threshold; null = 1 / upper.")
     rollout_token_veto_threshold: float | None = option(
@@ -355,6 +362,11 @@ class RolloutCorrectionConfig:
     use_pure_rollout_correction: bool = option(
         False, "Plain importance-weighted policy gradient, no PPO clip. Not implemented yet."
     )
+
+    def __post_init__(self) -> None:
+        """Rejection without an upper threshold of its own uses rollout_is_threshold (the help's null)."""
+        if self.rollout_rs is not None and self.rollout_rs_threshold is None:
+            self.rollout_rs_threshold = self.rollout_is_threshold
 
 
 @dataclass

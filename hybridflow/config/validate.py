@@ -198,6 +198,8 @@ def _check_consistency(cfg: Config, out: list[Problem]) -> None:
                 )
             )
     _check_rollout(cfg, out)
+    _check_token_budgets(cfg, out)
+    _warn_rollout_dtype(cfg)
     _check_rollout_correction(cfg, out)
     _check_trainer(cfg, out)
     _check_offload(cfg, out)
@@ -313,8 +315,80 @@ def _check_rollout(cfg: Config, out: list[Problem]) -> None:
         )
 
 
+_RC = "algorithm.rollout_correction"
+
+# (use_dynamic_bsz switch, its token budget, whether the role runs): a budget must hold one whole sequence.
+# The reference's budget counts whenever its switch is on (the DPO/KTO jobs turn the reference on).
+_TOKEN_BUDGETS: list[tuple[str, str, Callable[[Config], bool]]] = [
+    ("actor.use_dynamic_bsz", "actor.ppo_max_token_len_per_gpu", lambda cfg: True),
+    # the critic's updates and its value passes share this budget
+    ("critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu", lambda cfg: cfg.use_critic),
+    ("rollout.log_prob_use_dynamic_bsz", "rollout.log_prob_max_token_len_per_gpu", lambda cfg: True),
+    ("ref.log_prob_use_dynamic_bsz", "ref.log_prob_max_token_len_per_gpu", lambda cfg: True),
+]
+
+
+def _check_token_budgets(cfg: Config, out: list[Problem]) -> None:
+    """Micro-batches sized by tokens fail at the first step when one sequence exceeds the budget."""
+    total = cfg.data.max_prompt_length + cfg.data.max_response_length
+    for switch, budget, used in _TOKEN_BUDGETS:
+        value = get_path(cfg, budget)
+        if get_path(cfg, switch) and used(cfg) and value < total:
+            out.append(
+                Problem(
+                    budget,
+                    f"{value} tokens cannot hold one sequence of data.max_prompt_length + "
+                    f"data.max_response_length = {total} tokens while {switch}=true",
+                    f"set {budget} to at least {total} (or {switch}=false)",
+                )
+            )
+
+
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _actor_compute_dtypes(cfg: Config) -> tuple[set[str], str]:
+    """The dtypes the actor may compute in, as far as the config tells (auto depends on the device)."""
+    param = cfg.actor.fsdp.param_dtype
+    if param != "auto":
+        name = _DTYPE_NAMES.get(param, param)
+        return {name}, name
+    device = cfg.trainer.device
+    if device == "cuda":
+        return {"bfloat16"}, "bfloat16 on GPU"
+    if device == "cpu":
+        return {"float32"}, "float32 on CPU"
+    return {"bfloat16", "float32"}, "bfloat16 on GPU, float32 on CPU"
+
+
+def _warn_rollout_dtype(cfg: Config) -> None:
+    """A rollout in another dtype than the training forward samples from a slightly different policy."""
+    rollout = cfg.rollout.dtype
+    compute, described = _actor_compute_dtypes(cfg)
+    if rollout == "auto" or _DTYPE_NAMES.get(rollout, rollout) in compute:
+        return
+    logger.warning(
+        "rollout.dtype=%s is not the training compute dtype (actor.fsdp.param_dtype=%s: %s): the rollout "
+        "log-probs will differ from the trainer's recomputation, so the rollout/trainer mismatch metrics "
+        "(rollout_corr/*) and the importance weights grow; leave rollout.dtype=auto to generate in the "
+        "training compute dtype",
+        rollout,
+        cfg.actor.fsdp.param_dtype,
+        described,
+    )
+
+
 def _check_rollout_correction(cfg: Config, out: list[Problem]) -> None:
     rc = cfg.algorithm.rollout_correction
+    if rc.rollout_rs is not None and rc.rollout_rs_threshold is None:  # set on a Config after it was built
+        out.append(
+            Problem(
+                f"{_RC}.rollout_rs_threshold",
+                f"is null while {_RC}.rollout_rs={rc.rollout_rs!r}",
+                f"set {_RC}.rollout_rs_threshold={rc.rollout_is_threshold} (rollout_is_threshold, its "
+                f"documented default), or {_RC}.rollout_rs=null",
+            )
+        )
     upper = rc.rollout_rs_threshold if rc.rollout_rs_threshold is not None else rc.rollout_is_threshold
     if rc.rollout_rs_threshold_lower is not None and rc.rollout_rs_threshold_lower >= upper:
         out.append(
@@ -337,6 +411,21 @@ def _check_rollout_correction(cfg: Config, out: list[Problem]) -> None:
                     "leave it unset; rollout_is and rollout_rs are available",
                 )
             )
+
+
+# An empty list is refused: null is how to ask for the built-in task (or, for val_files, for no files).
+_FILE_LISTS = {
+    "data.train_files": "list the files, data.train_files=[FILE,...], or data.train_files=null for the "
+    "built-in task",
+    "data.val_files": "list the files, data.val_files=[FILE,...], or data.val_files=null (no validation set "
+    "when data.train_files is set, the built-in task's held-out split otherwise)",
+}
+
+
+def _check_file_lists(cfg: Config, out: list[Problem]) -> None:
+    for path, fix in _FILE_LISTS.items():
+        if get_path(cfg, path) == []:
+            out.append(Problem(path, "is an empty list", fix))
 
 
 def _check_trainer(cfg: Config, out: list[Problem]) -> None:
@@ -391,6 +480,7 @@ def validate_config(cfg: Config) -> list[Problem]:
     """Every range, enum and consistency problem of ``cfg`` (an empty list when it is usable)."""
     out: list[Problem] = []
     _check_ranges(cfg, out)
+    _check_file_lists(cfg, out)
     _check_choices(cfg, out)
     if not out:  # consistency messages assume each value is in range on its own
         _check_consistency(cfg, out)

@@ -90,9 +90,9 @@ class ActorWorker:
             trainable=trainable,
         )
         device = self.engine.engine.device
-        dtype = None if r.dtype == "auto" else to_dtype(r.dtype)
-        if dtype is None and device.type == "cuda":
-            dtype = self.engine.engine.compute_dtype  # generate in the training compute dtype (bf16)
+        # auto: generate in the training compute dtype on every device (actor.fsdp.param_dtype resolved:
+        # bf16 on GPU, float32 on CPU), so the rollout's log-probs match the trainer's recomputation
+        dtype = self.engine.engine.compute_dtype if r.dtype == "auto" else to_dtype(r.dtype)
         kwargs = dict(
             dtype=dtype,
             max_num_seqs=r.max_num_seqs,

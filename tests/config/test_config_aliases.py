@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hybridflow.config import VERL_ALIASES, ConfigError, load_config, schema_index
 from hybridflow.config import aliases as aliases_module
@@ -151,10 +152,12 @@ def test_notice_once_per_key(notices: _Records) -> None:
     assert all(r.levelno == logging.INFO for r in notices.records)
 
 
-def test_value_translation_is_in_the_notice(notices: _Records) -> None:
-    load_config(overrides=["actor_rollout_ref.rollout.name=vllm"])
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_value_translation_is_in_the_notice(notices: _Records, engine: str) -> None:
+    load_config(overrides=[f"actor_rollout_ref.rollout.name={engine}"])
     assert notices.messages() == [
-        "verl key 'actor_rollout_ref.rollout.name' -> 'rollout.engine' (value 'vllm' -> 'native')"
+        f"verl key 'actor_rollout_ref.rollout.name' -> 'rollout.engine' (value '{engine}' -> 'native': "
+        f"the built-in rollout engine runs in place of {engine}, on the trainer's own weights)"
     ]
 
 
@@ -182,6 +185,185 @@ def test_ignored_verl_key_warns_and_changes_nothing(notices: _Records) -> None:
     assert cfg == load_config()
     assert [r.levelno for r in notices.records] == [logging.WARNING, logging.WARNING]
     assert "verl key 'actor_rollout_ref.actor.fsdp_config.grad_offload' ignored" in notices.messages()[0]
+
+
+A = "actor_rollout_ref"
+
+# Every verl key without a field here, with the values that ask for what hybridflow does anyway (accepted,
+# with a notice saying how it behaves) and a value that asks for something it does not do (refused).
+# (key, accepted values, words of the notice, refused value or None, words of the message, words of the fix)
+IGNORED_CASES = [
+    (f"{A}.hybrid_engine", [True], "share one copy of the weights", False, "split layout", "set it to true"),
+    (
+        f"{A}.actor.strategy",
+        ["fsdp", "fsdp2"],
+        "the actor trains with FSDP2",
+        "megatron",
+        "tensor/pipeline",
+        f"set {A}.actor.strategy=fsdp2 (or fsdp)",
+    ),
+    (
+        "critic.strategy",
+        ["fsdp", "fsdp2"],
+        "the critic trains with FSDP2",
+        "megatron",
+        "tensor/pipeline",
+        "set critic.strategy=fsdp2 (or fsdp)",
+    ),
+    (
+        "reward_model.strategy",
+        ["fsdp", "fsdp2"],
+        "whole copy",
+        "megatron",
+        "tensor/pipeline",
+        "set reward_model.strategy=fsdp2 (or fsdp)",
+    ),
+    (
+        f"{A}.actor.entropy_from_logits_with_chunking",
+        [True, False],
+        "row chunks",
+        "yes",
+        "true or false",
+        "true or false",
+    ),
+    (f"{A}.actor.entropy_checkpointing", [True, False], "recomputed", 1, "true or false", "true or false"),
+    (
+        f"{A}.actor.fsdp_config.grad_offload",
+        [False],
+        "freed after every optimizer step",
+        True,
+        "gradients are not offloaded",
+        "actor.fsdp.param_offload=true and/or actor.fsdp.optimizer_offload=true",
+    ),
+    (
+        "critic.model.fsdp_config.grad_offload",
+        [False],
+        "freed after every optimizer step",
+        True,
+        "gradients are not offloaded",
+        "critic.fsdp.param_offload=true and/or critic.fsdp.optimizer_offload",
+    ),
+    (
+        f"{A}.ref.fsdp_config.optimizer_offload",
+        [True, False],
+        "the reference has no optimizer",
+        "auto",
+        "true or false",
+        "true or false",
+    ),
+    (
+        f"{A}.ref.ulysses_sequence_parallel_size",
+        [1],
+        "whole sequences",
+        2,
+        "sequence parallelism is not implemented",
+        f"set {A}.ref.ulysses_sequence_parallel_size=1",
+    ),
+    (
+        f"{A}.rollout.mode",
+        ["sync", "async"],
+        "in place of verl's sync",
+        "server",
+        "sync or async",
+        "sync or async",
+    ),
+    (f"{A}.rollout.enable_chunked_prefill", [True, False], "rollout.max_num_batched_tokens", None, "", ""),
+    (f"{A}.rollout.load_format", ["dummy_dtensor", "auto", "safetensors"], "weights in place", None, "", ""),
+    (f"{A}.model.use_shm", [False], "load from model.path", True, "shared memory", "/dev/shm yourself"),
+    (
+        f"{A}.model.use_liger",
+        [False],
+        "Liger kernels are not used",
+        True,
+        "Liger kernels are not used",
+        "set it to false",
+    ),
+    (f"{A}.model.use_fused_kernels", [True, False], "fused", None, "", ""),
+    ("data.dataloader_num_workers", [0, 8], "tokenised up front", None, "", ""),
+    (
+        "trainer.default_hdfs_dir",
+        [None, ""],
+        "trainer.default_local_dir",
+        "hdfs://ckpt/run",
+        "uploading checkpoints to HDFS",
+        "copy them from there",
+    ),
+    ("trainer.del_local_ckpt_after_load", [False], "kept", True, "deleting", "trainer.max_ckpt_to_keep"),
+]
+
+
+def _override(key: str, value: object) -> str:
+    """``key=value`` with the value written as YAML (true, null, '')."""
+    return f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
+
+
+def test_the_cases_cover_every_ignored_key() -> None:
+    assert [c[0] for c in IGNORED_CASES] == list(aliases_module.VERL_IGNORED)
+    assert len(IGNORED_CASES) == 19
+
+
+ACCEPTED = [(c[0], value, c[2]) for c in IGNORED_CASES for value in c[1]]
+
+
+@pytest.mark.parametrize(("key", "value", "words"), ACCEPTED, ids=[f"{a[0]}={a[1]}" for a in ACCEPTED])
+def test_a_value_we_honour_anyway_is_accepted_with_a_notice(
+    notices: _Records, key: str, value: object, words: str
+) -> None:
+    assert load_config(overrides=[_override(key, value)]) == load_config()
+    (message,) = notices.messages()
+    assert message.startswith(f"verl key '{key}' ignored: ") and words in message
+    assert message.endswith(f"(value {value!r})")
+
+
+REFUSED = [(c[0], c[3], c[4], c[5]) for c in IGNORED_CASES if c[3] is not None]
+
+
+@pytest.mark.parametrize(("key", "value", "words", "fix"), REFUSED, ids=[f"{r[0]}={r[1]}" for r in REFUSED])
+def test_a_value_asking_for_what_we_do_not_do_is_refused(
+    key: str, value: object, words: str, fix: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[_override(key, value)])
+    (problem,) = info.value.problems
+    assert problem.path == key and problem.message.startswith(f"{value!r} is ")
+    assert words in problem.message and fix in problem.fix
+
+
+def test_megatron_is_refused_with_the_fsdp_fix() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[f"{A}.actor.strategy=megatron"])
+    assert str(info.value) == (
+        f"{A}.actor.strategy: 'megatron' is not supported: hybridflow trains only with FSDP2 (Megatron's "
+        "tensor/pipeline-parallel training views do not exist yet); "
+        f"fix: set {A}.actor.strategy=fsdp2 (or fsdp), or remove it"
+    )
+
+
+def test_ignored_keys_as_nested_yaml_are_judged_by_value(tmp_path: Path) -> None:
+    path = tmp_path / "verl.yaml"
+    path.write_text(
+        "actor_rollout_ref:\n  hybrid_engine: true\n  actor:\n    strategy: fsdp\n"
+        "  rollout:\n    mode: async\n    name: vllm\ncritic:\n  strategy: megatron\n"
+        "trainer:\n  default_hdfs_dir: null\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    assert [p.path for p in info.value.problems] == ["critic.strategy"]
+
+
+def test_all_refusals_are_reported_together() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[f"{A}.hybrid_engine=false", "trainer.default_hdfs_dir=/hdfs/x", "rollout.n=0"])
+    assert [p.path for p in info.value.problems] == [f"{A}.hybrid_engine", "trainer.default_hdfs_dir"]
+
+
+def test_docs_list_every_ignored_key_with_its_accepted_values() -> None:
+    doc = DOC.read_text()
+    for key, entry in aliases_module.VERL_IGNORED.items():
+        row = next(line for line in doc.splitlines() if line.startswith(f"| `{key}` |"))
+        assert entry.notice in row
+        if entry.fix:
+            assert entry.fix.format(key=key) in row
 
 
 def test_global_micro_batch_is_refused_with_the_conversion() -> None:

@@ -1,0 +1,186 @@
+"""Settings that used to pass validation and fail at the first step (issue 25): each is now either given
+the behaviour its help text documents or refused at start, naming the field and the fix."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from hybridflow.config import Config, ConfigError, load_config, schema_index, validate_config
+
+
+def _error(overrides: list[str]) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=overrides)
+    return info.value
+
+
+# --- rollout_rs without a threshold: null means rollout_is_threshold, as the help says ------------------
+
+RC = "algorithm.rollout_correction"
+
+
+@pytest.mark.parametrize("mode", ["token", "sequence", "geometric"])
+def test_rollout_rs_without_a_threshold_rejects_at_rollout_is_threshold(mode: str) -> None:
+    rc = load_config(overrides=[f"{RC}.rollout_rs={mode}"]).algorithm.rollout_correction
+    assert rc.rollout_rs_threshold == rc.rollout_is_threshold == 2.0
+    rc = load_config(overrides=[f"{RC}.rollout_rs={mode}", f"{RC}.rollout_is_threshold=3.5"]).algorithm
+    assert rc.rollout_correction.rollout_rs_threshold == 3.5
+
+
+def test_rollout_rs_threshold_given_or_rejection_off_is_left_alone() -> None:
+    rc = load_config(overrides=[f"{RC}.rollout_rs=token", f"{RC}.rollout_rs_threshold=1.5"])
+    assert rc.algorithm.rollout_correction.rollout_rs_threshold == 1.5
+    assert load_config().algorithm.rollout_correction.rollout_rs_threshold is None  # no rejection: null
+    assert schema_index()[0][f"{RC}.rollout_rs_threshold"].help.startswith(
+        "Upper rejection threshold; null = rollout_is_threshold"
+    )
+
+
+def test_rollout_rs_threshold_default_holds_for_a_python_built_section() -> None:
+    from hybridflow.config.schema import RolloutCorrectionConfig
+
+    assert RolloutCorrectionConfig(rollout_rs="token", rollout_is_threshold=4.0).rollout_rs_threshold == 4.0
+
+
+def test_rollout_rs_threshold_cleared_after_construction_is_refused() -> None:
+    cfg = Config()
+    cfg.algorithm.rollout_correction.rollout_rs = "token"  # set after construction: nothing resolved it
+    problems = validate_config(cfg)
+    assert [str(p) for p in problems] == [
+        f"{RC}.rollout_rs_threshold: is null while {RC}.rollout_rs='token'; "
+        f"fix: set {RC}.rollout_rs_threshold=2.0 (rollout_is_threshold, its documented default), or "
+        f"{RC}.rollout_rs=null"
+    ]
+
+
+# --- token budgets smaller than one sequence ---------------------------------------------------------
+
+# (switch, budget, extra overrides that make the role exist); the default lengths are 128 + 64 = 192.
+BUDGETS = [
+    ("actor.use_dynamic_bsz", "actor.ppo_max_token_len_per_gpu", []),
+    ("critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu", ["algorithm.adv_estimator=gae"]),
+    ("rollout.log_prob_use_dynamic_bsz", "rollout.log_prob_max_token_len_per_gpu", []),
+    ("ref.log_prob_use_dynamic_bsz", "ref.log_prob_max_token_len_per_gpu", ["actor.use_kl_loss=true"]),
+]
+
+
+@pytest.mark.parametrize(("switch", "budget", "extra"), BUDGETS, ids=[b[1] for b in BUDGETS])
+def test_a_token_budget_below_one_sequence_is_refused(switch: str, budget: str, extra: list[str]) -> None:
+    message = str(_error([*extra, f"{switch}=true", f"{budget}=191"]))
+    assert message == (
+        f"{budget}: 191 tokens cannot hold one sequence of data.max_prompt_length + "
+        f"data.max_response_length = 192 tokens while {switch}=true; "
+        f"fix: set {budget} to at least 192 (or {switch}=false)"
+    )
+    assert load_config(overrides=[*extra, f"{switch}=true", f"{budget}=192"])  # exactly one sequence fits
+    assert load_config(overrides=[*extra, f"{switch}=false", f"{budget}=191"])  # the budget is not used
+
+
+def test_the_budget_follows_the_lengths_and_names_the_verl_key() -> None:
+    message = str(
+        _error(
+            [
+                "data.max_prompt_length=1024",
+                "data.max_response_length=1024",
+                "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2000",
+            ]
+        )
+    )
+    assert message.startswith(
+        "actor.ppo_max_token_len_per_gpu (given as 'actor_rollout_ref.actor.ppo_max_token_len_per_gpu'): "
+        "2000 tokens cannot hold one sequence of data.max_prompt_length + data.max_response_length = 2048"
+    )
+
+
+def test_the_critic_budget_counts_only_with_a_critic() -> None:
+    cfg = load_config(overrides=["critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=10"])
+    assert not cfg.use_critic
+
+
+# --- empty file lists ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["data.train_files", "data.val_files"])
+def test_an_empty_file_list_is_refused(field: str) -> None:
+    message = str(_error([f"{field}=[]"]))
+    assert message.startswith(f"{field}: is an empty list; fix: ")
+    assert f"{field}=[FILE,...]" in message and f"{field}=null" in message
+
+
+def test_an_empty_file_list_in_yaml_is_refused(tmp_path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  train_files: [/d/train.parquet]\n  val_files: []\n")
+    with pytest.raises(ConfigError, match=r"^data\.val_files: is an empty list"):
+        load_config(str(path))
+    leaves, _ = schema_index()
+    assert "an empty list is an error" in leaves["data.train_files"].help
+    assert "an empty list is an error" in leaves["data.val_files"].help
+
+
+def test_file_lists_and_null_pass() -> None:
+    cfg = load_config(overrides=["data.train_files=[/d/a.parquet]", "data.val_files=null"])
+    assert cfg.data.train_files == ["/d/a.parquet"] and cfg.data.val_files is None
+
+
+# --- a rollout dtype other than the training compute dtype ---------------------------------------------
+
+
+@pytest.fixture
+def validate_warnings(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch):
+    """The validate module's warnings (the CLI's console logging stops propagation at 'hybridflow')."""
+    monkeypatch.setattr(logging.getLogger("hybridflow"), "propagate", True)
+
+    def messages(overrides: list[str]) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hybridflow.config.validate"):
+            load_config(overrides=overrides)
+        return [r.getMessage() for r in caplog.records if r.name == "hybridflow.config.validate"]
+
+    return messages
+
+
+@pytest.mark.parametrize(
+    ("overrides", "compute"),
+    [
+        (["rollout.dtype=float16"], "bfloat16 on GPU, float32 on CPU"),
+        (["rollout.dtype=fp16", "trainer.device=cuda"], "bfloat16 on GPU"),
+        (["rollout.dtype=float16", "actor.fsdp.param_dtype=bf16"], "bfloat16"),
+        (["rollout.dtype=bfloat16", "trainer.device=cpu"], "float32 on CPU"),
+    ],
+)
+def test_a_rollout_dtype_off_the_training_compute_dtype_warns_once(
+    validate_warnings, overrides: list[str], compute: str
+) -> None:
+    (message,) = validate_warnings(overrides)
+    rollout = overrides[0].split("=")[1]
+    param = next((o.split("=")[1] for o in overrides if o.startswith("actor.fsdp.param_dtype")), "auto")
+    assert message.startswith(
+        f"rollout.dtype={rollout} is not the training compute dtype "
+        f"(actor.fsdp.param_dtype={param}: {compute}): "
+        "the rollout log-probs will differ from the trainer's recomputation"
+    )
+    assert "rollout_corr/" in message and "importance weights" in message
+    assert message.endswith("leave rollout.dtype=auto to generate in the training compute dtype")
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],  # auto: the training compute dtype
+        ["rollout.dtype=bf16", "trainer.device=cuda"],
+        ["rollout.dtype=float32", "trainer.device=cpu"],
+        ["rollout.dtype=float16", "actor.fsdp.param_dtype=fp16"],
+        ["rollout.dtype=bfloat16"],  # trainer.device=auto: bfloat16 on GPU, which it matches
+    ],
+)
+def test_a_rollout_in_the_training_compute_dtype_is_silent(validate_warnings, overrides: list[str]) -> None:
+    assert validate_warnings(overrides) == []
+
+
+def test_rollout_dtype_help_says_auto_is_the_training_compute_dtype() -> None:
+    help_text = schema_index()[0]["rollout.dtype"].help
+    assert "auto (the training compute dtype, actor.fsdp.param_dtype" in help_text
