@@ -3,6 +3,13 @@
 Porting verl code means changing one import: ``from verl.trainer.ppo import core_algos`` becomes
 ``from hybridflow import algos as core_algos``. Functions take tensors and plain values; where verl passes a
 config object, any attribute object or mapping with the same field names works.
+
+Custom algorithms register as in verl, with ``@register_adv_est(name)`` and ``@register_policy_loss(name)``.
+A name registered before a config is validated is a valid ``algorithm.adv_estimator`` or
+``actor.policy_loss.loss_mode`` (``hybridflow.trainer`` hands these registries to config validation, which
+lists them in its unknown-value error). verl users register in their reward module: the module that
+``reward.custom_function.path`` names is imported, once, before those names are checked, and again in each
+rank process (a Ray rank, where the policy loss runs) before it builds its roles.
 """
 
 from hybridflow.algos.advantage import (

@@ -42,13 +42,26 @@ def _estimator_name(name_or_enum: str | Enum) -> str:
     raise TypeError(f"an advantage estimator name must be a str or AdvantageEstimator, got {name_or_enum!r}")
 
 
+def same_definition(a: Callable, b: Callable) -> bool:
+    """Whether two functions are one source definition (same module and qualified name), or the same."""
+    if a is b:
+        return True
+    key = (getattr(a, "__module__", None), getattr(a, "__qualname__", None))
+    return key[1] is not None and key == (getattr(b, "__module__", None), getattr(b, "__qualname__", None))
+
+
 def register_adv_est(name_or_enum: str | AdvantageEstimator) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Decorator registering an advantage estimator under ``name_or_enum``."""
+    """Decorator registering an advantage estimator under ``name_or_enum`` (a valid algorithm.adv_estimator).
+
+    Another function under a taken name is refused, unless it is the same definition run again (same
+    module and qualified name: a module executed again after its import failed, a notebook cell run again),
+    which replaces the earlier one.
+    """
     name = _estimator_name(name_or_enum)
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
         existing = ADV_ESTIMATOR_REGISTRY.get(name)
-        if existing is not None and existing is not fn:
+        if existing is not None and not same_definition(existing, fn):
             raise ValueError(
                 f"advantage estimator {name!r} is already registered to {existing.__module__}."
                 f"{existing.__qualname__}; register {fn.__qualname__} under a different name"

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.algos.advantage_base import same_definition
 from hybridflow.algos.aggregation import LOSS_AGG_MODES, agg_loss
 from hybridflow.utils.torch_functional import entropy_from_logits, masked_mean, masked_sum
 
@@ -140,11 +141,11 @@ POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {}
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator registering a policy loss under ``name`` (a later registration replaces an earlier one)."""
+    """Decorator registering a policy loss under ``name``, a valid loss_mode (a later one replaces it)."""
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         previous = POLICY_LOSS_REGISTRY.get(name)
-        if previous is not None and previous is not fn:
+        if previous is not None and not same_definition(previous, fn):  # the same one run again: no news
             logger.warning("policy loss %r re-registered: %s replaces %s", name, fn, previous)
         POLICY_LOSS_REGISTRY[name] = fn
         return fn

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 from hybridflow.config import load_config, to_yaml
 
@@ -32,23 +34,32 @@ def split_file_and_overrides(args: list[str]) -> tuple[str | None, list[str]]:
     return None, list(args)
 
 
+def _sets_model_path(key: str, value: Any) -> bool:
+    """Whether one override (a mapping value counts key by key) sets ``model.path``, verl aliases included."""
+    from hybridflow.config.aliases import resolve_alias
+
+    if resolve_alias(key)[0] == "model.path":
+        return True
+    return isinstance(value, Mapping) and any(_sets_model_path(f"{key}.{k}", v) for k, v in value.items())
+
+
 def names_a_model(overrides: list[str]) -> bool:
     """Whether ``key=value`` overrides alone set ``model.path`` (verl's way to run without a config file).
 
     Without a config file the training commands run their built-in demo, unless the overrides name a model
-    to train: then they are a run of their own, from the defaults.
+    to train: then they are a run of their own, from the defaults, whatever else the overrides say (a bad
+    value is that run's error, never a reason to run the demo). Only the keys are read; an override not of
+    the form key=value raises ConfigError.
     """
-    from hybridflow.config import load_config
-    from hybridflow.config.errors import ConfigError
+    from hybridflow.config import parse_overrides
 
-    try:
-        return load_config(None, overrides).model.path is not None
-    except ConfigError:
-        return False  # the demo, which takes the same overrides, reports the problem
+    return any(_sets_model_path(key, value) for key, value in parse_overrides(overrides))
 
 
 def run(args: argparse.Namespace) -> int:
     """Resolve and print the config."""
+    import hybridflow.trainer  # noqa: F401  (validates names registered by a reward module, as training does)
+
     path, overrides = split_file_and_overrides(args.args)
     cfg = load_config(path, overrides)
     sys.stdout.write(to_yaml(cfg))

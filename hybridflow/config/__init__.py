@@ -7,7 +7,7 @@ See docs/config.md for every key, the verl aliases and the validation rules.
 """
 
 from hybridflow.config.aliases import VERL_ALIASES
-from hybridflow.config.choices import CHOICES, add_choice
+from hybridflow.config.choices import CHOICES, add_choice, register_choice_source
 from hybridflow.config.errors import ConfigError, Problem
 from hybridflow.config.loader import (
     config_from_dict,
@@ -56,6 +56,7 @@ __all__ = [
     "load_config",
     "parse_overrides",
     "parse_value",
+    "register_choice_source",
     "save_config",
     "schema_index",
     "to_yaml",

@@ -1,11 +1,19 @@
 """The valid names of every enumerated config field.
 
 These lists live here, not in ``hybridflow.algos``, because config (L1) must not import the algorithms
-(L2). The names follow verl's registries. A user who registers a custom estimator or policy loss also
-calls ``add_choice`` (the trainer does it for everything in the algos registries) so the name validates.
+(L2). The names follow verl's registries. A higher layer can add names that exist only at run time through
+a choice source: ``register_choice_source(path, source)``, where ``source(cfg)`` returns more valid names
+for ``path``; validation asks the sources of a field only for a value outside its built-in list. The
+trainer (importing ``hybridflow.trainer`` is enough) registers the algos registries this way, so a name
+registered with ``@register_adv_est`` or ``@register_policy_loss`` before a config is validated, or by the
+module ``reward.custom_function.path`` names, is a valid ``algorithm.adv_estimator`` or
+``actor.policy_loss.loss_mode``. ``add_choice`` adds one fixed name to any enumerated field.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
 
 ADV_ESTIMATORS = [
     "gae",
@@ -17,6 +25,9 @@ ADV_ESTIMATORS = [
     "remax",
     "opo",
     "gpg",
+    "grpo_vectorized",
+    "rloo_vectorized",
+    "gdpo",
 ]
 POLICY_LOSSES = ["vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "cispo", "reinforce"]
 LOSS_AGG_MODES = [
@@ -71,11 +82,58 @@ CHOICES: dict[str, list[str]] = {
 }
 
 
-def add_choice(path: str, name: str) -> None:
-    """Accept ``name`` as a value of the enumerated field ``path`` (e.g. a custom advantage estimator)."""
+# A choice source: called with the Config being validated, returns more valid names for its field. It may
+# raise ConfigError when it cannot answer (a module it must import is broken): its problems are reported.
+ChoiceSource = Callable[[Any], Iterable[str]]
+_SOURCES: dict[str, list[ChoiceSource]] = {}
+
+# How a user adds a name of their own to a field that has choice sources (shown with the unknown-value error).
+REGISTER_HINTS: dict[str, str] = {
+    "algorithm.adv_estimator": "@register_adv_est(name)",
+    "actor.policy_loss.loss_mode": "@register_policy_loss(name)",
+}
+
+
+def _check_enumerated(path: str) -> None:
     if path not in CHOICES:
         raise ValueError(
             f"{path!r} is not an enumerated config field; those are: {', '.join(sorted(CHOICES))}"
         )
+
+
+def add_choice(path: str, name: str) -> None:
+    """Accept ``name`` as a value of the enumerated field ``path`` (e.g. a custom advantage estimator)."""
+    _check_enumerated(path)
     if name not in CHOICES[path]:
         CHOICES[path].append(name)
+
+
+def register_choice_source(path: str, source: ChoiceSource) -> None:
+    """Also accept, for the enumerated field ``path``, the names ``source(cfg)`` returns at validation."""
+    _check_enumerated(path)
+    sources = _SOURCES.setdefault(path, [])
+    if source not in sources:
+        sources.append(source)
+
+
+def choices_for(path: str, cfg: Any) -> list[str]:
+    """The valid names of ``path`` for ``cfg``: the built-in ones, then those of its sources, in order."""
+    names = list(CHOICES[path])
+    for source in _SOURCES.get(path, []):
+        names += [n for n in source(cfg) if n not in names]
+    return names
+
+
+def unknown_choice_fix(path: str, names: list[str]) -> str:
+    """The fix of an unknown value of ``path``: the valid ``names``, and how to register one's own."""
+    fix = f"use one of: {', '.join(names)}"
+    hint = REGISTER_HINTS.get(path)
+    if hint is None:
+        return fix
+    fix += (
+        f"; or register your own with {hint} from hybridflow.algos, before the config is built or in the "
+        "module reward.custom_function.path names"
+    )
+    if path not in _SOURCES:
+        fix += " (registered names count once hybridflow.trainer is imported)"
+    return fix

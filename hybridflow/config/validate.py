@@ -118,11 +118,21 @@ def _check_ranges(cfg: Config, out: list[Problem]) -> None:
 
 
 def _check_choices(cfg: Config, out: list[Problem]) -> None:
+    """Each enumerated field holds a built-in name, or one of its choice sources' (asked only then)."""
+    from hybridflow.config.choices import choices_for, unknown_choice_fix
+
     for path, names in CHOICES.items():
         value = get_path(cfg, path)
         for v in value if isinstance(value, list) else [value]:
-            if v is not None and v not in names:
-                out.append(Problem(path, f"unknown value {v!r}", f"use one of: {', '.join(names)}"))
+            if v is None or v in names:
+                continue
+            try:
+                valid = choices_for(path, cfg)
+            except ConfigError as exc:  # a source could not answer (a module it imports is broken)
+                out.extend(p for p in exc.problems if p not in out)
+                continue
+            if v not in valid:
+                out.append(Problem(path, f"unknown value {v!r}", unknown_choice_fix(path, valid)))
 
 
 def _check_batches(cfg: Config, role: str, out: list[Problem]) -> None:

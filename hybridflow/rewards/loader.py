@@ -6,6 +6,9 @@
   * ``package.module:fn`` (or a bare module name with ``name``), imported normally.
 Functions loaded from a file are remembered with their ``(path, name)``, so a process pool can load them
 again in its workers (a file-loaded module is not importable there, so such a function cannot be pickled).
+A module is imported once per process, as Python imports modules: ``import_reward_module`` (which the
+trainer calls to find the estimators and losses a reward module registers) and every later load return the
+same module object, so its decorators run once and its state is shared.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def _is_file_spec(target: str) -> bool:
 
 
 def _load_file(path: str) -> ModuleType:
-    """Execute a .py file as a fresh module (under a name derived from its absolute path)."""
+    """Execute a .py file as a module (named after its absolute path), or return it if already executed."""
     abs_path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(abs_path):
         raise ValueError(
@@ -46,6 +49,9 @@ def _load_file(path: str) -> ModuleType:
             "or 'package.module:function' for an importable module"
         )
     module_name = "_hybridflow_reward_" + hashlib.sha1(abs_path.encode()).hexdigest()[:12]
+    loaded = sys.modules.get(module_name)
+    if loaded is not None:
+        return loaded  # executed once per process: its registrations and state stay as they are
     spec = importlib.util.spec_from_file_location(module_name, abs_path)
     if spec is None or spec.loader is None:
         raise ValueError(f"cannot load {abs_path} as Python code; the reward file must be a .py file")
@@ -70,15 +76,28 @@ def _import_module(target: str) -> ModuleType:
             f"cannot import reward module {target!r}: {exc}; give a .py file path or an importable "
             "'package.module:function'"
         ) from exc
+    except Exception as exc:  # the module's own code failed: name it, as for a file
+        raise ValueError(f"importing reward module {target!r} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _check_path(path: str) -> None:
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"reward function path must be a non-empty string, got {path!r}")
+
+
+def import_reward_module(path: str) -> ModuleType:
+    """The module a ``reward.custom_function.path`` names (``file.py[:fn]``, ``pkg.module[:fn]``), imported once."""
+    _check_path(path)
+    target, _ = _split_spec(path.strip(), "compute_score")
+    return _load_file(target) if _is_file_spec(target) else _import_module(target)
 
 
 def load_reward_function(path: str, name: str = "compute_score") -> Callable:
     """Load the reward function ``name`` from a .py file or an importable module (``module:function``)."""
-    if not isinstance(path, str) or not path.strip():
-        raise ValueError(f"reward function path must be a non-empty string, got {path!r}")
+    _check_path(path)
     target, fn_name = _split_spec(path.strip(), name)
     from_file = _is_file_spec(target)
-    module = _load_file(target) if from_file else _import_module(target)
+    module = import_reward_module(target)
     where = module.__file__ if from_file else target
     if not hasattr(module, fn_name):
         available = sorted(

@@ -17,7 +17,8 @@ class RLTrainer:
 
     ``RLTrainer(model_name="path/to/model", reward_fn=fn, algorithm="grpo", max_steps=100,
     overrides=["rollout.n=8"])``. ``reward_fn`` has verl's signature
-    ``fn(data_source, solution_str, ground_truth, extra_info=None) -> float``.
+    ``fn(data_source, solution_str, ground_truth, extra_info=None) -> float``. ``algorithm`` is any
+    estimator name, one registered with ``@register_adv_est`` before this call included.
     """
 
     def __init__(

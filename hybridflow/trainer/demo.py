@@ -10,11 +10,14 @@ Everything lands in the run directory (configs, models, metrics.jsonl, curves.pn
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
-from hybridflow.config import load_config
+from hybridflow.config import Config, ConfigError, Problem, load_config, parse_overrides
+from hybridflow.config.aliases import resolve_alias
 from hybridflow.data import collate_prompts, load_split_rows
 from hybridflow.models import build_tiny_model_and_tokenizer
 from hybridflow.trainer.builder import build_preference_components, load_policy
@@ -95,13 +98,60 @@ def accuracy(metrics: dict[str, float]) -> float:
     return next(v for k, v in metrics.items() if k.endswith("/acc/mean@1"))
 
 
+def _texts_by_path(overrides: list[str]) -> dict[str, str]:
+    """Our field path -> the ``key=value`` text, for each override (the last one of a field wins)."""
+    pairs = parse_overrides(overrides)
+    return {resolve_alias(key)[0]: text.strip() for (key, _), text in zip(pairs, overrides)}
+
+
+def _mentions(text: str, path: str) -> bool:
+    return re.search(rf"(?<![\w.]){re.escape(path)}(?!\w)", text) is not None
+
+
+def _own_values(problem: Problem, demo: dict[str, str], user: dict[str, str]) -> Problem:
+    """``problem`` saying which of the values it quotes are the demo's own settings, and which the user's."""
+    text = f"{problem.path} {problem.message} {problem.fix}"
+    ours = sorted((p for p in demo if _mentions(text, p)), key=lambda p: p != problem.path)
+    if not ours:
+        return problem
+    yours = [user[p] for p in user if _mentions(text, p)]
+    note = f"the demo sets {', '.join(demo[p] for p in ours)}" + (
+        f"; you set {', '.join(yours)}" if yours else ""
+    )
+    return dataclasses.replace(problem, message=f"{problem.message} [{note}]")
+
+
+def _demo_config(settings: list[str], overrides: list[str], last: list[str]) -> Config:
+    """The demo's ``settings``, then the user's ``overrides``, then ``last`` (which win over the user's)."""
+    final = _texts_by_path(last)
+    user = {p: t for p, t in _texts_by_path(overrides).items() if p not in final}
+    demo = {p: t for p, t in _texts_by_path(settings).items() if p not in user} | final
+    try:
+        return load_config(None, settings + overrides + last)
+    except ConfigError as exc:
+        raise ConfigError([_own_values(p, demo, user) for p in exc.problems]) from None
+
+
+def demo_configs(
+    overrides: list[str], sft_overrides: list[str] | None = None, extra: list[str] | None = None
+) -> tuple[Config, Config]:
+    """The configs of the demo's RL phase and of its SFT warm-up, with the user's ``overrides``.
+
+    A problem says which of the values it quotes are the demo's own. The warm-up has no mini-batches: its
+    ``actor.ppo_mini_batch_size`` is its batch, so the RL phase's batch settings never fail its checks.
+    """
+    settings = DEMO_OVERRIDES + list(extra or [])
+    cfg = _demo_config(settings, list(overrides), [])
+    # The command line's overrides configure the RL phase; the warm-up keeps its own SFT settings.
+    sft = SFT_OVERRIDES + list(sft_overrides or [])
+    batch = dict(parse_overrides(sft)).get("data.train_batch_size", cfg.data.train_batch_size)
+    sft_cfg = _demo_config(settings, list(overrides), [*sft, f"actor.ppo_mini_batch_size={batch}"])
+    return cfg, sft_cfg
+
+
 def warm_up(overrides: list[str], sft_overrides: list[str] | None, extra: list[str]) -> tuple[Any, Path]:
     """Build the tiny model and SFT it on the task's reference answers; returns (config, run directory)."""
-    cfg = load_config(None, DEMO_OVERRIDES + extra + list(overrides or []))
-    # The command line's overrides configure the RL phase; the warm-up keeps its own SFT settings.
-    sft_cfg = load_config(
-        None, DEMO_OVERRIDES + extra + list(overrides or []) + SFT_OVERRIDES + list(sft_overrides or [])
-    )
+    cfg, sft_cfg = demo_configs(overrides, sft_overrides, extra)
     run_dir = Path(cfg.trainer.run_dir())
     set_seed(cfg.trainer.seed)
     model, tokenizer = build_tiny_model_and_tokenizer(

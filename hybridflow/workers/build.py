@@ -83,7 +83,15 @@ def build_roles(
 
 
 def build_rank_worker(cfg: Config, total_steps: int, roles: tuple[str, ...], group: str) -> RankWorker:
-    """A rank of a worker group: loads the policy from ``model.path`` and builds its roles (Ray ranks)."""
+    """A rank of a worker group: loads the policy from ``model.path`` and builds its roles (Ray ranks).
+
+    A rank is a process of its own, rebuilt from the config: it first imports the module
+    ``reward.custom_function.path`` names, so that a policy loss registered there exists here too.
+    """
+    if cfg.reward.custom_function.path:
+        from hybridflow.rewards.loader import import_reward_module
+
+        import_reward_module(cfg.reward.custom_function.path)
     set_seed(cfg.trainer.seed)
     model, tokenizer = load_policy(cfg)
     worker = RankWorker(build_roles(cfg, model, total_steps, pad_id_of(tokenizer), roles), tokenizer, group)

@@ -134,3 +134,42 @@ def test_real_process(tmp_path: Path, run_yaml: str) -> None:
         in bad.stderr
     )
     assert "Traceback" not in bad.stderr
+
+
+def test_config_show_lists_the_names_a_reward_module_registers(tmp_path: Path) -> None:
+    """A fresh `hybridflow config show`: the module reward.custom_function.path names is imported before
+    algorithm.adv_estimator is checked, and the unknown-value error lists what it registered (in-process,
+    tests/trainer/test_custom_algos.py trains with such names)."""
+    module = tmp_path / "my_reward.py"
+    module.write_text(
+        "from hybridflow import algos as core_algos\n\n\n"
+        "@core_algos.register_adv_est('file_estimator')\n"
+        "def file_estimator(token_level_rewards, response_mask, **kwargs):\n"
+        "    return response_mask, response_mask\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridflow.cli.main",
+        "config",
+        "show",
+        f"reward.custom_function.path={module}",
+    ]
+    bad = subprocess.run(
+        [*cmd, "algorithm.adv_estimator=file_estimatr"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert "error: algorithm.adv_estimator: unknown value 'file_estimatr'" in bad.stderr
+    assert "gdpo, file_estimator; or register your own with @register_adv_est(name)" in bad.stderr
+
+
+def test_config_show_accepts_registered_builtins_and_lists_them(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "show", "algorithm.adv_estimator=gdpo"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["algorithm"]["adv_estimator"] == "gdpo"
+    assert main(["config", "show", "actor.policy_loss.loss_mode=vanila"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "error: actor.policy_loss.loss_mode: unknown value 'vanila'; fix: use one of: vanilla,"
+    )
+    assert "@register_policy_loss(name)" in err

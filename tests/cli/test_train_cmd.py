@@ -9,14 +9,15 @@ import pytest
 
 from hybridflow.cli.config_cmd import names_a_model
 from hybridflow.cli.main import main
+from hybridflow.config import ConfigError
 from hybridflow.models import build_tiny_model_and_tokenizer
+from hybridflow.trainer import demo
 
 
 def test_only_a_model_path_turns_overrides_into_a_run() -> None:
     assert names_a_model(["model.path=/m", "rollout.n=2"])
     assert names_a_model(["actor_rollout_ref.model.path=/m"])  # the verl key
     assert not names_a_model(["rollout.n=2"]) and not names_a_model([])
-    assert not names_a_model(["model.path=/m", "rollout.n=-3"])  # the demo path reports the bad value
 
 
 def test_train_with_overrides_alone_trains_the_named_model(
@@ -40,3 +41,98 @@ def test_train_with_overrides_alone_trains_the_named_model(
 def test_kto_without_a_config_or_model_names_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["kto", "trainer.seed=3"]) == 2
     assert "needs a config file or model.path=DIR" in capsys.readouterr().err
+
+
+def test_a_model_is_named_by_the_keys_whatever_the_values() -> None:
+    assert names_a_model(["model.path=/m", "rollout.n=-3"])  # the run reports the bad value, not the demo
+    assert names_a_model(["actor.ppo_mini_batch_size=32", "++actor_rollout_ref.model.path=/m"])
+    assert names_a_model(["actor_rollout_ref.model={path: /m}"])  # a mapping under the verl key
+    assert not names_a_model(["rollout.n=-3", "reward.model.path=/rm"])  # a reward model is not the policy
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        names_a_model(["model.path=/m", "rollout.top_k"])
+
+
+def _forbid_the_demo(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_demo(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the demo started")
+
+    monkeypatch.setattr(demo, "run_demo", no_demo)
+    monkeypatch.setattr(demo, "run_dpo_demo", no_demo)
+    monkeypatch.setattr(demo, "warm_up", no_demo)
+
+
+@pytest.mark.parametrize("command", ["train", "dpo", "kto"])
+@pytest.mark.parametrize("model_key", ["model.path", "actor_rollout_ref.model.path"])
+@pytest.mark.parametrize(
+    ("bad", "quoted"),
+    [
+        ("actor.ppo_mini_batch_size=32", "32 prompts is larger than the batch (data.train_batch_size=16)"),
+        ("actor.ppo_micro_batch_size_per_gpu=3", "3 does not divide the per-GPU mini-batch of 128 samples"),
+    ],
+)
+def test_a_named_model_with_a_bad_override_is_reported_not_replaced_by_the_demo(
+    command: str,
+    model_key: str,
+    bad: str,
+    quoted: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _forbid_the_demo(monkeypatch)
+    run_dir = tmp_path / "run"
+    args = [f"{model_key}={tmp_path / 'model'}", bad, f"trainer.default_local_dir={run_dir}"]
+    assert main([command, *args]) == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and quoted in errors[0], captured.err
+    assert "256" not in errors[0] and "model.path" not in errors[0]  # neither the demo's values nor its fix
+    assert "SFT" not in captured.err and captured.out == ""
+    assert not run_dir.exists()
+
+
+def test_kto_with_a_missing_model_names_the_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _forbid_the_demo(monkeypatch)
+    rows = tmp_path / "kto.jsonl"
+    rows.write_text(json.dumps({"prompt": "1+1=", "completion": "2", "label": True}) + "\n")
+    missing = tmp_path / "no_such_model"
+    args = [
+        f"model.path={missing}",
+        f"data.train_files=[{rows}]",
+        f"trainer.default_local_dir={tmp_path / 'r'}",
+    ]
+    assert main(["kto", *args]) == 2
+    err = capsys.readouterr().err
+    assert f"error: model path '{missing}' is not a local directory" in err
+    assert "needs a config file" not in err
+
+
+def test_the_demo_says_which_values_of_an_error_are_its_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    assert main(["train", "rollout.n=3", f"trainer.default_local_dir={run_dir}"]) == 2
+    (error,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert "rollout.n=3" in error  # the user's value
+    assert (
+        "[the demo sets actor.ppo_micro_batch_size_per_gpu=256, actor.ppo_mini_batch_size=32; you set rollout.n=3]"
+        in error
+    )
+    assert not run_dir.exists()
+
+
+def test_the_demo_quotes_the_users_batch_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "data.train_batch_size=16", f"trainer.default_local_dir={tmp_path}"]) == 2
+    (error,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert "(data.train_batch_size=16)" in error and "the demo sets actor.ppo_mini_batch_size=32" in error
+
+
+def test_the_warm_up_config_accepts_what_the_rl_phase_accepts() -> None:
+    """The SFT warm-up replaces the user's micro-batch with its own: its check must not fail on theirs."""
+    cfg, sft_cfg = demo.demo_configs(["rollout.n=5", "actor.ppo_micro_batch_size_per_gpu=80"])
+    assert cfg.actor.ppo_micro_batch_size_per_gpu == 80 and cfg.rollout.n == 5
+    assert sft_cfg.actor.ppo_micro_batch_size_per_gpu == 64 and sft_cfg.data.train_batch_size == 64
+    with pytest.raises(ConfigError, match=r"rollout\.n: must be at least 1, got -3"):
+        demo.demo_configs(["rollout.n=-3"])
