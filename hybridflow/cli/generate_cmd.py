@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the model, prompt, output and sampling options."""
     parser.add_argument("--model", required=True, help="Local Hugging Face model directory.")
     parser.add_argument(
+        "--tokenizer", default=None, help="Tokenizer directory, when it is not the --model directory."
+    )
+    parser.add_argument(
         "--prompts",
         required=True,
         help='JSONL file: one object per line with "prompt" (text, or chat messages) or "messages".',
@@ -100,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     use_device_type(args.device, "--device")  # a missing GPU stops here, with the fix
     device = torch.device("cuda" if cuda_in_use() else "cpu")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.tokenizer or args.model, fix_option="--tokenizer")
     model = load_causal_lm(args.model, dtype=dtype).to(device).eval()
     prompts = read_prompts(args.prompts, tokenizer)
     params = sampling_params(args, model, tokenizer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -16,6 +17,7 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
 )
 
 logger = logging.getLogger(__name__)
@@ -166,14 +168,35 @@ def load_causal_lm(
     return model
 
 
+# Files that hold a tokenizer's vocabulary: the fast tokenizer, BPE/WordPiece vocabularies, and (by suffix)
+# sentencepiece models (tokenizer.model, spiece.model, ...) and tiktoken files.
+_VOCAB_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")
+_VOCAB_SUFFIXES = ("*.model", "*.tiktoken")
+# Class names meaning "the tokenizers library's own tokenizer, exactly as tokenizer.json defines it".
+_GENERIC_FAST = ("PreTrainedTokenizerFast", "TokenizersBackend")
+# Encoded right after loading: every usable tokenizer gives at least one id for some of these characters
+# (letters, digits, operators), so an empty result means the vocabulary did not load.
+_PROBE = "Hello world. 12 + 3 = 15"
+
+
 def load_tokenizer(
-    path: str | os.PathLike, trust_remote_code: bool = False, **kwargs: Any
+    path: str | os.PathLike,
+    trust_remote_code: bool = False,
+    fix_option: str = "model.tokenizer_path",
+    **kwargs: Any,
 ) -> PreTrainedTokenizerBase:
-    """Load a tokenizer from a local directory; one without a pad token gets pad = eos."""
+    """Load a tokenizer from a local directory; one without a pad token gets pad = eos.
+
+    ``fix_option`` is the setting that points at another tokenizer directory, named in errors.
+    """
     tok_dir = resolve_local_dir(path, need=("tokenizer_config.json", "tokenizer.json", "config.json"))
-    tokenizer = AutoTokenizer.from_pretrained(
+    tok_config = _read_tokenizer_config(tok_dir)
+    _check_tokenizer_files(tok_dir, tok_config, fix_option)
+    cls = _tokenizer_class(tok_dir, tok_config)
+    tokenizer = cls.from_pretrained(
         tok_dir, trust_remote_code=trust_remote_code, local_files_only=True, **kwargs
     )
+    _check_encodes_text(tokenizer, tok_dir)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(
@@ -186,3 +209,70 @@ def load_tokenizer(
             _PAD_DEFAULT_LOGGED.add(key)
             logger.warning("tokenizer at %s has no pad token; using eos %r as pad", path, tokenizer.eos_token)
     return tokenizer
+
+
+def _read_tokenizer_config(tok_dir: Path) -> dict[str, Any]:
+    """tokenizer_config.json as a dict ({} when the file is absent)."""
+    file = tok_dir / "tokenizer_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file} is not valid JSON ({exc.msg}); re-save the tokenizer") from None
+    return config if isinstance(config, dict) else {}
+
+
+def _check_tokenizer_files(tok_dir: Path, tok_config: dict[str, Any], fix_option: str) -> None:
+    """Refuse a directory without a vocabulary: transformers would quietly build an empty tokenizer."""
+    if "auto_map" in tok_config:
+        return  # remote-code tokenizers name their own vocabulary files; the probe checks what loads
+    if any((tok_dir / name).is_file() for name in _VOCAB_FILES):
+        return
+    if any(f.is_file() for pattern in _VOCAB_SUFFIXES for f in tok_dir.glob(pattern)):
+        return
+    has_config = (tok_dir / "tokenizer_config.json").is_file()
+    what = (
+        "tokenizer_config.json but no vocabulary"
+        if has_config
+        else "no tokenizer files (no tokenizer.json or tokenizer_config.json)"
+    )
+    raise ValueError(
+        f"{tok_dir} has {what}: it needs tokenizer.json, or a vocabulary file "
+        "(vocab.json + merges.txt, tokenizer.model or vocab.txt), next to tokenizer_config.json. Copy the "
+        f"tokenizer files of the model into {tok_dir}, or set {fix_option}=DIR to a directory that has them"
+    )
+
+
+def _tokenizer_class(tok_dir: Path, tok_config: dict[str, Any]) -> type:
+    """The class to load: the one tokenizer_config.json names when it is the generic fast tokenizer.
+
+    transformers 5's AutoTokenizer overrides a generic ``tokenizer_class`` (or its absence) with the model
+    type's own class, e.g. Qwen2Tokenizer next to a qwen2 config.json, which rebuilds tokenizer.json as a
+    byte-level BPE: a WordLevel vocabulary then encodes every prompt to nothing. Specific class names and
+    remote code stay with AutoTokenizer, which also corrects known mislabelled hub tokenizers.
+    """
+    named = tok_config.get("tokenizer_class")
+    if "auto_map" in tok_config:
+        return AutoTokenizer
+    if named in _GENERIC_FAST or (named is None and (tok_dir / "tokenizer.json").is_file()):
+        return PreTrainedTokenizerFast
+    return AutoTokenizer
+
+
+def _check_encodes_text(tokenizer: PreTrainedTokenizerBase, tok_dir: Path) -> None:
+    """Refuse a tokenizer that turns non-empty text into no tokens (its vocabulary did not load)."""
+    try:
+        ids = tokenizer.encode(_PROBE, add_special_tokens=False)
+    except Exception:  # e.g. a WordLevel vocabulary without [UNK]: real prompts will report their own error
+        logger.debug("tokenizer probe %r failed for %s", _PROBE, tok_dir, exc_info=True)
+        return
+    if ids:
+        return
+    name = type(tokenizer).__name__
+    raise ValueError(
+        f"the tokenizer in {tok_dir} loaded as {name} and turns text into no tokens (it encodes "
+        f"{_PROBE!r} to []), so every prompt would be empty. If tokenizer.json is a custom tokenizer, set "
+        f'"tokenizer_class": "PreTrainedTokenizerFast" in {tok_dir / "tokenizer_config.json"}; otherwise '
+        "copy the model's own tokenizer files into the directory"
+    )
