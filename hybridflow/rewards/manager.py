@@ -16,11 +16,14 @@ numeric ``"score"`` raises ``RewardError`` naming the sample index, its data sou
 ``on_error="zero"`` the sample scores 0 instead, a warning is logged, and the extras always carry
 ``reward/errors`` (1.0 for each failed sample, 0.0 otherwise; its sum is the error count).
 
-``num_workers > 0`` scores naive and token functions in a spawned process pool, one sample per task, with a
-``timeout_s`` limit per sample (a timeout is an error like the others). The function must be picklable (a
-module-level function of an importable module) or come from a file: pass ``(path, name)``, or a function
-returned by ``load_reward_function``, and the workers load the file themselves. Without a pool there is no
-timeout. Batch functions always run in the calling process.
+Every call is limited to ``timeout_s`` seconds (one sample, or the whole batch for a batch function); a
+timeout is an error like the others, reported with the limit and the settings that change it.
+``num_workers > 0`` scores naive and token functions in a spawned process pool, one sample per task, where
+a stuck call is killed. The function must be picklable (a module-level function of an importable module)
+or come from a file: pass ``(path, name)``, or a function returned by ``load_reward_function``, and the
+workers load the file themselves. With ``num_workers=0``, and for batch functions always, the calls run in
+the calling process (``in_process.run_here``: under a timer on the main thread, on a daemon thread
+elsewhere); a call stuck in C code cannot be stopped there, only reported.
 """
 
 from __future__ import annotations
@@ -30,16 +33,17 @@ import logging
 import math
 import numbers
 import pickle
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from hybridflow.rewards.in_process import run_here
 from hybridflow.rewards.loader import (
     describe_function,
     file_source,
     is_token_reward_function,
     load_reward_function,
 )
-from hybridflow.rewards.pool import ScoringPool
+from hybridflow.rewards.pool import RewardTimeoutError, ScoringPool
 from hybridflow.rewards.scorer import default_compute_score
 
 logger = logging.getLogger(__name__)
@@ -207,17 +211,15 @@ class RewardManager:
         return self._collect(outcomes, sources)
 
     def _outcomes(self, calls: list[tuple[tuple, dict]], extra_args: tuple) -> Iterable[tuple[bool, Any]]:
-        """Outcomes of per-sample calls: in the pool, or lazily here (so a raise stops at the first error)."""
+        """Outcomes of per-sample calls, in the pool or on a thread here.
+
+        In-process with on_error=raise, no call is made after one that raised or timed out. (A bad return
+        value is found later, by ``_collect``: checking it here too would double the per-sample cost.)
+        """
         if self.num_workers > 0:
             return self._get_pool(extra_args).run(calls)
-        return self._call_here(calls, extra_args)
-
-    def _call_here(self, calls: list[tuple[tuple, dict]], extra_args: tuple) -> Iterator[tuple[bool, Any]]:
-        for args, kwargs in calls:
-            try:
-                yield True, self.compute_score(*args, *extra_args, **kwargs)
-            except Exception as exc:
-                yield False, exc
+        stop = self.on_error == "raise"
+        return run_here(self.compute_score, calls, self.timeout_s, extra_args, stop, self.fn_name)
 
     def _get_pool(self, extra_args: tuple) -> ScoringPool:
         """The pool, (re)started when first needed or when the tokenizer it holds changes."""
@@ -232,29 +234,33 @@ class RewardManager:
     def _batch_outcomes(
         self, sources: list, texts: list, truths: list, infos: list
     ) -> list[tuple[bool, Any]]:
-        """One call with lists; a failure of the call itself fails every sample."""
+        """One call with lists, under the timeout; a failure of the call itself fails every sample."""
         n = len(texts)
-        try:
-            values = self.compute_score(
-                data_sources=sources,
-                solution_strs=texts,
-                ground_truths=truths,
-                extra_infos=infos,
-                **self.reward_kwargs,
-            )
-            if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__"):
-                raise _BadResult(f"batch reward function returned a {type(values).__name__}, expected a list")
-            if len(values) != n:
-                raise _BadResult(f"batch reward function returned {len(values)} scores for {n} samples")
-        except Exception as exc:
-            if self.on_error == "raise":
-                raise RewardError(
-                    f"batch reward function {self.fn_name} failed on a batch of {n} samples (data sources: "
-                    f"{', '.join(sorted(set(map(str, sources))))}): {type(exc).__name__}: {exc}. Fix the "
-                    "function, or set reward.on_error=zero to score failing samples 0"
-                ) from exc
-            return [(False, exc)] * n
-        return [(True, v) for v in values]
+        kwargs = dict(
+            data_sources=sources,
+            solution_strs=texts,
+            ground_truths=truths,
+            extra_infos=infos,
+            **self.reward_kwargs,
+        )
+        [(ok, values)] = run_here(self.compute_score, [((), kwargs)], self.timeout_s, name=self.fn_name)
+        if not ok:
+            problem = values
+        elif isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__"):
+            problem = _BadResult(f"batch reward function returned a {type(values).__name__}, expected a list")
+        elif len(values) != n:
+            problem = _BadResult(f"batch reward function returned {len(values)} scores for {n} samples")
+        else:
+            return [(True, v) for v in values]
+        if self.on_error == "raise":
+            what = f"{type(problem).__name__}: {problem}"
+            if isinstance(problem, RewardTimeoutError):
+                what = str(problem)
+            raise RewardError(
+                f"batch reward function {self.fn_name} failed on a batch of {n} samples (data sources: "
+                f"{', '.join(sorted(set(map(str, sources))))}): {what}. {self._fix(problem)}"
+            ) from problem
+        return [(False, problem)] * n
 
     def _collect(
         self, outcomes: Iterable[tuple[bool, Any]], sources: list
@@ -271,13 +277,14 @@ class RewardManager:
                 score, extras = _check_result(value)
                 errors.append(0.0)
             except _BadResult as bad:
-                message = (
-                    f"reward function {self.fn_name} failed on sample {i} (data_source={sources[i]!r}): {bad}"
-                )
+                cause = value if not ok else None
+                sample = f"sample {i} (data_source={sources[i]!r})"
+                if isinstance(cause, RewardTimeoutError):
+                    message = f"reward function {self.fn_name} on {sample}: {cause}"
+                else:
+                    message = f"reward function {self.fn_name} failed on {sample}: {bad}"
                 if self.on_error == "raise":
-                    raise RewardError(
-                        f"{message}. Fix the function, or set reward.on_error=zero to score failing samples 0"
-                    ) from (value if not ok else None)
+                    raise RewardError(f"{message}. {self._fix(cause)}") from cause
                 failures.append(message)
                 score, extras = 0.0, {}
                 errors.append(1.0)
@@ -295,6 +302,19 @@ class RewardManager:
                 failures[0],
             )
         return scores, extra_lists
+
+    def _fix(self, cause: BaseException | None) -> str:
+        """What to do about a failed call: the timeout settings for a timeout, else fix the function."""
+        zero = "set reward.on_error=zero to score failing samples 0"
+        if not isinstance(cause, RewardTimeoutError):
+            return f"Fix the function, or {zero}"
+        fix = f"Make the function faster or raise reward.timeout_s (now {self.timeout_s} s), or {zero}"
+        if self.num_workers > 0 and self.kind != "batch":
+            return fix
+        fix += "; in-process, a stuck call keeps running in the background"
+        if self.kind != "batch":  # batch functions always run in-process
+            fix += " (reward.num_workers=N scores in worker processes, which are killed instead)"
+        return fix
 
     def close(self) -> None:
         """Stop the worker processes, if any (a later ``score`` starts new ones)."""

@@ -5,7 +5,8 @@ Timeouts are enforced twice. Inside the worker a ``SIGALRM`` timer interrupts th
 the signal, so the parent also gives each task a hard deadline of ``timeout_s + HARD_TIMEOUT_GRACE_S``
 after submission; past it the workers are killed, the task is reported as timed out, and the other tasks
 in flight are re-run in a fresh pool. At most ``num_workers`` tasks are in flight, so a task starts when it
-is submitted and the deadline does not count time spent queueing.
+is submitted and the deadline does not count time spent queueing. ``hybridflow.rewards.in_process`` holds
+the timeouts of calls made in the trainer's own process.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class ScoringPool:
                 i, _ = running.pop(future)
                 outcomes[i] = (
                     False,
-                    RewardTimeoutError(f"no result after {hard_limit:.1f} s; worker killed"),
+                    RewardTimeoutError(f"timed out: no result after {hard_limit:.1f} s; worker killed"),
                 )
             if expired or broken:
                 # A dead worker breaks the whole executor; a stuck one can only be killed. Start afresh.

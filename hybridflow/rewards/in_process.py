@@ -1,0 +1,213 @@
+"""Reward calls in the trainer's own process, each limited to ``timeout_s`` (``reward.num_workers=0``).
+
+On the main thread (the usual case) the calls run right here under a ``SIGALRM`` timer, as in the pool's
+workers: it interrupts Python code and blocking system calls (``time.sleep``, a socket read), and the
+function keeps the main thread, so reward functions that set timers of their own (``signal.alarm``, as
+math graders such as math_verify do) still work. A call stuck inside C code never sees the signal: a
+watchdog thread then reports it, naming the function and the sample, once it has run
+``STUCK_REPORT_AFTER_S`` past its limit (only worker processes can be killed: ``reward.num_workers > 0``).
+
+Elsewhere (the scorer on a background thread, ``reward.launch_async``, where no signal arrives) a daemon
+thread makes the calls one after another while the calling thread waits. The worker only stamps ``(call
+index, start time)`` before each call, so a fast reward pays well under a microsecond per sample, and the
+waiting thread wakes only at the deadline of the call in progress. A call past its deadline is abandoned:
+the calls after it continue on a fresh thread, and the stuck thread is sent an asynchronous
+``RewardTimeoutError`` that ends a pure-Python hang (a busy loop at once, a ``time.sleep`` when it
+returns). A call stuck in C code keeps its daemon thread, which never delays the interpreter's exit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hybridflow.rewards.pool import Call, Outcome, RewardTimeoutError
+
+logger = logging.getLogger(__name__)
+
+# How long past its limit a call that the timer cannot interrupt runs before the watchdog reports it.
+STUCK_REPORT_AFTER_S = 5.0
+
+
+def run_here(
+    fn: Callable,
+    calls: Sequence[Call],
+    timeout_s: float,
+    extra_args: tuple = (),
+    stop_on_error: bool = False,
+    name: str = "reward function",
+) -> list[Outcome]:
+    """Call ``fn`` on each call in this process, each limited to ``timeout_s``; outcomes in call order.
+
+    A call past the limit gets ``(False, RewardTimeoutError)``. With ``stop_on_error`` the outcomes end at
+    the first failed call (nothing after it runs).
+    """
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
+        return run_with_alarm(fn, calls, timeout_s, extra_args, stop_on_error, name)
+    return run_in_thread(fn, calls, timeout_s, extra_args, stop_on_error)
+
+
+class _Alarm:
+    """The SIGALRM handler of ``run_with_alarm``: raises only while a call is armed (never in between)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.armed = False
+        self.clock = (-1, time.monotonic())  # (index of the call in progress, its start), for the watchdog
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.armed:
+            self.armed = False
+            raise RewardTimeoutError(f"timed out after {self.timeout_s} s")
+
+
+def run_with_alarm(
+    fn: Callable,
+    calls: Sequence[Call],
+    timeout_s: float,
+    extra_args: tuple = (),
+    stop_on_error: bool = False,
+    name: str = "reward function",
+) -> list[Outcome]:
+    """The calls on this (main) thread, each under a SIGALRM timer; the previous handler is restored."""
+    alarm = _Alarm(timeout_s)
+    finished = threading.Event()
+    watchdog = threading.Thread(
+        target=_watch, args=(alarm, finished, name), name="reward-watchdog", daemon=True
+    )
+    previous = signal.signal(signal.SIGALRM, alarm)
+    watchdog.start()
+    outcomes: list[Outcome] = []
+    try:
+        for k, (args, kwargs) in enumerate(calls):
+            alarm.clock = (k, time.monotonic())
+            try:
+                alarm.armed = True  # before the timer starts, so that its signal always finds it armed
+                signal.setitimer(signal.ITIMER_REAL, timeout_s)
+                outcome: Outcome = (True, fn(*args, *extra_args, **kwargs))
+            except Exception as exc:  # the timer's RewardTimeoutError included
+                outcome = (False, exc)
+            finally:
+                alarm.armed = False  # a signal arriving now is ignored
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            outcomes.append(outcome)
+            if stop_on_error and not outcome[0]:
+                break
+    finally:
+        finished.set()
+        signal.signal(signal.SIGALRM, previous)
+    return outcomes
+
+
+def _watch(alarm: _Alarm, finished: threading.Event, name: str) -> None:
+    """Report (once per call) a call that runs well past its limit: stuck where the timer cannot reach."""
+    reported = -1
+    while not finished.is_set():
+        index, started = alarm.clock
+        overdue = started + alarm.timeout_s + STUCK_REPORT_AFTER_S - time.monotonic()
+        if overdue > 0 or index == reported:
+            finished.wait(max(overdue, alarm.timeout_s))
+            continue
+        reported = index
+        logger.error(
+            "%s has run %.0f s on sample %d, past reward.timeout_s=%s: it is stuck in code the timer cannot "
+            "interrupt (C code); set reward.num_workers > 0 to score in worker processes, which are killed "
+            "instead",
+            name,
+            time.monotonic() - started,
+            index,
+            alarm.timeout_s,
+        )
+
+
+class _ThreadRun:
+    """One daemon thread's pass over ``calls[start:]``; the waiting thread reads its clock and outcomes."""
+
+    def __init__(
+        self, fn: Callable, calls: Sequence[Call], start: int, extra_args: tuple, stop: bool
+    ) -> None:
+        self.fn, self.calls, self.start, self.extra_args, self.stop = fn, calls, start, extra_args, stop
+        self.outcomes: list[Outcome] = []
+        # (index of the call in progress, its start time): one tuple, so it is always read consistently.
+        self.clock = (start, time.monotonic())
+        self.abandoned = False
+        self.escaped: BaseException | None = None  # SystemExit and the like: re-raised in the caller
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._work, name="reward-call", daemon=True)
+        self.thread.start()
+
+    def _work(self) -> None:
+        try:
+            for k in range(self.start, len(self.calls)):
+                if self.abandoned:  # timed out between two calls: the next one is not ours to make
+                    return
+                args, kwargs = self.calls[k]
+                self.clock = (k, time.monotonic())
+                try:
+                    outcome: Outcome = (True, self.fn(*args, *self.extra_args, **kwargs))
+                except Exception as exc:
+                    outcome = (False, exc)
+                # Timed out meanwhile (and the function may have swallowed the injected error): the calls
+                # after this one belong to the thread that replaced this one.
+                if self.abandoned:
+                    return
+                self.outcomes.append(outcome)
+                if self.stop and not outcome[0]:
+                    return
+        except RewardTimeoutError:
+            pass  # injected just after the call it was meant for had finished: nothing to report
+        except BaseException as exc:
+            self.escaped = exc
+        finally:
+            self.done.set()
+
+    def abandon(self) -> None:
+        """Stop reporting, and raise RewardTimeoutError inside the thread (effective in Python code only)."""
+        self.abandoned = True
+        ident = self.thread.ident
+        if ident is not None and self.thread.is_alive():
+            set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+            set_async_exc(ctypes.c_ulong(ident), ctypes.py_object(RewardTimeoutError))
+
+
+def run_in_thread(
+    fn: Callable, calls: Sequence[Call], timeout_s: float, extra_args: tuple = (), stop_on_error: bool = False
+) -> list[Outcome]:
+    """Call ``fn`` on each call in a daemon thread, each call limited to ``timeout_s``; outcomes in order.
+
+    A call past the limit gets ``(False, RewardTimeoutError)``. With ``stop_on_error`` the outcomes end at
+    the first failed call (nothing after it runs).
+    """
+    outcomes: list[Outcome] = []
+    while len(outcomes) < len(calls):
+        run = _ThreadRun(fn, calls, len(outcomes), extra_args, stop_on_error)
+        timed_out = _wait_for(run, timeout_s)
+        if timed_out is None:  # every call done, or stopped at the first error
+            if run.escaped is not None:
+                raise run.escaped
+            outcomes += run.outcomes
+            break
+        run.abandon()
+        logger.debug("reward call %d passed its %s s limit; its thread is abandoned", timed_out, timeout_s)
+        outcomes += run.outcomes[: timed_out - run.start]
+        outcomes.append((False, RewardTimeoutError(f"timed out after {timeout_s} s")))
+        if stop_on_error:
+            break
+    return outcomes
+
+
+def _wait_for(run: _ThreadRun, timeout_s: float) -> int | None:
+    """Wait until ``run`` ends (None) or one of its calls passes ``timeout_s`` (that call's index)."""
+    while not run.done.is_set():
+        index, started = run.clock
+        remaining = started + timeout_s - time.monotonic()
+        if remaining > 0:
+            run.done.wait(remaining)
+        elif run.clock[0] == index:
+            return index
+    return None
