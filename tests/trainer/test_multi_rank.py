@@ -82,6 +82,11 @@ def run(setup: dict[str, Path], run_dir: Path, world: int, *extra: str) -> dict[
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows}
 
 
+def steady(metrics: dict[str, float]) -> dict[str, float]:
+    """The metrics that do not depend on clocks, or on which rank reports them (the rollout's statistics)."""
+    return {k: v for k, v in metrics.items() if not k.startswith((*VOLATILE, "rollout/"))}
+
+
 def check_rollout_matches_trainer(metrics: dict[int, dict[str, float]]) -> None:
     """Rollout log-probs equal the trainer's recomputation (float32), every step."""
     for step, m in metrics.items():
@@ -100,27 +105,88 @@ def test_the_fixture_looks_like_real_data(setup: dict[str, Path]) -> None:
     assert {ds[i]["data_source"] for i in range(len(ds))} == {"chat/tie", "chat/vary"}
 
 
-def test_ppo_with_a_critic_on_two_ranks_equals_one_rank(tmp_path: Path, setup: dict[str, Path]) -> None:
-    """Greedy rollouts make the two runs see the same samples: every loss, norm and score must agree."""
-    extra = (
+class Replay:
+    """A rollout engine that returns responses recorded from the real one, looked up by prompt tokens.
+
+    Replaying one recording on 1 and on 2 ranks gives both the same samples (sampling seeds differ by rank),
+    while each rank still lays out its own share (its own longest prompt) and the driver merges the shares.
+    """
+
+    def __init__(self, recorded: dict[tuple[int, ...], list]) -> None:
+        self.recorded = recorded
+
+    def generate(self, prompts: list[list[int]], params, progress=None) -> list[list]:
+        out = [self.recorded[tuple(p)][: params.n] for p in prompts]
+        if progress is not None:
+            progress(sum(len(o) for o in out))
+        return out
+
+
+def record_rollouts(c, cfg, out: Path) -> dict[str, float]:
+    """Sample every training prompt's responses (and one greedy answer per validation prompt) to ``out``."""
+    import pickle
+
+    actor = c.groups[0].worker.roles["actor"]
+    recorded = {}
+    for dataset, n, do_sample in ((c.train, cfg.rollout.n, True), (c.val, 1, False)):
+        ids = [dataset[i]["input_ids"] for i in range(len(dataset))]
+        params = actor.sampling_params(n, 1.0, 1.0, -1, do_sample, c.eos_token_ids, seed=7)
+        recorded.update({tuple(p): group for p, group in zip(ids, actor.rollout.generate(ids, params))})
+    out.write_bytes(pickle.dumps(recorded))
+    lengths = [len(s.token_ids) for g in recorded.values() for s in g]
+    reasons = [s.finish_reason for g in recorded.values() for s in g]
+    return {
+        "min": min(lengths),
+        "max": max(lengths),
+        "eos": reasons.count("eos"),
+        "length": reasons.count("length"),
+    }
+
+
+def replayed_run(rank: int, overrides: list[str], recording: str) -> tuple[list[dict[str, float]], dict]:
+    """PPO on recorded samples (recorded here first when the file does not exist yet); the step metrics."""
+    import pickle
+
+    from hybridflow.config import load_config
+    from hybridflow.trainer.builder import build_components
+    from hybridflow.trainer.ppo import PPOTrainer
+
+    cfg = load_config(None, overrides)
+    c = build_components(cfg)
+    made = {} if Path(recording).exists() else record_rollouts(c, cfg, Path(recording))
+    c.groups[0].worker.roles["actor"].rollout = Replay(pickle.loads(Path(recording).read_bytes()))
+    history = PPOTrainer(cfg, c).fit()
+    c.close()
+    return history, made
+
+
+def test_ppo_with_a_critic_on_two_ranks_equals_one_rank_on_the_same_samples(
+    tmp_path: Path, setup: dict[str, Path]
+) -> None:
+    def overrides(world: int, name: str) -> list[str]:
+        return argv(setup, tmp_path / name, world, *ppo)[2:]  # without the command and the YAML file
+
+    ppo = (
         "algorithm.adv_estimator=gae",
-        "rollout.do_sample=false",
         "actor.use_kl_loss=true",  # with the reference's log-probs
         "model.use_remove_padding=true",
         "critic.model.use_remove_padding=true",
     )
-    one = run(setup, tmp_path / "one", 1, *extra)
-    two = run(setup, tmp_path / "two", 2, *extra)
-    assert sorted(one) == sorted(two) == [0, 1, 2, 3]
-    for step in one:
-        assert one[step].keys() == two[step].keys(), step
-        for key, value in one[step].items():
-            assert two[step][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
-    lengths = [one[s]["response_length/mean"] for s in (1, 2, 3)]
-    assert any(one[s]["response_length/clip_ratio"] < 1 for s in (1, 2, 3)), lengths  # EOS before the limit
-    assert "critic/vf_loss" in one[1] and "val-core/chat/vary/reward/mean@1" in one[3]
-    check_rollout_matches_trainer(one)
-    check_rollout_matches_trainer(two)
+    recording = str(tmp_path / "rollouts.pkl")
+    ((one, made),) = run_world(1, replayed_run, overrides(1, "one"), recording, timeout=600)
+    assert made["eos"] > 0 and made["length"] > 0 and made["min"] < made["max"]  # EOS at different places
+    two = [history for history, _ in run_world(2, replayed_run, overrides(2, "two"), recording, timeout=600)]
+    assert [steady(m) for m in two[0]] == [steady(m) for m in two[1]]  # every rank runs the driver
+    one, two = [steady(m) for m in one], [steady(m) for m in two[0]]
+    assert len(one) == len(two) == 3
+    for step, (want, got) in enumerate(zip(one, two), start=1):
+        assert want.keys() == got.keys(), step
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
+    # the recorded log-probs are the initial policy's: the trainer's recomputation matches at step 1
+    assert one[0]["rollout_corr/log_prob_abs_diff_max"] <= 1e-5
+    assert two[0]["rollout_corr/log_prob_abs_diff_max"] <= 1e-5
+    assert "critic/vf_loss" in one[0] and "val-core/chat/vary/reward/mean@1" in one[-1]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -142,6 +208,28 @@ def test_grpo_on_several_ranks_with_a_token_id_reward(
         assert metrics[step]["response_length/max"] > metrics[step]["response_length/min"]
 
 
+def test_remax_with_a_reward_model_on_two_ranks(tmp_path: Path, setup: dict[str, Path]) -> None:
+    """The greedy baseline generates again from the batch's prompts; a reward model scores both."""
+    from reward_model_util import save_reward_model
+
+    from hybridflow.models import load_tokenizer
+
+    save_reward_model(tmp_path / "rm", len(load_tokenizer(str(setup["model"]))))
+    metrics = run(
+        setup,
+        tmp_path / "run",
+        2,
+        "algorithm.adv_estimator=remax",
+        "reward.model.enable=true",
+        f"reward.model.path={tmp_path / 'rm'}",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=-1",
+    )
+    assert sorted(metrics) == [0, 1, 2]
+    check_rollout_matches_trainer(metrics)
+    assert metrics[1]["critic/score/max"] > metrics[1]["critic/score/min"]  # the reward model scores
+
+
 def test_dynamic_sampling_joins_rounds_of_different_widths(tmp_path: Path, setup: dict[str, Path]) -> None:
     """DAPO's rounds each pad their prompts to their own longest; the kept groups must join."""
     metrics = run(
@@ -159,4 +247,44 @@ def test_dynamic_sampling_joins_rounds_of_different_widths(tmp_path: Path, setup
         "trainer.val_before_train=false",
     )
     assert sorted(metrics) == [1, 2]
-    assert all(m["train/num_gen_batches"] >= 1 for m in metrics.values())
+    assert max(m["train/num_gen_batches"] for m in metrics.values()) >= 2  # rounds were joined
+
+
+PREFERENCE = [
+    "data.max_prompt_length=400",
+    "data.max_response_length=24",
+    "data.train_batch_size=4",
+    "actor.ppo_mini_batch_size=4",
+    "actor.ppo_micro_batch_size_per_gpu=2",
+    "ref.log_prob_micro_batch_size_per_gpu=2",
+    "actor.optim.lr=1e-3",
+    "trainer.total_training_steps=2",
+    "trainer.device=cpu",
+    "trainer.logger=[console]",
+]
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto"])
+def test_preference_training_on_two_ranks_equals_one_rank(
+    tmp_path: Path, setup: dict[str, Path], kind: str
+) -> None:
+    from realistic import kto_rows, preference_rows
+
+    rows = preference_rows(8) if kind == "dpo" else kto_rows(8)
+    data = write_jsonl(rows, tmp_path / f"{kind}.jsonl")
+
+    def train(world: int) -> dict[int, dict[str, float]]:
+        run_dir = tmp_path / f"run{world}"
+        args = [kind, str(setup["config"]), f"model.path={setup['model']}", f"data.train_files=[{data}]"]
+        args += [f"trainer.default_local_dir={run_dir}", f"trainer.n_gpus_per_node={world}", *PREFERENCE]
+        assert run_world(world, spmd_rank, args, timeout=600) == [0] * world
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: steady(r) for r in map(json.loads, lines)}
+
+    one, two = train(1), train(2)
+    assert sorted(one) == sorted(two) == [1, 2]
+    for step in one:
+        assert one[step].keys() == two[step].keys()
+        for key, value in one[step].items():
+            assert two[step][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, key)
+    assert one[2]["loss"] != one[1]["loss"]  # the first step trained the policy

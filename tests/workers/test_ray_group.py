@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 from dist_util import run_world
+from realistic import REWARD_SOURCE, build_stopping_model, realistic_rows, write_jsonl
 
 from hybridflow.cli.main import main
-from hybridflow.models import build_tiny_model_and_tokenizer
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -23,13 +23,11 @@ GRPO = [
     "data.train_batch_size=4",
     "rollout.n=2",
     "actor.ppo_mini_batch_size=4",
-    "actor.ppo_micro_batch_size_per_gpu=4",
-    "critic.ppo_micro_batch_size_per_gpu=4",
+    "actor.ppo_micro_batch_size_per_gpu=2",
+    "critic.ppo_micro_batch_size_per_gpu=2",
+    "data.max_prompt_length=400",
     "data.max_response_length=8",
-    "data.task_train_size=24",
-    "data.task_val_size=4",
     "trainer.val_before_train=false",
-    "trainer.n_gpus_per_node=2",
     "trainer.device=cpu",
     "trainer.logger=[console]",
     "algorithm.adv_estimator=grpo",
@@ -41,22 +39,27 @@ VOLATILE = ("timing_s/", "perf/")
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ray")
-    build_tiny_model_and_tokenizer(out_dir=root / "model", hidden_size=32, num_hidden_layers=2)
     (root / "empty.yaml").write_text("{}\n")
-    (root / "reward.py").write_text(
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    return float(len(solution_str) % 3 == 0)\n"
-    )
-    return {"model": root / "model", "config": root / "empty.yaml", "reward": root / "reward.py"}
+    (root / "reward.py").write_text(REWARD_SOURCE)
+    return {
+        "model": build_stopping_model(root / "model"),  # prompts of very different lengths, EOS anywhere
+        "train": write_jsonl(realistic_rows(16), root / "train.jsonl"),
+        "val": write_jsonl(realistic_rows(8, seed=1), root / "val.jsonl"),
+        "config": root / "empty.yaml",
+        "reward": root / "reward.py",
+    }
 
 
-def argv(setup: dict[str, Path], run_dir: Path, *extra: str) -> list[str]:
+def argv(setup: dict[str, Path], run_dir: Path, *extra: str, world: int = 2) -> list[str]:
     return [
         "train",
         str(setup["config"]),
         f"model.path={setup['model']}",
+        f"data.train_files=[{setup['train']}]",
+        f"data.val_files=[{setup['val']}]",
         f"reward.custom_function.path={setup['reward']}",
         f"trainer.default_local_dir={run_dir}",
+        f"trainer.n_gpus_per_node={world}",
         *GRPO,
         *extra,
     ]
@@ -84,11 +87,18 @@ def start_cli(args: list[str], log: Path) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-c", code, *args], env=clean_env(), stdout=out, stderr=out)
 
 
-def test_ray_backend_matches_the_two_process_run(tmp_path: Path, setup: dict[str, Path]) -> None:
-    steps = "trainer.total_training_steps=3"
-    assert run_world(2, spmd_rank, argv(setup, tmp_path / "spmd", steps), timeout=600) == [0, 0]
+@pytest.mark.parametrize("world", [2, 4])
+def test_ray_backend_matches_the_torchrun_style_run(
+    tmp_path: Path, setup: dict[str, Path], world: int
+) -> None:
+    """GRPO on prompts of very different lengths: Ray and torchrun give the same metrics at 2 and 4 ranks."""
+    extra = ("trainer.total_training_steps=3", "trainer.test_freq=3")
+    assert (
+        run_world(world, spmd_rank, argv(setup, tmp_path / "spmd", *extra, world=world), timeout=600)
+        == [0] * world
+    )
     log = tmp_path / "ray.log"
-    proc = start_cli(argv(setup, tmp_path / "ray", steps, "trainer.backend=ray"), log)
+    proc = start_cli(argv(setup, tmp_path / "ray", *extra, "trainer.backend=ray", world=world), log)
     assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
     want, got = metrics(tmp_path / "spmd"), metrics(tmp_path / "ray")
     assert sorted(got) == sorted(want) == [1, 2, 3]
@@ -96,7 +106,9 @@ def test_ray_backend_matches_the_two_process_run(tmp_path: Path, setup: dict[str
         assert got[step].keys() == want[step].keys()
         for key, value in want[step].items():
             assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (step, key)
-    assert "worker group main: 2 rank(s)" in log.read_text()
+        assert got[step]["rollout_corr/log_prob_abs_diff_max"] <= 1e-5  # rollout = trainer, float32
+    assert "val-core/chat/vary/reward/mean@1" in got[3]
+    assert f"worker group main: {world} rank(s)" in log.read_text()
 
 
 def test_split_placement_runs_ppo_with_the_critic_on_its_own_pool(
