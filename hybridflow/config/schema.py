@@ -318,8 +318,7 @@ class RewardConfig:
     num_workers: int = option(0, "Processes scoring in parallel; 0 scores in the trainer process.")
     timeout_s: float = option(
         60.0,
-        "Seconds one reward call may take, in every mode (a batch function's call: the whole batch); in the "
-        "pool a stuck worker is killed, in-process a stuck call is interrupted (Python code) or reported.",
+        "Seconds one reward call may take, in-process or in the pool (a batch function: the whole batch).",
     )
     launch_async: bool = option(False, "Score in a thread while the log-prob passes run on the GPU workers.")
 
