@@ -3,7 +3,8 @@
 - ``realistic_rows``: verl-schema rows whose chat prompts run from a few tokens to a few hundred (a system
   turn on some, an earlier exchange on others), from two data sources;
 - ``build_stopping_model``: a tiny Qwen2 or Llama (GQA) briefly trained so that sampled responses end at EOS
-  after different numbers of tokens (some run to the length limit);
+  after different numbers of tokens (some run to the length limit); ``build_chatty_model`` one whose greedy
+  answers differ from prompt to prompt;
 - ``REWARD_SOURCE`` / ``TOKEN_REWARD_SOURCE``: reward files whose groups tie on one data source (every sample
   scores the same) and differ on the other; the second is a token-id reward function.
 - ``preference_rows`` / ``kto_rows``: DPO pairs and KTO examples with prompts and answers of different lengths.
@@ -159,6 +160,28 @@ def build_stopping_model(out_dir: Path, arch: str = "qwen2", steps: int = 64, se
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def build_chatty_model(out_dir: Path, arch: str = "qwen2", scale: float = 20.0) -> Path:
+    """A tiny GQA model with large random weights: its greedy answers differ from prompt to prompt.
+
+    (The warmed-up model above answers greedily with EOS at once.) With ``STOP_CHARS`` as stop tokens its
+    greedy answers end at different places, some at the length limit.
+    """
+    model, tokenizer = build_tiny_model_and_tokenizer(
+        arch=arch, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(scale)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+# Characters whose tokens end a greedy answer of the chatty model (rollout.stop_token_ids).
+STOP_CHARS = "aeiou "
 
 
 def preference_rows(n: int = 8, seed: int = 0) -> list[dict[str, Any]]:

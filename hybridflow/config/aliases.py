@@ -83,6 +83,8 @@ VERL_ALIASES: dict[str, str] = {
     f"{_ARR}.rollout.max_num_batched_tokens": "rollout.max_num_batched_tokens",
     f"{_ARR}.rollout.max_model_len": "rollout.max_model_len",
     f"{_ARR}.rollout.tensor_model_parallel_size": "rollout.tensor_model_parallel_size",
+    f"{_ARR}.rollout.update_weights_bucket_megabytes": "rollout.update_weights_bucket_megabytes",
+    f"{_ARR}.hybrid_engine": "actor.hybrid_engine",
     f"{_ARR}.rollout.free_cache_engine": "rollout.free_cache_engine",
     f"{_ARR}.rollout.enforce_eager": "rollout.enforce_eager",
     f"{_ARR}.rollout.log_prob_micro_batch_size_per_gpu": "rollout.log_prob_micro_batch_size_per_gpu",
@@ -217,12 +219,6 @@ def _grad_offload(role: str) -> IgnoredKey:
 # already behaves that way (verl scripts run unchanged), refused with the fix where the value asks for
 # something hybridflow does not do.
 VERL_IGNORED: dict[str, IgnoredKey] = {
-    f"{_ARR}.hybrid_engine": IgnoredKey(
-        "the actor and the rollout always share one copy of the weights (the hybrid engine)",
-        (True,),
-        "the split layout (a rollout with weights of its own) does not exist yet",
-        "remove {key} or set it to true",
-    ),
     f"{_ARR}.actor.strategy": IgnoredKey(
         "the actor trains with FSDP2 (fsdp and fsdp2 both mean FSDP2 here)", _FSDP, _ONLY_FSDP2, _FSDP_FIX
     ),

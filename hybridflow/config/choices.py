@@ -44,7 +44,7 @@ DTYPES = ["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
 LOGGERS = ["console", "jsonl", "tensorboard", "wandb"]
 
 CHOICES: dict[str, list[str]] = {
-    "model.tiny_arch": ["qwen2", "llama"],
+    "model.tiny_arch": ["qwen2", "qwen3", "llama"],
     "model.attn_implementation": ["sdpa", "eager", "flex_attention", "flash_attention_2"],
     "data.task": ["arithmetic", "countdown"],
     "data.truncation": ["error", "left", "right", "middle"],

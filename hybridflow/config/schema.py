@@ -27,7 +27,7 @@ class ModelConfig:
         None, "Local Hugging Face model directory; null builds the built-in tiny model."
     )
     tokenizer_path: str | None = option(None, "Tokenizer directory; null uses model.path.")
-    tiny_arch: str = option("qwen2", "Architecture of the demo's tiny model: qwen2 or llama.")
+    tiny_arch: str = option("qwen2", "Architecture of the demo's tiny model: qwen2, qwen3 or llama.")
     trust_remote_code: bool = option(False, "Allow custom modelling code shipped with the checkpoint.")
     override_config: dict[str, Any] = option({}, "Keys set on the HF model config after loading it.")
     attn_implementation: str = option("sdpa", "Attention implementation passed to transformers.")
@@ -107,7 +107,12 @@ class RolloutConfig:
     max_model_len: int | None = option(
         None, "KV-cache context length; null = max_prompt_length + max_response_length."
     )
-    tensor_model_parallel_size: int = option(1, "Tensor-parallel size of a rollout replica; only 1 for now.")
+    tensor_model_parallel_size: int = option(
+        1, "Ranks per rollout group (Megatron-style shards); divides the world; 1 = a whole replica per rank."
+    )
+    update_weights_bucket_megabytes: int = option(
+        512, "Train -> generate switch: MiB of generation weights moved per all-to-all bucket."
+    )
     free_cache_engine: bool = option(
         True, "After generating, free the KV cache and the rollout's weight copies for training."
     )
@@ -210,6 +215,9 @@ class ActorConfig:
         "low_var_kl", "KL estimator of the KL loss (kl, abs, mse, low_var_kl, ... and '+' variants)."
     )
     grad_clip: float = option(1.0, "Gradient-norm clipping threshold.")
+    hybrid_engine: bool = option(
+        True, "Reshard the training shards into the rollout's (false: the baseline, a kept copy broadcast)."
+    )
     ulysses_sequence_parallel_size: int = option(
         1, "Ulysses sequence-parallel size; only 1 for now (verl's key, refused above 1)."
     )
@@ -249,6 +257,9 @@ class CriticConfig:
     cliprange_value: float = option(0.5, "Value clip range around the old values.")
     loss_agg_mode: str = option("token-mean", "How token value losses are aggregated.")
     grad_clip: float = option(1.0, "Gradient-norm clipping threshold.")
+    hybrid_engine: bool = option(
+        True, "Reshard the training shards into the rollout's (false: the baseline, a kept copy broadcast)."
+    )
     ulysses_sequence_parallel_size: int = option(
         1, "Ulysses sequence-parallel size; only 1 for now (verl's key, refused above 1)."
     )

@@ -218,16 +218,7 @@ def _check_consistency(cfg: Config, out: list[Problem]) -> None:
 
 def _check_unimplemented(cfg: Config, out: list[Problem]) -> None:
     """verl settings whose layouts hybridflow does not have yet: refused, so none is silently ignored."""
-    tp = cfg.rollout.tensor_model_parallel_size
-    if tp > 1:
-        out.append(
-            Problem(
-                "rollout.tensor_model_parallel_size",
-                f"is {tp}, but the rollout has no tensor parallelism: every rank generates its share of the "
-                "prompts from a whole replica of the policy (tensor-parallel size 1)",
-                "set rollout.tensor_model_parallel_size=1 (the policy must fit one device in the rollout dtype)",
-            )
-        )
+    _check_rollout_tp(cfg, out)
     for role in ("actor", "critic", "ref"):
         size = get_path(cfg, f"{role}.fsdp.fsdp_size")
         if size not in (-1, cfg.trainer.world_size):
@@ -267,6 +258,38 @@ def _check_unimplemented(cfg: Config, out: list[Problem]) -> None:
                     f"with a token budget, and {ckpt}=true",
                 )
             )
+
+
+def _check_rollout_tp(cfg: Config, out: list[Problem]) -> None:
+    """A tensor-parallel rollout: groups of tp ranks of the world, the built-in engine, the hybrid engine."""
+    tp, world, path = (
+        cfg.rollout.tensor_model_parallel_size,
+        cfg.trainer.world_size,
+        "rollout.tensor_model_parallel_size",
+    )
+    if tp == 1:
+        return
+    if world % tp:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        out.append(
+            Problem(
+                path,
+                f"{tp} does not divide the {world} ranks (trainer.nnodes x trainer.n_gpus_per_node)",
+                f"use one of {divisors}",
+            )
+        )
+    if cfg.rollout.engine != "native":
+        out.append(
+            Problem(path, f"is {tp} with rollout.engine={cfg.rollout.engine}", "use rollout.engine=native")
+        )
+    if not cfg.actor.hybrid_engine:
+        out.append(
+            Problem(
+                "actor.hybrid_engine",
+                f"is false with {path}={tp}: the baseline keeps a whole copy on every rank",
+                f"set actor.hybrid_engine=true, or {path}=1",
+            )
+        )
 
 
 def _check_offload(cfg: Config, out: list[Problem]) -> None:

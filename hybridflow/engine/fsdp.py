@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from hybridflow.config.schema import FSDPConfig
 from hybridflow.engine.host_store import HostStore, local_tensor
@@ -25,6 +26,17 @@ def to_dtype(name: str | torch.dtype) -> torch.dtype:
     return resolve_dtype(name)
 
 
+# A parameter carrying this attribute is sharded by FSDP2 on that dim instead of dim 0 (set by a layout
+# function before sharding, e.g. ``engine.parallel.tp_rollout.follow_rollout_shards``).
+FSDP_SHARD_DIM = "_hybridflow_fsdp_shard_dim"
+
+
+def _marked_placement(param: nn.Parameter) -> Shard | None:
+    """FSDP2's ``shard_placement_fn``: the dim a layout function marked, else FSDP2's default (dim 0)."""
+    dim = getattr(param, FSDP_SHARD_DIM, None)
+    return None if dim is None else Shard(dim)
+
+
 def shard_model(
     root: nn.Module,
     layers: list[nn.Module],
@@ -35,6 +47,8 @@ def shard_model(
 ) -> nn.Module:
     """Apply ``fully_shard`` to each decoder layer, then to the root, over all ranks of the default group.
 
+    Parameters are sharded on dim 0, or on the dim a layout function marked them with (``FSDP_SHARD_DIM``).
+
     Master weights stay in the dtype the module was created in (fp32 for training); ``param_dtype`` is the
     compute dtype FSDP2 casts to when it gathers a layer (bf16 on GPU), and gradients are reduced in
     ``reduce_dtype`` (fp32) so the sum over ranks does not lose precision.
@@ -43,10 +57,17 @@ def shard_model(
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     root.to(device)
+    place = _marked_placement
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            layer,
+            mesh=mesh,
+            mp_policy=mp,
+            reshard_after_forward=reshard_after_forward,
+            shard_placement_fn=place,
+        )
     # The root (embeddings, final norm, LM head) is needed again at the start of backward: keep it gathered.
-    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=False, shard_placement_fn=place)
     logger.info(
         "FSDP2: %d layers sharded over %d ranks, compute %s, reduce %s",
         len(layers),

@@ -1,61 +1,65 @@
-"""The hybrid engine's generation layout at data-parallel size > 1: a rollout replica refreshed from shards.
+"""The hybrid engine's switch at data-parallel size > 1: generation weights refreshed from the FSDP2 shards.
 
-With FSDP2 over W ranks each rank holds 1/W of every parameter. The rollout engine needs whole weights, so
-each rank keeps one replica of the policy in the rollout dtype (tensor-parallel size 1: W replicas, each
-generating for its own share of the prompts). Before every generation the replica is refreshed in place,
-one parameter at a time: all-gather the shards, copy into the replica's tensor, drop the gathered copy. So
-at most one gathered parameter exists beside the replica, and the replica's tensors keep their addresses
-(CUDA graphs captured on them stay valid). Between generations ``release()`` frees the replica's memory
-(the worker does so with ``rollout.free_cache_engine``), so the update does not hold a whole bf16 copy of
-the policy beside its shards; the next ``sync()`` allocates it again, under the same tensors, so the rollout
-runner's bindings stay valid. At world size 1 none of this is needed: the rollout engine reads the training
-module's own parameters.
+``RolloutShard`` (the hybrid engine, ``actor.hybrid_engine=true``): each rank keeps its generation weights in
+the rollout dtype, its tensor-parallel shard of the policy (``rollout.tensor_model_parallel_size`` = tp) or,
+at tp = 1, a whole replica. They are built empty in the shard's shape (never a whole copy when tp > 1) and
+filled before every generation by the reshard plan (``engine.parallel``): each rank receives exactly the
+boxes of its shard it does not hold, bucket by bucket, cast on the way, into the same tensors every time (the
+rollout runner binds them once; CUDA graphs captured on them stay valid). Between generations ``release()``
+frees their memory (the worker does so with ``rollout.free_cache_engine``): the update then holds no
+generation copy beside its shards, and the next ``sync()`` allocates the same storages again.
+
+``BroadcastReplica`` (the baseline, ``actor.hybrid_engine=false``; HybridFlow's ``use_3d_hybrid=False``): a
+whole copy kept for good and refreshed by the naive switch, a full state dict gathered on rank 0 and
+broadcast tensor by tensor, so that memory and switch time can be put side by side with the hybrid engine.
+
+At world size 1 the hybrid engine needs neither: the rollout engine reads the training module's own
+parameters (a cast buffer at most).
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from hybridflow.engine.fsdp import full_state_dict
+from hybridflow.engine.parallel.plan import ParamSpec, ReshardPlan
+from hybridflow.engine.parallel.resharder import Resharder
+from hybridflow.engine.parallel.tp_rollout import build_shard, layouts
+from hybridflow.engine.parallel.view import GenerateView
+from hybridflow.utils.dist import world_size
 
 logger = logging.getLogger(__name__)
 
 
-def _full(param: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The whole tensor of an FSDP2 parameter (a collective on every rank), or the tensor itself."""
-    if not hasattr(param, "full_tensor"):
-        return param
-    if param.device != device:
-        # NCCL gathers only device tensors and an offloaded shard (fsdp.param_offload) is on the host:
-        # bring this one shard over, so the sync never holds more than one parameter's shard beside the replica.
-        param = param.to(device, non_blocking=True)  # a DMA when the shard is pinned (offload pins it)
-    return param.full_tensor()
+def shard_dim(param: torch.Tensor) -> int | None:
+    """The dimension FSDP2 shards ``param`` on (None: a plain tensor or a replicated DTensor)."""
+    placements = getattr(param, "placements", None)
+    if not placements or not placements[0].is_shard():
+        return None
+    return placements[0].dim
 
 
-class RolloutReplica:
-    """A full copy of the policy in the rollout dtype, refreshed from the sharded training module."""
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (an FSDP2 DTensor's local shard, or the tensor itself)."""
+    return (param.to_local() if hasattr(param, "to_local") else param).detach()
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device, world: int) -> None:
-        """``model`` is the unsharded policy (copied before FSDP2 shards it)."""
-        self.module = copy.deepcopy(model).to(device=device, dtype=dtype).eval()
-        for p in self.module.parameters():
-            p.requires_grad_(False)
-        self.params = dict(self.module.named_parameters())
+
+class _Storages:
+    """Frees and re-allocates the storages of a module's parameters, keeping every tensor object valid."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
         self._released: list[tuple[torch.UntypedStorage, int]] = []  # (storage, bytes) freed by release()
-        logger.info(
-            "HybridEngine initialized: train_view=(fsdp=%d), generate_view=(tp=1, dp=%d), replica in %s",
-            world,
-            world,
-            dtype,
-        )
 
     def release(self) -> int:
-        """Free the replica's parameter memory until the next ``sync()``; returns the bytes freed.
+        """Free the parameters' memory until ``restore()``; returns the bytes freed.
 
         Only the storage goes: every tensor (and every view or alias of it, such as the rollout runner's
-        bindings or a q/k/v group the runner joined into one buffer) stays a valid object, and ``sync()``
+        bindings or a q/k/v group the runner joined into one buffer) stays a valid object, and ``restore()``
         re-allocates the same storage objects, so nothing has to be bound again.
         """
         freed = 0
@@ -68,17 +72,94 @@ class RolloutReplica:
             storage.resize_(0)
         return freed
 
-    @torch.no_grad()
-    def sync(self, sharded: nn.Module) -> None:
-        """Refresh every replica tensor from ``sharded`` (the FSDP2 module of the same architecture)."""
-        for storage, nbytes in self._released:  # released after the last generation: allocate again
+    def restore(self) -> None:
+        """Allocate again what ``release()`` freed (contents undefined until written)."""
+        for storage, nbytes in self._released:
             storage.resize_(nbytes)
         self._released = []
-        copied = set()
-        for name, param in sharded.named_parameters():
-            target = self.params.get(name)
-            assert target is not None, f"{name} has no replica tensor"
-            target.copy_(_full(param.detach(), target.device))
-            copied.add(name)
-        # every replica tensor was written (a re-allocated one would otherwise hold garbage)
-        assert copied == set(self.params), f"replica tensors not refreshed: {set(self.params) - copied}"
+
+
+class RolloutShard:
+    """This rank's generation weights (a tensor-parallel shard, or a whole replica at tp = 1), from the plan."""
+
+    def __init__(
+        self,
+        sharded: nn.Module,
+        view: GenerateView,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        bucket_bytes: int,
+    ) -> None:
+        """``sharded`` is the FSDP2-sharded HF causal LM (the actor's training module)."""
+        self.view, self.rank = view, rank
+        self.module = build_shard(sharded, view.tp, dtype, device)
+        self.storages = _Storages(self.module)
+        ours = dict(sharded.named_parameters())
+        generation = dict(self.module.named_parameters())
+        if ours.keys() != generation.keys():
+            raise ValueError(
+                f"the rollout shard's parameters differ: {sorted(ours.keys() ^ generation.keys())}"
+            )
+        lay = layouts(sharded, view.tp)
+        self.names = list(ours)
+        specs = [ParamSpec(n, tuple(ours[n].shape), shard_dim(ours[n]), lay[n]) for n in self.names]
+        for spec in specs:  # the buffers' shapes are what the plan writes into
+            got = tuple(generation[spec.name].shape)
+            assert got == spec.layout.local_shape(), f"{spec.name}: buffer {got}, layout {spec.layout}"
+        self.plan = ReshardPlan(specs, view, torch.empty((), dtype=dtype).element_size(), bucket_bytes)
+        self.resharder = Resharder(self.plan, rank, device, dtype)
+        self.targets = [generation[n] for n in self.names]
+        logger.info(
+            "HybridEngine initialized: train_view=(fsdp=%d), generate_view=%s, %s; this rank holds %.3f GiB of "
+            "generation weights (a whole copy: %.3f GiB) and receives %.3f GiB at every switch",
+            view.world,
+            view,
+            dtype,
+            self.plan.generation_bytes() / 2**30,
+            self.plan.full_bytes() / 2**30,
+            self.plan.bytes_received(rank) / 2**30,
+        )
+
+    def release(self) -> int:
+        """Free the generation weights' memory until the next ``sync()``; returns the bytes freed."""
+        return self.storages.release()
+
+    @torch.no_grad()
+    def sync(self, sharded: nn.Module) -> int:
+        """Refresh every generation weight from ``sharded``'s shards (all ranks together); bytes received."""
+        self.storages.restore()
+        params = dict(sharded.named_parameters())
+        sources = [local_shard(params[n]) for n in self.names]
+        return self.resharder.run(sources, self.targets)
+
+
+class BroadcastReplica:
+    """The baseline: a whole copy in the rollout dtype, kept, refreshed by a rank-0 state-dict broadcast."""
+
+    def __init__(self, sharded: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+        self.module = build_shard(sharded, 1, dtype, device)
+        self.params = dict(self.module.named_parameters())
+        self.world = world_size()
+        logger.info(
+            "HybridEngine off (actor.hybrid_engine=false): every rank keeps a whole %s copy of the policy, "
+            "refreshed by a full state-dict broadcast from rank 0",
+            dtype,
+        )
+
+    def release(self) -> int:
+        """The baseline keeps its copy: nothing is freed."""
+        return 0
+
+    @torch.no_grad()
+    def sync(self, sharded: nn.Module) -> int:
+        """Gather the full state dict (on rank 0's host), broadcast each tensor; returns the bytes received."""
+        state = full_state_dict(sharded)  # every rank takes part; rank 0 is the one that needs it
+        received = 0
+        for name, target in self.params.items():
+            if self.world == 1 or dist.get_rank() == 0:
+                target.copy_(state[name].to(target.device, non_blocking=True))
+            if self.world > 1:
+                dist.broadcast(target, src=0)
+                received += 0 if dist.get_rank() == 0 else target.numel() * target.element_size()
+        return received

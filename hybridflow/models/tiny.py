@@ -16,6 +16,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 logger = logging.getLogger(__name__)
@@ -37,7 +39,11 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-_ARCHS = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+_ARCHS = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),  # per-head q/k RMSNorm
+    "llama": (LlamaConfig, LlamaForCausalLM),
+}
 
 
 def _byte_symbols() -> list[str]:
@@ -128,10 +134,10 @@ def build_tiny_model(
     eos_token_id: int | list[int] | None = None,
     attn_implementation: str | None = None,
 ) -> PreTrainedModel:
-    """Build a randomly initialised Qwen2ForCausalLM or LlamaForCausalLM from a small config.
+    """Build a randomly initialised Qwen2, Qwen3 or Llama causal LM from a small config.
 
     ``vocab_size`` defaults to the char tokenizer's, ``intermediate_size`` to 4 * hidden_size and
-    ``tie_word_embeddings`` to the family's small models (True for qwen2, False for llama). The same
+    ``tie_word_embeddings`` to the family's small models (True for qwen2 and qwen3, False for llama). The same
     ``seed`` gives the same weights, and the global RNG state is left untouched.
     """
     if arch not in _ARCHS:
@@ -150,11 +156,13 @@ def build_tiny_model(
         num_key_value_heads=num_key_value_heads,
         intermediate_size=intermediate_size if intermediate_size is not None else 4 * hidden_size,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=(arch == "qwen2") if tie_word_embeddings is None else tie_word_embeddings,
+        tie_word_embeddings=arch.startswith("qwen") if tie_word_embeddings is None else tie_word_embeddings,
         pad_token_id=pad_token_id,
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id[0] if isinstance(eos_token_id, list) else eos_token_id,
         attn_implementation=attn_implementation,
+        # Qwen3's config defaults to 128-wide heads whatever the hidden size: keep hidden / heads as the others
+        **({"head_dim": hidden_size // num_attention_heads} if arch == "qwen3" else {}),
     )
     # Initialise in float32 under a forked RNG so weights depend only on `seed`, not on the dtype or on
     # whatever ran before; then cast once.

@@ -74,6 +74,19 @@ def check_data_sources(dataset: RLDataset, cfg: Config, reward_fn: Any) -> None:
         dataset.require_data_sources(set(known_sources()), hint="set reward.custom_function.path to score it")
 
 
+def check_rollout_view(cfg: Config, model: torch.nn.Module | None) -> None:
+    """Refuse, before any rank starts, a tensor-parallel rollout size that cannot split the policy."""
+    tp = cfg.rollout.tensor_model_parallel_size
+    if tp == 1:
+        return
+    from hybridflow.engine.parallel.tp_rollout import check_tp
+    from hybridflow.models.loader import load_config as load_model_config
+
+    m = cfg.model
+    config = model.config if model is not None else load_model_config(m.path, m.trust_remote_code)
+    check_tp(config, tp)
+
+
 def _local_groups(cfg: Config, model: torch.nn.Module, tokenizer: Any, steps: int) -> list[WorkerGroup]:
     """This process as the rank (or, under torchrun, one of the ranks) holding every role."""
     t = cfg.trainer
@@ -145,6 +158,7 @@ def build_components(
     tokenizer.
     """
     model, tokenizer = _policy(cfg, model, tokenizer)
+    check_rollout_view(cfg, model)
     built_in = train is None and cfg.data.train_files is None  # the built-in task supplies both splits
     train = train or build_rl_dataset(cfg.data, tokenizer, "train", cfg.trainer.seed)
     if val is None and (cfg.data.val_files or built_in):

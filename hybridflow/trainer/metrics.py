@@ -93,3 +93,20 @@ def add_rollout_stats(metrics: dict[str, float], stats: dict[str, float] | None)
     seconds = metrics["timing_s/gen_decode"]
     rate = metrics["rollout/decode_tokens"] / seconds if seconds > 0 else 0.0
     metrics["perf/rollout_decode_tokens_per_s"] = rate
+
+
+def add_reshard_stats(metrics: dict[str, float], per_rank: list[dict[str, float]] | None) -> None:
+    """The train -> generate switch of each rank (``ActorWorker`` figures), summed over the step's calls.
+
+    ``timing_s/reshard``: the slowest rank's switch; ``reshard/rank{r}_received_mib``: what each rank
+    received; ``memory/reshard_peak_gib``: the largest peak allocated during a switch (CUDA only).
+    """
+    if not per_rank:
+        return
+    metrics["timing_s/reshard"] = metrics.get("timing_s/reshard", 0.0) + max(r["seconds"] for r in per_rank)
+    for rank, r in enumerate(per_rank):
+        key = f"reshard/rank{rank}_received_mib"
+        metrics[key] = metrics.get(key, 0.0) + r["bytes"] / 2**20
+    peaks = [r["peak_gib"] for r in per_rank if "peak_gib" in r]
+    if peaks:
+        metrics["memory/reshard_peak_gib"] = max(metrics.get("memory/reshard_peak_gib", 0.0), *peaks)

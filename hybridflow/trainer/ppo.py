@@ -27,6 +27,7 @@ from hybridflow.trainer.dataflow import Dataflow, Stage
 from hybridflow.trainer.dumps import rollout_records, write_jsonl
 from hybridflow.trainer.loop import TrainingLoop
 from hybridflow.trainer.metrics import (
+    add_reshard_stats,
     add_rollout_stats,
     compute_data_metrics,
     step_peak_memory,
@@ -178,6 +179,7 @@ class PPOTrainer(TrainingLoop):
         )
         out = self.c.actor.generate(prompts.select(PROMPT_KEYS, non_tensor_keys=[]), params)
         add_rollout_stats(metrics, out.meta.pop("rollout_stats", None))
+        add_reshard_stats(metrics, out.meta.pop("reshard", None))
         for key, values in prompts.non_tensors.items():
             out[key] = np.repeat(values, r.n)
         return out

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -14,8 +14,11 @@ from torch import nn
 from hybridflow.config.schema import Config
 from hybridflow.engine.actor import ActorEngine
 from hybridflow.engine.fsdp import to_dtype
+from hybridflow.engine.parallel.rollout_group import RolloutGroup
+from hybridflow.engine.parallel.tp_rollout import RolloutTP, check_tp, follow_rollout_shards
+from hybridflow.engine.parallel.view import GenerateView
 from hybridflow.engine.preference import update_preference
-from hybridflow.engine.reshard import RolloutReplica
+from hybridflow.engine.reshard import BroadcastReplica, RolloutShard
 from hybridflow.engine.rollout.engine import RolloutEngine, make_rollout
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.support import supports
@@ -57,10 +60,6 @@ def make_sampling_params(
     )
 
 
-# Data-parallel ranks sample with distinct seeds (each rank is its own rollout replica).
-RANK_SEED_STRIDE = 1_000_003
-
-
 class ActorWorker:
     """Holds the policy: ``generate`` reads the training module's parameters in place (a dtype cast at most)."""
 
@@ -76,10 +75,10 @@ class ActorWorker:
         native = r.engine == "native" and supports(model, max_len)
         if r.engine == "native" and not native:
             logger.warning("the built-in rollout engine does not cover this model: HF generate, much slower")
-        # The built-in engine reads the training module's own parameters at data-parallel size 1. Otherwise
-        # the rollout runs a replica refreshed from the shards before each generation (the hybrid engine):
-        # at size > 1 each rank needs whole weights, and HF generate cannot run the FSDP2-wrapped module.
-        unsharded = copy.deepcopy(model) if world_size() > 1 or not native else None
+        view = GenerateView(world_size(), r.tensor_model_parallel_size)
+        if view.tp > 1:
+            check_tp(model.config, view.tp)
+            follow_rollout_shards(model, view.world, view.tp)  # row-parallel weights sharded on dim 1
         self.engine = ActorEngine(
             model,
             cfg.actor,
@@ -93,7 +92,14 @@ class ActorWorker:
         # auto: generate in the training compute dtype on every device (actor.fsdp.param_dtype resolved:
         # bf16 on GPU, float32 on CPU), so the rollout's log-probs match the trainer's recomputation
         dtype = self.engine.engine.compute_dtype if r.dtype == "auto" else to_dtype(r.dtype)
-        kwargs = dict(
+        self.group = RolloutGroup(view, dist_rank())  # collective: every rank builds every group
+        self.weights = self._generation_weights(view, native, dtype, device)
+        target = self.weights.module if self.weights is not None else self.hf_model
+        tp = RolloutTP(self.group.group, model.config.vocab_size) if view.tp > 1 else None
+        self.rollout = make_rollout(
+            target,
+            "native" if native else "hf",
+            pad_token_id=pad_token_id,
             dtype=dtype,
             max_num_seqs=r.max_num_seqs,
             max_num_batched_tokens=r.max_num_batched_tokens,
@@ -103,17 +109,29 @@ class ActorWorker:
             compile_decode=r.compile_decode,
             free_cache_engine=r.free_cache_engine,
             device=device,  # the GPU, also while offloaded parameters sit on the host
+            **({"tp": tp} if tp is not None else {}),
         )
-        self.replica = None
-        if unsharded is not None:
-            self.replica = RolloutReplica(unsharded, dtype or torch.float32, device, world_size())
-        target = self.replica.module if self.replica is not None else self.hf_model
-        self.rollout = make_rollout(target, "native" if native else "hf", pad_token_id=pad_token_id, **kwargs)
         # Engines whose moments may leave the GPU for a rollout short of room (optimizer_offload=auto); the
         # builder adds a critic on the same devices.
         auto = trainable and cfg.actor.fsdp.optimizer_offload == "auto"
         self.room_donors: list[TrainEngine] = [self.engine.engine] if auto else []
         self._release_rollout_weights()
+
+    def _generation_weights(
+        self, view: GenerateView, native: bool, dtype: torch.dtype, device: torch.device
+    ) -> RolloutShard | BroadcastReplica | None:
+        """The rollout's own weights: None where it reads the training module in place (one rank, built-in
+        engine, hybrid engine), else a shard (or whole replica) from the reshard plan, or the baseline's copy.
+
+        HF generate cannot run the FSDP2-wrapped module, and at data-parallel size > 1 no rank holds whole
+        weights: both need weights of their own, refreshed from the shards before each generation.
+        """
+        if not self.cfg.actor.hybrid_engine:
+            return BroadcastReplica(self.hf_model, dtype, device)
+        if view.world == 1 and native:
+            return None
+        bucket = self.cfg.rollout.update_weights_bucket_megabytes * 2**20
+        return RolloutShard(self.hf_model, view, dist_rank(), dtype, device, bucket)
 
     def _release_rollout_weights(self) -> int:
         """Free the rollout's own copy of the weights (a replica, or the engine's cast buffers); bytes freed.
@@ -121,8 +139,8 @@ class ActorWorker:
         Every generation fills them again first, so until the first one, and in jobs that never generate
         (SFT, DPO, KTO), they would only hold a second copy of the policy beside the training state.
         """
-        if self.replica is not None:
-            return self.replica.release()
+        if self.weights is not None:
+            return self.weights.release()
         if isinstance(self.rollout, RolloutEngine):
             return self.rollout.runner.release()
         return 0
@@ -163,18 +181,19 @@ class ActorWorker:
         Adds ``rollout_log_probs`` (B*n, R), the prompts' non-tensor fields repeated, ``uid`` (the prompt's
         group) and ``finish_reason``; ``meta["rollout_stats"]`` holds the engine's ``GenerationStats``.
         """
-        if self.replica is not None:
-            self.replica.sync(self.hf_model)  # every rank calls generate together: the gathers line up
-        if params.seed is not None and world_size() > 1:
-            params = dataclasses.replace(params, seed=params.seed + RANK_SEED_STRIDE * dist_rank())
+        reshard = self._switch_to_generation()
+        params = dataclasses.replace(params, seed=self.group.seed(params.seed))
         mask = prompts["attention_mask"].bool()
         ids = [row[m].tolist() for row, m in zip(prompts["input_ids"], mask)]
+        together, mine = self.group.gather(ids)  # a rollout group generates for all its ranks' prompts
         if self.room_donors:
-            self._make_room(ids, params)
-        with Progress(desc, total=len(ids) * params.n, unit="samples") as bar:
-            outputs = self.rollout.generate(ids, params, progress=bar.update)
-        if self.replica is not None and self.cfg.rollout.free_cache_engine:
-            self.replica.release()  # the update needs its memory; the next sync() allocates it again
+            self._make_room(together, params)
+        with Progress(desc, total=len(together) * params.n, unit="samples") as bar:
+            outputs = self.rollout.generate(together, params, progress=bar.update)
+        self.group.check_agreement(outputs)
+        outputs = outputs[mine]
+        if self.weights is not None and self.cfg.rollout.free_cache_engine:
+            self.weights.release()  # the update needs its memory; the next sync() allocates it again
         flat = [s for group in outputs for s in group]
         R = self.cfg.data.max_response_length
         batch = pack_prompt_response(
@@ -189,7 +208,31 @@ class ActorWorker:
         stats = getattr(self.rollout, "last_stats", None)  # the built-in engine's; HF generate keeps none
         if stats is not None:
             batch.meta["rollout_stats"] = dataclasses.asdict(stats)
+        if reshard is not None:
+            batch.meta["reshard"] = reshard
         return batch
+
+    def _switch_to_generation(self) -> dict[str, float] | None:
+        """Refresh the rollout's own weights from the shards (every rank together); the switch's figures.
+
+        ``seconds`` (device work included), ``bytes`` this rank received, and on CUDA the switch's peak
+        allocated memory (``peak_gib``). None when the rollout reads the training module itself.
+        """
+        if self.weights is None:
+            return None
+        device = self.engine.engine.device
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        received = self.weights.sync(self.hf_model)
+        if cuda:
+            torch.cuda.synchronize(device)
+        out = {"seconds": time.perf_counter() - start, "bytes": float(received)}
+        if cuda:
+            out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        return out
 
     def compute_log_prob(self, batch: Batch) -> Batch:
         """Trainer log-probs (``old_log_probs``) and entropies of the responses under the current weights."""

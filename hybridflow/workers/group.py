@@ -124,14 +124,18 @@ class ActorHandle(RoleHandle):
     def generate(self, prompts: Batch, params: Any, desc: str = "rollout") -> Batch:
         """``params.n`` samples per prompt, interleaved; ``uid`` numbers the prompts of the whole batch.
 
-        ``meta["rollout_stats"]`` carries rank 0's generation stats when the engine keeps them.
+        ``meta["rollout_stats"]`` carries rank 0's generation stats when the engine keeps them, and
+        ``meta["reshard"]`` every rank's train -> generate switch when the rollout has weights of its own.
         """
         chunks, pad = split_batch(prompts, self.group.world)
         outputs = self.group.run_each("call", [("actor", "generate", c, params, desc) for c in chunks])
         stats = [o.meta.pop("rollout_stats", None) for o in outputs]  # per rank: they differ, so not merged
+        reshard = [o.meta.pop("reshard", None) for o in outputs]
         out = merge_batches(outputs, pad * params.n, self.widths)  # each rank pads to its longest prompt
         if stats[0] is not None:
             out.meta["rollout_stats"] = stats[0]  # rank 0's, like the memory report
+        if reshard[0] is not None:
+            out.meta["reshard"] = reshard  # every rank's switch: its time, bytes received and peak
         out["uid"] = np.repeat(np.array([str(i) for i in range(len(prompts))], dtype=object), params.n)
         return out
 

@@ -52,7 +52,14 @@ def refused(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         ),
         (["critic.strategy=megatron"], "error: critic.strategy: 'megatron' is not supported"),
         (["reward_model.strategy=megatron"], "error: reward_model.strategy: 'megatron' is not supported"),
-        ([f"{A}.hybrid_engine=false"], f"error: {A}.hybrid_engine: False is not supported: the split layout"),
+        (
+            ["trainer.n_gpus_per_node=4", "rollout.tensor_model_parallel_size=3"],
+            "error: rollout.tensor_model_parallel_size: 3 does not divide the 4 ranks",
+        ),
+        (
+            ["trainer.n_gpus_per_node=2", "rollout.tensor_model_parallel_size=2", f"{A}.hybrid_engine=false"],
+            f"error: actor.hybrid_engine (given as '{A}.hybrid_engine'): is false with rollout.tensor_model_par",
+        ),
         (
             [f"{A}.actor.fsdp_config.grad_offload=true"],
             f"error: {A}.actor.fsdp_config.grad_offload: True is not supported: gradients are not offloaded",
@@ -88,7 +95,6 @@ def test_megatron_refusal_names_the_fix(capsys: pytest.CaptureFixture[str]) -> N
     ("arg", "notice"),
     [
         (f"{A}.actor.strategy=fsdp", "the actor trains with FSDP2"),
-        (f"{A}.hybrid_engine=true", "share one copy of the weights"),
         (f"{A}.rollout.mode=async", "in place of verl's sync"),
         (f"{A}.rollout.name=vllm", "the built-in rollout engine runs in place of vllm"),
     ],

@@ -60,6 +60,12 @@ CASES = [
     ("actor_rollout_ref.rollout.n=5", "rollout.n", 5),
     ("actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "rollout.gpu_memory_utilization", 0.6),
     ("actor_rollout_ref.rollout.tensor_model_parallel_size=1", "rollout.tensor_model_parallel_size", 1),
+    ("actor_rollout_ref.hybrid_engine=false", "actor.hybrid_engine", False),
+    (
+        "actor_rollout_ref.rollout.update_weights_bucket_megabytes=64",
+        "rollout.update_weights_bucket_megabytes",
+        64,
+    ),
     ("actor_rollout_ref.rollout.temperature=0.9", "rollout.temperature", 0.9),
     ("actor_rollout_ref.rollout.val_kwargs.n=4", "rollout.val_kwargs.n", 4),
     ("actor_rollout_ref.actor.optim.lr=3e-6", "actor.optim.lr", 3e-6),
@@ -193,7 +199,6 @@ A = "actor_rollout_ref"
 # with a notice saying how it behaves) and a value that asks for something it does not do (refused).
 # (key, accepted values, words of the notice, refused value or None, words of the message, words of the fix)
 IGNORED_CASES = [
-    (f"{A}.hybrid_engine", [True], "share one copy of the weights", False, "split layout", "set it to true"),
     (
         f"{A}.actor.strategy",
         ["fsdp", "fsdp2"],
@@ -299,7 +304,7 @@ def _override(key: str, value: object) -> str:
 
 def test_the_cases_cover_every_ignored_key() -> None:
     assert [c[0] for c in IGNORED_CASES] == list(aliases_module.VERL_IGNORED)
-    assert len(IGNORED_CASES) == 19
+    assert len(IGNORED_CASES) == 18  # the 19th, hybrid_engine, is actor.hybrid_engine now
 
 
 ACCEPTED = [(c[0], value, c[2]) for c in IGNORED_CASES for value in c[1]]
@@ -353,8 +358,8 @@ def test_ignored_keys_as_nested_yaml_are_judged_by_value(tmp_path: Path) -> None
 
 def test_all_refusals_are_reported_together() -> None:
     with pytest.raises(ConfigError) as info:
-        load_config(overrides=[f"{A}.hybrid_engine=false", "trainer.default_hdfs_dir=/hdfs/x", "rollout.n=0"])
-    assert [p.path for p in info.value.problems] == [f"{A}.hybrid_engine", "trainer.default_hdfs_dir"]
+        load_config(overrides=[f"{A}.model.use_shm=true", "trainer.default_hdfs_dir=/hdfs/x", "rollout.n=0"])
+    assert [p.path for p in info.value.problems] == [f"{A}.model.use_shm", "trainer.default_hdfs_dir"]
 
 
 def test_docs_list_every_ignored_key_with_its_accepted_values() -> None:

@@ -366,15 +366,20 @@ def test_settings_that_take_effect_pass() -> None:
     assert cfg.data.gen_batch_size == 32
 
 
-def test_tensor_parallel_rollout_is_refused_until_it_exists() -> None:
-    message = str(_error(["trainer.n_gpus_per_node=2", "rollout.tensor_model_parallel_size=2"]))
-    assert message.startswith(
-        "rollout.tensor_model_parallel_size: is 2, but the rollout has no tensor parallelism"
+def test_a_tensor_parallel_rollout_must_split_the_world_into_groups() -> None:
+    message = str(
+        _error(["trainer.n_gpus_per_node=6", "rollout.tensor_model_parallel_size=4", "rollout.n=6"])
     )
-    assert "fix: set rollout.tensor_model_parallel_size=1" in message
-    assert load_config(
-        overrides=["actor_rollout_ref.rollout.tensor_model_parallel_size=1"]
-    )  # verl's key, at 1
+    assert message.startswith("rollout.tensor_model_parallel_size: 4 does not divide the 6 ranks")
+    assert "use one of [1, 2, 3, 6]" in message
+    message = str(
+        _error(["trainer.n_gpus_per_node=2", "rollout.tensor_model_parallel_size=2", "rollout.engine=hf"])
+    )
+    assert "rollout.tensor_model_parallel_size: is 2 with rollout.engine=hf" in message
+    cfg = load_config(
+        overrides=["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
+    )
+    assert cfg.rollout.tensor_model_parallel_size == 2  # verl's key
 
 
 def test_other_consistency_rules() -> None:

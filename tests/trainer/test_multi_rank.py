@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 from dist_util import run_world
-from realistic import REWARD_SOURCE, TOKEN_REWARD_SOURCE, build_stopping_model, realistic_rows, write_jsonl
+from realistic import (
+    REWARD_SOURCE,
+    STOP_CHARS,
+    TOKEN_REWARD_SOURCE,
+    build_chatty_model,
+    build_stopping_model,
+    realistic_rows,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +53,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (root / "empty.yaml").write_text("{}\n")
     return {
         "model": build_stopping_model(root / "model"),
+        "chatty": build_chatty_model(root / "chatty"),
         "train": write_jsonl(realistic_rows(16, seed=0), root / "train.jsonl"),
         "val": write_jsonl(realistic_rows(8, seed=1), root / "val.jsonl"),
         "reward": root / "reward.py",
@@ -228,6 +237,52 @@ def test_remax_with_a_reward_model_on_two_ranks(tmp_path: Path, setup: dict[str,
     assert sorted(metrics) == [0, 1, 2]
     check_rollout_matches_trainer(metrics)
     assert metrics[1]["critic/score/max"] > metrics[1]["critic/score/min"]  # the reward model scores
+
+
+def test_grpo_on_four_ranks_with_a_tensor_parallel_rollout(tmp_path: Path, setup: dict[str, Path]) -> None:
+    """fsdp=4 trains, rollout groups of 2 ranks generate; the samples' log-probs are the trainer's."""
+    metrics = run(
+        setup, tmp_path / "run", 4, "rollout.tensor_model_parallel_size=2", "trainer.total_training_steps=2"
+    )
+    assert sorted(metrics) == [0, 1, 2]
+    check_rollout_matches_trainer(metrics)
+    for step in (1, 2):
+        assert metrics[step]["response_length/max"] > metrics[step]["response_length/min"]
+        received = [metrics[step][f"reshard/rank{r}_received_mib"] for r in range(4)]
+        assert all(0 < mib < 1 for mib in received)  # a part of each shard, never a whole copy
+
+
+@pytest.mark.parametrize(
+    ("world", "variant"), [(4, "rollout.tensor_model_parallel_size=2"), (2, "actor.hybrid_engine=false")]
+)
+def test_greedy_runs_equal_the_replica_layout(
+    tmp_path: Path, setup: dict[str, Path], world: int, variant: str
+) -> None:
+    """The tensor-parallel view (and the baseline's broadcast copy) generate what whole replicas generate."""
+    from hybridflow.models import load_tokenizer
+
+    stops = load_tokenizer(str(setup["chatty"])).convert_tokens_to_ids(list(STOP_CHARS))
+    greedy = (
+        f"model.path={setup['chatty']}",
+        f"rollout.stop_token_ids=[{','.join(map(str, stops))}]",
+        "rollout.do_sample=false",
+        "rollout.n=1",
+        "data.train_batch_size=8",
+        "actor.ppo_mini_batch_size=8",
+        "algorithm.adv_estimator=reinforce_plus_plus",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=2",
+    )
+    want = run(setup, tmp_path / "replicas", world, *greedy)
+    got = run(setup, tmp_path / "variant", world, *greedy, variant)
+    assert sorted(want) == sorted(got) == [0, 1, 2]
+    for step in want:  # the rollout's statistics are rank 0's: a rollout group counts its whole share
+        theirs = {k: v for k, v in steady(want[step]).items() if not k.startswith("reshard/")}
+        mine = {k: v for k, v in steady(got[step]).items() if not k.startswith("reshard/")}
+        assert mine.keys() == theirs.keys(), step
+        for key, value in theirs.items():
+            assert mine[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
+    assert want[1]["actor/grad_norm"] > 0 and want[1]["response_length/max"] > want[1]["response_length/min"]
 
 
 def test_dynamic_sampling_joins_rounds_of_different_widths(tmp_path: Path, setup: dict[str, Path]) -> None:

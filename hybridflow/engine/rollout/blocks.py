@@ -13,6 +13,7 @@ float32 then cast back before the weight multiply, RoPE in the compute dtype in 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -136,16 +137,26 @@ def attention_inputs(
 
 
 def attention_output_and_mlp(
-    h: torch.Tensor, o: torch.Tensor, w: LayerWeights, dims: LayerDims
+    h: torch.Tensor,
+    o: torch.Tensor,
+    w: LayerWeights,
+    dims: LayerDims,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The rest of the layer: h (b, t, hidden) plus o's projection, then plus the MLP of its norm."""
+    """The rest of the layer: h (b, t, hidden) plus o's projection, then plus the MLP of its norm.
+
+    ``reduce`` sums the partial products of the row-parallel o and down projections over a tensor-parallel
+    group (their biases sit on one rank, so the sum adds them once); None: this rank holds whole weights.
+    """
     b, t, _ = h.shape
     o = o.transpose(1, 2).reshape(b, t, dims.num_heads * dims.head_dim)  # (b, H, t, D) -> (b, t, H * D)
-    h = h + project(o, w.o, w.o_bias, (0,), dims.k_splits.o)[0]
+    out = project(o, w.o, w.o_bias, (0,), dims.k_splits.o)[0]  # (b, t, hidden)
+    h = h + (out if reduce is None else reduce(out))
     x = rms_norm(h, w.post_norm, dims.eps)
     gate, up = project(x, w.gate_up, w.gate_up_bias, dims.mlp_splits, dims.k_splits.gate_up)
     act = F.silu(gate) * up  # (b, t, I)
-    return h + project(act, w.down, w.down_bias, (0,), dims.k_splits.down)[0]
+    out = project(act, w.down, w.down_bias, (0,), dims.k_splits.down)[0]  # (b, t, hidden)
+    return h + (out if reduce is None else reduce(out))
 
 
 def split_linear(

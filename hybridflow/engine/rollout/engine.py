@@ -10,9 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from hybridflow.engine.packing import to_device
+from hybridflow.engine.parallel.tp_rollout import RolloutTP
 from hybridflow.engine.rollout.blocks import KSplits
 from hybridflow.engine.rollout.graphs import DecodeGraphs, buckets
 from hybridflow.engine.rollout.kv_cache import KVCache
@@ -130,8 +132,12 @@ class RolloutEngine:
         compile_decode: bool = False,
         free_cache_engine: bool = True,
         device: torch.device | None = None,
+        tp: RolloutTP | None = None,
     ) -> None:
-        self.runner = LlamaRunner(model, dtype, max_model_len, device)
+        """``tp``: ``model`` is this rank's tensor-parallel shard; every rank of the group must then call
+        ``generate`` with the same prompts and seed (they sample the same tokens from the same logits)."""
+        self.runner = LlamaRunner(model, dtype, max_model_len, device, tp)
+        self.tp = tp
         self.device = self.runner.device
         # torch.compile fuses the decode step's elementwise work (norms, RoPE, SiLU*mul); it compiles once
         # per batch bucket (tens of seconds each), so it pays off for long runs and benchmarks. Prefill's
@@ -220,7 +226,10 @@ class RolloutEngine:
                     f"no KV-cache slot of {max_len} tokens fits in rollout.gpu_memory_utilization="
                     f"{self.gpu_memory_utilization} of the GPU; raise it or lower max_model_len"
                 )
-            wanted, slots = slots, slots_within_budget(slots, int(budget // per_slot))
+            fit = int(budget // per_slot)
+            if self.tp is not None:  # the ranks of a group must schedule alike: the smallest budget rules
+                fit = int(funcol.all_reduce(torch.tensor([fit], device=self.device), "min", self.tp.group))
+            wanted, slots = slots, slots_within_budget(slots, fit)
             if slots < wanted and (wanted, slots) not in self._wave_notices:  # once per shape, not every step
                 self._wave_notices.add((wanted, slots))
                 logger.warning(

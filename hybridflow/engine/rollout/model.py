@@ -27,6 +27,7 @@ from torch import nn
 
 from hybridflow.engine.fsdp import reshard_fsdp
 from hybridflow.engine.packing import to_device
+from hybridflow.engine.parallel.tp_rollout import RolloutTP
 from hybridflow.engine.rollout import blocks
 from hybridflow.engine.rollout.blocks import KSplits, LayerDims, LayerWeights
 from hybridflow.engine.rollout.kv_cache import KVCache, write_kv
@@ -79,8 +80,13 @@ class LlamaRunner:
         dtype: torch.dtype | None = None,
         max_len: int | None = None,
         device: torch.device | None = None,
+        tp: RolloutTP | None = None,
     ) -> None:
+        """``tp``: ``hf_model`` is this rank's tensor-parallel shard (``engine.parallel.tp_rollout``), and
+        the runner adds the group's collectives: vocabulary-parallel embedding and logits, and an all-reduce
+        after the o and down projections."""
         config = hf_model.config
+        self.tp = tp
         check_supported(config, max_len)
         check_structure(hf_model)
         # A Mistral window is harmless only while no cached sequence is longer than it (check_supported).
@@ -93,7 +99,7 @@ class LlamaRunner:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.vocab_size = config.vocab_size
+        self.vocab_size = config.vocab_size if tp is None else tp.vocab_size  # the whole vocabulary
         self.max_position_embeddings = config.max_position_embeddings
         self.eps = config.rms_norm_eps
         self.scaling = self.head_dim**-0.5
@@ -337,11 +343,15 @@ class LlamaRunner:
         decode kernel applies it); ``dims`` defaults to ``self.dims`` (decode passes its own).
         """
         dims = self.dims if dims is None else dims
-        h = F.embedding(input_ids, self.embed)  # (b, t, hidden)
+        if self.tp is None:
+            h = F.embedding(input_ids, self.embed)  # (b, t, hidden)
+        else:
+            h = self.tp.embed(input_ids, self.embed)  # this rank's vocabulary slice, summed over the group
+        reduce = None if self.tp is None else self.tp.reduce
         cos, sin = self._rope_tables(positions)
         for idx, w in enumerate(self.layers):
             q, k, v = blocks.attention_inputs(h, w, cos, sin, dims, rope)
-            h = blocks.attention_output_and_mlp(h, attend(idx, q, k, v), w, dims)
+            h = blocks.attention_output_and_mlp(h, attend(idx, q, k, v), w, dims, reduce)
         return h
 
     def _prefill_hidden(
@@ -385,7 +395,9 @@ class LlamaRunner:
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on (b, hidden) -> logits (b, V): float32, or the compute dtype (float_logits)."""
-        logits = F.linear(blocks.rms_norm(h, self.norm, self.eps), self.lm_head)  # (b, V)
+        logits = F.linear(blocks.rms_norm(h, self.norm, self.eps), self.lm_head)  # (b, V) or (b, V / tp)
+        if self.tp is not None:
+            logits = self.tp.gather_logits(logits)  # (b, V), identical on every rank of the group
         return logits.float() if self.float_logits else logits
 
     def _check_cache(self, cache: KVCache) -> None:

@@ -1,0 +1,64 @@
+"""The generation view: W ranks as W/tp rollout groups of tp tensor-parallel ranks.
+
+HybridFlow's ordering: rank r is tensor-parallel rank ``r // dp`` of rollout group ``r % dp`` (dp = W/tp).
+FSDP2 gives rank r the r-th of W equal slices of every weight (along its shard dim); tensor-parallel rank t
+holds the t-th of tp slices along the same dim, which is the union of the FSDP slices of ranks t*dp .. t*dp +
+dp - 1. So each rank's generation shard contains its own training shard, and the rest of it comes from the dp
+ranks of the same tensor-parallel rank: small gathers, no rank ever holding more than its generation shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class GenerateView:
+    """``world`` ranks generating in ``world // tp`` groups of ``tp`` (tp = 1: a whole replica per rank)."""
+
+    world: int
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.world % self.tp:
+            raise ValueError(
+                f"rollout.tensor_model_parallel_size={self.tp} must divide the {self.world} ranks "
+                "(trainer.nnodes x trainer.n_gpus_per_node)"
+            )
+
+    @property
+    def dp(self) -> int:
+        """The number of rollout groups (data parallelism of the generation view)."""
+        return self.world // self.tp
+
+    def tp_rank(self, rank: int) -> int:
+        """The tensor-parallel rank of ``rank`` inside its rollout group."""
+        return rank // self.dp
+
+    def dp_rank(self, rank: int) -> int:
+        """The rollout group of ``rank`` (its sampling stream and its share of the prompts)."""
+        return rank % self.dp
+
+    def group_ranks(self, dp_rank: int) -> list[int]:
+        """The ranks of rollout group ``dp_rank``, in tensor-parallel order."""
+        return [dp_rank + t * self.dp for t in range(self.tp)]
+
+    def __str__(self) -> str:
+        return f"(tp={self.tp}, dp={self.dp})"
+
+
+def rollout_group(view: GenerateView, rank: int) -> dist.ProcessGroup | None:
+    """This rank's rollout-group process group (None at tp = 1); every rank must call it, in the same order.
+
+    ``dist.new_group`` is collective over the whole world, so each rank creates every group and keeps its own.
+    """
+    if view.tp == 1:
+        return None
+    mine = None
+    for g in range(view.dp):
+        group = dist.new_group(view.group_ranks(g))
+        if g == view.dp_rank(rank):
+            mine = group
+    return mine
