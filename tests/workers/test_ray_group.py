@@ -87,12 +87,17 @@ def start_cli(args: list[str], log: Path) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-c", code, *args], env=clean_env(), stdout=out, stderr=out)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(("world", "tp"), [(2, 1), (4, 2)])
 def test_ray_backend_matches_the_torchrun_style_run(
-    tmp_path: Path, setup: dict[str, Path], world: int
+    tmp_path: Path, setup: dict[str, Path], world: int, tp: int
 ) -> None:
-    """GRPO on prompts of very different lengths: Ray and torchrun give the same metrics at 2 and 4 ranks."""
-    extra = ("trainer.total_training_steps=3", "trainer.test_freq=3")
+    """GRPO on prompts of very different lengths: Ray and torchrun give the same metrics at 2 and 4 ranks
+    (at 4, rollout groups of 2 tensor-parallel ranks)."""
+    extra = (
+        "trainer.total_training_steps=3",
+        "trainer.test_freq=3",
+        f"rollout.tensor_model_parallel_size={tp}",
+    )
     assert (
         run_world(world, spmd_rank, argv(setup, tmp_path / "spmd", *extra, world=world), timeout=600)
         == [0] * world

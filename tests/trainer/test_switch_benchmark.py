@@ -1,0 +1,36 @@
+"""benchmarks/switch.py's plan table runs anywhere (its GPU timing needs a GPU and refuses without one)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "switch.py"
+
+
+def test_the_plan_table_has_every_layout_and_names_what_tp_cannot_split() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--plan-only", "--model-size", "0.5b"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| 0.5b")]
+    assert len(rows) == 9  # W in 2, 4, 8 and each tp up to W
+    by_layout = {(r[1], r[2]): r for r in rows}
+    assert by_layout[("4", "1")][-1] == "0.75 of a copy |"  # a replica lacks 3/4 of the weights at W = 4
+    assert by_layout[("4", "2")][-1] == "0.25 of a copy |"  # half a copy, of which it holds a quarter
+    assert "num_attention_heads=14" in by_layout[("8", "4")][-1]  # 14 heads do not split 4 ways
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there: the timing would run")
+def test_the_timing_needs_a_gpu() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model-size", "0.5b"], capture_output=True, text=True
+    )
+    assert done.returncode != 0 and "needs a GPU" in done.stderr
