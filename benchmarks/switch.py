@@ -186,7 +186,7 @@ def main() -> None:
             for size in args.model_size:
                 if size in SHAPES and size != "tiny":
                     print("\n".join(switch_rows(size, args.steps, args.warmup)), flush=True)
-        print(machine_line(clocks))
+        print(machine_line(clocks.info()))
     print(
         "\n| model | W | tp | received per rank GB | generation weights per rank GB | whole copy GB | received |"
     )

@@ -12,7 +12,10 @@ def local_tensor(param: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     if isinstance(param, DTensor):
-        local = param.to_local()
+        # The DTensor's own attribute: ``to_local()`` dispatches through autograd, ~16 us a call on an H200
+        # host, which over the ~300 weights of a refresh was most of the switch (benchmarks/RESULTS.md).
+        local = getattr(param, "_local_tensor", None)
+        local = param.to_local() if local is None else local
         if local.shape != param.shape:
             raise ValueError(
                 f"a parameter is sharded ({tuple(local.shape)} of {tuple(param.shape)}): the runner reads "
