@@ -129,6 +129,11 @@ class ActorWorker:
         if not self.cfg.actor.hybrid_engine:
             return BroadcastReplica(self.hf_model, dtype, device)
         if view.world == 1 and native:
+            logger.info(
+                "HybridEngine initialized: train_view=(fsdp=1), generate_view=%s: the rollout reads the training "
+                "weights in place (a cast buffer when the dtypes differ)",
+                view,
+            )
             return None
         bucket = self.cfg.rollout.update_weights_bucket_megabytes * 2**20
         return RolloutShard(self.hf_model, view, dist_rank(), dtype, device, bucket)
