@@ -136,3 +136,24 @@ def test_the_warm_up_config_accepts_what_the_rl_phase_accepts() -> None:
     assert sft_cfg.actor.ppo_micro_batch_size_per_gpu == 64 and sft_cfg.data.train_batch_size == 64
     with pytest.raises(ConfigError, match=r"rollout\.n: must be at least 1, got -3"):
         demo.demo_configs(["rollout.n=-3"])
+
+
+def test_a_tensor_parallel_rollout_that_cannot_split_the_model_is_refused_before_any_rank_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    build_tiny_model_and_tokenizer(
+        out_dir=tmp_path / "model",
+        hidden_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+    )
+    args = [
+        f"model.path={tmp_path / 'model'}",
+        "trainer.n_gpus_per_node=4",
+        "rollout.tensor_model_parallel_size=4",
+    ]
+    assert main(["train", *args, f"trainer.default_local_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.tensor_model_parallel_size=4 does not split this model: num_attention_heads=6" in err
+    assert "Traceback" not in err
