@@ -77,18 +77,23 @@ def argv(setup: dict[str, Path], run_dir: Path, world: int, *extra: str) -> list
     ]
 
 
-def spmd_rank(rank: int, args: list[str]) -> int:
-    """One process of a torchrun-style run."""
+def spmd_rank(rank: int, *runs: list[str]) -> list[int]:
+    """One process of torchrun-style runs, one after another (a process start costs more than a tiny run)."""
     from hybridflow.cli.main import main
 
-    return main(args)
+    return [main(args) for args in runs]
+
+
+def metrics_of(run_dir: Path) -> dict[int, dict[str, float]]:
+    """The metrics of each step of a run (the volatile ones left out)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows}
 
 
 def run(setup: dict[str, Path], run_dir: Path, world: int, *extra: str) -> dict[int, dict[str, float]]:
-    """Train on ``world`` ranks; the metrics of each step (the volatile ones left out)."""
-    assert run_world(world, spmd_rank, argv(setup, run_dir, world, *extra), timeout=600) == [0] * world
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows}
+    """Train on ``world`` ranks; the metrics of each step."""
+    assert run_world(world, spmd_rank, argv(setup, run_dir, world, *extra), timeout=600) == [[0]] * world
+    return metrics_of(run_dir)
 
 
 def steady(metrics: dict[str, float]) -> dict[str, float]:
@@ -265,8 +270,12 @@ def test_greedy_runs_equal_the_replica_layout(
         "trainer.total_training_steps=2",
         "trainer.test_freq=2",
     )
-    want = run(setup, tmp_path / "replicas", world, *greedy)
-    got = run(setup, tmp_path / "variant", world, *greedy, variant)
+    runs = [
+        argv(setup, tmp_path / "replicas", world, *greedy),
+        argv(setup, tmp_path / "variant", world, *greedy, variant),
+    ]
+    assert run_world(world, spmd_rank, *runs, timeout=600) == [[0, 0]] * world
+    want, got = metrics_of(tmp_path / "replicas"), metrics_of(tmp_path / "variant")
     assert sorted(want) == sorted(got) == [0, 1, 2]
     for step in want:  # the rollout's statistics are rank 0's: a rollout group counts its whole share
         theirs, mine = steady(want[step]), steady(got[step])
@@ -323,9 +332,8 @@ def test_preference_training_on_two_ranks_equals_one_rank(
         run_dir = tmp_path / f"run{world}"
         args = [kind, str(setup["config"]), f"model.path={setup['model']}", f"data.train_files=[{data}]"]
         args += [f"trainer.default_local_dir={run_dir}", f"trainer.n_gpus_per_node={world}", *PREFERENCE]
-        assert run_world(world, spmd_rank, args, timeout=600) == [0] * world
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        return {r["step"]: steady(r) for r in map(json.loads, lines)}
+        assert run_world(world, spmd_rank, args, timeout=600) == [[0]] * world
+        return {step: steady(m) for step, m in metrics_of(run_dir).items()}
 
     one, two = train(1), train(2)
     assert sorted(one) == sorted(two) == [1, 2]
