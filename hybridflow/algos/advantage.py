@@ -272,7 +272,13 @@ def compute_reinforce_plus_plus_outcome_advantage(
     gamma: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++: discounted return-to-go (reset at masked tokens), then ``masked_whiten`` over the batch."""
+    """REINFORCE++: discounted return-to-go carried across masked tokens, then ``masked_whiten`` over the batch.
+
+    As in verl 0.9.1, a masked span inside a response (a multi-turn observation) passes the running return
+    through unchanged: rewards after it reach the tokens before it, discounted only over valid tokens.
+    verl before 0.9 (and hybridflow before issue 32) reset the return at every masked token instead; with
+    masked positions only as trailing padding both give the same result.
+    """
     _check_shapes(token_level_rewards, response_mask)
     gamma = _resolve(gamma, config, "gamma", 1.0)
     rewards = token_level_rewards.to(_work_dtype(token_level_rewards))
@@ -280,11 +286,9 @@ def compute_reinforce_plus_plus_outcome_advantage(
     returns = torch.zeros_like(rewards)  # (B, T)
     running = rewards.new_zeros(rewards.shape[0])  # (B,)
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running
-        returns[:, t] = running
-        # verl resets the running return at every masked token, so rewards never flow back across padding
-        # (or across an observation hole in a multi-turn response).
-        running = torch.where(valid[:, t], running, 0.0)
+        # A masked position neither adds its reward nor discounts: the running return skips it.
+        running = torch.where(valid[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(valid[:, t], running, 0.0)
     advantages = _masked(masked_whiten(returns, response_mask), response_mask)
     return advantages, _masked(returns, response_mask)
 

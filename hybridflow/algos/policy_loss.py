@@ -35,7 +35,10 @@ LOG_RATIO_CLAMP = 20.0
 class PolicyLossConfig:
     """Every knob the policy losses read, with verl's defaults.
 
-    ``clip_ratio_low``/``clip_ratio_high`` of None mean ``clip_ratio``. The last four fields are the
+    ``clip_ratio_low``/``clip_ratio_high`` of None mean ``clip_ratio``. ``dro_beta`` (DRO's penalty, required
+    by ``dro``), ``tau_pos``/``tau_neg`` (SAPO's gate temperatures) and ``rollout_correction`` (the settings
+    ``bypass_mode`` reads: ``loss_type``, ``rollout_is``, ``rollout_rs`` and their thresholds, as an object
+    or a Mapping) are verl 0.9.1's. The last four fields are the
     global-batch counts of ``agg_loss``: build one config per mini-batch with ``dataclasses.replace``.
     ``loss_agg_mode`` is for the caller: the losses use their ``loss_agg_mode`` argument, as in verl.
     """
@@ -51,6 +54,10 @@ class PolicyLossConfig:
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 0.1
+    dro_beta: float | None = None
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    rollout_correction: Any = None
     dp_size: int = 1
     batch_num_tokens: int | float | torch.Tensor | None = None
     global_batch_size: int | float | torch.Tensor | None = None
@@ -212,9 +219,11 @@ def compute_policy_loss_gspo(
     config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO (arXiv 2507.18071): clip a per-sequence length-normalised ratio; always seq-mean-token-mean.
+    """GSPO (arXiv 2507.18071): PPO clip on the per-sequence length-normalised ratio, aggregated by ``loss_agg_mode``.
 
-    As in verl, ``loss_agg_mode`` is ignored: GSPO is defined with sequence-level averaging.
+    ``loss_agg_mode`` is honoured, as issue 32 states for verl 0.9.1 (the trainer passes the actor's mode,
+    token-mean by default); verl up to 0.9.0 always used seq-mean-token-mean, the paper's sequence
+    average: pass ``loss_agg_mode="seq-mean-token-mean"`` for those numbers.
     """
     clip_low, clip_high = _clip_range(config)
     neg_kl = log_prob - old_log_prob  # (B, T)
@@ -228,7 +237,7 @@ def compute_policy_loss_gspo(
     pg_losses1 = -advantages * seq_ratio
     pg_losses2 = -advantages * torch.clamp(seq_ratio, 1 - clip_low, 1 + clip_high)
     pg_losses = _apply_is_weights(torch.maximum(pg_losses1, pg_losses2), rollout_is_weights)
-    pg_loss = agg_loss(pg_losses, response_mask, "seq-mean-token-mean", **_global_batch_info(config))
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **_global_batch_info(config))
 
     pg_clipfrac = masked_mean((pg_losses2 > pg_losses1).float(), response_mask)
     ppo_kl = masked_mean(-neg_kl, response_mask)

@@ -240,16 +240,31 @@ def test_remax_by_hand():
         compute_remax_outcome_advantage(rewards, None, mask)
 
 
-def test_reinforce_plus_plus_discounts_and_resets_at_masked_tokens():
+def test_reinforce_plus_plus_discounts_and_carries_across_masked_tokens():
     rewards = torch.tensor([[0.0, 1.0, 0.0, 2.0], [0.0, 3.0, 0.0, 0.0], [1.0, 0.0, 5.0, 2.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 1.0, 1.0]])
     adv, ret = compute_reinforce_plus_plus_outcome_advantage(rewards, mask, config={"gamma": 0.5})
-    # row 3: the return 6 at t=2 does not flow back across the masked t=1 (verl resets there)
-    expected_ret = torch.tensor([[0.75, 1.5, 1.0, 2.0], [1.5, 3.0, 0.0, 0.0], [1.0, 0.0, 6.0, 2.0]])
+    # row 3 (verl 0.9.1): t=3: 2; t=2: 5 + 0.5 * 2 = 6; the masked t=1 passes 6 through undiscounted and
+    # returns 0 there; t=0: 1 + 0.5 * 6 = 4. Row 2's trailing padding changes nothing: 3, then 0 + 0.5 * 3.
+    expected_ret = torch.tensor([[0.75, 1.5, 1.0, 2.0], [1.5, 3.0, 0.0, 0.0], [4.0, 0.0, 6.0, 2.0]])
     torch.testing.assert_close(ret, expected_ret)
     torch.testing.assert_close(adv, whiten_by_hand(expected_ret, mask))
     adv_kw, _ = compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=0.5)
     torch.testing.assert_close(adv_kw, adv)
+
+
+def test_reinforce_plus_plus_multi_turn_holes_skip_their_rewards_and_discount():
+    # Two turns of two tokens with a 3-token observation between them; the hole's rewards never count.
+    rewards = torch.tensor([[0.0, 0.0, 9.0, 9.0, 9.0, 0.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0]])
+    _, ret = compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=0.9)
+    # valid tokens from the end: 1; 0 + 0.9 * 1 = 0.9; (hole) 0 + 0.9 * 0.9 = 0.81; 0 + 0.9 * 0.81 = 0.729
+    torch.testing.assert_close(ret, torch.tensor([[0.729, 0.81, 0.0, 0.0, 0.0, 0.9, 1.0]]))
+    # the same tokens without the hole give the same returns on them
+    _, packed = compute_reinforce_plus_plus_outcome_advantage(
+        torch.tensor([[0.0, 0.0, 0.0, 1.0]]), torch.ones(1, 4), gamma=0.9
+    )
+    torch.testing.assert_close(ret[mask.bool()], packed[0])
 
 
 def gae_by_loop(rewards, values, mask, gamma, lam):

@@ -74,3 +74,27 @@ def test_the_same_definition_run_again_replaces_its_registration() -> None:
     assert first is not second and core_algos.get_adv_estimator_fn("rerun_estimator") is second
     with pytest.raises(ValueError, match="already registered"):
         core_algos.register_adv_est("rerun_estimator")(_estimator)  # another definition is still refused
+
+
+def test_the_registries_are_the_dicts_the_lookups_read() -> None:
+    """As in verl: inspecting or patching hybridflow.algos.*_REGISTRY changes what the lookups return."""
+    from hybridflow.algos import advantage, advantage_base, policy_loss, policy_loss_extra, token_baseline
+
+    assert core_algos.ADV_ESTIMATOR_REGISTRY is advantage_base.ADV_ESTIMATOR_REGISTRY
+    assert advantage.ADV_ESTIMATOR_REGISTRY is core_algos.ADV_ESTIMATOR_REGISTRY
+    assert core_algos.POLICY_LOSS_REGISTRY is policy_loss.POLICY_LOSS_REGISTRY
+    assert (
+        token_baseline.compute_optimal_token_baseline_advantage
+        is ADV_ESTIMATOR_REGISTRY["optimal_token_baseline"]
+    )
+    assert policy_loss_extra.compute_policy_loss_dro is POLICY_LOSS_REGISTRY["dro"]
+    ADV_ESTIMATOR_REGISTRY["patched_estimator"] = _estimator
+    POLICY_LOSS_REGISTRY["patched_loss"] = core_algos.compute_policy_loss_gpg
+    assert core_algos.get_adv_estimator_fn("patched_estimator") is _estimator
+    assert core_algos.get_policy_loss_fn("patched_loss") is core_algos.compute_policy_loss_gpg
+    cfg = load_config(
+        None, ["algorithm.adv_estimator=patched_estimator", "actor.policy_loss.loss_mode=patched_loss"]
+    )
+    assert cfg.algorithm.adv_estimator == "patched_estimator"
+    ADV_ESTIMATOR_REGISTRY["grpo"] = _estimator  # replacing a built-in is seen too
+    assert core_algos.get_adv_estimator_fn(AdvantageEstimator.GRPO) is _estimator
