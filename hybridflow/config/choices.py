@@ -28,8 +28,22 @@ ADV_ESTIMATORS = [
     "grpo_vectorized",
     "rloo_vectorized",
     "gdpo",
+    "optimal_token_baseline",
+    "tir_optimal_token_baseline",
 ]
-POLICY_LOSSES = ["vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "cispo", "reinforce"]
+POLICY_LOSSES = [
+    "vanilla",
+    "gspo",
+    "gpg",
+    "clip_cov",
+    "kl_cov",
+    "cispo",
+    "reinforce",
+    "dppo_tv",
+    "dppo_kl",
+    "sapo",
+    "geo_mean",
+]
 LOSS_AGG_MODES = [
     "token-mean",
     "token-sum",
@@ -40,6 +54,22 @@ LOSS_AGG_MODES = [
 _KL_BASE = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
 # A '+' suffix is the straight-through variant: the estimator's value with the gradient of k2.
 KL_PENALTIES = _KL_BASE + [f"{name}+" for name in _KL_BASE]
+# algorithm.rollout_correction.rollout_rs: one or more of these, comma separated (verl 0.9.1's options),
+# or our older names, aliases of the option they equal. Checked in config.rollout_correction.
+ROLLOUT_RS_OPTIONS = [
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+]
+ROLLOUT_RS_ALIASES = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
 DTYPES = ["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
 LOGGERS = ["console", "jsonl", "tensorboard", "wandb"]
 
@@ -69,7 +99,6 @@ CHOICES: dict[str, list[str]] = {
     "algorithm.kl_penalty": KL_PENALTIES,
     "algorithm.kl_ctrl.type": ["fixed", "adaptive"],
     "algorithm.rollout_correction.rollout_is": ["token", "sequence"],
-    "algorithm.rollout_correction.rollout_rs": ["token", "sequence", "geometric"],
     "reward.manager": ["naive", "batch", "dapo", "prime"],
     "reward.on_error": ["raise", "zero"],
     "trainer.logger": LOGGERS,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.config.preference import PreferenceConfig
+from hybridflow.config.rollout_correction import canonical_rollout_rs, split_rollout_rs, translate_lower
 from hybridflow.config.schema_base import option, section
 
 
@@ -357,16 +358,25 @@ class FilterGroupsConfig:
 
 @dataclass
 class RolloutCorrectionConfig:
-    """Importance weighting and rejection for the rollout/trainer mismatch."""
+    """Importance weighting and rejection for the rollout/trainer mismatch (verl 0.9.1's options)."""
 
-    rollout_is: str | None = option(None, "Truncated importance weights: null (off), token or sequence.")
-    rollout_is_threshold: float = option(2.0, "Upper truncation threshold of the importance weights.")
-    rollout_is_batch_normalize: bool = option(False, "Normalise importance weights to mean 1 over the batch.")
-    rollout_rs: str | None = option(None, "Rejection sampling: null (off), token, sequence or geometric.")
-    rollout_rs_threshold: float | None = option(
-        None, "Upper rejection threshold; null = rollout_is_threshold (filled in when rollout_rs is set)."
+    rollout_is: str | None = option(None, "Importance weights: null (off), token or sequence.")
+    rollout_is_threshold: float | str = option(
+        2.0,
+        "IS threshold: a number truncates the weights (TIS); 'lower_upper' zeroes those outside (IcePop).",
     )
-    rollout_rs_threshold_lower: float | None = option(None, "Lower rejection threshold; null = 1 / upper.")
+    rollout_is_batch_normalize: bool = option(False, "Normalise importance weights to mean 1 over the batch.")
+    rollout_rs: str | None = option(
+        None,
+        "Rejection: null (off) or options, comma-chained (token_k1, seq_mean_k3, ...; docs/algorithms.md).",
+    )
+    rollout_rs_threshold: float | str | None = option(
+        None, "Upper rejection threshold; null = rollout_is_threshold. 'lower_upper' for k1; one per option."
+    )
+    rollout_rs_threshold_lower: float | None = option(
+        None,
+        "Deprecated: lower bound on pi_train/pi_rollout for k1 options; folded into rollout_rs_threshold.",
+    )
     rollout_token_veto_threshold: float | None = option(
         None, "Reject a sequence with any token ratio below this; null = off. Not implemented yet."
     )
@@ -378,9 +388,29 @@ class RolloutCorrectionConfig:
     )
 
     def __post_init__(self) -> None:
-        """Rejection without an upper threshold of its own uses rollout_is_threshold (the help's null)."""
+        """Older rollout_rs names become verl 0.9.1's; a missing rejection threshold is rollout_is_threshold.
+
+        The deprecated ``rollout_rs_threshold_lower`` (bounds ``[lower, upper]`` on pi_train / pi_rollout)
+        is rewritten as the equal verl spec (``1/upper_1/lower``, bounds on pi_rollout / pi_train) where it
+        can be; validation explains the cases where it cannot.
+        """
+        self.rollout_rs = canonical_rollout_rs(self.rollout_rs)
         if self.rollout_rs is not None and self.rollout_rs_threshold is None:
             self.rollout_rs_threshold = self.rollout_is_threshold
+        lower, upper = self.rollout_rs_threshold_lower, self.rollout_rs_threshold
+        if lower is None or not isinstance(self.rollout_rs, str):
+            return
+        options, unknown = split_rollout_rs(self.rollout_rs)
+        numeric = isinstance(upper, int | float) and not isinstance(upper, bool)
+        if (
+            not unknown
+            and options
+            and all(o.endswith("k1") for o in options)
+            and numeric
+            and 0 < lower < upper
+        ):
+            self.rollout_rs_threshold = translate_lower(float(upper), float(lower))
+            self.rollout_rs_threshold_lower = None
 
 
 @dataclass

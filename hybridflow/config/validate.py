@@ -14,6 +14,12 @@ from typing import Any
 
 from hybridflow.config.choices import CHOICES
 from hybridflow.config.errors import ConfigError, Problem
+from hybridflow.config.rollout_correction import (
+    accepted_rollout_rs,
+    is_threshold_problem,
+    rs_threshold_problem,
+    split_rollout_rs,
+)
 from hybridflow.config.schema import Config, schema_index
 
 logger = logging.getLogger(__name__)
@@ -63,9 +69,6 @@ _RANGES: dict[str, list[str]] = {
         "actor.optim.num_cycles", "critic.optim.num_cycles", "actor.grad_clip", "critic.grad_clip",
         "actor.loss_scale_factor", "reward.timeout_s",
         "actor.policy_loss.clip_cov_ratio", "actor.policy_loss.kl_cov_ratio", "algorithm.kl_ctrl.target_kl",
-        "algorithm.rollout_correction.rollout_is_threshold",
-        "algorithm.rollout_correction.rollout_rs_threshold",
-        "algorithm.rollout_correction.rollout_rs_threshold_lower",
         "algorithm.rollout_correction.rollout_token_veto_threshold",
         "preference.beta",
     ],
@@ -413,6 +416,25 @@ def _warn_rollout_dtype(cfg: Config) -> None:
 
 def _check_rollout_correction(cfg: Config, out: list[Problem]) -> None:
     rc = cfg.algorithm.rollout_correction
+    problem = is_threshold_problem(rc.rollout_is_threshold)
+    if problem is not None:
+        out.append(
+            Problem(
+                f"{_RC}.rollout_is_threshold", problem, f"e.g. {_RC}.rollout_is_threshold=2.0 or '0.5_5.0'"
+            )
+        )
+    options: list[str] = []
+    if rc.rollout_rs is not None:
+        options, unknown = split_rollout_rs(rc.rollout_rs)
+        if unknown or not options:
+            out.append(
+                Problem(
+                    f"{_RC}.rollout_rs",
+                    f"unknown option(s) {', '.join(repr(u) for u in unknown) or repr(rc.rollout_rs)}",
+                    f"use {accepted_rollout_rs()}, or null for no rejection",
+                )
+            )
+            options = []
     if rc.rollout_rs is not None and rc.rollout_rs_threshold is None:  # set on a Config after it was built
         out.append(
             Problem(
@@ -422,13 +444,33 @@ def _check_rollout_correction(cfg: Config, out: list[Problem]) -> None:
                 f"documented default), or {_RC}.rollout_rs=null",
             )
         )
-    upper = rc.rollout_rs_threshold if rc.rollout_rs_threshold is not None else rc.rollout_is_threshold
-    if rc.rollout_rs_threshold_lower is not None and rc.rollout_rs_threshold_lower >= upper:
+    elif options:
+        problem = rs_threshold_problem(options, rc.rollout_rs_threshold)
+        if problem is not None:
+            out.append(
+                Problem(
+                    f"{_RC}.rollout_rs_threshold",
+                    problem,
+                    "give 'lower_upper' ratio bounds (or one number u for 1/u_u) to k1 options and one upper "
+                    "bound to k2/k3 options, comma separated in the order of rollout_rs",
+                )
+            )
+    lower = rc.rollout_rs_threshold_lower
+    if lower is not None:  # left over: __post_init__ folds every usable value into rollout_rs_threshold
+        if not lower > 0:
+            why = f"must be greater than 0, got {lower!r}"
+        elif not (options and all(o.endswith("k1") for o in options)):
+            why = f"applies to k1 options only, not to rollout_rs={rc.rollout_rs!r}"
+        elif not isinstance(rc.rollout_rs_threshold, int | float):
+            why = f"cannot be combined with the string rollout_rs_threshold={rc.rollout_rs_threshold!r}"
+        else:
+            why = f"{lower} is not below the upper threshold {rc.rollout_rs_threshold}"
         out.append(
             Problem(
-                "algorithm.rollout_correction.rollout_rs_threshold_lower",
-                f"{rc.rollout_rs_threshold_lower} is not below the upper threshold {upper}",
-                "set it below the upper threshold (or null for 1 / upper)",
+                f"{_RC}.rollout_rs_threshold_lower",
+                why,
+                f"leave it null and give bounds as {_RC}.rollout_rs_threshold='lower_upper' (verl 0.9.1: bounds "
+                "on pi_rollout / pi_train)",
             )
         )
     # Accepted for verl configs, not built yet: refuse rather than ignore them silently.

@@ -309,7 +309,6 @@ class PPOTrainer(TrainingLoop):
             rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
             rollout_rs=rc.rollout_rs,
             rollout_rs_threshold=rc.rollout_rs_threshold,
-            rollout_rs_threshold_lower=rc.rollout_rs_threshold_lower,
         )
         metrics.update({k: float(v) for k, v in rc_metrics.items()})
         if weights is not None:

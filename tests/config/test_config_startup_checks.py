@@ -55,6 +55,73 @@ def test_rollout_rs_threshold_cleared_after_construction_is_refused() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("old", "new"), [("token", "token_k1"), ("sequence", "seq_sum_k1"), ("geometric", "seq_mean_k1")]
+)
+def test_older_rollout_rs_names_are_aliases_of_verl_options(old: str, new: str) -> None:
+    rc = load_config(overrides=[f"{RC}.rollout_rs={old}"]).algorithm.rollout_correction
+    assert rc.rollout_rs == new
+    chained = load_config(
+        overrides=[f"{RC}.rollout_rs={old},seq_max_k2,{new}", f"{RC}.rollout_rs_threshold=2.0"]
+    )
+    assert chained.algorithm.rollout_correction.rollout_rs == f"{new},seq_max_k2"
+
+
+def test_rollout_correction_accepts_verl_threshold_strings() -> None:
+    rc = load_config(
+        overrides=[
+            f"{RC}.rollout_is=token",
+            f"{RC}.rollout_is_threshold=0.5_5.0",
+            f"{RC}.rollout_rs=token_k1,seq_mean_k3",
+            f"{RC}.rollout_rs_threshold='0.8_1.25,0.1'",
+        ]
+    ).algorithm.rollout_correction
+    assert (rc.rollout_is_threshold, rc.rollout_rs_threshold) == ("0.5_5.0", "0.8_1.25,0.1")
+
+
+def test_the_deprecated_lower_bound_becomes_the_equal_verl_spec() -> None:
+    # old: keep pi_train / pi_rollout in [0.8, 2]; verl's k1 bounds are on the reciprocal: [0.5, 1.25]
+    rc = load_config(overrides=[f"{RC}.rollout_rs=token", f"{RC}.rollout_rs_threshold_lower=0.8"])
+    assert rc.algorithm.rollout_correction.rollout_rs_threshold == "0.5_1.25"
+    assert rc.algorithm.rollout_correction.rollout_rs_threshold_lower is None
+    error = _error([f"{RC}.rollout_rs=seq_max_k2", f"{RC}.rollout_rs_threshold_lower=0.8"])
+    assert [p.path for p in error.problems] == [f"{RC}.rollout_rs_threshold_lower"]
+    assert "k1 options only" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "path", "words"),
+    [
+        (
+            [f"{RC}.rollout_rs=tokens"],
+            f"{RC}.rollout_rs",
+            ["'tokens'", "token_k1", "seq_max_k3", "geometric=seq_mean_k1"],
+        ),
+        ([f"{RC}.rollout_rs=token_k1,seq_max_k1"], f"{RC}.rollout_rs", ["'seq_max_k1'", "seq_max_k2"]),
+        (
+            [f"{RC}.rollout_rs=token_k2", f"{RC}.rollout_rs_threshold=0.5_2.0"],
+            f"{RC}.rollout_rs_threshold",
+            ["k2/k3"],
+        ),
+        (
+            [f"{RC}.rollout_rs=token_k1,token_k2", f"{RC}.rollout_rs_threshold='1,2,3'"],
+            f"{RC}.rollout_rs_threshold",
+            ["one per option"],
+        ),
+        ([f"{RC}.rollout_is_threshold=big"], f"{RC}.rollout_is_threshold", ["IcePop"]),
+        ([f"{RC}.rollout_is_threshold=0"], f"{RC}.rollout_is_threshold", ["> 0"]),
+    ],
+)
+def test_bad_rollout_correction_values_name_the_field_and_the_options(
+    overrides: list[str], path: str, words: list[str]
+) -> None:
+    error = _error(overrides)
+    assert isinstance(error, ValueError)
+    assert [p.path for p in error.problems] == [path]
+    for word in words:
+        assert word in str(error)
+
+
 # --- token budgets smaller than one sequence ---------------------------------------------------------
 
 # (switch, budget, extra overrides that make the role exist); the default lengths are 128 + 64 = 192.
