@@ -4,7 +4,9 @@ Porting verl code means changing one import: ``from verl.trainer.ppo import core
 ``from hybridflow import algos as core_algos``. Functions take tensors and plain values; where verl passes a
 config object, any attribute object or mapping with the same field names works.
 
-Custom algorithms register as in verl, with ``@register_adv_est(name)`` and ``@register_policy_loss(name)``.
+Custom algorithms register as in verl, with ``@register_adv_est(name)`` and ``@register_policy_loss(name)``;
+``ADV_ESTIMATOR_REGISTRY`` and ``POLICY_LOSS_REGISTRY`` are the very dicts the lookups read, so code that
+inspects or patches them works. docs/algorithms.md maps every verl 0.9.1 name to ours.
 A name registered before a config is validated is a valid ``algorithm.adv_estimator`` or
 ``actor.policy_loss.loss_mode`` (``hybridflow.trainer`` hands these registries to config validation, which
 lists them in its unknown-value error). verl users register in their reward module: the module that
