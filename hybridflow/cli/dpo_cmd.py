@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from hybridflow.utils.errors import UserError
+
 NAME = "dpo"
 HELP = (
     "Offline preference training with DPO (IPO with preference.loss_type=ipo, cDPO with "
@@ -32,7 +34,7 @@ def run_preference(args: argparse.Namespace, kind: str) -> int:
         print(format_table(run_dpo_demo(overrides), "DPO"))
         return 0
     if not own_run:
-        raise ValueError(
+        raise UserError(
             f"hybridflow {kind} needs a config file or model.path=DIR (with data.train_files=[FILE], ...)"
         )
     cfg = load_config(path, overrides)

@@ -2,8 +2,13 @@
 
 A subcommand is a module listed in COMMANDS that defines ``NAME``, ``HELP``, ``add_arguments(parser)``
 and ``run(args) -> int``. Modules import their heavy dependencies (torch, transformers) inside ``run``
-so that ``hybridflow --help`` and ``--version`` stay instant. User errors (a bad config, a missing file)
-print one ``error: ...`` line to stderr and exit with status 2, never a traceback.
+so that ``hybridflow --help`` and ``--version`` stay instant.
+
+Exit statuses: 0 done; 2 a user error (``UserError``: a bad config, file, row, model, checkpoint or output
+directory, a full disk; also an ``OSError`` of a path and a YAML error), printed as one ``error: ...`` line
+naming the file, field or row and the fix, never a traceback; 1 a failed rank (``WorkerError``, its remote
+traceback in the message) or an internal error: anything else is a bug in hybridflow, printed with its
+traceback and a line asking to report it.
 """
 
 from __future__ import annotations
@@ -12,12 +17,13 @@ import argparse
 import importlib
 import logging
 import sys
+import traceback
 from collections.abc import Sequence
 
 import yaml
 
 import hybridflow
-from hybridflow.config import ConfigError
+from hybridflow.utils.errors import UserError, path_error
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +39,9 @@ COMMANDS: tuple[str, ...] = (
     "hybridflow.cli.config_cmd",
 )
 
-USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, yaml.YAMLError)
 EXIT_USER_ERROR = 2
 EXIT_WORKER_ERROR = 1
+EXIT_INTERNAL_ERROR = 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,11 +86,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A rank failed: its message carries the group, role, rank and the remote traceback.
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_WORKER_ERROR
-    except USER_ERRORS as exc:
+    except (UserError, yaml.YAMLError) as exc:
         # The message already names the field or file and the fix; a traceback would bury it.
-        logger.debug("user error", exc_info=True)
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return report_user_error(exc)
+    except OSError as exc:
+        if exc.filename is None:
+            return report_internal_error(exc)
+        return report_user_error(path_error(exc))  # a path the user gave or chose: unreadable, full, ...
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # torch.distributed.checkpoint raises a BaseException of its own
+        return report_internal_error(exc)
+
+
+def report_user_error(exc: BaseException) -> int:
+    """One ``error:`` line on stderr (the traceback only at --log-level DEBUG); returns exit status 2."""
+    logger.debug("user error", exc_info=exc)
+    print(f"error: {exc}", file=sys.stderr)
+    return EXIT_USER_ERROR
+
+
+def report_internal_error(exc: BaseException) -> int:
+    """The traceback and one line saying it is a bug to report; returns exit status 1."""
+    traceback.print_exception(exc, file=sys.stderr)
+    print(
+        f"internal error: {type(exc).__name__}: {exc}\nThis is a bug in hybridflow {hybridflow.__version__}, "
+        "not in your input; please report it to the maintainers with the command and the traceback above",
+        file=sys.stderr,
+    )
+    return EXIT_INTERNAL_ERROR
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hybridflow.utils.errors import UserError
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -21,7 +23,7 @@ class Problem:
         return f"{text}; fix: {self.fix}" if self.fix else text
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config that cannot be used; ``problems`` lists every problem found, each with its fix."""
 
     def __init__(self, problems: Sequence[Problem] | str) -> None:

@@ -98,7 +98,7 @@ def _example(path: str, rule: str) -> str:
     ok, _ = _RULES[rule]
     if default is not None and ok(default):
         return f"e.g. {path}={default} (the default)"
-    return f"set {path} to a value that {_RULES[rule][1].removeprefix('must ')}"
+    return f"set {path} to a value that is {_RULES[rule][1].removeprefix('must be ')}"
 
 
 def _check_ranges(cfg: Config, out: list[Problem]) -> None:

@@ -8,6 +8,7 @@ from hybridflow.config import DataConfig
 from hybridflow.data.rl_dataset import RLDataset
 from hybridflow.data.rows import BUILT_IN, Rows, load_rows
 from hybridflow.data.tasks import make_task
+from hybridflow.utils.errors import UserError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -18,7 +19,7 @@ def load_split_rows(
 ) -> list[dict[str, Any]]:
     """Rows of 'train' or 'val': ``data.train_files``/``val_files``, else the built-in task's train/test split."""
     if split not in ("train", "val"):
-        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        raise UserError(f"split must be 'train' or 'val', got {split!r}")
     files = data.train_files if split == "train" else data.val_files
     if files:
         return load_rows(files)

@@ -38,6 +38,7 @@ from hybridflow.data.rows import (
 )
 from hybridflow.data.sft_dataset import render_response
 from hybridflow.protocol import Batch
+from hybridflow.utils.errors import UserError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -76,9 +77,9 @@ class _LengthPolicy:
 
     def __init__(self, max_prompt_length: int, max_response_length: int, truncation: str) -> None:
         if truncation not in PREFERENCE_TRUNCATIONS:
-            raise ValueError(f"truncation must be one of {PREFERENCE_TRUNCATIONS}, got {truncation!r}")
+            raise UserError(f"truncation must be one of {PREFERENCE_TRUNCATIONS}, got {truncation!r}")
         if max_prompt_length < 1 or max_response_length < 1:
-            raise ValueError(
+            raise UserError(
                 f"max_prompt_length and max_response_length must be >= 1, got {max_prompt_length}, "
                 f"{max_response_length}"
             )
@@ -316,7 +317,7 @@ def collate_pairs(items: Sequence[Mapping[str, Any]], pad_token_id: int) -> Batc
     ``input_ids``, ``attention_mask``, ``position_ids`` (2P, Tp + Tr), ``responses``, ``response_mask`` (2P, Tr).
     """
     if not items:
-        raise ValueError("collate_pairs needs at least one pair")
+        raise UserError("collate_pairs needs at least one pair")
     prompts = [list(it["prompt_ids"]) for it in items]
     responses = [list(it["chosen_ids"]) for it in items] + [list(it["rejected_ids"]) for it in items]
     return Batch(_pack(prompts + prompts, responses, pad_token_id), meta={"num_pairs": len(items)})
@@ -330,7 +331,7 @@ def collate_kto(items: Sequence[Mapping[str, Any]], pad_token_id: int) -> Batch:
     unused on KL rows); ``meta['num_examples'] = M``.
     """
     if len(items) < 2:
-        raise ValueError(
+        raise UserError(
             f"collate_kto needs at least 2 examples to form mismatched KL pairs, got {len(items)}; "
             "raise the batch size"
         )

@@ -27,6 +27,7 @@ from hybridflow.data.rows import (
     source_name,
 )
 from hybridflow.protocol import Batch
+from hybridflow.utils.errors import UserError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -47,7 +48,7 @@ def truncate(ids: list[int], max_length: int, side: str) -> list[int]:
     if side == "middle":
         head = max_length // 2
         return ids[:head] + ids[len(ids) - (max_length - head) :]
-    raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {side!r}")
+    raise UserError(f"truncation must be one of {TRUNCATIONS}, got {side!r}")
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]]) -> str:
@@ -55,7 +56,7 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[st
     if isinstance(prompt, str):
         return prompt
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(
+        raise UserError(
             "the prompts are chat messages but the tokenizer has no chat template; set "
             "model.custom_chat_template, or give text prompts"
         )
@@ -104,9 +105,9 @@ class RLDataset:
         reward_fn_key: str = "data_source",
     ) -> None:
         if truncation not in TRUNCATIONS:
-            raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
+            raise UserError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
         if max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+            raise UserError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
         origins = origins_of(rows, source)
         self.source = source_name(origins, source)
         if not rows:
@@ -203,7 +204,7 @@ class RLDataset:
 def collate_prompts(items: Sequence[dict[str, Any]], pad_token_id: int) -> Batch:
     """Left-pad prompts to the longest in the batch: input_ids, attention_mask, position_ids (B, P)."""
     if not items:
-        raise ValueError("collate_prompts needs at least one item")
+        raise UserError("collate_prompts needs at least one item")
     width = max(len(it["input_ids"]) for it in items)
     input_ids = torch.full((len(items), width), pad_token_id, dtype=torch.long)  # (B, P)
     attention_mask = torch.zeros((len(items), width), dtype=torch.long)  # (B, P)

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from hybridflow.utils.errors import UserError
+
 
 class PromptSampler:
     """Batches of dataset indices, epoch after epoch; ``len()`` is the number of batches per epoch."""
@@ -24,11 +26,11 @@ class PromptSampler:
         self, num_items: int, batch_size: int, seed: int, shuffle: bool = True, drop_last: bool = True
     ) -> None:
         if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            raise UserError(f"batch_size must be >= 1, got {batch_size}")
         if num_items < 1:
-            raise ValueError("the dataset is empty; no batches to sample")
+            raise UserError("the dataset is empty; no batches to sample")
         if drop_last and num_items < batch_size:
-            raise ValueError(
+            raise UserError(
                 f"only {num_items} prompts for batches of {batch_size} with drop_last: no full batch; "
                 "lower data.train_batch_size or add prompts"
             )
@@ -91,11 +93,11 @@ class PromptSampler:
         """Continue from a saved position; the dataset size and sampler settings must be the same."""
         for key in ("seed", "num_items", "batch_size", "shuffle", "drop_last"):
             if key in state and state[key] != getattr(self, key):
-                raise ValueError(
+                raise UserError(
                     f"cannot resume the data sampler: {key} was {state[key]!r} when saved but is "
                     f"{getattr(self, key)!r} now; resume with the same data and data/seed settings, "
                     "or start a fresh run"
                 )
         if not 0 <= state["position"] < len(self) or state["epoch"] < 0:
-            raise ValueError(f"invalid sampler state: epoch {state['epoch']}, position {state['position']}")
+            raise UserError(f"invalid sampler state: epoch {state['epoch']}, position {state['position']}")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])

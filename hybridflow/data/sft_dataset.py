@@ -28,6 +28,7 @@ from hybridflow.data.rows import (
     source_name,
 )
 from hybridflow.protocol import Batch
+from hybridflow.utils.errors import UserError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -70,9 +71,9 @@ class SFTDataset:
         source: str | None = None,
     ) -> None:
         if truncation not in SFT_TRUNCATIONS:
-            raise ValueError(f"SFT truncation must be one of {SFT_TRUNCATIONS}, got {truncation!r}")
+            raise UserError(f"SFT truncation must be one of {SFT_TRUNCATIONS}, got {truncation!r}")
         if max_length < 2:
-            raise ValueError(f"max_length must be >= 2, got {max_length}")
+            raise UserError(f"max_length must be >= 2, got {max_length}")
         origins = origins_of(rows, source)
         self.source = source_name(origins, source)
         if not rows:
@@ -135,7 +136,7 @@ def collate_sft(items: Sequence[dict[str, Any]], pad_id: int) -> Batch:
     with the logits: the logit at t - 1 predicts token t, so a trainer shifts both by one).
     """
     if not items:
-        raise ValueError("collate_sft needs at least one item")
+        raise UserError("collate_sft needs at least one item")
     width = max(len(it["input_ids"]) for it in items)
     input_ids = torch.full((len(items), width), pad_id, dtype=torch.long)  # (B, L)
     attention_mask = torch.zeros((len(items), width), dtype=torch.long)  # (B, L)

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
+from hybridflow.utils.errors import UserError
+
 TEST_BUCKETS = 5  # one problem in TEST_BUCKETS is a test problem
 SPLITS = ("train", "test")
 _OPS = "+-*/"
@@ -31,11 +33,11 @@ def in_test_split(task: str, key: str) -> bool:
 
 def _check_args(size: int, split: str, ops: str) -> None:
     if split not in SPLITS:
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        raise UserError(f"split must be 'train' or 'test', got {split!r}")
     if not isinstance(size, int) or size < 0:
-        raise ValueError(f"size must be a non-negative int, got {size!r}")
+        raise UserError(f"size must be a non-negative int, got {size!r}")
     if not ops or any(op not in _OPS for op in ops):
-        raise ValueError(f"ops must be a non-empty string of operators from {_OPS!r}, got {ops!r}")
+        raise UserError(f"ops must be a non-empty string of operators from {_OPS!r}, got {ops!r}")
 
 
 def _draw_unique(
@@ -58,7 +60,7 @@ def _draw_unique(
         seen.add(key)
         out.append(problem)
     if len(out) < size:
-        raise ValueError(
+        raise UserError(
             f"{task}: could only draw {len(out)} distinct {split} problems of the {size} asked for; "
             "lower the size or make the task larger (more digits, operators or numbers)"
         )
@@ -94,11 +96,11 @@ def make_arithmetic(
     """
     _check_args(size, split, ops)
     if not isinstance(digits, int) or digits < 1:
-        raise ValueError(f"digits must be an int >= 1, got {digits!r}")
+        raise UserError(f"digits must be an int >= 1, got {digits!r}")
     if not isinstance(terms, int) or terms < 2 or (terms > 2 and "/" in ops):
-        raise ValueError(f"terms must be an int >= 2 (and 2 when ops has '/'), got {terms!r}")
+        raise UserError(f"terms must be an int >= 2 (and 2 when ops has '/'), got {terms!r}")
     if style not in ("question", "short"):
-        raise ValueError(f"style must be 'question' or 'short', got {style!r}")
+        raise UserError(f"style must be 'question' or 'short', got {style!r}")
     lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
 
     def draw(rng: random.Random) -> tuple[str, tuple[list[int], list[str], int]] | None:
@@ -171,7 +173,7 @@ def make_countdown(
     """
     _check_args(size, split, ops)
     if num_count < 2 or max_number < 1 or max_target < 1:
-        raise ValueError(
+        raise UserError(
             f"need num_count >= 2, max_number >= 1 and max_target >= 1; got {num_count}, {max_number}, "
             f"{max_target}"
         )
@@ -203,5 +205,5 @@ TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {
 def make_task(name: str, split: str, size: int, seed: int, **kwargs: Any) -> list[dict[str, Any]]:
     """Rows of a built-in task's ``split``; ``kwargs`` set its difficulty (see make_arithmetic/make_countdown)."""
     if name not in TASKS:
-        raise ValueError(f"unknown built-in task {name!r}; use one of {sorted(TASKS)}")
+        raise UserError(f"unknown built-in task {name!r}; use one of {sorted(TASKS)}")
     return TASKS[name](size=size, seed=seed, split=split, **kwargs)

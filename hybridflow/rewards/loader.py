@@ -23,6 +23,8 @@ import weakref
 from collections.abc import Callable
 from types import ModuleType
 
+from hybridflow.utils.errors import UserError
+
 # function -> (absolute file path, function name), for the functions load_reward_function read from a file.
 _FILE_SOURCES: weakref.WeakKeyDictionary[Callable, tuple[str, str]] = weakref.WeakKeyDictionary()
 
@@ -44,7 +46,7 @@ def _load_file(path: str) -> ModuleType:
     """Execute a .py file as a module (named after its absolute path), or return it if already executed."""
     abs_path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(abs_path):
-        raise ValueError(
+        raise UserError(
             f"reward function file not found: {abs_path} (from {path!r}); give an existing .py file, "
             "or 'package.module:function' for an importable module"
         )
@@ -54,7 +56,7 @@ def _load_file(path: str) -> ModuleType:
         return loaded  # executed once per process: its registrations and state stay as they are
     spec = importlib.util.spec_from_file_location(module_name, abs_path)
     if spec is None or spec.loader is None:
-        raise ValueError(f"cannot load {abs_path} as Python code; the reward file must be a .py file")
+        raise UserError(f"cannot load {abs_path} as Python code; the reward file must be a .py file")
     module = importlib.util.module_from_spec(spec)
     # Registered before running so that code in the file that looks itself up (dataclasses, pickle of
     # classes defined there) finds the module.
@@ -63,7 +65,7 @@ def _load_file(path: str) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[module_name]
-        raise ValueError(f"importing reward file {abs_path} failed: {type(exc).__name__}: {exc}") from exc
+        raise UserError(f"importing reward file {abs_path} failed: {type(exc).__name__}: {exc}") from exc
     return module
 
 
@@ -72,17 +74,17 @@ def _import_module(target: str) -> ModuleType:
     try:
         return importlib.import_module(target)
     except ImportError as exc:
-        raise ValueError(
+        raise UserError(
             f"cannot import reward module {target!r}: {exc}; give a .py file path or an importable "
             "'package.module:function'"
         ) from exc
     except Exception as exc:  # the module's own code failed: name it, as for a file
-        raise ValueError(f"importing reward module {target!r} failed: {type(exc).__name__}: {exc}") from exc
+        raise UserError(f"importing reward module {target!r} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _check_path(path: str) -> None:
     if not isinstance(path, str) or not path.strip():
-        raise ValueError(f"reward function path must be a non-empty string, got {path!r}")
+        raise UserError(f"reward function path must be a non-empty string, got {path!r}")
 
 
 def import_reward_module(path: str) -> ModuleType:
@@ -105,7 +107,7 @@ def load_reward_function(path: str, name: str = "compute_score") -> Callable:
             for k, v in vars(module).items()
             if callable(v) and not k.startswith("_") and not isinstance(v, type)
         )
-        raise ValueError(
+        raise UserError(
             f"reward function {fn_name!r} not found in {where}; functions there: "
             f"{', '.join(available) or 'none'}. Set reward.custom_function.name to one of them"
         )

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hybridflow.rewards import arithmetic, countdown, gsm8k, math_reward
+from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def default_compute_score(
     """
     scorer = SCORERS.get(data_source)
     if scorer is None:
-        raise ValueError(
+        raise UserError(
             f"no built-in reward function for data_source {data_source!r}; known: "
             f"{', '.join(known_data_sources())}. Set reward.custom_function.path (a .py file or "
             "'module:function') to score other data"

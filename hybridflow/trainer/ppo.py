@@ -34,6 +34,7 @@ from hybridflow.trainer.metrics import (
     throughput_metrics,
 )
 from hybridflow.trainer.tracking import Tracker
+from hybridflow.utils.errors import UserError
 from hybridflow.utils.progress import Progress
 
 logger = logging.getLogger(__name__)
@@ -205,7 +206,7 @@ class PPOTrainer(TrainingLoop):
         while sum(len(k) for k in kept) < want * n:
             rounds += 1
             if fg.max_num_gen_batches > 0 and rounds > fg.max_num_gen_batches:
-                raise ValueError(
+                raise UserError(
                     f"dynamic sampling found {sum(len(k) for k in kept) // n} of {want} groups with varying "
                     f"{fg.metric} in {fg.max_num_gen_batches} rounds; raise algorithm.filter_groups."
                     "max_num_gen_batches or disable algorithm.filter_groups"

@@ -20,6 +20,7 @@ from hybridflow.protocol import Batch
 from hybridflow.trainer.dataflow import Dataflow, Stage
 from hybridflow.trainer.loop import TrainingLoop
 from hybridflow.trainer.tracking import Tracker
+from hybridflow.utils.errors import UserError
 from hybridflow.utils.progress import Progress
 
 logger = logging.getLogger(__name__)
@@ -39,9 +40,9 @@ class PreferenceTrainer(TrainingLoop):
 
     def __init__(self, cfg: Config, components: Any, kind: str, tracker: Tracker | None = None) -> None:
         if kind not in KINDS:
-            raise ValueError(f"unknown preference algorithm {kind!r}; use one of {', '.join(KINDS)}")
+            raise UserError(f"unknown preference algorithm {kind!r}; use one of {', '.join(KINDS)}")
         if kind == "kto" and cfg.ref.precompute:
-            raise ValueError(
+            raise UserError(
                 "ref.precompute caches each DPO pair's reference values; KTO's KL pairs change with every "
                 "batch, so set ref.precompute=false for kto"
             )

@@ -7,6 +7,7 @@ from typing import Any
 
 from hybridflow.data import PromptSampler
 from hybridflow.engine.sequences import pack_prompt_response
+from hybridflow.utils.errors import UserError
 from hybridflow.workers.actor import ActorWorker
 
 logger = logging.getLogger(__name__)
@@ -25,9 +26,7 @@ def encode_pairs(
         prompt = row.get("prompt")
         response = row.get("response") or (row.get("extra_info") or {}).get("answer")
         if not prompt or not isinstance(response, str) or not response:
-            raise ValueError(
-                f"SFT row {i} needs a non-empty 'prompt' and a 'response' (or extra_info.answer)"
-            )
+            raise UserError(f"SFT row {i} needs a non-empty 'prompt' and a 'response' (or extra_info.answer)")
         if isinstance(prompt, list):
             ids = tokenizer.apply_chat_template(
                 prompt, add_generation_prompt=True, tokenize=True, return_dict=False

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridflow.utils.errors import UserError
+
 _KINDS = ("auto", "cuda", "cpu")
 _cpu_only = False
 
@@ -20,7 +22,7 @@ def use_device_type(kind: str, setting: str = "trainer.device") -> None:
     """
     global _cpu_only
     if kind not in _KINDS:
-        raise ValueError(f"{setting}: unknown value {kind!r}; use one of: {', '.join(_KINDS)}")
+        raise UserError(f"{setting}: unknown value {kind!r}; use one of: {', '.join(_KINDS)}")
     if kind == "cuda" and not torch.cuda.is_available():
         flag = setting.startswith("-")
         given, fix = (
@@ -28,7 +30,7 @@ def use_device_type(kind: str, setting: str = "trainer.device") -> None:
             if flag
             else (f"{setting}=cuda", f"set {setting}=auto")
         )
-        raise ValueError(
+        raise UserError(
             f"{given}, but this process sees no CUDA device; check CUDA_VISIBLE_DEVICES and the driver, or "
             f"{fix} (or cpu) to run on the CPU"
         )
