@@ -16,9 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridflow.checkpoint.manager import HF_CONFIG, SHARDS, read_meta
+from hybridflow.checkpoint.manager import HF_CONFIG, SHARDS, verify_checkpoint
 from hybridflow.checkpoint.sharded import CheckpointError, check_shapes, load_full_state
 from hybridflow.models.loader import resolve_dtype
+from hybridflow.utils.errors import UserError
+from hybridflow.utils.storage import staged_dir
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +57,10 @@ def save_hf_model(
             base = AutoModelForCausalLM.from_config(config)
     base.load_state_dict({k.removeprefix(prefix): v for k, v in state.items()}, strict=True)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    base.save_pretrained(out, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+    with staged_dir(out) as staged:  # written beside and renamed: a kill never leaves a half model
+        base.save_pretrained(staged, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staged)
     return out
 
 
@@ -73,7 +75,7 @@ def _build(config_dir: Path, role: str) -> nn.Module:
 
 def _export_dtype(name: str, model: nn.Module) -> torch.dtype:
     if name not in EXPORT_DTYPES:
-        raise ValueError(f"unknown export dtype {name!r}; choose one of {', '.join(EXPORT_DTYPES)}")
+        raise UserError(f"unknown export dtype {name!r}; choose one of {', '.join(EXPORT_DTYPES)}")
     if name != "auto":
         return resolve_dtype(name)
     saved = getattr(model.config, "dtype", None)
@@ -81,9 +83,12 @@ def _export_dtype(name: str, model: nn.Module) -> torch.dtype:
 
 
 def load_role_model(ckpt_dir: str | os.PathLike, role: str = "actor") -> nn.Module:
-    """The role's model as a plain (unsharded, float32) Hugging Face module with the checkpoint's weights."""
+    """The role's model as a plain (unsharded, float32) Hugging Face module with the checkpoint's weights.
+
+    The checkpoint's files are verified against their checksums first: a damaged one is refused.
+    """
     ckpt = Path(ckpt_dir)
-    meta = read_meta(ckpt)
+    meta = verify_checkpoint(ckpt)
     if role not in meta["roles"]:
         raise CheckpointError(f"checkpoint {ckpt} has no {role}; it holds {', '.join(sorted(meta['roles']))}")
     config_dir = ckpt / role / HF_CONFIG
@@ -106,11 +111,11 @@ def export_hf(
     ckpt, out = Path(ckpt_dir), Path(out_dir)
     model = load_role_model(ckpt, role)
     model.to(_export_dtype(dtype, model))
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
     config_dir = ckpt / role / HF_CONFIG
-    for path in config_dir.iterdir():  # tokenizer files and generation config, as saved
-        if path.name != "config.json" and path.is_file():
-            shutil.copy2(path, out / path.name)
+    with staged_dir(out) as staged:  # written beside and renamed into place when complete
+        model.save_pretrained(staged, safe_serialization=True)
+        for path in config_dir.iterdir():  # tokenizer files and generation config, as saved
+            if path.name != "config.json" and path.is_file():
+                shutil.copy2(path, staged / path.name)
     logger.info("exported the %s of %s to %s", role, ckpt, out)
     return out

@@ -2,7 +2,8 @@
 
 Layout of ``{run_dir}/global_step_{N}/``::
 
-    meta.json              step, world size and layout, each role's parameter shapes (written last)
+    meta.json              step, world size and layout, each role's parameter shapes, and the size and
+                           SHA-256 of every other file (written last; verified before any load)
     trainer_state.pt       plain Python state from the driver: data sampler, KL controller, schedulers, ...
     rng/rank_{r}.pt        each rank's generator states
     {role}/model_optim/    the role's model and optimizer shards (torch.distributed.checkpoint)
@@ -13,20 +14,23 @@ All ranks call ``save`` and ``load`` together; rank 0 writes the shared files an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.api as dcp_api
 from torch import nn
 
-from hybridflow.checkpoint import rundir
+from hybridflow.checkpoint import integrity, rundir
 from hybridflow.checkpoint.rng import capture_rng, restore_rng
 from hybridflow.checkpoint.sharded import (
     CheckpointError,
@@ -35,6 +39,9 @@ from hybridflow.checkpoint.sharded import (
     parameter_shapes,
     save_sharded,
 )
+from hybridflow.utils.errors import disk_full_error, is_disk_full
+from hybridflow.utils.faults import kill_point
+from hybridflow.utils.storage import fsync_tree
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +93,73 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
         )
     try:
         return json.loads(meta_path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{meta_path} is not valid JSON ({e}); the checkpoint is damaged") from e
+
+
+def required_files(meta: Mapping[str, Any]) -> list[str]:
+    """The files every checkpoint has: the trainer state and each role's DCP metadata."""
+    roles = meta.get("roles") or {}
+    return [TRAINER_STATE, *(f"{name}/{SHARDS}/.metadata" for name in sorted(roles))]
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """``meta.json`` of a checkpoint whose files all match their saved checksums; else ``CheckpointError``."""
+    meta = read_meta(path)
+    if not isinstance(meta, dict) or not isinstance(meta.get("roles", {}), dict):
+        raise CheckpointError(
+            f"{Path(path) / rundir.META_FILE} is not a checkpoint's metadata; it is damaged"
+        )
+    integrity.verify(path, meta, required_files(meta))
+    return meta
+
+
+def _saved_bytes(run_dir: str | os.PathLike) -> int | None:
+    """The size of the newest complete checkpoint: about what the next save needs."""
+    complete = rundir.complete_checkpoints(run_dir)
+    if not complete:
+        return None
+    return sum(p.stat().st_size for p in complete[-1][1].rglob("*") if p.is_file())
+
+
+def _state_bytes(roles: Mapping[str, RoleState]) -> int:
+    """Parameter bytes of the roles (three times that with an optimizer: AdamW's two moments)."""
+    total = 0
+    for role in roles.values():
+        size = sum(p.numel() * p.element_size() for p in role.module.parameters())
+        total += size * (3 if role.optimizer is not None else 1)
+    return total
+
+
+def _looks_like_full_disk(exc: BaseException) -> bool:
+    """ENOSPC in the chain, in DCP's per-rank failures, or torch.save's "unexpected pos" on a full disk."""
+    failures = getattr(exc, "failures", None) or {}  # DCP's CheckpointException: {rank: (exception, trace)}
+    wrapped = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    text = str(exc)
+    return (
+        is_disk_full(exc)
+        or any(is_disk_full(f) for f in wrapped if isinstance(f, BaseException))
+        or "No space left on device" in text
+        or "unexpected pos" in text
+    )
+
+
+@contextlib.contextmanager
+def disk_full_guard(run_dir: str | os.PathLike, tmp: Path, needed: int | None = None) -> Iterator[None]:
+    """Turn a full disk during a save into ``DiskFullError`` (path, bytes needed); the partial save is removed.
+
+    The previous checkpoints are untouched: nothing is renamed or pruned before the save is complete.
+    """
+    try:
+        yield
+    except (Exception, dcp_api.CheckpointException) as exc:  # DCP's exception is a BaseException
+        if not _looks_like_full_disk(exc):
+            raise
+        needed = _saved_bytes(run_dir) or needed
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise disk_full_error(
+            run_dir, needed, f"the checkpoint {tmp.name.strip('.').removesuffix('.tmp')}"
+        ) from exc
 
 
 def begin(run_dir: str | os.PathLike, step: int) -> Path:
@@ -109,13 +181,15 @@ def write_roles(
     rank, _ = _rank_world()
     role_meta = {}
     for name, role in roles.items():
-        with_optim = save_sharded(tmp / name / SHARDS, role.module, role.optimizer)
+        with disk_full_guard(tmp.parent, tmp, _state_bytes(roles)):
+            with_optim = save_sharded(tmp / name / SHARDS, role.module, role.optimizer)
         role_meta[name] = {
             "optimizer": with_optim,
             "prefix": role.prefix,
             "shapes": parameter_shapes(role.module),
         }
-    torch.save(capture_rng(), tmp / "rng" / f"{group}_rank_{rank}.pt")
+    with disk_full_guard(tmp.parent, tmp):
+        torch.save(capture_rng(), tmp / "rng" / f"{group}_rank_{rank}.pt")
     _barrier()
     return role_meta
 
@@ -129,20 +203,30 @@ def finish(
     layout: Mapping[str, Any],
     keep: int | None = None,
 ) -> Path:
-    """Write the trainer state and ``meta.json`` (last), move the folder into place, prune (the driver)."""
-    torch.save(dict(trainer_state), tmp / TRAINER_STATE)
-    _test_delay(step)
-    meta = {
-        "format": FORMAT_VERSION,
-        "global_step": step,
-        "world_size": int(layout.get("world_size", 1)),
-        "layout": dict(layout),
-        "roles": dict(role_meta),
-        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-    (tmp / rundir.META_FILE).write_text(json.dumps(meta, indent=1))
+    """Write the trainer state and ``meta.json`` (last, with every file's checksum), fsync, commit, prune.
+
+    Every file and folder is fsynced before the rename that commits, so a committed checkpoint survives a
+    power loss; the rename and the marker are fsynced by ``rundir.commit``.
+    """
+    kill_point("save_shards", step)
+    with disk_full_guard(run_dir, tmp):
+        torch.save(dict(trainer_state), tmp / TRAINER_STATE)
+        _test_delay(step)
+        meta = {
+            "format": FORMAT_VERSION,
+            "global_step": step,
+            "world_size": int(layout.get("world_size", 1)),
+            "layout": dict(layout),
+            "roles": dict(role_meta),
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            integrity.FILES_KEY: integrity.build_manifest(tmp, skip=rundir.META_FILE),
+        }
+        (tmp / rundir.META_FILE).write_text(json.dumps(meta, indent=1))
+        fsync_tree(tmp)
+    kill_point("save_commit", step)
     final = rundir.step_dir(run_dir, step)
     rundir.commit(tmp, final)
+    kill_point("save_committed", step)
     rundir.prune(run_dir, keep)
     return final
 
@@ -205,10 +289,17 @@ def read_roles(path: str | os.PathLike, roles: Mapping[str, RoleState], group: s
 
 def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
     """The driver's state saved with a checkpoint."""
-    return torch.load(Path(path) / TRAINER_STATE, weights_only=False)
+    file = Path(path) / TRAINER_STATE
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing: the checkpoint is damaged; resume from an earlier one")
+    try:
+        return torch.load(file, weights_only=False)
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise CheckpointError(f"{file} cannot be read ({e}); the checkpoint is damaged") from e
 
 
 def load(path: str | os.PathLike, roles: Mapping[str, RoleState]) -> dict[str, Any]:
-    """All ranks of one group: load a complete checkpoint into the roles; returns the trainer state."""
+    """All ranks of one group: load a complete, verified checkpoint into the roles; returns the trainer state."""
+    verify_checkpoint(path)
     read_roles(path, roles)
     return read_trainer_state(path)

@@ -1,9 +1,10 @@
 """The run directory's checkpoints: ``global_step_{N}/`` folders, the ``latest`` marker, atomic commits.
 
 A checkpoint is written into a hidden temporary folder next to its final place and renamed into place only
-after every file, ``meta.json`` last, is on disk. A rename within one filesystem is atomic, so a crash at any
-moment leaves either the complete checkpoint or none under its final name. The marker file (verl's name,
-``latest_checkpointed_iteration.txt``) is itself replaced atomically after the rename.
+after every file, ``meta.json`` last, is on disk and fsynced. A rename within one filesystem is atomic, so a
+crash (or a power loss: the directory is fsynced after the rename) at any moment leaves either the complete
+checkpoint or none under its final name. The marker file (verl's name, ``latest_checkpointed_iteration.txt``)
+is itself replaced atomically after the rename. ``find_latest(..., verify=...)`` skips damaged checkpoints.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+
+from hybridflow.utils.storage import fsync_dir, write_text_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -72,39 +76,54 @@ def read_latest_marker(run_dir: str | os.PathLike) -> int | None:
         return None
 
 
-def find_latest(run_dir: str | os.PathLike) -> Path | None:
+def _pick(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints in the order to try: the one the marker names first, then newest to oldest."""
+    complete = complete_checkpoints(run_dir)
+    if not complete:
+        return []
+    marked = read_latest_marker(run_dir)
+    by_step = dict(complete)
+    newest_step, newest = complete[-1]
+    order = list(reversed(complete))
+    if marked is not None and marked in by_step:
+        order.remove((marked, by_step[marked]))
+        order.insert(0, (marked, by_step[marked]))
+    elif marked is not None:
+        logger.warning(
+            "the latest marker names step %d, which has no complete checkpoint; using %s (step %d)",
+            marked,
+            newest,
+            newest_step,
+        )
+    return order
+
+
+def find_latest(run_dir: str | os.PathLike, verify: Callable[[Path], object] | None = None) -> Path | None:
     """The checkpoint to resume from: the one the marker names, else the newest complete one.
 
     Interrupted saves are skipped and reported: a resume never picks up a checkpoint that is not complete.
+    ``verify(path)`` raising ``ValueError`` (a damaged checkpoint) skips that one too, saying why, and falls
+    back to the next newest.
     """
-    complete = complete_checkpoints(run_dir)
     chosen = None
-    if complete:
-        marked = read_latest_marker(run_dir)
-        by_step = dict(complete)
-        newest_step, chosen = complete[-1]
-        if marked is not None and marked in by_step:
-            chosen = by_step[marked]
-        elif marked is not None:
-            logger.warning(
-                "the latest marker names step %d, which has no complete checkpoint; using %s (step %d)",
-                marked,
-                chosen,
-                newest_step,
-            )
+    skipped: list[str] = []
+    for _, path in _pick(run_dir):
+        try:
+            if verify is not None:
+                verify(path)
+        except ValueError as e:
+            skipped.append(f"{path.name} ({e})")
+            continue
+        chosen = path
+        break
+    using = chosen.name if chosen is not None else "no checkpoint (a fresh start)"
     for path in incomplete_saves(run_dir):
         logger.warning(
-            "ignoring %s: an interrupted save left it incomplete; using %s instead",
-            path.name,
-            chosen.name if chosen is not None else "no checkpoint (a fresh start)",
+            "ignoring %s: an interrupted save left it incomplete; using %s instead", path.name, using
         )
+    for what in skipped:
+        logger.warning("skipping the damaged checkpoint %s; using %s instead", what, using)
     return chosen
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def commit(tmp: Path, final: Path) -> None:
@@ -121,8 +140,9 @@ def commit(tmp: Path, final: Path) -> None:
             shutil.rmtree(old)
         os.replace(final, old)
     os.replace(tmp, final)
+    fsync_dir(final.parent)
     step = int(_STEP_DIR.match(final.name).group(1))
-    _write_atomically(final.parent / LATEST_FILE, f"{step}\n")
+    write_text_atomically(final.parent / LATEST_FILE, f"{step}\n")
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +24,34 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from hybridflow.utils.errors import UserError
 from hybridflow.utils.optim_state import zero_state
 
 logger = logging.getLogger(__name__)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used here: missing, incomplete, or from a different model."""
+class CheckpointError(UserError):
+    """A checkpoint that cannot be used here: missing, incomplete, damaged, or from a different model."""
+
+
+# What torch.distributed.checkpoint raises on a damaged folder: its own exception (per-rank failures), and
+# from the readers underneath, truncated or garbled files and pickles.
+_DCP_FAILURES = (dcp.api.CheckpointException, RuntimeError, OSError, EOFError, pickle.UnpicklingError)
+
+
+def _dcp_load(state: dict[str, Any], path: str | os.PathLike, **kwargs: Any) -> None:
+    """``dcp.load`` with a damaged folder reported as ``CheckpointError`` naming it."""
+    if not (Path(path) / ".metadata").is_file():
+        raise CheckpointError(f"{Path(path) / '.metadata'} is missing: the checkpoint is damaged")
+    try:
+        dcp.load(state, checkpoint_id=str(path), **kwargs)
+    except CheckpointError:
+        raise
+    except _DCP_FAILURES as e:
+        raise CheckpointError(
+            f"the shards in {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200]}); the "
+            "checkpoint is damaged: resume from or export an earlier one"
+        ) from e
 
 
 def _global_shape(t: torch.Tensor) -> list[int]:
@@ -91,7 +113,7 @@ def load_sharded(
     state: dict[str, Any] = {"model": get_model_state_dict(module)}
     if optimizer is not None and with_optim:
         state["optim"] = get_optimizer_state_dict(module, optimizer)
-    dcp.load(state, checkpoint_id=str(path))
+    _dcp_load(state, path)
     set_model_state_dict(module, state["model"], options=StateDictOptions(strict=True))
     if "optim" in state:
         set_optimizer_state_dict(module, optimizer, state["optim"])
@@ -102,5 +124,5 @@ def load_sharded(
 def load_full_state(path: str | os.PathLike, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Read the full (unsharded) model tensors of a DCP folder into ``template``'s tensors, in one process."""
     state = {"model": template}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    _dcp_load(state, path, no_dist=True)
     return state["model"]

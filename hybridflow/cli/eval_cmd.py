@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from hybridflow.cli.output import add_overwrite_flag, check_output_file
+from hybridflow.utils.errors import MissingFileError, UserError
 
 NAME = "eval"
 HELP = "Validate a model or checkpoint on the held-out prompts and write the generations to JSONL."
@@ -33,10 +34,10 @@ def _resolve(target: str) -> tuple[Path | None, Path | None]:
     if path.is_file():
         return path, None
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: pass a YAML config or a checkpoint folder")
+        raise MissingFileError(f"{path} does not exist: pass a YAML config or a checkpoint folder")
     ckpt = path if is_complete(path) else find_latest(path)
     if ckpt is None:
-        raise ValueError(
+        raise UserError(
             f"{path} is neither a complete global_step_N checkpoint nor a run directory holding one"
         )
     config = ckpt.parent / "config.yaml"
@@ -50,9 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
     first, overrides = args.args[0], args.args[1:]
     if "=" in first and not Path(first).exists():
-        raise ValueError(
-            "the first argument of eval is a config file or a checkpoint folder, not an override"
-        )
+        raise UserError("the first argument of eval is a config file or a checkpoint folder, not an override")
     config, ckpt = _resolve(first)
     cfg = load_config(str(config) if config else None, overrides)
     out = Path(args.out or Path(cfg.trainer.run_dir()) / "eval.jsonl").expanduser()

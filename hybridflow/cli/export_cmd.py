@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from hybridflow.cli.output import add_overwrite_flag, check_output_dir
+from hybridflow.utils.errors import MissingFileError, UserError
 
 NAME = "export"
 HELP = "Write a checkpoint's actor or critic as a Hugging Face model directory (the model merger)."
@@ -34,11 +35,11 @@ def run(args: argparse.Namespace) -> int:
 
     ckpt = Path(args.checkpoint).expanduser()
     if not ckpt.exists():
-        raise FileNotFoundError(f"checkpoint {ckpt} does not exist")
+        raise MissingFileError(f"checkpoint {ckpt} does not exist")
     if not is_complete(ckpt):
         latest = find_latest(ckpt)
         if latest is None:
-            raise ValueError(
+            raise UserError(
                 f"{ckpt} is neither a complete global_step_N checkpoint nor a run directory holding one"
             )
         ckpt = latest

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybridflow.cli.output import add_overwrite_flag, check_output_file
+from hybridflow.utils.errors import MissingFileError, UserError
 
 if TYPE_CHECKING:
     from hybridflow.engine.rollout.engine import GenerationOutput
@@ -63,15 +64,17 @@ def read_prompts(path: str, tokenizer: Any) -> list[list[int]]:
     """Token ids of each prompt line; chat messages get the chat template with a generation prompt."""
     file = Path(path)
     if not file.is_file():
-        raise FileNotFoundError(f"prompts file {path} does not exist")
+        raise MissingFileError(f"prompts file {path} does not exist")
     prompts = []
-    for lineno, line in enumerate(file.read_text().splitlines(), start=1):
+    from hybridflow.utils.storage import read_utf8_lines
+
+    for lineno, line in enumerate(read_utf8_lines(file), start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
         value = row.get("messages", row.get("prompt")) if isinstance(row, dict) else None
         if isinstance(value, list):
             ids = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True)
@@ -79,14 +82,14 @@ def read_prompts(path: str, tokenizer: Any) -> list[list[int]]:
         elif isinstance(value, str):
             ids = tokenizer.encode(value, add_special_tokens=False)
         else:
-            raise ValueError(
+            raise UserError(
                 f'{path}:{lineno}: expected an object with "prompt" (text or chat messages) or "messages"'
             )
         if not ids:
-            raise ValueError(f"{path}:{lineno}: the prompt is empty")
+            raise UserError(f"{path}:{lineno}: the prompt is empty")
         prompts.append(ids)
     if not prompts:
-        raise ValueError(f"{path} holds no prompts")
+        raise UserError(f"{path} holds no prompts")
     return prompts
 
 
@@ -151,9 +154,11 @@ def sampling_params(args: argparse.Namespace, model: Any, tokenizer: Any) -> Sam
 
 def write_samples(path: Path, results: list[list[GenerationOutput]], tokenizer: Any) -> int:
     """Write one JSON line per sample to ``path``; returns the number of generated tokens."""
+    from hybridflow.utils.storage import staged_file
+
     path.parent.mkdir(parents=True, exist_ok=True)
     total = 0
-    with open(path, "w") as f:
+    with staged_file(path) as tmp, open(tmp, "w") as f:  # written beside and renamed when complete
         for i, samples in enumerate(results):
             for s, out in enumerate(samples):
                 total += len(out.token_ids)

@@ -8,6 +8,7 @@ from typing import Any
 
 from hybridflow import checkpoint
 from hybridflow.checkpoint import CheckpointError
+from hybridflow.checkpoint.manager import verify_checkpoint
 from hybridflow.checkpoint.rundir import is_complete, step_dir, temp_dir
 from hybridflow.config.schema import Config
 
@@ -18,18 +19,21 @@ def resume_target(cfg: Config) -> Path | None:
     """The checkpoint a run starts from, per ``trainer.resume`` (or verl's resume_mode/resume_from_path).
 
     ``auto`` takes the latest complete checkpoint in the run directory (none: a fresh start); a path may be
-    a ``global_step_N`` folder or a run directory (its latest). Interrupted saves are skipped, with a warning.
+    a ``global_step_N`` folder or a run directory (its latest). Interrupted saves and damaged checkpoints
+    (files that fail their checksums) are skipped, with a warning naming each and why; a damaged checkpoint
+    named by its own folder is refused.
     """
     t = cfg.trainer
     mode = t.resume or t.resume_mode
     if mode == "disable":
         return None
     if mode == "auto":
-        return checkpoint.find_latest(t.run_dir())
+        return checkpoint.find_latest(t.run_dir(), verify=verify_checkpoint)
     path = Path(t.resume_from_path if mode == "resume_path" else mode).expanduser()
     if is_complete(path):
+        verify_checkpoint(path)  # the one asked for: a damaged one is refused, naming the file
         return path
-    found = checkpoint.find_latest(path)
+    found = checkpoint.find_latest(path, verify=verify_checkpoint)
     if found is None:
         raise CheckpointError(
             f"trainer.resume={str(path)!r} is neither a complete global_step_N checkpoint nor a run directory "
@@ -55,8 +59,12 @@ def restore_trainer_state(trainer: Any, state: dict[str, Any]) -> None:
         trainer.kl_ctrl.load_state_dict(state["kl_ctrl"])
 
 
-def save_checkpoint(trainer: Any) -> Path:
-    """Write ``global_step_{N}``: every group writes its shards, the driver commits (all SPMD ranks call)."""
+def save_checkpoint(trainer: Any, metrics: dict[str, float] | None = None) -> Path:
+    """Write ``global_step_{N}``: every group writes its shards, the driver commits (all SPMD ranks call).
+
+    ``metrics`` (the step's record) is saved inside the checkpoint and metrics.jsonl is fsynced first, so
+    the step's line survives a kill between the commit and its write (``Tracker`` puts it back on resume).
+    """
     t = trainer.cfg.trainer
     groups, driver = trainer.c.groups, trainer.rank == 0
     run_dir, step = t.run_dir(), trainer.global_step
@@ -67,6 +75,9 @@ def save_checkpoint(trainer: Any) -> Path:
     metas = {g.name: g.run_all("save_checkpoint", str(tmp), t.save_hf)[0] for g in groups}
     if driver:
         state = trainer_state(trainer)
+        state["metrics"] = {step: dict(metrics)} if metrics is not None else {}
+        if trainer.tracker is not None:
+            trainer.tracker.sync()
         state["engines"] = {k: v for m in metas.values() for k, v in m["engines"].items()}
         roles = {k: v for m in metas.values() for k, v in m["roles"].items()}
         layout = {
@@ -91,4 +102,5 @@ def load_checkpoint(trainer: Any, path: Path) -> None:
     for group in trainer.c.groups:
         group.run_all("load_checkpoint", str(path), state["engines"])
     restore_trainer_state(trainer, state)
+    trainer.saved_metrics = dict(state.get("metrics") or {})
     logger.info("resumed from %s at step %d", path, trainer.global_step)

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from hybridflow.protocol import Batch
+from hybridflow.utils.storage import staged_file
 from hybridflow.utils.text import batch_decode
 
 logger = logging.getLogger(__name__)
@@ -89,10 +90,10 @@ def rollout_records(tokenizer: Any, batch: Batch, step: int) -> list[dict[str, A
 
 
 def write_jsonl(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """Write records as JSON lines (the folder is created); returns the path."""
+    """Write records as JSON lines (the folder is created; written beside and renamed); returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
+    with staged_file(path) as tmp, tmp.open("w") as f:
         for record in records:
             f.write(json.dumps(_plain(record), ensure_ascii=False) + "\n")
     logger.debug("wrote %d generations to %s", len(records), path)

@@ -34,7 +34,9 @@ from hybridflow.trainer.sft import encode_pairs, run_sft
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.trainer.validation import validate
 from hybridflow.utils.device import use_device_type
+from hybridflow.utils.errors import UserError
 from hybridflow.utils.seed import set_seed
+from hybridflow.utils.storage import ensure_writable_dir, staged_dir
 from hybridflow.workers.actor import ActorWorker
 
 logger = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ def start_job(cfg: Config, single_process: str | None = None) -> None:
     """
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if single_process is not None and launched > 1:
-        raise ValueError(
+        raise UserError(
             f"hybridflow {single_process} runs in one process, but this is one of {launched} ranks; launch it "
             "without torchrun (train, dpo and kto run on several ranks)"
         )
@@ -87,20 +89,21 @@ def sft_job(
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     actor = ActorWorker(model, cfg, steps, pad)
-    tracker = Tracker(out_dir, steps, loggers=cfg.trainer.logger, plot_every=0, **run_names(cfg))
-    history = run_sft(
-        actor,
-        prompts,
-        responses,
-        steps,
-        cfg.data.train_batch_size,
-        pad,
-        cfg.trainer.seed,
-        on_step=tracker.log,
-    )
-    tracker.close()
-    save_hf_model(actor, tokenizer, base, out_dir)
-    save_config(cfg, out_dir / "sft_config.yaml")
+    with staged_dir(out_dir) as staged:  # everything goes beside out_dir, renamed into place at the end
+        tracker = Tracker(staged, steps, loggers=cfg.trainer.logger, plot_every=0, **run_names(cfg))
+        history = run_sft(
+            actor,
+            prompts,
+            responses,
+            steps,
+            cfg.data.train_batch_size,
+            pad,
+            cfg.trainer.seed,
+            on_step=tracker.log,
+        )
+        tracker.close()
+        save_hf_model(actor, tokenizer, base, staged)
+        save_config(cfg, staged / "sft_config.yaml")
     return history[-1]
 
 
@@ -123,6 +126,7 @@ def run_loop(trainer: TrainingLoop, run_dir: Path, close: bool) -> list[dict[str
         components.total_steps,
         loggers=cfg.trainer.logger,
         resume_step=start if start > 0 else None,
+        saved_records=trainer.saved_metrics,
         **run_names(cfg),
     ) as tracker:
         trainer.tracker = tracker
@@ -138,7 +142,7 @@ def rl_job(
 ) -> list[dict[str, float]]:
     """PPO-family training as configured; writes config.yaml, metrics.jsonl and curves.png to the run dir."""
     start_job(cfg)
-    run_dir = Path(cfg.trainer.run_dir())
+    run_dir = ensure_writable_dir(cfg.trainer.run_dir(), "the run directory (trainer.default_local_dir)")
     save_config(cfg, run_dir / "config.yaml")
     owned = components is None  # close only what this job built: a caller may go on using its components
     components = components or build_components(cfg, reward_fn=reward_fn)
@@ -185,7 +189,7 @@ def preference_job(
     """DPO/IPO (``kind="dpo"``) or KTO (``kind="kto"``) as configured, in the run directory like RL runs."""
     cfg = preference_config(cfg)
     start_job(cfg)
-    run_dir = Path(cfg.trainer.run_dir())
+    run_dir = ensure_writable_dir(cfg.trainer.run_dir(), "the run directory (trainer.default_local_dir)")
     save_config(cfg, run_dir / "config.yaml")
     owned = components is None
     components = components or build_preference_components(cfg, kind, rows=rows)

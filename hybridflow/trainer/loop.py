@@ -11,6 +11,8 @@ from hybridflow.trainer.checkpointing import load_checkpoint, resume_target, sav
 from hybridflow.trainer.dumps import write_jsonl
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.trainer.validation import validate
+from hybridflow.utils.errors import UserError
+from hybridflow.utils.faults import kill_point
 from hybridflow.utils.logging import rank as env_rank
 from hybridflow.utils.progress import Progress
 
@@ -28,6 +30,7 @@ class TrainingLoop:
         self.global_step = 0
         self.rank = env_rank()
         self.kl_ctrl: Any = None  # the checkpoint saves it when a driver has one
+        self.saved_metrics: dict[int, dict[str, float]] = {}  # the resumed checkpoint's step record
 
     def step(self) -> dict[str, float]:
         """One training step; returns its metrics."""
@@ -63,16 +66,17 @@ class TrainingLoop:
                 metrics.update(self.validate())
             if last or (t.save_freq > 0 and self.global_step % t.save_freq == 0):
                 with Progress(f"save global_step_{self.global_step}") as bar:
-                    save_checkpoint(self)
+                    save_checkpoint(self, metrics)
                 metrics["timing_s/save_checkpoint"] = bar.close()  # closed already: its duration
             self._log(self.global_step, metrics)
+            kill_point("metrics_written", self.global_step)
             history.append(metrics)
         return history
 
     def _validate_only(self) -> dict[str, float]:
         """``trainer.val_only``: validate the current policy (after any resume), log it, train nothing."""
         if self.c.val is None:
-            raise ValueError(
+            raise UserError(
                 "trainer.val_only=true but there is no validation set; set data.val_files (or, for the "
                 "built-in task, data.task_val_size > 0)"
             )

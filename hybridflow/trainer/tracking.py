@@ -17,8 +17,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from hybridflow.utils.errors import UserError
 from hybridflow.utils.logging import rank as env_rank
 from hybridflow.utils.plot import save_line_charts
+from hybridflow.utils.storage import write_text_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +53,10 @@ def check_loggers(names: Sequence[str]) -> list[str]:
     out = []
     for name in [*names, "jsonl"]:
         if name not in SUPPORTED_LOGGERS:
-            raise ValueError(f"unknown logger {name!r}; supported loggers: {', '.join(SUPPORTED_LOGGERS)}")
+            raise UserError(f"unknown logger {name!r}; supported loggers: {', '.join(SUPPORTED_LOGGERS)}")
         module = _OPTIONAL.get(name)
         if module is not None and importlib.util.find_spec(module) is None:
-            raise ValueError(
+            raise UserError(
                 f"logger {name!r} needs the {module} package: pip install 'hybridflow[{name}]' "
                 f"(or drop {name!r} from trainer.logger)"
             )
@@ -99,7 +101,7 @@ def _clean(metrics: Mapping[str, Any]) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for key, value in metrics.items():
         if key == "step":
-            raise ValueError("'step' is reserved in metrics.jsonl; pass the step as log(step, metrics)")
+            raise UserError("'step' is reserved in metrics.jsonl; pass the step as log(step, metrics)")
         try:
             v = float(value)
         except (TypeError, ValueError):
@@ -117,7 +119,8 @@ class Tracker:
     ``loggers`` is drawn from console, jsonl (always on), tensorboard and wandb. ``plot_every`` refreshes
     ``curves.png`` every that many steps (0: only at ``close()``). ``resume_step=None`` starts a fresh
     metrics.jsonl; an int keeps the earlier lines with ``step <= resume_step`` (and plots them), so a resumed
-    run's file matches an uninterrupted one. ``use_tqdm=None`` shows a progress bar when stderr is a terminal.
+    run's file matches an uninterrupted one; ``saved_records`` (``{step: metrics}`` saved in the resumed
+    checkpoint) puts back a kept step whose line a kill lost. ``use_tqdm=None`` shows a progress bar when stderr is a terminal.
     """
 
     def __init__(
@@ -128,6 +131,7 @@ class Tracker:
         plot_every: int = 1,
         *,
         resume_step: int | None = None,
+        saved_records: Mapping[int, Mapping[str, Any]] | None = None,
         project_name: str = "hybridflow",
         experiment_name: str | None = None,
         config: Mapping[str, Any] | None = None,
@@ -136,7 +140,7 @@ class Tracker:
     ) -> None:
         self.loggers = check_loggers(loggers)
         if plot_every < 0:
-            raise ValueError(f"plot_every must be >= 0 (0 = plot only at close), got {plot_every}")
+            raise UserError(f"plot_every must be >= 0 (0 = plot only at close), got {plot_every}")
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
         self.plot_every = plot_every
@@ -148,7 +152,7 @@ class Tracker:
         if not self.active:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = self._open_metrics_file(resume_step)
+        self._file = self._open_metrics_file(resume_step, saved_records or {})
         console = "console" in self.loggers
         if console and (sys.stderr.isatty() if use_tqdm is None else use_tqdm):
             from tqdm import tqdm
@@ -175,10 +179,13 @@ class Tracker:
         """Path of the curves PNG."""
         return self.run_dir / PLOT_FILE
 
-    def _open_metrics_file(self, resume_step: int | None) -> TextIO:
+    def _open_metrics_file(
+        self, resume_step: int | None, saved_records: Mapping[int, Mapping[str, Any]]
+    ) -> TextIO:
         """Open metrics.jsonl for appending, keeping only the lines a resumed run continues from."""
         kept: list[str] = []
         dropped = 0
+        steps: set[int] = set()
         if self.metrics_path.exists():
             for line in self.metrics_path.read_text().splitlines():
                 try:
@@ -189,6 +196,7 @@ class Tracker:
                 if keep:
                     kept.append(line)
                     step = int(row.pop("step"))
+                    steps.add(step)
                     self._record(
                         step, {k: v for k, v in row.items() if v is None or isinstance(v, (int, float))}
                     )
@@ -201,10 +209,21 @@ class Tracker:
                 dropped,
                 resume_step,
             )
-        tmp = self.metrics_path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.metrics_path)  # atomic: a crash here leaves the old file or the trimmed one
+        for step, record in sorted(saved_records.items()):
+            if resume_step is not None and int(step) <= resume_step and int(step) not in steps:
+                clean = _clean(record)  # the line a kill after the checkpoint's commit never wrote
+                kept.append(json.dumps({"step": int(step), **clean}, allow_nan=False))
+                self._record(int(step), clean)
+                logger.info("%s: restored the line of step %s from its checkpoint", self.metrics_path, step)
+        # atomic and fsynced: a crash here leaves the old file or the trimmed one
+        write_text_atomically(self.metrics_path, "".join(line + "\n" for line in kept))
         return self.metrics_path.open("a", encoding="utf-8")
+
+    def sync(self) -> None:
+        """Make every line written so far durable (flush and fsync); the checkpoint commit calls it first."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
 
     def _record(self, step: int, metrics: Mapping[str, float | None]) -> None:
         """Append this step's plotted metrics to the curves (None/NaN are kept as gaps)."""

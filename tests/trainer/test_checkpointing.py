@@ -154,6 +154,7 @@ def test_resume_settings_pick_the_checkpoint(tmp_path: Path) -> None:
     for step in (2, 5):
         (run_dir / f"global_step_{step}").mkdir(parents=True)
         (run_dir / f"global_step_{step}" / "meta.json").write_text("{}")
+        (run_dir / f"global_step_{step}" / "trainer_state.pt").write_bytes(b"")  # present: not damaged
     base = [f"trainer.default_local_dir={run_dir}"]
     assert resume_target(load_config(None, base)) == run_dir / "global_step_5"  # auto: the newest
     assert resume_target(load_config(None, [*base, "trainer.resume=disable"])) is None

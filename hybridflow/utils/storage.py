@@ -1,0 +1,163 @@
+"""Durable writes: fsync of files and directories, and outputs written beside their place and renamed in.
+
+A rename within one filesystem is atomic, and once the files and their directory are fsynced it survives a
+power loss. ``staged_dir`` and ``write_text_atomically`` use both, so a reader (or a resumed run) sees the old
+output or the complete new one, never a half-written one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush one file's data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Flush a directory's entries (new names, renames) to the disk; a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # e.g. Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        logger.debug("fsync of directory %s is not supported here", path)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | os.PathLike) -> None:
+    """fsync every file and directory under ``root`` (the root included), deepest first."""
+    for dirpath, _, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            fsync_file(os.path.join(dirpath, name))
+        fsync_dir(dirpath)
+
+
+def staging_path(final: str | os.PathLike) -> Path:
+    """The hidden sibling ``final`` is written into before it is renamed into place."""
+    final = Path(final)
+    return final.with_name(f".{final.name}.partial")
+
+
+def replace_dir(staged: Path, final: Path) -> None:
+    """Move the complete ``staged`` directory into place at ``final``; durable on return.
+
+    A missing or empty ``final`` is replaced by one rename. Into a non-empty ``final`` (``--overwrite``, or
+    a resumed run's ``final_model``) each staged entry is renamed over its namesake, one atomic rename per
+    file, and the user's other files there stay.
+    """
+    fsync_tree(staged)
+    if final.is_dir() and any(final.iterdir()):
+        for entry in sorted(staged.iterdir()):
+            target = final / entry.name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            os.replace(entry, target)
+        fsync_dir(final)
+        staged.rmdir()
+        return
+    if final.is_dir():
+        final.rmdir()
+    os.replace(staged, final)
+    fsync_dir(final.parent)
+
+
+@contextlib.contextmanager
+def staged_dir(final: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty directory beside ``final``; on success it replaces ``final``, on error it is removed."""
+    final = Path(final).absolute()
+    staged = staging_path(final)
+    if staged.exists():
+        shutil.rmtree(staged)
+    staged.mkdir(parents=True)
+    try:
+        yield staged
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    replace_dir(staged, final)
+
+
+def write_text_atomically(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to a hidden sibling, fsync it, and rename it over ``path``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def staged_file(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a hidden sibling of ``path`` to write; on success it is fsynced and renamed over ``path``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_file(tmp)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def ensure_writable_dir(path: str | os.PathLike, what: str) -> Path:
+    """Make ``path`` (a directory) and prove it writable; a ``UserError`` naming ``what`` and the fix otherwise.
+
+    Catches a path that is a file, lies under a file, or is read-only or immutable, before any work starts.
+    """
+    from hybridflow.utils.errors import UserError, path_error
+
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(
+            f"{what} {path} is a file, not a directory; choose a directory (or move the file away)"
+        )
+    for parent in path.absolute().parents:
+        if parent.exists() and not parent.is_dir():
+            raise UserError(f"{what} {path} lies under {parent}, which is a file; choose another directory")
+    probe = path / f".hybridflow_write_test.{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        err = path_error(e, f"{what}, which must be a writable directory")
+        raise type(err)(str(err)) from None
+    return path
+
+
+def read_utf8_lines(path: str | os.PathLike) -> list[str]:
+    """The lines of a UTF-8 text file; bad UTF-8 is a ``UserError`` naming the file, the line and the byte."""
+    from hybridflow.utils.errors import UserError
+
+    data = Path(path).read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise UserError(
+            f"{path}: line {line} is not valid UTF-8 (byte 0x{data[e.start]:02x} at column {column}); "
+            "re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8) or fix that line"
+        ) from None
+    return text.splitlines()
