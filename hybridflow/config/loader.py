@@ -24,6 +24,7 @@ from hybridflow.config import aliases
 from hybridflow.config.errors import ConfigError, Problem
 from hybridflow.config.schema import Config, schema_index
 from hybridflow.config.validate import validate_config
+from hybridflow.utils.errors import MissingFileError
 
 
 class _Loader(yaml.SafeLoader):
@@ -298,10 +299,17 @@ def parse_overrides(overrides: Iterable[str]) -> list[tuple[str, Any]]:
 def _read_yaml(path: str | Path) -> Mapping[str, Any]:
     file = Path(path).expanduser()
     if not file.is_file():
-        raise FileNotFoundError(f"config file '{path}' not found (looked in {file.resolve().parent})")
+        raise MissingFileError(f"config file '{path}' not found (looked in {file.resolve().parent})")
+    raw = file.read_bytes()
     try:
-        with file.open() as stream:
-            data = yaml.load(stream, Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(
+            [Problem(str(path), f"line {line} is not valid UTF-8 (byte {exc.start})", "re-save it as UTF-8")]
+        ) from None
+    try:
+        data = yaml.load(text, Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""

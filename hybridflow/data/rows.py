@@ -26,11 +26,14 @@ from typing import Any
 
 import numpy as np
 
+from hybridflow.utils.errors import UserError
+from hybridflow.utils.storage import read_utf8_lines
+
 BUILT_IN = "built-in"
 _MISSING = object()
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """Bad input data; the message names the file and the row (and the line for jsonl)."""
 
     def __init__(
@@ -89,21 +92,20 @@ def row_error(origin: RowOrigin, problem: str) -> DataError:
 
 def _read_jsonl(path: Path) -> Rows:
     rows, origins = [], []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue  # blank lines (often a trailing newline) are not rows
-            origin = RowOrigin(str(path), len(rows), line_no)
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise row_error(
-                    origin, f"invalid JSON ({e.msg} at column {e.colno}); fix or delete the line"
-                ) from None
-            if not isinstance(row, dict):
-                raise row_error(origin, f"expected a JSON object per line, got {type(row).__name__}")
-            rows.append(row)
-            origins.append(origin)
+    for line_no, line in enumerate(read_utf8_lines(path), start=1):
+        if not line.strip():
+            continue  # blank lines (often a trailing newline) are not rows
+        origin = RowOrigin(str(path), len(rows), line_no)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise row_error(
+                origin, f"invalid JSON ({e.msg} at column {e.colno}); fix or delete the line"
+            ) from None
+        if not isinstance(row, dict):
+            raise row_error(origin, f"expected a JSON object per line, got {type(row).__name__}")
+        rows.append(row)
+        origins.append(origin)
     return Rows(rows, origins)
 
 
@@ -155,7 +157,7 @@ def save_rows(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> Non
         try:
             table = pa.Table.from_pylist([dict(r) for r in rows])
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-            raise ValueError(
+            raise UserError(
                 f"{p}: cannot store these rows as parquet ({e}); parquet needs one type per column "
                 "across rows, so write .jsonl for mixed types"
             ) from e
@@ -165,7 +167,7 @@ def save_rows(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> Non
             for r in rows:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
     else:
-        raise ValueError(f"{p}: unsupported data file type {p.suffix!r}; use .parquet or .jsonl")
+        raise UserError(f"{p}: unsupported data file type {p.suffix!r}; use .parquet or .jsonl")
 
 
 # ---- validation -------------------------------------------------------------------------------------------

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
+from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -19,6 +21,8 @@ from transformers import (
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
+
+from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +43,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """Turn ``"float32" | "bfloat16" | "float16"`` (or fp32/bf16/fp16, or a torch.dtype) into a dtype."""
     if isinstance(dtype, torch.dtype):
         if not dtype.is_floating_point:
-            raise ValueError(
+            raise UserError(
                 f"dtype must be a floating-point dtype, got {dtype}; use one of {_valid_dtypes()}"
             )
         return dtype
@@ -47,7 +51,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise TypeError(f"dtype must be a string or torch.dtype, got {type(dtype).__name__}")
     key = dtype.strip().lower().removeprefix("torch.")
     if key not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {_valid_dtypes()}")
+        raise UserError(f"unknown dtype {dtype!r}; use one of {_valid_dtypes()}")
     return _DTYPES[key]
 
 
@@ -59,13 +63,13 @@ def resolve_local_dir(path: str | os.PathLike, need: tuple[str, ...] = ("config.
     """Check that ``path`` is a local directory holding one of the files in ``need``; return it."""
     resolved = Path(path).expanduser()
     if not resolved.is_dir():
-        raise ValueError(
+        raise UserError(
             f"model path {str(path)!r} is not a local directory. hybridflow never downloads from a model "
             "hub: download the model first (e.g. `huggingface-cli download <name> --local-dir <dir>`) "
             "and pass that directory"
         )
     if not any((resolved / name).is_file() for name in need):
-        raise ValueError(
+        raise UserError(
             f"directory {str(path)!r} has none of {list(need)}; pass the directory that a Hugging Face "
             "`save_pretrained` wrote (the one holding config.json and the weights)"
         )
@@ -93,7 +97,7 @@ def _override_one(config: PretrainedConfig, key: str, value: Any, prefix: str) -
         if isinstance(rope, dict) and key in rope:
             rope[key] = value
             return
-        raise ValueError(
+        raise UserError(
             f"override_config key {prefix + key!r} is not a field of the {type(config).__name__} "
             f"(model_type={getattr(config, 'model_type', '?')!r}); check the spelling against the model's "
             "config.json"
@@ -116,10 +120,97 @@ def load_config(
 ) -> PretrainedConfig:
     """Load a model config from a local directory and apply ``override_config``."""
     model_dir = resolve_local_dir(path)
-    config = AutoConfig.from_pretrained(
-        model_dir, trust_remote_code=trust_remote_code, local_files_only=True, **kwargs
-    )
+    raw = read_config_json(model_dir)
+    try:
+        config = AutoConfig.from_pretrained(
+            model_dir, trust_remote_code=trust_remote_code, local_files_only=True, **kwargs
+        )
+    except (ValueError, KeyError) as exc:
+        if "model_type" in raw and "auto_map" not in raw:
+            raise UserError(
+                f"{model_dir / 'config.json'}: model_type {raw['model_type']!r} is not an architecture "
+                f"transformers {transformers.__version__} knows; upgrade transformers (pip install -U "
+                "transformers), or for a model that ships its own code set model.trust_remote_code=true"
+            ) from None
+        raise UserError(f"{model_dir / 'config.json'} cannot be used as a model config: {exc}") from None
     return apply_override_config(config, override_config)
+
+
+def read_config_json(model_dir: Path) -> dict[str, Any]:
+    """A model directory's config.json as a dict; a ``UserError`` naming the file and line when it is not."""
+    file = model_dir / "config.json"
+    if not file.is_file():
+        return {}
+    try:
+        raw = json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{file} is not UTF-8 text (byte {exc.start}); re-save the model's config") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(
+            f"{file} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); fix the file or "
+            "re-save the model (save_pretrained writes it)"
+        ) from None
+    if not isinstance(raw, dict):
+        raise UserError(
+            f"{file} holds a JSON {type(raw).__name__}, not an object; re-save the model's config"
+        )
+    return raw
+
+
+# Encoder models that transformers can run as a decoder only when their config says is_decoder=True.
+_ENCODER_TYPES = {
+    "bert",
+    "roberta",
+    "xlm-roberta",
+    "xlm-roberta-xl",
+    "electra",
+    "ernie",
+    "camembert",
+    "data2vec-text",
+    "rembert",
+    "roformer",
+    "megatron-bert",
+    "xmod",
+    "big_bird",
+    "bert-generation",
+}
+
+
+def check_causal_lm(config: PretrainedConfig, model_dir: Path) -> None:
+    """Refuse a model that is not a causal (decoder-only) LM: an encoder (BERT) or an encoder-decoder (T5)."""
+    model_type = getattr(config, "model_type", "?")
+    archs = list(getattr(config, "architectures", None) or [])
+    causal_arch = any("CausalLM" in a or "LMHeadModel" in a for a in archs)
+    encoder = model_type in _ENCODER_TYPES and not getattr(config, "is_decoder", False)
+    if getattr(config, "is_encoder_decoder", False):
+        kind = "an encoder-decoder model"
+    elif encoder or (archs and not causal_arch and not getattr(config, "auto_map", None)):
+        kind = "an encoder-only model" if encoder or model_type in _ENCODER_TYPES else "not a causal LM"
+    else:
+        return
+    named = f" ({', '.join(archs)})" if archs else ""
+    raise UserError(
+        f"the model in {model_dir} is {kind} (model_type={model_type!r}{named}); hybridflow trains and "
+        "generates with causal (decoder-only) language models such as Qwen2, Llama or GPT-2: point "
+        "model.path to one"
+    )
+
+
+def _weights_error(model_dir: Path, exc: BaseException) -> UserError:
+    """A load failure of the weight files as a user error naming the file and the fix."""
+    files = sorted(p.name for p in model_dir.glob("*.safetensors")) or sorted(
+        p.name for p in model_dir.glob("*.bin")
+    )
+    if not files:
+        return UserError(
+            f"{model_dir} has no weights file (model.safetensors, model-*-of-*.safetensors or pytorch_model.bin); "
+            "copy the model's weight files next to its config.json"
+        )
+    first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    return UserError(
+        f"the weights in {model_dir} ({', '.join(files)}) cannot be read: {first}. A file is damaged or "
+        "truncated (an interrupted download or copy?); download or copy the model again"
+    )
 
 
 def from_pretrained_kwargs(
@@ -148,10 +239,19 @@ def load_causal_lm(
 ) -> PreTrainedModel:
     """Load a causal LM (any architecture ``AutoModelForCausalLM`` knows) from a local directory."""
     config = load_config(path, trust_remote_code=trust_remote_code, override_config=override_config)
+    model_dir = Path(path).expanduser()
+    check_causal_lm(config, model_dir)
     kwargs = from_pretrained_kwargs(dtype, attn_implementation, trust_remote_code)
-    model, info = AutoModelForCausalLM.from_pretrained(
-        Path(path).expanduser(), config=config, output_loading_info=True, **kwargs
-    )
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            model_dir, config=config, output_loading_info=True, **kwargs
+        )
+    except (SafetensorError, OSError, EOFError, pickle.UnpicklingError) as exc:
+        raise _weights_error(model_dir, exc) from None
+    except RuntimeError as exc:  # torch.load of a damaged pytorch_model.bin
+        if "zip archive" not in str(exc) and "PytorchStreamReader" not in str(exc):
+            raise
+        raise _weights_error(model_dir, exc) from None
     if info.get("missing_keys"):
         # transformers does not list tied weights here, so every missing key was randomly initialised.
         logger.warning(
@@ -193,13 +293,20 @@ def load_tokenizer(
     tok_config = _read_tokenizer_config(tok_dir)
     _check_tokenizer_files(tok_dir, tok_config, fix_option)
     cls = _tokenizer_class(tok_dir, tok_config)
-    tokenizer = cls.from_pretrained(
-        tok_dir, trust_remote_code=trust_remote_code, local_files_only=True, **kwargs
-    )
+    try:
+        tokenizer = cls.from_pretrained(
+            tok_dir, trust_remote_code=trust_remote_code, local_files_only=True, **kwargs
+        )
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:  # a damaged or unreadable file
+        first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise UserError(
+            f"the tokenizer in {tok_dir} cannot be loaded: {first}; copy the model's tokenizer files again, "
+            f"or set {fix_option}=DIR to a directory that has them"
+        ) from None
     _check_encodes_text(tokenizer, tok_dir)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ValueError(
+            raise UserError(
                 f"tokenizer at {str(path)!r} has neither a pad nor an eos token; pass one explicitly, "
                 "e.g. load_tokenizer(path, pad_token='<pad>')"
             )
@@ -219,7 +326,7 @@ def _read_tokenizer_config(tok_dir: Path) -> dict[str, Any]:
     try:
         config = json.loads(file.read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{file} is not valid JSON ({exc.msg}); re-save the tokenizer") from None
+        raise UserError(f"{file} is not valid JSON ({exc.msg}); re-save the tokenizer") from None
     return config if isinstance(config, dict) else {}
 
 
@@ -237,7 +344,7 @@ def _check_tokenizer_files(tok_dir: Path, tok_config: dict[str, Any], fix_option
         if has_config
         else "no tokenizer files (no tokenizer.json or tokenizer_config.json)"
     )
-    raise ValueError(
+    raise UserError(
         f"{tok_dir} has {what}: it needs tokenizer.json, or a vocabulary file "
         "(vocab.json + merges.txt, tokenizer.model or vocab.txt), next to tokenizer_config.json. Copy the "
         f"tokenizer files of the model into {tok_dir}, or set {fix_option}=DIR to a directory that has them"
@@ -270,7 +377,7 @@ def _check_encodes_text(tokenizer: PreTrainedTokenizerBase, tok_dir: Path) -> No
     if ids:
         return
     name = type(tokenizer).__name__
-    raise ValueError(
+    raise UserError(
         f"the tokenizer in {tok_dir} loaded as {name} and turns text into no tokens (it encodes "
         f"{_PROBE!r} to []), so every prompt would be empty. If tokenizer.json is a custom tokenizer, set "
         f'"tokenizer_class": "PreTrainedTokenizerFast" in {tok_dir / "tokenizer_config.json"}; otherwise '

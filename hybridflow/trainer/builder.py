@@ -14,6 +14,7 @@ from hybridflow.config.schema import Config
 from hybridflow.data import KTODataset, PreferenceDataset, RLDataset, build_rl_dataset, load_rows
 from hybridflow.trainer.scoring import Scorer, build_reward_manager, has_scorer, known_sources
 from hybridflow.utils.dist import init_distributed
+from hybridflow.utils.errors import UserError
 from hybridflow.workers.actor import ActorWorker, make_sampling_params
 from hybridflow.workers.build import (
     COLOCATED,
@@ -61,7 +62,7 @@ def total_training_steps(cfg: Config, num_prompts: int) -> int:
         return cfg.trainer.total_training_steps
     per_epoch = num_prompts // cfg.data.train_batch_size
     if per_epoch < 1:
-        raise ValueError(
+        raise UserError(
             f"the training set has {num_prompts} prompts, fewer than data.train_batch_size="
             f"{cfg.data.train_batch_size}; lower the batch size or add data"
         )
@@ -87,17 +88,38 @@ def check_rollout_view(cfg: Config, model: torch.nn.Module | None) -> None:
     check_tp(config, tp)
 
 
+def warn_position_limit(cfg: Config, model: torch.nn.Module | None) -> None:
+    """Warn at start when a prompt plus a response can be longer than the model's position limit."""
+    from hybridflow.models.loader import load_config as load_model_config
+
+    d, m = cfg.data, cfg.model
+    config = model.config if model is not None else load_model_config(m.path, m.trust_remote_code)
+    limit = getattr(config, "max_position_embeddings", None)
+    need = d.max_prompt_length + d.max_response_length
+    if isinstance(limit, int) and need > limit:
+        logger.warning(
+            "data.max_prompt_length=%d + data.max_response_length=%d = %d tokens is more than the model's "
+            "position limit (max_position_embeddings=%d): the longest sequences go past the positions it was "
+            "trained on; lower data.max_prompt_length or data.max_response_length to fit in %d",
+            d.max_prompt_length,
+            d.max_response_length,
+            need,
+            limit,
+            limit,
+        )
+
+
 def _local_groups(cfg: Config, model: torch.nn.Module, tokenizer: Any, steps: int) -> list[WorkerGroup]:
     """This process as the rank (or, under torchrun, one of the ranks) holding every role."""
     t = cfg.trainer
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if t.world_size != launched:
-        raise ValueError(
+        raise UserError(
             f"trainer.nnodes x trainer.n_gpus_per_node = {t.world_size}, but this process is one of {launched}; "
             f"launch with torchrun --nproc_per_node={t.n_gpus_per_node}, or set trainer.backend=ray"
         )
     if t.placement != "colocated":
-        raise ValueError("trainer.placement=split needs trainer.backend=ray (local roles share this process)")
+        raise UserError("trainer.placement=split needs trainer.backend=ray (local roles share this process)")
     init_distributed(timeout_s=t.nccl_timeout)  # before the engines join it with the default timeout
     worker = RankWorker(build_roles(cfg, model, steps, pad_id_of(tokenizer)), tokenizer)
     worker.eos_token_ids = eos_ids_of(model, tokenizer)
@@ -124,7 +146,7 @@ def _policy(cfg: Config, model: torch.nn.Module | None, tokenizer: Any) -> tuple
     if cfg.trainer.backend != "ray":
         return (model, tokenizer) if model is not None else load_policy(cfg)
     if model is not None:
-        raise ValueError("trainer.backend=ray loads the model on every rank from model.path; pass no model")
+        raise UserError("trainer.backend=ray loads the model on every rank from model.path; pass no model")
     return None, tokenizer or load_policy_tokenizer(cfg)
 
 
@@ -159,6 +181,7 @@ def build_components(
     """
     model, tokenizer = _policy(cfg, model, tokenizer)
     check_rollout_view(cfg, model)
+    warn_position_limit(cfg, model)
     built_in = train is None and cfg.data.train_files is None  # the built-in task supplies both splits
     train = train or build_rl_dataset(cfg.data, tokenizer, "train", cfg.trainer.seed)
     if val is None and (cfg.data.val_files or built_in):
@@ -192,7 +215,7 @@ def build_eval_components(
 ) -> Components:
     """What validation needs: the policy (as an actor, for its rollout engine), the held-out set and scorer."""
     if cfg.data.val_files is None and cfg.data.train_files is not None:
-        raise ValueError(
+        raise UserError(
             "data.val_files is not set: evaluation needs held-out prompts; set data.val_files=[FILE]"
         )
     val = build_rl_dataset(cfg.data, tokenizer, "val", cfg.trainer.seed)
@@ -217,10 +240,11 @@ def build_preference_components(
     ``rows`` replaces ``data.train_files`` (the built-in DPO demo builds its pairs itself).
     """
     model, tokenizer = _policy(cfg, model, tokenizer)
+    warn_position_limit(cfg, model)
     p, d = cfg.preference, cfg.data
     if rows is None:
         if not d.train_files:
-            raise ValueError(
+            raise UserError(
                 f"data.train_files is not set: {kind} trains on preference rows; point it to a file"
             )
         rows = load_rows(d.train_files)
@@ -248,7 +272,7 @@ def build_preference_components(
         )
     )
     if d.train_batch_size % cfg.trainer.world_size:
-        raise ValueError(
+        raise UserError(
             f"data.train_batch_size={d.train_batch_size} pairs do not split over {cfg.trainer.world_size} ranks; "
             "use a multiple of trainer.nnodes x trainer.n_gpus_per_node"
         )

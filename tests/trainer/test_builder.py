@@ -20,3 +20,18 @@ def test_evaluation_builds_a_frozen_actor_and_validates() -> None:
     components.scorer.close()
     assert any(k.startswith("val-core/") for k in metrics)
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+
+
+def test_a_prompt_plus_response_past_the_position_limit_is_warned_at_start(caplog) -> None:
+    import logging
+    import types
+
+    from hybridflow.config import load_config
+    from hybridflow.trainer.builder import warn_position_limit
+
+    cfg = load_config(None, ["data.max_prompt_length=300", "data.max_response_length=800"])
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=1024))
+    with caplog.at_level(logging.WARNING):
+        warn_position_limit(cfg, model)
+    assert "data.max_prompt_length=300 + data.max_response_length=800 = 1100 tokens" in caplog.text
+    assert "max_position_embeddings=1024" in caplog.text

@@ -1,0 +1,231 @@
+"""The sweep: every bad input of the command line the tests know exits 2 with one line and no traceback.
+
+Each case builds its bad input (a damaged model, checkpoint or data file, an unusable output directory, a
+full disk, a bad value) and names the file, field or fix its message must contain. Add a case here for
+every new user-facing input.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from reliability_util import copy_of, flip_bytes, shard_of, train_argv, truncate
+
+from hybridflow.cli.main import main
+from hybridflow.models import build_tiny_model_and_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("model")
+    build_tiny_model_and_tokenizer(out_dir=out, hidden_size=32, num_hidden_layers=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run directory holding one checkpoint (global_step_1) of the tiny run, made once for the module."""
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    assert main(train_argv(model_dir, run_dir, "trainer.total_training_steps=1")) == 0
+    return run_dir
+
+
+class Env:
+    """What a case may use: the tiny model, the trained run, its own folder."""
+
+    def __init__(self, model: Path, trained: Callable[[], Path], tmp: Path) -> None:
+        self.model, self._trained, self.tmp = model, trained, tmp
+
+    def run_copy(self) -> Path:
+        return copy_of(self._trained(), self.tmp / "run")
+
+    def model_copy(self) -> Path:
+        return copy_of(self.model, self.tmp / "model")
+
+    def prompts(self, text: bytes = b'{"prompt": "1+1="}\n') -> Path:
+        (self.tmp / "p.jsonl").write_bytes(text)
+        return self.tmp / "p.jsonl"
+
+    def generate(self, model: Path) -> list[str]:
+        return [
+            "generate",
+            "--model",
+            str(model),
+            "--prompts",
+            str(self.prompts()),
+            "--out",
+            str(self.tmp / "o"),
+        ]
+
+
+def _damaged_model(damage: Callable[[Path], None]) -> Callable[[Env], tuple[list[str], str]]:
+    def case(env: Env) -> tuple[list[str], str]:
+        model = env.model_copy()
+        damage(model)
+        return env.generate(model), str(model)
+
+    return case
+
+
+def _bert(model: Path) -> None:
+    from transformers import BertConfig, BertForMaskedLM
+
+    (model / "model.safetensors").unlink()
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    BertForMaskedLM(config).save_pretrained(model)
+
+
+def _model_type(model: Path) -> None:
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "frobnicator"}))
+
+
+def _damaged_checkpoint(command: str, damage: str) -> Callable[[Env], tuple[list[str], str]]:
+    def case(env: Env) -> tuple[list[str], str]:
+        run_dir = env.run_copy()
+        ckpt = run_dir / "global_step_1"
+        shard = shard_of(ckpt)
+        if damage == "flip":
+            flip_bytes(shard)
+        elif damage == "truncate":
+            truncate(shard)
+        else:
+            (shard.parent / ".metadata").unlink()
+        named = ".metadata" if damage == "metadata" else shard.name
+        if command == "export":
+            return ["export", str(ckpt), "--out", str(env.tmp / "hf")], named
+        if command == "eval":
+            return ["eval", str(ckpt), "--out", str(env.tmp / "e.jsonl")], named
+        args = train_argv(env.model, run_dir, "trainer.total_training_steps=2", f"trainer.resume={ckpt}")
+        return args, named
+
+    return case
+
+
+def _run_dir_file(env: Env) -> tuple[list[str], str]:
+    (env.tmp / "runs").write_text("not a directory")
+    return train_argv(env.model, env.tmp / "runs"), "is a file, not a directory"
+
+
+def _run_dir_under_file(env: Env) -> tuple[list[str], str]:
+    (env.tmp / "blocker").write_text("a file")
+    return train_argv(env.model, env.tmp / "blocker" / "run"), "which is a file"
+
+
+def _bad_utf8_data(env: Env) -> tuple[list[str], str]:
+    data = env.tmp / "train.jsonl"
+    good = json.dumps({"prompt": "1+1=", "data_source": "x", "reward_model": {"ground_truth": "2"}})
+    data.write_bytes(f"{good}\n{good}\n".encode() + b'{"prompt": "caf\xe9"}\n')
+    return train_argv(
+        env.model, env.tmp / "r", f"data.train_files=[{data}]"
+    ), f"{data}: line 3 is not valid UTF-8"
+
+
+def _bad_utf8_prompts(env: Env) -> tuple[list[str], str]:
+    argv = env.generate(env.model)
+    env.prompts(b'{"prompt": "1+1="}\n{"prompt": "\xff"}\n')
+    return argv, "p.jsonl: line 2 is not valid UTF-8"
+
+
+def _negative_steps(env: Env) -> tuple[list[str], str]:
+    argv = train_argv(env.model, env.tmp / "r", "trainer.total_training_steps=-3")
+    return argv, "set trainer.total_training_steps to a value that is at least 1"
+
+
+def _bad_yaml(env: Env) -> tuple[list[str], str]:
+    (env.tmp / "c.yaml").write_text("trainer: [unclosed\n")
+    return ["train", str(env.tmp / "c.yaml")], "c.yaml: is not valid YAML"
+
+
+CASES: dict[str, Callable[[Env], tuple[list[str], str]]] = {
+    "model: flipped bytes in model.safetensors": _damaged_model(
+        lambda m: flip_bytes(m / "model.safetensors", 64, start=8)  # inside the header
+    ),
+    "model: truncated model.safetensors": _damaged_model(lambda m: truncate(m / "model.safetensors")),
+    "model: no weights file": _damaged_model(lambda m: (m / "model.safetensors").unlink()),
+    "model: invalid config.json": _damaged_model(lambda m: (m / "config.json").write_text('{"model_type": ')),
+    "model: encoder-only (BERT)": _damaged_model(_bert),
+    "model: unknown model_type": _damaged_model(_model_type),
+    **{
+        f"checkpoint: {damage} in {command}": _damaged_checkpoint(command, damage)
+        for command in ("train", "export", "eval")
+        for damage in ("flip", "truncate", "metadata")
+    },
+    "output: run directory is a file": _run_dir_file,
+    "output: run directory under a file": _run_dir_under_file,
+    "data: bad UTF-8 in a data file": _bad_utf8_data,
+    "data: bad UTF-8 in a prompts file": _bad_utf8_prompts,
+    "config: a negative step count": _negative_steps,
+    "config: invalid YAML": _bad_yaml,
+}
+
+
+def _check_user_error(argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and "internal error" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors and named in errors[0], err
+    return errors[0]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_bad_input_exits_2_with_one_line_naming_it(
+    name: str,
+    model_dir: Path,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    env = Env(model_dir, lambda: request.getfixturevalue("trained"), tmp_path)
+    argv, named = CASES[name](env)
+    _check_user_error(argv, named, capsys)
+
+
+def test_a_read_only_run_directory_is_refused_before_any_work(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "ro"
+    run_dir.mkdir()
+    run_dir.chmod(0o555)
+    if os.access(run_dir, os.W_OK):  # root writes anyway: make the write fail as a read-only mount does
+        real = Path.write_bytes
+
+        def read_only(self: Path, data: bytes) -> int:
+            if self.parent == run_dir:
+                raise OSError(errno.EROFS, "Read-only file system", str(self))
+            return real(self, data)
+
+        monkeypatch.setattr(Path, "write_bytes", read_only)
+    line = _check_user_error(train_argv(model_dir, run_dir), "trainer.default_local_dir", capsys)
+    assert str(run_dir) in line and ("read-only" in line or "Permission denied" in line)
+    run_dir.chmod(0o755)
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(
+    model_dir: Path,
+    trained: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    def no_space(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    run_dir = copy_of(trained, tmp_path / "run")
+    monkeypatch.setattr(dcp_fs, "_write_item", no_space)
+    line = _check_user_error(
+        train_argv(model_dir, run_dir, "trainer.total_training_steps=2"), "disk is full", capsys
+    )
+    assert str(run_dir) in line and "it needs about" in line
+    assert sorted(p.name for p in run_dir.iterdir() if "global_step" in p.name) == ["global_step_1"]
+    shutil.rmtree(run_dir)
