@@ -15,6 +15,9 @@ Errors: a call that raises, returns NaN/inf, or returns anything but an int/floa
 numeric ``"score"`` raises ``RewardError`` naming the sample index, its data source and the function. With
 ``on_error="zero"`` the sample scores 0 instead, a warning is logged, and the extras always carry
 ``reward/errors`` (1.0 for each failed sample, 0.0 otherwise; its sum is the error count).
+In the pool, ``on_error="raise"`` stops at the first timeout; with ``"zero"`` the pool stops waiting once
+the function timed out on each of its first max(2, num_workers) samples (the rest score 0), and the extras
+carry ``reward/timeouts`` and ``reward/skipped`` per sample.
 
 Every call is limited to ``timeout_s`` seconds (one sample, or the whole batch for a batch function); a
 timeout is an error like the others, reported with the limit and the settings that change it.
@@ -43,18 +46,25 @@ from hybridflow.rewards.loader import (
     is_token_reward_function,
     load_reward_function,
 )
-from hybridflow.rewards.pool import RewardTimeoutError, ScoringPool
+from hybridflow.rewards.pool import RewardSkippedError, RewardTimeoutError, ScoringPool
 from hybridflow.rewards.scorer import default_compute_score
+from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("naive", "batch", "token")
 ON_ERROR = ("raise", "zero")
 ERRORS_KEY = "reward/errors"
+TIMEOUTS_KEY = "reward/timeouts"  # per sample, 1.0 where the call timed out (pool, on_error=zero)
+SKIPPED_KEY = "reward/skipped"  # per sample, 1.0 where the pool stopped waiting for a hung function
 
 
-class RewardError(ValueError):
+class RewardError(UserError):
     """A reward function failed on a sample (raised, timed out, or returned a non-finite or wrong value)."""
+
+
+class _Skipped(Exception):
+    """A sample the pool did not score because it stopped at another sample's timeout."""
 
 
 class _BadResult(Exception):
@@ -114,7 +124,7 @@ def _as_list(values: Sequence | None, n: int, name: str) -> list:
         return [None] * n
     values = list(values)
     if len(values) != n:
-        raise ValueError(f"{name} has {len(values)} entries but the batch has {n} samples")
+        raise UserError(f"{name} has {len(values)} entries but the batch has {n} samples")
     return values
 
 
@@ -132,13 +142,13 @@ class RewardManager:
         reward_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if kind not in KINDS:
-            raise ValueError(f"reward manager kind must be one of {', '.join(KINDS)}, got {kind!r}")
+            raise UserError(f"reward manager kind must be one of {', '.join(KINDS)}, got {kind!r}")
         if on_error not in ON_ERROR:
-            raise ValueError(f"reward on_error must be 'raise' or 'zero', got {on_error!r}")
+            raise UserError(f"reward on_error must be 'raise' or 'zero', got {on_error!r}")
         if not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"reward num_workers must be an int >= 0 (0 = no pool), got {num_workers!r}")
+            raise UserError(f"reward num_workers must be an int >= 0 (0 = no pool), got {num_workers!r}")
         if not timeout_s > 0:
-            raise ValueError(f"reward timeout_s must be > 0 seconds, got {timeout_s!r}")
+            raise UserError(f"reward timeout_s must be > 0 seconds, got {timeout_s!r}")
         fn, self._payload = _call_payload(compute_score)
         if kind == "naive" and is_token_reward_function(fn):
             kind = "token"
@@ -183,10 +193,10 @@ class RewardManager:
         """
         if self.kind == "token":
             if prompt_ids is None or response_ids is None:
-                raise ValueError(f"token reward function {self.fn_name} needs prompt_ids and response_ids")
+                raise UserError(f"token reward function {self.fn_name} needs prompt_ids and response_ids")
             n = len(response_ids)
         elif solution_strs is None:
-            raise ValueError(f"reward function {self.fn_name} needs solution_strs (the decoded responses)")
+            raise UserError(f"reward function {self.fn_name} needs solution_strs (the decoded responses)")
         else:
             n = len(solution_strs)
         sources = _as_list(data_sources, n, "data_sources")
@@ -217,7 +227,9 @@ class RewardManager:
         value is found later, by ``_collect``: checking it here too would double the per-sample cost.)
         """
         if self.num_workers > 0:
-            return self._get_pool(extra_args).run(calls)
+            raise_now = self.on_error == "raise"
+            give_up = None if raise_now else max(2, self.num_workers)
+            return self._get_pool(extra_args).run(calls, stop_on_timeout=raise_now, give_up_after=give_up)
         stop = self.on_error == "raise"
         return run_here(self.compute_score, calls, self.timeout_s, extra_args, stop, self.fn_name)
 
@@ -269,9 +281,15 @@ class RewardManager:
         scores: list[float] = []
         per_sample: list[dict[str, float]] = []
         errors: list[float] = []
+        timeouts: list[float] = []
+        skipped: list[float] = []
         failures: list[str] = []
         for i, (ok, value) in enumerate(outcomes):
+            timeouts.append(float(not ok and isinstance(value, RewardTimeoutError)))
+            skipped.append(float(not ok and isinstance(value, RewardSkippedError)))
             try:
+                if skipped[-1] and self.on_error == "raise":
+                    raise _Skipped  # the pool stopped at a timeout; that sample raises below
                 if not ok:
                     raise _BadResult(f"raised {type(value).__name__}: {value}")
                 score, extras = _check_result(value)
@@ -288,12 +306,17 @@ class RewardManager:
                 failures.append(message)
                 score, extras = 0.0, {}
                 errors.append(1.0)
+            except _Skipped:
+                score, extras = 0.0, {}
+                errors.append(1.0)
             scores.append(score)
             per_sample.append(extras)
         keys = dict.fromkeys(k for extras in per_sample for k in extras)
         extra_lists = {k: [extras.get(k, 0.0) for extras in per_sample] for k in keys}
         if self.on_error == "zero":
             extra_lists[ERRORS_KEY] = errors
+            if self.num_workers > 0 and self.kind != "batch":
+                extra_lists[TIMEOUTS_KEY], extra_lists[SKIPPED_KEY] = timeouts, skipped
         if failures:
             logger.warning(
                 "%d of %d samples scored 0 after a reward error; first: %s",

@@ -5,8 +5,10 @@ Timeouts are enforced twice. Inside the worker a ``SIGALRM`` timer interrupts th
 the signal, so the parent also gives each task a hard deadline of ``timeout_s + HARD_TIMEOUT_GRACE_S``
 after submission; past it the workers are killed, the task is reported as timed out, and the other tasks
 in flight are re-run in a fresh pool. At most ``num_workers`` tasks are in flight, so a task starts when it
-is submitted and the deadline does not count time spent queueing. ``hybridflow.rewards.in_process`` holds
-the timeouts of calls made in the trainer's own process.
+is submitted and the deadline does not count time spent queueing. A run can stop early instead of waiting
+out every sample's timeout: at the first timeout (``stop_on_timeout``, for reward.on_error=raise), or once
+each of the first K samples timed out (``give_up_after``). ``hybridflow.rewards.in_process`` holds the
+timeouts of calls made in the trainer's own process.
 """
 
 from __future__ import annotations
@@ -34,6 +36,33 @@ Outcome = tuple[bool, Any]
 
 class RewardTimeoutError(TimeoutError):
     """A reward call ran past its time limit."""
+
+
+class RewardSkippedError(RuntimeError):
+    """A sample the pool stopped waiting for: an earlier sample timed out (see ``ScoringPool.run``)."""
+
+
+class _StopRule:
+    """When ``run`` stops waiting: at the first timeout, or when the first ``give_up_after`` all timed out."""
+
+    def __init__(self, stop_on_timeout: bool, give_up_after: int | None) -> None:
+        self.stop_on_timeout = stop_on_timeout
+        self.give_up_after = give_up_after
+        self.seen = self.timeouts = 0
+
+    def reason(self, outcome: Outcome) -> str | None:
+        """Why to stop after this completed outcome (None: keep going)."""
+        self.seen += 1
+        timed_out = not outcome[0] and isinstance(outcome[1], RewardTimeoutError)
+        self.timeouts += timed_out
+        if timed_out and self.stop_on_timeout:
+            return "not scored: another sample timed out and reward.on_error=raise stops at the first"
+        if self.give_up_after and self.seen == self.give_up_after == self.timeouts:
+            return (
+                f"not scored: the reward function timed out on each of its first {self.timeouts} samples, "
+                "so the pool stopped waiting for it"
+            )
+        return None
 
 
 class RewardWorkerDiedError(RuntimeError):
@@ -106,10 +135,18 @@ class ScoringPool:
             )
         return self._executor
 
-    def run(self, calls: Sequence[Call]) -> list[Outcome]:
-        """Run every call; each outcome is ``(True, value)`` or ``(False, exception)``, in call order."""
+    def run(
+        self, calls: Sequence[Call], stop_on_timeout: bool = False, give_up_after: int | None = None
+    ) -> list[Outcome]:
+        """Run every call; each outcome is ``(True, value)`` or ``(False, exception)``, in call order.
+
+        ``stop_on_timeout``: after the first timeout, stop (the workers are killed) and give the calls not
+        finished ``(False, RewardSkippedError)``. ``give_up_after=K``: the same when each of the first K
+        calls to finish timed out (a function that hangs on everything), instead of waiting out every one.
+        """
         outcomes: list[Outcome | None] = [None] * len(calls)
         todo = deque(range(len(calls)))
+        self._stop = _StopRule(stop_on_timeout, give_up_after)
         while todo:
             survivors = self._run_round(calls, todo, outcomes)
             # A round ends early only when a task blew its hard deadline or a worker died, and the pool was
@@ -130,12 +167,14 @@ class ScoringPool:
             wait_s = max(0.0, min(d for _, d in running.values()) - time.monotonic())
             done, _ = cf.wait(running, timeout=wait_s, return_when=cf.FIRST_COMPLETED)
             broken = False
+            finished = []
             for future in done:
                 i, _ = running.pop(future)
                 exc = future.exception()
                 if isinstance(exc, BrokenProcessPool):
                     broken, exc = True, RewardWorkerDiedError(_DIED)
                 outcomes[i] = (True, future.result()) if exc is None else (False, exc)
+                finished.append(i)
             now = time.monotonic()
             expired = [f for f, (_, deadline) in running.items() if deadline <= now]
             for future in expired:
@@ -144,11 +183,26 @@ class ScoringPool:
                     False,
                     RewardTimeoutError(f"timed out: no result after {hard_limit:.1f} s; worker killed"),
                 )
+                finished.append(i)
+            reasons = [self._stop.reason(outcomes[i]) for i in finished]  # every outcome counts
+            reason = next((r for r in reasons if r), None)
+            if reason is not None:
+                self._skip([*todo, *(i for i, _ in running.values())], outcomes, reason)
+                todo.clear()
+                self.close()  # kills the calls still running
+                return []
             if expired or broken:
                 # A dead worker breaks the whole executor; a stuck one can only be killed. Start afresh.
                 self.close()
                 return [i for i, _ in sorted(running.values())]
         return []
+
+    @staticmethod
+    def _skip(indices: Sequence[int], outcomes: list, reason: str) -> None:
+        if indices:
+            logger.warning("reward pool: %d sample(s) %s", len(indices), reason)
+        for i in indices:
+            outcomes[i] = (False, RewardSkippedError(reason))
 
     def close(self) -> None:
         """Kill the workers (a stuck reward call must not keep the trainer alive) and drop the executor."""

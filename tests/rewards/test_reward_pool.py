@@ -86,3 +86,28 @@ def test_pool_with_token_function_and_default_scorer(reward_file):
     assert scores == [13.0, 15.0]
     with RewardManager(num_workers=2) as manager:  # default_compute_score is importable by reference
         assert manager.score(["arithmetic"] * 2, ["#### 4", "#### 5"], [4, 4])[0] == [1.0, 0.0]
+
+
+def test_on_error_raise_stops_at_the_first_timeout(reward_file):
+    # Two workers, eight slow samples: waiting out each would take four rounds of the timeout.
+    with (
+        RewardManager((reward_file, "compute_score"), num_workers=2, timeout_s=1.0) as manager,
+        pytest.raises(RewardError, match=r"sample 0 .*timed out") as info,
+    ):
+        start = time.monotonic()
+        manager.score(["a"] * 8, ["slow"] * 8, ["x"] * 8)
+    assert time.monotonic() - start < 1.0 + 8  # one round (plus starting the workers), not four
+    assert "reward.timeout_s" in str(info.value)
+
+
+def test_on_error_zero_stops_waiting_for_a_function_that_times_out_on_everything(reward_file, caplog):
+    with RewardManager(
+        (reward_file, "compute_score"), num_workers=2, timeout_s=1.0, on_error="zero"
+    ) as manager:
+        start = time.monotonic()
+        scores, extras = manager.score(["a"] * 8, ["slow"] * 8, ["x"] * 8)
+    assert time.monotonic() - start < 1.0 + 8
+    assert scores == [0.0] * 8
+    assert extras["reward/timeouts"] == [1.0, 1.0] + [0.0] * 6  # the first two timed out
+    assert extras["reward/skipped"] == [0.0, 0.0] + [1.0] * 6  # the rest were not waited for
+    assert "timed out on each of its first 2 samples" in caplog.text
