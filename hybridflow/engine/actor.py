@@ -16,10 +16,11 @@ from hybridflow.config.schema import ActorConfig, FSDPConfig, OptimConfig
 from hybridflow.engine.micro_batch import check_batch, micro_batch_indices, restore_order
 from hybridflow.engine.packed_attention import use_packed_attention
 from hybridflow.engine.packing import build_scoring_inputs, scatter_to_responses, to_device
+from hybridflow.engine.parallel.train_view import TrainView
 from hybridflow.engine.scorer import PolicyScorer, decoder_layers
 from hybridflow.engine.train_engine import TrainEngine
 from hybridflow.protocol import Batch
-from hybridflow.utils.dist import all_reduce_sum, world_size
+from hybridflow.utils.dist import all_reduce_sum
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,12 @@ class ActorEngine:
         fused_head: bool = True,
         defer_grad_sync: bool | None = None,
         keep_params_gathered: bool | None = None,
+        view: TrainView | None = None,
     ) -> None:
-        """``fused_head``: the fused LM-head log-prob (False: the checkpointed reference path).
+        """``view``: the training view (None: FSDP2 over every rank); the ranks of one model replica must be
+        given the same rows (``train_view.ShareGroup`` joins their shares).
+
+        ``fused_head``: the fused LM-head log-prob (False: the checkpointed reference path).
 
         ``defer_grad_sync`` / ``keep_params_gathered``: FSDP2 gradient accumulation over the micro-batches of a
         mini-batch (see ``fsdp.set_accumulation``); None turns them on at world size 1 without parameter
@@ -75,6 +80,7 @@ class ActorEngine:
             total_steps,
             device,
             actor.use_torch_compile,
+            view,
         )
 
     @property
@@ -93,6 +99,10 @@ class ActorEngine:
         logp, ent = self.module(inputs, temperature, with_entropy, entropy_grad)  # (M,), (M,)
         logp = scatter_to_responses(logp, inputs.scatter_index, B, R)  # (B, R)
         return logp, (None if ent is None else scatter_to_responses(ent, inputs.scatter_index, B, R))
+
+    def dp_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks (each model replica once, whatever its tp x pp ranks)."""
+        return all_reduce_sum(x, self.engine.dp_group)
 
     def _device_fields(self, mb: Batch, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """The named fields of a host micro-batch on the device (asynchronous copies)."""
@@ -139,11 +149,12 @@ class ActorEngine:
         return torch.randperm(rows, generator=generator)
 
     def _mini_batches(self, batch: Batch) -> list[Batch]:
-        size = self.actor.ppo_mini_batch_size * self.rollout_n // world_size()
+        dp = self.engine.dp_size
+        size = self.actor.ppo_mini_batch_size * self.rollout_n // dp
         if size < 1:
             raise ValueError(
                 f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} x rollout.n={self.rollout_n} "
-                f"is smaller than the {world_size()} data-parallel ranks; raise ppo_mini_batch_size"
+                f"is smaller than the {dp} data-parallel ranks; raise ppo_mini_batch_size"
             )
         return batch.split(size)
 
@@ -191,7 +202,8 @@ class ActorEngine:
         self.engine.onload()
         self.module.train()
         a = self.actor
-        counts = {k: int(all_reduce_sum(v)) for k, v in local_batch_info(batch["response_mask"]).items()}
+        dp = self.engine.dp_size
+        counts = {k: int(self.dp_sum(v)) for k, v in local_batch_info(batch["response_mask"]).items()}
         total = torch.zeros((), dtype=torch.float64, device=self.engine.device)
         parts = micro_batch_indices(
             batch, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu
@@ -200,12 +212,12 @@ class ActorEngine:
             mb = batch[idx]
             logp, _ = self.score(mb, 1.0, with_entropy=False)  # (b, R)
             mask = to_device(mb["response_mask"], self.engine.device)
-            loss = -agg_loss(logp, mask, "token-mean", dp_size=world_size(), **counts)
+            loss = -agg_loss(logp, mask, "token-mean", dp_size=dp, **counts)
             self.accumulate_grads(i, len(parts))
             loss.backward()
-            total += loss.detach().double() / world_size()  # on the device: no sync per micro-batch
+            total += loss.detach().double() / dp  # on the device: no sync per micro-batch
         total = total.cpu()
-        metrics = {"sft/loss": float(all_reduce_sum(total)), "sft/grad_norm": self.engine.optimizer_step()}
+        metrics = {"sft/loss": float(self.dp_sum(total)), "sft/grad_norm": self.engine.optimizer_step()}
         self.engine.lr_step()
         self.engine.offload()
         metrics["sft/lr"] = self.engine.lr
@@ -213,7 +225,7 @@ class ActorEngine:
 
     def _loss_config(self, mini: Batch) -> PolicyLossConfig:
         a = self.actor
-        counts = {k: int(all_reduce_sum(v)) for k, v in local_batch_info(mini["response_mask"]).items()}
+        counts = {k: int(self.dp_sum(v)) for k, v in local_batch_info(mini["response_mask"]).items()}
         return PolicyLossConfig(
             loss_mode=a.policy_loss.loss_mode,
             clip_ratio=a.clip_ratio,
@@ -226,7 +238,7 @@ class ActorEngine:
             clip_cov_ub=a.policy_loss.clip_cov_ub,
             kl_cov_ratio=a.policy_loss.kl_cov_ratio,
             ppo_kl_coef=a.policy_loss.ppo_kl_coef,
-            dp_size=world_size(),
+            dp_size=self.engine.dp_size,
             loss_scale_factor=a.loss_scale_factor,
             **counts,
         )
@@ -289,7 +301,7 @@ class ActorEngine:
                 value = torch.as_tensor(value, device=self.engine.device).detach().double()
                 totals[key] = totals[key] + value if key in totals else value
         keys = sorted(totals)
-        summed = all_reduce_sum(torch.stack([totals[k] for k in keys]).cpu()) if keys else torch.zeros(0)
+        summed = self.dp_sum(torch.stack([totals[k] for k in keys]).cpu()) if keys else torch.zeros(0)
         out = dict(zip(keys, summed.tolist()))
         if keep_log_probs:  # before the optimizer step, so these are the weights that generated the batch
             self.last_log_probs = restore_order(logps, parts).cpu()

@@ -14,10 +14,11 @@ from hybridflow.config.schema import CriticConfig
 from hybridflow.engine.micro_batch import check_batch, micro_batch_indices, restore_order
 from hybridflow.engine.packed_attention import use_packed_attention
 from hybridflow.engine.packing import build_scoring_inputs, scatter_to_responses, to_device
+from hybridflow.engine.parallel.train_view import TrainView
 from hybridflow.engine.scorer import ValueScorer, decoder_layers
 from hybridflow.engine.train_engine import TrainEngine
 from hybridflow.protocol import Batch
-from hybridflow.utils.dist import all_reduce_sum, world_size
+from hybridflow.utils.dist import all_reduce_sum
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,9 @@ class CriticEngine:
         gradient_checkpointing: bool = False,
         total_steps: int = 1,
         device: torch.device | None = None,
+        view: TrainView | None = None,
     ) -> None:
+        """``view``: the training view (None: FSDP2 over every rank), as ``ActorEngine`` takes it."""
         self.critic = critic
         self.remove_padding = use_remove_padding
         if use_remove_padding:
@@ -54,13 +57,14 @@ class CriticEngine:
             total_steps,
             device,
             critic.use_torch_compile,
+            view,
         )
-        # After TrainEngine, which joins the process group: world_size() is now the data-parallel size.
-        self.mini_batch_size = ppo_mini_batch_size * rollout_n // world_size()
+        dp = self.engine.dp_size
+        self.mini_batch_size = ppo_mini_batch_size * rollout_n // dp
         if self.mini_batch_size < 1:
             raise ValueError(
                 f"critic.ppo_mini_batch_size={ppo_mini_batch_size} x rollout.n={rollout_n} is smaller than the "
-                f"{world_size()} data-parallel ranks; raise ppo_mini_batch_size"
+                f"{dp} data-parallel ranks; raise ppo_mini_batch_size"
             )
 
     @property
@@ -109,7 +113,10 @@ class CriticEngine:
 
     def _update_mini_batch(self, mini: Batch) -> dict[str, float]:
         c = self.critic
-        counts = {k: int(all_reduce_sum(v)) for k, v in local_batch_info(mini["response_mask"]).items()}
+        dp, group = self.engine.dp_size, self.engine.dp_group
+        counts = {
+            k: int(all_reduce_sum(v, group)) for k, v in local_batch_info(mini["response_mask"]).items()
+        }
         dev = self.engine.device
         # Summed on the device, copied once per mini-batch: no host sync per micro-batch.
         totals: dict[str, torch.Tensor] = defaultdict(
@@ -131,15 +138,15 @@ class CriticEngine:
                 mask,
                 c.cliprange_value,
                 c.loss_agg_mode,
-                dp_size=world_size(),
+                dp_size=dp,
                 **counts,
             )
             self.engine.accumulate(i, len(parts))
             vf_loss.backward()
-            totals["critic/vf_loss"] += vf_loss.detach().double() / world_size()
+            totals["critic/vf_loss"] += vf_loss.detach().double() / dp
             totals["critic/vf_clipfrac"] += torch.as_tensor(vf_clipfrac, device=dev).detach().double() * share
             totals["critic/vpred_mean"] += (vpreds.detach() * mask).sum().double() / tokens
         host = {key: value.cpu() for key, value in sorted(totals.items())}
-        metrics = {key: float(all_reduce_sum(value)) for key, value in host.items()}
+        metrics = {key: float(all_reduce_sum(value, group)) for key, value in host.items()}
         metrics["critic/grad_norm"] = self.engine.optimizer_step()
         return metrics

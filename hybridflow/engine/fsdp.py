@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
@@ -44,8 +44,10 @@ def shard_model(
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
+    mesh: DeviceMesh | None = None,
 ) -> nn.Module:
-    """Apply ``fully_shard`` to each decoder layer, then to the root, over all ranks of the default group.
+    """Apply ``fully_shard`` to each decoder layer, then to the root, over ``mesh`` (None: all ranks of the
+    default group; a training view passes its data-parallel mesh).
 
     Parameters are sharded on dim 0, or on the dim a layout function marked them with (``FSDP_SHARD_DIM``).
 
@@ -54,7 +56,7 @@ def shard_model(
     ``reduce_dtype`` (fp32) so the sum over ranks does not lose precision.
     """
     init_distributed()
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     root.to(device)
     place = _marked_placement
@@ -71,7 +73,7 @@ def shard_model(
     logger.info(
         "FSDP2: %d layers sharded over %d ranks, compute %s, reduce %s",
         len(layers),
-        dist.get_world_size(),
+        mesh.size(),
         param_dtype,
         reduce_dtype,
     )

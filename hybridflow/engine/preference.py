@@ -16,7 +16,6 @@ from hybridflow.algos.preference import dpo_loss, kto_kl_estimate, kto_loss, seq
 from hybridflow.config.preference import PreferenceConfig
 from hybridflow.engine.micro_batch import check_batch, fixed_micro_batches
 from hybridflow.protocol import Batch
-from hybridflow.utils.dist import all_reduce_sum, world_size
 
 if TYPE_CHECKING:  # for annotations only
     from hybridflow.engine.actor import ActorEngine
@@ -89,7 +88,7 @@ def kto_reference_point(engine: ActorEngine, batch: Batch, micro_rows: int) -> t
         logp, _ = engine.score(mb, 1.0, with_entropy=False)  # (b, R)
         seq = sequence_logps(logp, mb["response_mask"].to(logp.device))
         total += (seq.cpu().double() - mb["ref_seq_logps"].double()).sum()
-    total, count = all_reduce_sum(total), int(all_reduce_sum(torch.tensor(float(len(kl)))))
+    total, count = engine.dp_sum(total), int(engine.dp_sum(torch.tensor(float(len(kl)))))
     return kto_kl_estimate(total.float().view(1) / max(count, 1), torch.zeros(1))
 
 
@@ -101,8 +100,8 @@ def update_preference(
     assert len(batch) % 2 == 0, "pairs come as two adjacent rows"
     engine.engine.onload()
     engine.module.train()
-    pairs = int(all_reduce_sum(torch.tensor(float(len(batch) // 2))))
-    chosen_tokens = int(all_reduce_sum(batch["response_mask"][0::2].sum().float()))
+    pairs = int(engine.dp_sum(torch.tensor(float(len(batch) // 2))))
+    chosen_tokens = int(engine.dp_sum(batch["response_mask"][0::2].sum().float()))
     z0 = kto_reference_point(engine, batch, 2 * micro_pairs) if kind == "kto" else None
     parts = [
         [2 * i + j for i in idx for j in (0, 1)] for idx in fixed_micro_batches(len(batch) // 2, micro_pairs)
@@ -116,13 +115,12 @@ def update_preference(
         else:
             loss, sums = _dpo_micro(logp, mb, p, pairs, chosen_tokens)
         engine.accumulate_grads(i, len(parts))
-        (
-            loss * world_size()
-        ).backward()  # FSDP averages gradients over ranks; the loss is a global sum already
+        # FSDP averages gradients over the data-parallel ranks; the loss is a global sum already
+        (loss * engine.engine.dp_size).backward()
         for key, value in sums.items():
             totals[key] = totals.get(key, 0) + value.detach().double().cpu()
     keys = sorted(totals)
-    summed = dict(zip(keys, all_reduce_sum(torch.stack([totals[k] for k in keys])).tolist()))
+    summed = dict(zip(keys, engine.dp_sum(torch.stack([totals[k] for k in keys])).tolist()))
     metrics = _finish_metrics(summed, pairs, kind)
     if z0 is not None:
         metrics["kl"] = float(z0)

@@ -24,6 +24,9 @@ from hybridflow.engine.fsdp import (
 )
 from hybridflow.engine.host_store import HostStore
 from hybridflow.engine.optim import allocate_state, build_lr_scheduler, build_optimizer
+from hybridflow.engine.parallel.grad_norm import clip_by_global_norm
+from hybridflow.engine.parallel.tp_train import apply_tp
+from hybridflow.engine.parallel.train_view import TrainView, build_mesh
 from hybridflow.utils.device import cuda_in_use
 from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.host import available_host_bytes, ranks_on_host
@@ -95,7 +98,12 @@ def compile_layers(layers: list[nn.Module], enabled: bool | None, device: torch.
 
 
 class TrainEngine:
-    """Holds a sharded module and (when trainable) its AdamW and schedule; the roles call into it."""
+    """Holds a sharded module and (when trainable) its AdamW and schedule; the roles call into it.
+
+    ``view``: the training view (``engine.parallel.train_view``); None is FSDP2 over every rank. Under a
+    view with tensor parallelism the layers are split over its ``tp`` mesh first, then FSDP2 shards over
+    ``dp``; ``dp_size`` and ``dp_group`` are what losses and metrics are averaged over.
+    """
 
     def __init__(
         self,
@@ -107,8 +115,17 @@ class TrainEngine:
         total_steps: int = 1,
         device: torch.device | None = None,
         use_torch_compile: bool | None = None,
+        view: TrainView | None = None,
     ) -> None:
         self.device = device or default_device()
+        init_distributed()
+        self.view = view if view is not None else TrainView(world_size())
+        mesh = None
+        if not self.view.fsdp_only:
+            mesh = build_mesh(self.view, self.device)
+            apply_tp(layers, mesh["tp"])
+        self.dp_group = None if mesh is None else mesh["dp"].get_group()
+        self.pp_group = None if mesh is None else mesh["pp"].get_group()
         self.compiled = compile_layers(layers, use_torch_compile, self.device)
         self.fsdp = fsdp
         self.grad_clip = grad_clip
@@ -121,6 +138,7 @@ class TrainEngine:
             self.compute_dtype,
             to_dtype(fsdp.reduce_dtype),
             reshard_after_forward(fsdp),
+            None if mesh is None else mesh["dp"],
         )
         self.optimizer = self.scheduler = None
         if optim is not None:
@@ -147,6 +165,11 @@ class TrainEngine:
         # The host homes of the offloaded shards and moments, allocated at the first offload.
         self.param_store, self.moment_store = HostStore(self.pin_memory), HostStore(self.pin_memory)
         self.offload()
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel size of the view (the world size under FSDP2 alone)."""
+        return self.view.dp
 
     @property
     def lr(self) -> float:
@@ -176,7 +199,11 @@ class TrainEngine:
     def optimizer_step(self) -> float:
         """Clip and step; a non-finite gradient norm skips the step (counted). Returns the pre-clip norm."""
         assert self.optimizer is not None, "optimizer_step on a forward-only engine"
-        norm = grad_norm_and_clip([p for p in self.module.parameters() if p.grad is not None], self.grad_clip)
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if self.view.fsdp_only:
+            norm = grad_norm_and_clip(params, self.grad_clip)
+        else:  # parameters on several meshes (tp x dp layers, dp-only embeddings), or on several stages
+            norm = clip_by_global_norm(params, self.grad_clip, self.pp_group)
         norm_value = float(norm)
         if math.isfinite(norm_value):
             self.optimizer.step()

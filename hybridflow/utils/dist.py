@@ -54,19 +54,19 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _all_reduce(x: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+def _all_reduce(x: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return x.clone()
     # NCCL only reduces CUDA tensors; gloo takes CPU ones. The result comes back on x's device.
     comm_device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     y = x.to(comm_device, copy=True)
-    dist.all_reduce(y, op=op)
+    dist.all_reduce(y, op=op, group=group)
     return y.to(x.device)
 
 
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum ``x`` over all ranks (a copy of ``x`` outside torch.distributed)."""
-    return _all_reduce(x, dist.ReduceOp.SUM)
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum ``x`` over the ranks of ``group`` (None: all ranks; a copy of ``x`` outside torch.distributed)."""
+    return _all_reduce(x, dist.ReduceOp.SUM, group)
 
 
 def all_reduce_max(x: torch.Tensor) -> torch.Tensor:

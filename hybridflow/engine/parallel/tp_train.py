@@ -1,0 +1,73 @@
+"""Tensor parallelism for training: each decoder layer split Megatron-style over the ``tp`` mesh with DTensor.
+
+Column-parallel q/k/v and gate/up (each rank computes its slice of the heads and of the MLP's intermediate
+rows), row-parallel o and down (each rank's product is a partial sum, all-reduced into a replicated output),
+as torchtitan applies it with ``parallelize_module``. The attention code of the Hugging Face layer is left
+as it is: it reshapes with ``-1`` heads, so it runs on the local heads. The embedding, the final norm and
+the LM head stay replicated across ``tp`` (FSDP2 still shards them over ``dp``): our fused log-prob head reads
+a whole vocabulary row per token, and at the model sizes tp is for, the head is a small part of the layers'
+memory (``benchmarks/views.py`` counts it). Gradients of replicated weights need no extra reduction: their
+inputs are the same on every tensor-parallel rank after each row-parallel all-reduce, and DTensor's backward
+of a column-parallel input sums the partial input gradients.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+logger = logging.getLogger(__name__)
+
+_COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+_ROW = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def check_train_tp(config: Any, tp: int, role: str = "actor") -> None:
+    """Raise ValueError naming the fields when ``tp`` cannot split this model's layers for training.
+
+    Unlike the rollout, training cannot share a KV head between ranks (its gradient would be split), so the
+    KV heads must divide by tp, as Megatron requires of its query groups.
+    """
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    problems = [
+        f"{name}={value}"
+        for name, value in (
+            ("num_attention_heads", heads),
+            ("num_key_value_heads", kv),
+            ("intermediate_size", config.intermediate_size),
+        )
+        if value % tp
+    ]
+    if problems:
+        raise ValueError(
+            f"{role}.tensor_parallel_size={tp} does not split this model for training: {', '.join(problems)} "
+            "(each must be a multiple of it); use a tensor-parallel size that divides them"
+        )
+
+
+def _plan(layer: nn.Module) -> dict[str, Any]:
+    """The layer's tensor-parallel plan, for the projections it has (Llama family: all seven)."""
+    names = {name for name, _ in layer.named_modules()}
+    missing = [n for n in (*_COLUMN, *_ROW) if n not in names]
+    if missing:
+        raise ValueError(
+            f"{type(layer).__name__} has no {missing}: tensor-parallel training covers Llama-family layers "
+            "(q/k/v/o and gate/up/down projections); set tensor_parallel_size=1 for this model"
+        )
+    plan: dict[str, Any] = {name: ColwiseParallel() for name in _COLUMN}
+    plan.update({name: RowwiseParallel() for name in _ROW})
+    return plan
+
+
+def apply_tp(layers: list[nn.Module], tp_mesh: DeviceMesh) -> None:
+    """Split every decoder layer's projections over ``tp_mesh`` in place (before FSDP2 shards them)."""
+    if tp_mesh.size() == 1:
+        return
+    for layer in layers:
+        parallelize_module(layer, tp_mesh, _plan(layer))
+    logger.info("tensor parallelism: %d decoder layers split over %d ranks", len(layers), tp_mesh.size())

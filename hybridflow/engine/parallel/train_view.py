@@ -1,0 +1,117 @@
+"""The training view: a role's W ranks on a ``(pp, tp, dp)`` device mesh, and the data its ranks share.
+
+FSDP2 shards over ``dp``; DTensor tensor parallelism (``tp_train``) splits each decoder layer over ``tp``.
+Ranks are laid out with dp innermost: rank r is data-parallel rank ``r % dp`` and tensor-parallel rank
+``(r // dp) % tp``, which is the generation view's ordering (``view.GenerateView``: tensor-parallel rank
+``r // dp_g``). So when the rollout's tensor-parallel size equals the trainer's, a rank's generation shard
+is the union of its FSDP peers' training shards of the same tensor-parallel shard, and at dp = 1 it is the
+rank's own training shard: the switch copies it in place.
+
+The driver hands every rank its own share of the data. The ranks of one model replica (its tp x pp ranks,
+the ranks with the same dp coordinate) must compute on the same rows, so ``ShareGroup`` joins their shares
+before a pass and hands each rank back its own rows after: the driver's split and merge stay the same for
+any view, as they do for the generation view's rollout groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from hybridflow.engine.sequences import layout_padding
+from hybridflow.protocol import Batch
+
+MESH_DIMS = ("pp", "tp", "dp")
+
+
+@dataclass(frozen=True)
+class TrainView:
+    """``world`` ranks training as ``pp`` pipeline stages x ``tp`` tensor-parallel ranks x ``dp`` replicas."""
+
+    world: int
+    tp: int = 1
+    pp: int = 1
+    role: str = "actor"  # for messages: the config section the sizes come from
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.pp < 1 or self.world % (self.tp * self.pp):
+            raise ValueError(
+                f"{self.role}.tensor_parallel_size={self.tp} x {self.role}.pipeline_parallel_size={self.pp} "
+                f"must divide the {self.world} ranks (trainer.nnodes x trainer.n_gpus_per_node)"
+            )
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel size: model replicas, each over tp x pp ranks."""
+        return self.world // (self.tp * self.pp)
+
+    @property
+    def fsdp_only(self) -> bool:
+        """Whether this is the plain FSDP2 view (no tensor or pipeline parallelism)."""
+        return self.tp == 1 and self.pp == 1
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """``(pp_rank, tp_rank, dp_rank)`` of ``rank``."""
+        return rank // (self.tp * self.dp), (rank // self.dp) % self.tp, rank % self.dp
+
+    def replica_ranks(self, dp_rank: int) -> list[int]:
+        """The ranks of model replica ``dp_rank`` (every stage and tensor-parallel rank), in rank order."""
+        return [r for r in range(self.world) if r % self.dp == dp_rank]
+
+    def __str__(self) -> str:
+        if self.fsdp_only:
+            return f"(fsdp={self.world})"
+        return f"(tp={self.tp}, pp={self.pp}, dp={self.dp})"
+
+
+def build_mesh(view: TrainView, device: torch.device) -> DeviceMesh:
+    """The ``(pp, tp, dp)`` device mesh of the view over the default group (every rank calls it)."""
+    return init_device_mesh(device.type, (view.pp, view.tp, view.dp), mesh_dim_names=MESH_DIMS)
+
+
+def _response_width(share: Batch) -> int | None:
+    return share["responses"].shape[1] if "responses" in share else None
+
+
+class ShareGroup:
+    """The ranks of this rank's model replica: they join their data shares and compute on the union."""
+
+    def __init__(self, view: TrainView, rank: int, pad_token_id: int | None = None) -> None:
+        self.view, self.rank, self.pad_token_id = view, rank, pad_token_id
+        self.ranks = view.replica_ranks(view.coords(rank)[2])
+        self.group = None
+        if len(self.ranks) > 1:  # new_group is collective over the world: every rank creates every group
+            for d in range(view.dp):
+                group = dist.new_group(view.replica_ranks(d))
+                if d == view.coords(rank)[2]:
+                    self.group = group
+
+    def join(self, share: Batch) -> tuple[Batch, slice, int | None]:
+        """The union of the replica's shares (in rank order), this rank's rows in it and its response width.
+
+        Shares padded to different widths are joined at the widest (``Batch.concat``'s layout padding).
+        """
+        if self.group is None:
+            return share, slice(0, len(share)), _response_width(share)
+        shares: list[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(shares, share, group=self.group)
+        mine = self.ranks.index(self.rank)
+        start = sum(len(s) for s in shares[:mine])
+        pad = layout_padding(self.pad_token_id if self.pad_token_id is not None else 0)
+        return Batch.concat(shares, pad=pad), slice(start, start + len(share)), _response_width(share)
+
+    @staticmethod
+    def mine(out: Batch, rows: slice, width: int | None) -> Batch:
+        """This rank's rows of a joined pass's output, response-shaped fields cut back to its own width."""
+        part = out[rows]
+        if width is None:
+            return part
+        for key in part.keys():  # noqa: SIM118 (Batch is not iterable)
+            t = part[key]
+            if torch.is_tensor(t) and t.dim() == 2 and t.shape[1] > width:
+                part[key] = t[:, :width].contiguous()
+        return part
