@@ -55,6 +55,20 @@ VERL_ALIASES: dict[str, str] = {
     f"{_ARR}.actor.policy_loss.clip_cov_ub": "actor.policy_loss.clip_cov_ub",
     f"{_ARR}.actor.policy_loss.kl_cov_ratio": "actor.policy_loss.kl_cov_ratio",
     f"{_ARR}.actor.policy_loss.ppo_kl_coef": "actor.policy_loss.ppo_kl_coef",
+    f"{_ARR}.actor.policy_loss.dro_beta": "actor.policy_loss.dro_beta",
+    f"{_ARR}.actor.tau_pos": "actor.policy_loss.tau_pos",
+    f"{_ARR}.actor.tau_neg": "actor.policy_loss.tau_neg",
+    **{
+        f"{_ARR}.actor.policy_loss.rollout_correction.{name}": f"actor.policy_loss.rollout_correction.{name}"
+        for name in (
+            "loss_type",
+            "rollout_is",
+            "rollout_is_threshold",
+            "rollout_is_batch_normalize",
+            "rollout_rs",
+            "rollout_rs_threshold",
+        )
+    },
     f"{_ARR}.actor.optim.lr": "actor.optim.lr",
     f"{_ARR}.actor.optim.weight_decay": "actor.optim.weight_decay",
     f"{_ARR}.actor.optim.betas": "actor.optim.betas",

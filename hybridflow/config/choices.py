@@ -43,7 +43,12 @@ POLICY_LOSSES = [
     "dppo_kl",
     "sapo",
     "geo_mean",
+    "dro",
+    "bypass_mode",
 ]
+# Estimators that need inputs our PPO trainer does not produce (a per-token sum_pi_squared): refused by
+# validation with the reason, still callable from hybridflow.algos.
+UNFED_ADV_ESTIMATORS = ["optimal_token_baseline", "tir_optimal_token_baseline"]
 LOSS_AGG_MODES = [
     "token-mean",
     "token-sum",
@@ -99,6 +104,8 @@ CHOICES: dict[str, list[str]] = {
     "algorithm.kl_penalty": KL_PENALTIES,
     "algorithm.kl_ctrl.type": ["fixed", "adaptive"],
     "algorithm.rollout_correction.rollout_is": ["token", "sequence"],
+    "actor.policy_loss.rollout_correction.rollout_is": ["token", "sequence"],
+    "actor.policy_loss.rollout_correction.loss_type": ["ppo_clip", "reinforce"],
     "reward.manager": ["naive", "batch", "dapo", "prime"],
     "reward.on_error": ["raise", "zero"],
     "trainer.logger": LOGGERS,

@@ -170,17 +170,61 @@ class FSDPConfig:
 
 
 @dataclass
+class BypassLossConfig:
+    """What loss_mode=bypass_mode reads (verl's policy_loss.rollout_correction).
+
+    In bypass mode the old policy is the rollout's
+    (``algorithm.rollout_correction.bypass_old_logprob_for_rollout``), so the importance weights and the
+    rejection compare the current policy with the rollout's, inside the loss.
+    """
+
+    loss_type: str = option(
+        "ppo_clip",
+        "ppo_clip: PPO clip on pi/pi_rollout, no IS weights; reinforce: IS-weighted policy gradient.",
+    )
+    rollout_is: str | None = option(None, "Importance weights: null (off), token or sequence.")
+    rollout_is_threshold: float | str = option(
+        2.0,
+        "IS threshold: a number truncates the weights (TIS); 'lower_upper' zeroes those outside (IcePop).",
+    )
+    rollout_is_batch_normalize: bool = option(False, "Normalise importance weights to mean 1 over the batch.")
+    rollout_rs: str | None = option(
+        None,
+        "Rejection: null (off) or options, comma-chained (token_k1, seq_mean_k3, ...; docs/algorithms.md).",
+    )
+    rollout_rs_threshold: float | str | None = option(
+        None, "Rejection threshold(s) as in algorithm.rollout_correction; null = rollout_is_threshold."
+    )
+
+    def __post_init__(self) -> None:
+        """Older rollout_rs names become verl 0.9.1's; a null rejection threshold is rollout_is_threshold."""
+        self.rollout_rs = canonical_rollout_rs(self.rollout_rs)
+        if self.rollout_rs is not None and self.rollout_rs_threshold is None:
+            self.rollout_rs_threshold = self.rollout_is_threshold
+
+
+@dataclass
 class PolicyLossConfig:
     """Which policy loss the actor minimises and its extra knobs."""
 
     loss_mode: str = option(
-        "vanilla", "Policy loss: vanilla, gspo, gpg, clip_cov, kl_cov, cispo or reinforce."
+        "vanilla",
+        "vanilla, dppo_tv, dppo_kl, gspo, sapo, gpg, clip_cov, kl_cov, "
+        "geo_mean, dro, cispo, bypass_mode or reinforce.",
     )
     clip_cov_ratio: float = option(0.0002, "Fraction of tokens clipped by clip_cov.")
     clip_cov_lb: float = option(1.0, "Lower covariance bound of clip_cov.")
     clip_cov_ub: float = option(5.0, "Upper covariance bound of clip_cov.")
     kl_cov_ratio: float = option(0.0002, "Fraction of tokens given the KL penalty by kl_cov.")
     ppo_kl_coef: float = option(0.1, "KL penalty coefficient of kl_cov.")
+    dro_beta: float | None = option(
+        None, "Quadratic log-ratio penalty of dro (> 0); required with loss_mode=dro (verl's default: null)."
+    )
+    tau_pos: float = option(1.0, "sapo's gate temperature for positive advantages (verl's actor.tau_pos).")
+    tau_neg: float = option(1.05, "sapo's gate temperature for other advantages (verl's actor.tau_neg).")
+    rollout_correction: BypassLossConfig = section(
+        BypassLossConfig, "Settings of loss_mode=bypass_mode (verl's policy_loss.rollout_correction)."
+    )
 
 
 @dataclass

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from hybridflow.config.choices import CHOICES
+from hybridflow.config.choices import ADV_ESTIMATORS, CHOICES, UNFED_ADV_ESTIMATORS
 from hybridflow.config.errors import ConfigError, Problem
 from hybridflow.config.rollout_correction import (
     accepted_rollout_rs,
@@ -69,6 +69,7 @@ _RANGES: dict[str, list[str]] = {
         "actor.optim.num_cycles", "critic.optim.num_cycles", "actor.grad_clip", "critic.grad_clip",
         "actor.loss_scale_factor", "reward.timeout_s",
         "actor.policy_loss.clip_cov_ratio", "actor.policy_loss.kl_cov_ratio", "algorithm.kl_ctrl.target_kl",
+        "actor.policy_loss.dro_beta", "actor.policy_loss.tau_pos", "actor.policy_loss.tau_neg",
         "algorithm.rollout_correction.rollout_token_veto_threshold",
         "preference.beta",
     ],
@@ -214,6 +215,8 @@ def _check_consistency(cfg: Config, out: list[Problem]) -> None:
     _check_token_budgets(cfg, out)
     _warn_rollout_dtype(cfg)
     _check_rollout_correction(cfg, out)
+    _check_policy_loss(cfg, out)
+    _check_adv_estimator_inputs(cfg, out)
     _check_trainer(cfg, out)
     _check_offload(cfg, out)
     _check_unimplemented(cfg, out)
@@ -414,13 +417,16 @@ def _warn_rollout_dtype(cfg: Config) -> None:
     )
 
 
-def _check_rollout_correction(cfg: Config, out: list[Problem]) -> None:
-    rc = cfg.algorithm.rollout_correction
+def _check_rc_specs(rc: Any, prefix: str, out: list[Problem]) -> list[str]:
+    """The IS threshold, rejection options and thresholds of the rollout-correction section at ``prefix``;
+    returns the canonical rejection options (empty when off or unusable)."""
     problem = is_threshold_problem(rc.rollout_is_threshold)
     if problem is not None:
         out.append(
             Problem(
-                f"{_RC}.rollout_is_threshold", problem, f"e.g. {_RC}.rollout_is_threshold=2.0 or '0.5_5.0'"
+                f"{prefix}.rollout_is_threshold",
+                problem,
+                f"e.g. {prefix}.rollout_is_threshold=2.0 or '0.5_5.0'",
             )
         )
     options: list[str] = []
@@ -429,7 +435,7 @@ def _check_rollout_correction(cfg: Config, out: list[Problem]) -> None:
         if unknown or not options:
             out.append(
                 Problem(
-                    f"{_RC}.rollout_rs",
+                    f"{prefix}.rollout_rs",
                     f"unknown option(s) {', '.join(repr(u) for u in unknown) or repr(rc.rollout_rs)}",
                     f"use {accepted_rollout_rs()}, or null for no rejection",
                 )
@@ -438,10 +444,10 @@ def _check_rollout_correction(cfg: Config, out: list[Problem]) -> None:
     if rc.rollout_rs is not None and rc.rollout_rs_threshold is None:  # set on a Config after it was built
         out.append(
             Problem(
-                f"{_RC}.rollout_rs_threshold",
-                f"is null while {_RC}.rollout_rs={rc.rollout_rs!r}",
-                f"set {_RC}.rollout_rs_threshold={rc.rollout_is_threshold} (rollout_is_threshold, its "
-                f"documented default), or {_RC}.rollout_rs=null",
+                f"{prefix}.rollout_rs_threshold",
+                f"is null while {prefix}.rollout_rs={rc.rollout_rs!r}",
+                f"set {prefix}.rollout_rs_threshold={rc.rollout_is_threshold} (rollout_is_threshold, its "
+                f"documented default), or {prefix}.rollout_rs=null",
             )
         )
     elif options:
@@ -449,12 +455,18 @@ def _check_rollout_correction(cfg: Config, out: list[Problem]) -> None:
         if problem is not None:
             out.append(
                 Problem(
-                    f"{_RC}.rollout_rs_threshold",
+                    f"{prefix}.rollout_rs_threshold",
                     problem,
                     "give 'lower_upper' ratio bounds (or one number u for 1/u_u) to k1 options and one upper "
                     "bound to k2/k3 options, comma separated in the order of rollout_rs",
                 )
             )
+    return options
+
+
+def _check_rollout_correction(cfg: Config, out: list[Problem]) -> None:
+    rc = cfg.algorithm.rollout_correction
+    options = _check_rc_specs(rc, _RC, out)
     lower = rc.rollout_rs_threshold_lower
     if lower is not None:  # left over: __post_init__ folds every usable value into rollout_rs_threshold
         if not lower > 0:
@@ -486,6 +498,48 @@ def _check_rollout_correction(cfg: Config, out: list[Problem]) -> None:
                     "leave it unset; rollout_is and rollout_rs are available",
                 )
             )
+
+
+_PL = "actor.policy_loss"
+
+
+def _check_policy_loss(cfg: Config, out: list[Problem]) -> None:
+    """The settings a policy loss needs: dro's beta, bypass_mode's rollout log-probs and its thresholds."""
+    pl = cfg.actor.policy_loss
+    if pl.loss_mode == "dro" and pl.dro_beta is None:
+        out.append(
+            Problem(
+                f"{_PL}.dro_beta",
+                f"is null, but {_PL}.loss_mode=dro needs its quadratic log-ratio penalty (a number > 0)",
+                f"set {_PL}.dro_beta to a positive number, e.g. {_PL}.dro_beta=0.1",
+            )
+        )
+    _check_rc_specs(pl.rollout_correction, f"{_PL}.rollout_correction", out)
+    bypass = "algorithm.rollout_correction.bypass_old_logprob_for_rollout"
+    if pl.loss_mode == "bypass_mode" and not get_path(cfg, bypass):
+        out.append(
+            Problem(
+                f"{_PL}.loss_mode",
+                f"is bypass_mode, which takes the old log-probs for the rollout's, but {bypass}=false "
+                "recomputes them with the trainer",
+                f"set {bypass}=true (verl's bypass mode), or pick another {_PL}.loss_mode",
+            )
+        )
+
+
+def _check_adv_estimator_inputs(cfg: Config, out: list[Problem]) -> None:
+    """Estimators whose inputs the PPO trainer does not compute are refused at start, not at step 1."""
+    name = cfg.algorithm.adv_estimator
+    if name in UNFED_ADV_ESTIMATORS:
+        usable = [n for n in ADV_ESTIMATORS if n not in UNFED_ADV_ESTIMATORS]
+        out.append(
+            Problem(
+                "algorithm.adv_estimator",
+                f"{name} needs a per-token sum_pi_squared (the sum over the vocabulary of pi^2), which the "
+                "actor does not compute yet",
+                f"use one of: {', '.join(usable)}; the function stays callable from hybridflow.algos",
+            )
+        )
 
 
 # An empty list is refused: null is how to ask for the built-in task (or, for val_files, for no files).
