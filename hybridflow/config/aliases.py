@@ -49,6 +49,12 @@ VERL_ALIASES: dict[str, str] = {
     f"{_ARR}.actor.kl_loss_type": "actor.kl_loss_type",
     f"{_ARR}.actor.grad_clip": "actor.grad_clip",
     f"{_ARR}.actor.ulysses_sequence_parallel_size": "actor.ulysses_sequence_parallel_size",
+    f"{_ARR}.actor.megatron.tensor_model_parallel_size": "actor.tensor_parallel_size",
+    f"{_ARR}.actor.megatron.pipeline_model_parallel_size": "actor.pipeline_parallel_size",
+    f"{_ARR}.ref.megatron.tensor_model_parallel_size": "ref.tensor_parallel_size",
+    f"{_ARR}.ref.megatron.pipeline_model_parallel_size": "ref.pipeline_parallel_size",
+    "critic.megatron.tensor_model_parallel_size": "critic.tensor_parallel_size",
+    "critic.megatron.pipeline_model_parallel_size": "critic.pipeline_parallel_size",
     f"{_ARR}.actor.policy_loss.loss_mode": "actor.policy_loss.loss_mode",
     f"{_ARR}.actor.policy_loss.clip_cov_ratio": "actor.policy_loss.clip_cov_ratio",
     f"{_ARR}.actor.policy_loss.clip_cov_lb": "actor.policy_loss.clip_cov_lb",
@@ -211,10 +217,9 @@ def _yaml_literal(value: Any) -> str:
 
 _BOOL = (True, False)
 _FSDP = ("fsdp", "fsdp2")
-_ONLY_FSDP2 = (
-    "hybridflow trains only with FSDP2 (Megatron's tensor/pipeline-parallel training views do not exist yet)"
-)
-_FSDP_FIX = "set {key}=fsdp2 (or fsdp), or remove it"
+_ONLY_FSDP2 = "hybridflow trains with FSDP2, with Megatron-style training views on top"
+_FSDP_FIX = "set {key}=fsdp2, fsdp or megatron, or remove it"
+_VIEWS = ("fsdp", "fsdp2", "megatron")
 _SAME = "either value gives the same numbers"
 
 
@@ -234,16 +239,26 @@ def _grad_offload(role: str) -> IgnoredKey:
 # something hybridflow does not do.
 VERL_IGNORED: dict[str, IgnoredKey] = {
     f"{_ARR}.actor.strategy": IgnoredKey(
-        "the actor trains with FSDP2 (fsdp and fsdp2 both mean FSDP2 here)", _FSDP, _ONLY_FSDP2, _FSDP_FIX
+        "the actor trains with FSDP2 over the data-parallel ranks and, as Megatron does, tensor parallelism "
+        "inside each layer when actor.tensor_parallel_size > 1 (verl's actor.megatron.* keys): fsdp, fsdp2 "
+        "and megatron all mean this here",
+        _VIEWS,
+        _ONLY_FSDP2,
+        _FSDP_FIX,
     ),
     "critic.strategy": IgnoredKey(
-        "the critic trains with FSDP2 (fsdp and fsdp2 both mean FSDP2 here)", _FSDP, _ONLY_FSDP2, _FSDP_FIX
+        "the critic trains with FSDP2 over the data-parallel ranks and tensor parallelism inside each layer "
+        "when critic.tensor_parallel_size > 1 (verl's critic.megatron.* keys): fsdp, fsdp2 and megatron all "
+        "mean this here",
+        _VIEWS,
+        _ONLY_FSDP2,
+        _FSDP_FIX,
     ),
     "reward_model.strategy": IgnoredKey(
         "the reward model runs forward-only, a whole copy on each rank's device (nothing to shard)",
         _FSDP,
-        _ONLY_FSDP2,
-        _FSDP_FIX,
+        "the reward model is a whole copy on each rank (no tensor/pipeline-parallel layout)",
+        "set {key}=fsdp2 (or fsdp), or remove it",
     ),
     f"{_ARR}.actor.entropy_from_logits_with_chunking": IgnoredKey(
         f"entropy is always computed in row chunks of the logits ({_SAME})", _BOOL

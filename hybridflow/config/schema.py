@@ -269,6 +269,14 @@ class ActorConfig:
     use_torch_compile: bool | None = option(
         None, "torch.compile each decoder layer of the actor and reference; null = on GPU, off on CPU."
     )
+    tensor_parallel_size: int = option(
+        1,
+        "Training view: decoder layers split over this many ranks, FSDP2 over the rest (verl's megatron.*).",
+    )
+    pipeline_parallel_size: int = option(
+        1,
+        "Pipeline stages of the training view; only 1 for now (verl's megatron.pipeline_model_parallel_size).",
+    )
     policy_loss: PolicyLossConfig = section(PolicyLossConfig, "Policy loss mode and its parameters.")
     optim: OptimConfig = section(OptimConfig, "Actor optimizer.")
     fsdp: FSDPConfig = section(FSDPConfig, "Actor FSDP2 settings.")
@@ -311,6 +319,11 @@ class CriticConfig:
     use_torch_compile: bool | None = option(
         None, "torch.compile each decoder layer of the critic; null = on GPU, off on CPU."
     )
+    tensor_parallel_size: int = option(
+        1,
+        "Tensor-parallel size of the critic's training view (verl's critic.megatron.tensor_model_parallel_size).",
+    )
+    pipeline_parallel_size: int = option(1, "Pipeline stages of the critic's training view; only 1 for now.")
     optim: OptimConfig = section(OptimConfig, "Critic optimizer.", lr=1e-5)
     fsdp: FSDPConfig = section(FSDPConfig, "Critic FSDP2 settings.")
 
@@ -326,6 +339,12 @@ class RefConfig:
         16384, "Token budget per GPU per forward with dynamic batch size."
     )
     precompute: bool = option(False, "Compute reference log-probs once for the whole dataset (DPO/KTO).")
+    tensor_parallel_size: int | None = option(
+        None, "Tensor-parallel size of the reference's view; null = actor.tensor_parallel_size."
+    )
+    pipeline_parallel_size: int | None = option(
+        None, "Pipeline stages of the reference's view; null = actor.pipeline_parallel_size."
+    )
     fsdp: FSDPConfig = section(FSDPConfig, "Reference FSDP2 settings (param_offload keeps it on CPU).")
 
 

@@ -21,6 +21,7 @@ from hybridflow.config.rollout_correction import (
     split_rollout_rs,
 )
 from hybridflow.config.schema import Config, schema_index
+from hybridflow.config.views import check_train_views
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ _RANGES: dict[str, list[str]] = {
         "rollout.log_prob_micro_batch_size_per_gpu", "rollout.log_prob_max_token_len_per_gpu",
         "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_max_token_len_per_gpu",
         "actor.ppo_epochs", "actor.ulysses_sequence_parallel_size",
+        "actor.tensor_parallel_size", "actor.pipeline_parallel_size", "ref.tensor_parallel_size",
+        "ref.pipeline_parallel_size", "critic.tensor_parallel_size", "critic.pipeline_parallel_size",
         "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu",
         "critic.ppo_max_token_len_per_gpu", "critic.ppo_epochs", "critic.ulysses_sequence_parallel_size",
         "ref.log_prob_micro_batch_size_per_gpu", "ref.log_prob_max_token_len_per_gpu",
@@ -225,6 +228,7 @@ def _check_consistency(cfg: Config, out: list[Problem]) -> None:
 def _check_unimplemented(cfg: Config, out: list[Problem]) -> None:
     """verl settings whose layouts hybridflow does not have yet: refused, so none is silently ignored."""
     _check_rollout_tp(cfg, out)
+    check_train_views(cfg, out)
     for role in ("actor", "critic", "ref"):
         size = get_path(cfg, f"{role}.fsdp.fsdp_size")
         if size not in (-1, cfg.trainer.world_size):

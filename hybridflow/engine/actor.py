@@ -21,6 +21,7 @@ from hybridflow.engine.scorer import PolicyScorer, decoder_layers
 from hybridflow.engine.train_engine import TrainEngine
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import all_reduce_sum
+from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class ActorEngine:
         dp = self.engine.dp_size
         size = self.actor.ppo_mini_batch_size * self.rollout_n // dp
         if size < 1:
-            raise ValueError(
+            raise UserError(
                 f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} x rollout.n={self.rollout_n} "
                 f"is smaller than the {dp} data-parallel ranks; raise ppo_mini_batch_size"
             )
@@ -174,7 +175,7 @@ class ActorEngine:
         on_policy = self.actor.ppo_epochs == 1 and len(minis) == 1
         keep = "old_log_probs" not in batch
         if keep and not on_policy:
-            raise ValueError(
+            raise UserError(
                 f"the batch has no old_log_probs, which an update of {len(minis)} mini-batches x "
                 f"{self.actor.ppo_epochs} epochs needs; compute them first (only one epoch over one "
                 "mini-batch can do without)"

@@ -19,6 +19,7 @@ from hybridflow.engine.scorer import ValueScorer, decoder_layers
 from hybridflow.engine.train_engine import TrainEngine
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import all_reduce_sum
+from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class CriticEngine:
         dp = self.engine.dp_size
         self.mini_batch_size = ppo_mini_batch_size * rollout_n // dp
         if self.mini_batch_size < 1:
-            raise ValueError(
+            raise UserError(
                 f"critic.ppo_mini_batch_size={ppo_mini_batch_size} x rollout.n={rollout_n} is smaller than the "
                 f"{dp} data-parallel ranks; raise ppo_mini_batch_size"
             )

@@ -24,23 +24,36 @@ import logging
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from hybridflow.engine.fsdp import full_state_dict
 from hybridflow.engine.parallel.plan import ParamSpec, ReshardPlan
 from hybridflow.engine.parallel.resharder import Resharder
-from hybridflow.engine.parallel.tp_rollout import build_shard, layouts
+from hybridflow.engine.parallel.tp_rollout import Box, build_shard, layouts
 from hybridflow.engine.parallel.view import GenerateView
 from hybridflow.utils.dist import world_size
 
 logger = logging.getLogger(__name__)
 
 
-def shard_dim(param: torch.Tensor) -> int | None:
-    """The dimension FSDP2 shards ``param`` on (None: a plain tensor or a replicated DTensor)."""
-    placements = getattr(param, "placements", None)
-    if not placements or not placements[0].is_shard():
-        return None
-    return placements[0].dim
+def held_box(param: torch.Tensor) -> Box | None:
+    """The box of the full parameter this rank holds (a DTensor's local shard on any mesh; None: empty)."""
+    if not hasattr(param, "device_mesh"):
+        return tuple((0, n) for n in param.shape)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if any(n == 0 for n in shape):
+        return None  # FSDP2 pads an uneven split with empty shards at the end
+    return tuple((o, o + n) for o, n in zip(offset, shape))
+
+
+def holdings_of(named: dict[str, torch.Tensor], names: list[str]) -> list[list[Box | None]]:
+    """Every rank's held box of each of ``names`` (None where a rank holds none): one all-gather at start."""
+    mine = [held_box(named[n]) if n in named else None for n in names]
+    if world_size() == 1:
+        return [mine]
+    table: list = [None] * world_size()
+    dist.all_gather_object(table, mine)
+    return table
 
 
 def local_shard(param: torch.Tensor) -> torch.Tensor:
@@ -90,8 +103,10 @@ class RolloutShard:
         dtype: torch.dtype,
         device: torch.device,
         bucket_bytes: int,
+        train_view: str | None = None,
     ) -> None:
-        """``sharded`` is the FSDP2-sharded HF causal LM (the actor's training module)."""
+        """``sharded`` is the HF causal LM of the training view (FSDP2 shards, tensor-parallel or not);
+        ``train_view`` names that view in the logs."""
         self.view, self.rank = view, rank
         self.module = build_shard(sharded, view.tp, dtype, device)
         self.storages = _Storages(self.module)
@@ -103,17 +118,19 @@ class RolloutShard:
             )
         lay = layouts(sharded, view.tp)
         self.names = list(ours)
-        specs = [ParamSpec(n, tuple(ours[n].shape), shard_dim(ours[n]), lay[n]) for n in self.names]
+        specs = [ParamSpec(n, tuple(ours[n].shape), None, lay[n]) for n in self.names]
         for spec in specs:  # the buffers' shapes are what the plan writes into
             got = tuple(generation[spec.name].shape)
             assert got == spec.layout.local_shape(), f"{spec.name}: buffer {got}, layout {spec.layout}"
-        self.plan = ReshardPlan(specs, view, torch.empty((), dtype=dtype).element_size(), bucket_bytes)
+        elem = torch.empty((), dtype=dtype).element_size()
+        holdings = holdings_of(ours, self.names)
+        self.plan = ReshardPlan(specs, view, elem, bucket_bytes, holdings, train_view)
         self.resharder = Resharder(self.plan, rank, device, dtype)
         self.targets = [generation[n] for n in self.names]
         logger.info(
-            "HybridEngine initialized: train_view=(fsdp=%d), generate_view=%s, %s; this rank holds %.3f GiB of "
+            "HybridEngine initialized: train_view=%s, generate_view=%s, %s; this rank holds %.3f GiB of "
             "generation weights (a whole copy: %.3f GiB) and receives %.3f GiB at every switch",
-            view.world,
+            self.plan.train_view,
             view,
             dtype,
             self.plan.generation_bytes() / 2**30,

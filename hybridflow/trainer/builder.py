@@ -76,16 +76,24 @@ def check_data_sources(dataset: RLDataset, cfg: Config, reward_fn: Any) -> None:
 
 
 def check_rollout_view(cfg: Config, model: torch.nn.Module | None) -> None:
-    """Refuse, before any rank starts, a tensor-parallel rollout size that cannot split the policy."""
+    """Refuse, before any rank starts, a tensor-parallel size (rollout or training) that cannot split the
+    policy's heads and MLP."""
+    from hybridflow.config.views import train_view_sizes
+
     tp = cfg.rollout.tensor_model_parallel_size
-    if tp == 1:
+    roles = [r for r in ("actor", "ref") if train_view_sizes(cfg, r)[0] > 1]
+    if tp == 1 and not roles:
         return
     from hybridflow.engine.parallel.tp_rollout import check_tp
+    from hybridflow.engine.parallel.tp_train import check_train_tp
     from hybridflow.models.loader import load_config as load_model_config
 
     m = cfg.model
     config = model.config if model is not None else load_model_config(m.path, m.trust_remote_code)
-    check_tp(config, tp)
+    if tp > 1:
+        check_tp(config, tp)
+    for role in roles:  # the critic starts from the policy's shape too, unless it has a model of its own
+        check_train_tp(config, train_view_sizes(cfg, role)[0], role)
 
 
 def warn_position_limit(cfg: Config, model: torch.nn.Module | None) -> None:

@@ -16,6 +16,8 @@ from hybridflow.engine.actor import ActorEngine
 from hybridflow.engine.fsdp import to_dtype
 from hybridflow.engine.parallel.rollout_group import RolloutGroup
 from hybridflow.engine.parallel.tp_rollout import RolloutTP, check_tp, follow_rollout_shards
+from hybridflow.engine.parallel.tp_train import check_train_tp
+from hybridflow.engine.parallel.train_view import ShareGroup, TrainView
 from hybridflow.engine.parallel.view import GenerateView
 from hybridflow.engine.preference import update_preference
 from hybridflow.engine.reshard import BroadcastReplica, RolloutShard
@@ -76,9 +78,15 @@ class ActorWorker:
         if r.engine == "native" and not native:
             logger.warning("the built-in rollout engine does not cover this model: HF generate, much slower")
         view = GenerateView(world_size(), r.tensor_model_parallel_size)
+        self.train_view = TrainView(
+            world_size(), cfg.actor.tensor_parallel_size, cfg.actor.pipeline_parallel_size, "actor"
+        )
+        if self.train_view.tp > 1:
+            check_train_tp(model.config, self.train_view.tp, "actor")
         if view.tp > 1:
             check_tp(model.config, view.tp)
-            follow_rollout_shards(model, view.world, view.tp)  # row-parallel weights sharded on dim 1
+            if self.train_view.fsdp_only:  # a tensor-parallel training view has its own row split
+                follow_rollout_shards(model, view.world, view.tp)  # row-parallel weights sharded on dim 1
         self.engine = ActorEngine(
             model,
             cfg.actor,
@@ -87,7 +95,9 @@ class ActorWorker:
             gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
             total_steps=total_steps,
             trainable=trainable,
+            view=self.train_view,
         )
+        self.shares = ShareGroup(self.train_view, dist_rank(), pad_token_id)  # collective, as below
         device = self.engine.engine.device
         # auto: generate in the training compute dtype on every device (actor.fsdp.param_dtype resolved:
         # bf16 on GPU, float32 on CPU), so the rollout's log-probs match the trainer's recomputation
@@ -136,7 +146,7 @@ class ActorWorker:
             )
             return None
         bucket = self.cfg.rollout.update_weights_bucket_megabytes * 2**20
-        return RolloutShard(self.hf_model, view, dist_rank(), dtype, device, bucket)
+        return RolloutShard(self.hf_model, view, dist_rank(), dtype, device, bucket, str(self.train_view))
 
     def _release_rollout_weights(self) -> int:
         """Free the rollout's own copy of the weights (a replica, or the engine's cast buffers); bytes freed.
@@ -242,6 +252,7 @@ class ActorWorker:
     def compute_log_prob(self, batch: Batch) -> Batch:
         """Trainer log-probs (``old_log_probs``) and entropies of the responses under the current weights."""
         r = self.cfg.rollout
+        batch, rows, width = self.shares.join(batch)  # a model replica's ranks score the same rows
         out = self.engine.compute_log_prob(
             batch,
             temperature=r.temperature,
@@ -250,7 +261,8 @@ class ActorWorker:
             max_token_len=r.log_prob_max_token_len_per_gpu,
             with_entropy=True,
         )
-        return Batch({"old_log_probs": out["log_probs"], "entropys": out["entropys"]})
+        out = Batch({"old_log_probs": out["log_probs"], "entropys": out["entropys"]})
+        return self.shares.mine(out, rows, width)
 
     def update_actor(self, batch: Batch) -> Batch:
         """PPO-family update over the batch (mini-batches, epochs); its metrics in ``meta["metrics"]``.
@@ -258,16 +270,21 @@ class ActorWorker:
         Without ``old_log_probs`` in ``batch`` (an on-policy update, see ``ActorEngine.update_policy``) the
         result also carries the update's own log-probs as ``old_log_probs``; otherwise it has no rows.
         """
-        metrics = self.engine.update_policy(batch, temperature=self.cfg.rollout.temperature)
-        own = {} if "old_log_probs" in batch else {"old_log_probs": self.engine.last_log_probs}
-        return Batch(own, meta={"metrics": metrics})
+        joined, rows, width = self.shares.join(batch)
+        metrics = self.engine.update_policy(joined, temperature=self.cfg.rollout.temperature)
+        if "old_log_probs" in batch:
+            return Batch(meta={"metrics": metrics})
+        own = self.shares.mine(Batch({"old_log_probs": self.engine.last_log_probs}), rows, width)
+        own.meta["metrics"] = metrics
+        return own
 
     def update_preference(self, batch: Batch) -> dict[str, float]:
         """One DPO/IPO/KTO optimizer step over this rank's pairs (``batch.meta["preference_kind"]``)."""
         micro_pairs = max(1, self.cfg.actor.ppo_micro_batch_size_per_gpu // 2)
         kind = batch.meta["preference_kind"]
+        batch, _, _ = self.shares.join(batch)  # pairs stay adjacent: each share holds whole pairs
         return update_preference(self.engine, batch, self.cfg.preference, kind, micro_pairs)
 
     def update_sft(self, batch: Batch) -> dict[str, float]:
         """Supervised step(s) on the response tokens."""
-        return self.engine.update_sft(batch)
+        return self.engine.update_sft(self.shares.join(batch)[0])

@@ -10,6 +10,7 @@ import torch
 
 from hybridflow.config.schema import Config
 from hybridflow.models import build_value_model, load_causal_lm, load_tokenizer, load_value_model
+from hybridflow.utils.errors import UserError
 from hybridflow.utils.seed import set_seed
 from hybridflow.workers.actor import ActorWorker
 from hybridflow.workers.critic import CriticWorker
@@ -39,7 +40,7 @@ def load_policy_tokenizer(cfg: Config) -> Any:
     """The tokenizer of ``model.tokenizer_path`` (else ``model.path``), with the configured chat template."""
     m = cfg.model
     if not m.path:
-        raise ValueError("model.path is not set; point it to a local Hugging Face model directory")
+        raise UserError("model.path is not set; point it to a local Hugging Face model directory")
     tokenizer = load_tokenizer(m.tokenizer_path or m.path, trust_remote_code=m.trust_remote_code)
     if m.custom_chat_template:
         tokenizer.chat_template = m.custom_chat_template
@@ -74,9 +75,9 @@ def build_roles(
     if "actor" in roles:
         out["actor"] = ActorWorker(model, cfg, total_steps, pad_id)
     if ref_model is not None:
-        out["ref"] = ReferenceWorker(ref_model, cfg)
+        out["ref"] = ReferenceWorker(ref_model, cfg, pad_id)
     if critic_model is not None:
-        out["critic"] = CriticWorker(critic_model, cfg, total_steps)
+        out["critic"] = CriticWorker(critic_model, cfg, total_steps, pad_id)
         if cfg.critic.fsdp.optimizer_offload == "auto" and "actor" in out:  # on the rollout's devices
             out["actor"].room_donors.append(out["critic"].engine.engine)
     return out

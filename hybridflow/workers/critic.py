@@ -6,14 +6,22 @@ from torch import nn
 
 from hybridflow.config.schema import Config
 from hybridflow.engine.critic import CriticEngine
+from hybridflow.engine.parallel.tp_train import check_train_tp
+from hybridflow.engine.parallel.train_view import ShareGroup, TrainView
 from hybridflow.protocol import Batch
+from hybridflow.utils.dist import init_distributed, world_size
+from hybridflow.utils.logging import rank as dist_rank
 
 
 class CriticWorker:
     """``compute_values`` before the update and ``update_critic`` after the advantages."""
 
-    def __init__(self, value_model: nn.Module, cfg: Config, total_steps: int) -> None:
+    def __init__(self, value_model: nn.Module, cfg: Config, total_steps: int, pad_token_id: int = 0) -> None:
         c = cfg.critic
+        init_distributed()
+        view = TrainView(world_size(), c.tensor_parallel_size, c.pipeline_parallel_size, "critic")
+        if view.tp > 1:
+            check_train_tp(value_model.config, view.tp, "critic")
         self.engine = CriticEngine(
             value_model,
             c,
@@ -22,12 +30,15 @@ class CriticWorker:
             use_remove_padding=c.model.use_remove_padding,
             gradient_checkpointing=c.model.enable_gradient_checkpointing,
             total_steps=total_steps,
+            view=view,
         )
+        self.shares = ShareGroup(view, dist_rank(), pad_token_id)
 
     def compute_values(self, batch: Batch) -> Batch:
         """``values`` (B, R)."""
-        return Batch({"values": self.engine.compute_values(batch)})
+        batch, rows, width = self.shares.join(batch)
+        return self.shares.mine(Batch({"values": self.engine.compute_values(batch)}), rows, width)
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Value-loss update; verl-named metrics."""
-        return self.engine.update_critic(batch)
+        return self.engine.update_critic(self.shares.join(batch)[0])

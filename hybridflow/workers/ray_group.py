@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from hybridflow.config.schema import Config
+from hybridflow.utils.errors import UserError
 from hybridflow.workers.group import WorkerError, WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ def import_ray() -> Any:
     try:
         import ray
     except ImportError as e:
-        raise ValueError("trainer.backend=ray needs Ray: pip install 'hybridflow[ray]'") from e
+        raise UserError("trainer.backend=ray needs Ray: pip install 'hybridflow[ray]'") from e
     return ray
 
 

@@ -5,15 +5,24 @@ from __future__ import annotations
 from torch import nn
 
 from hybridflow.config.schema import Config
+from hybridflow.config.views import train_view_sizes
 from hybridflow.engine.actor import ActorEngine
+from hybridflow.engine.parallel.tp_train import check_train_tp
+from hybridflow.engine.parallel.train_view import ShareGroup, TrainView
 from hybridflow.protocol import Batch
+from hybridflow.utils.dist import init_distributed, world_size
+from hybridflow.utils.logging import rank as dist_rank
 
 
 class ReferenceWorker:
     """Log-probs of the responses under the reference weights (``ref_log_prob``)."""
 
-    def __init__(self, model: nn.Module, cfg: Config) -> None:
+    def __init__(self, model: nn.Module, cfg: Config, pad_token_id: int = 0) -> None:
         self.cfg = cfg
+        init_distributed()
+        view = TrainView(world_size(), *train_view_sizes(cfg, "ref"), "ref")
+        if view.tp > 1:
+            check_train_tp(model.config, view.tp, "ref")
         self.engine = ActorEngine(
             model,
             cfg.actor,
@@ -21,11 +30,14 @@ class ReferenceWorker:
             use_remove_padding=cfg.model.use_remove_padding,
             trainable=False,
             fsdp=cfg.ref.fsdp,
+            view=view,
         )
+        self.shares = ShareGroup(view, dist_rank(), pad_token_id)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """``ref_log_prob`` (B, R) at the rollout temperature."""
         ref = self.cfg.ref
+        batch, rows, width = self.shares.join(batch)
         out = self.engine.compute_log_prob(
             batch,
             temperature=self.cfg.rollout.temperature,
@@ -33,4 +45,4 @@ class ReferenceWorker:
             use_dynamic_bsz=ref.log_prob_use_dynamic_bsz,
             max_token_len=ref.log_prob_max_token_len_per_gpu,
         )
-        return Batch({"ref_log_prob": out["log_probs"]})
+        return self.shares.mine(Batch({"ref_log_prob": out["log_probs"]}), rows, width)

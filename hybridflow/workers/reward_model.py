@@ -13,6 +13,7 @@ from hybridflow.engine.scorer import decoder_of
 from hybridflow.engine.train_engine import default_device
 from hybridflow.models.loader import resolve_local_dir
 from hybridflow.protocol import Batch
+from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ class RewardModelWorker:
     def __init__(self, cfg: Config, policy_vocab_size: int) -> None:
         rm = cfg.reward.model
         if not rm.path:
-            raise ValueError("reward.model.enable is true but reward.model.path is not set")
+            raise UserError("reward.model.enable is true but reward.model.path is not set")
         path = resolve_local_dir(rm.path)
         self.device = default_device()
         dtype = to_dtype("bfloat16" if self.device.type == "cuda" else "float32")
@@ -35,12 +36,12 @@ class RewardModelWorker:
             path, dtype=dtype, trust_remote_code=rm.trust_remote_code, local_files_only=True
         ).eval()
         if self.model.config.num_labels != 1:
-            raise ValueError(
+            raise UserError(
                 f"reward model {rm.path} has num_labels={self.model.config.num_labels}; a reward "
                 "model has a single scalar output (num_labels=1)"
             )
         if self.model.config.vocab_size != policy_vocab_size:
-            raise ValueError(
+            raise UserError(
                 f"reward model {rm.path} has a vocabulary of {self.model.config.vocab_size} tokens, "
                 f"the policy {policy_vocab_size}; the reward model must use the policy's tokenizer"
             )

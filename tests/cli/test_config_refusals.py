@@ -46,11 +46,11 @@ def refused(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
             ["rollout.log_prob_use_dynamic_bsz=true", "rollout.log_prob_max_token_len_per_gpu=64"],
             "error: rollout.log_prob_max_token_len_per_gpu: 64 tokens cannot hold one sequence",
         ),
-        (  # item 7: Megatron, for each role
-            [f"{A}.actor.strategy=megatron"],
-            f"error: {A}.actor.strategy: 'megatron' is not supported: hybridflow trains only with FSDP2",
+        (  # item 7: a strategy we do not have, for each role (megatron means the training views)
+            [f"{A}.actor.strategy=deepspeed"],
+            f"error: {A}.actor.strategy: 'deepspeed' is not supported: hybridflow trains with FSDP2",
         ),
-        (["critic.strategy=megatron"], "error: critic.strategy: 'megatron' is not supported"),
+        (["critic.strategy=deepspeed"], "error: critic.strategy: 'deepspeed' is not supported"),
         (["reward_model.strategy=megatron"], "error: reward_model.strategy: 'megatron' is not supported"),
         (
             ["trainer.n_gpus_per_node=4", "rollout.tensor_model_parallel_size=3"],
@@ -86,15 +86,16 @@ def test_refused_at_start_with_exit_2(
     assert refused(args, capsys).startswith(message)
 
 
-def test_megatron_refusal_names_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
-    line = refused([f"{A}.actor.strategy=megatron"], capsys)
-    assert line.endswith(f"fix: set {A}.actor.strategy=fsdp2 (or fsdp), or remove it")
+def test_a_strategy_refusal_names_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    line = refused([f"{A}.actor.strategy=deepspeed"], capsys)
+    assert line.endswith(f"fix: set {A}.actor.strategy=fsdp2, fsdp or megatron, or remove it")
 
 
 @pytest.mark.parametrize(
     ("arg", "notice"),
     [
         (f"{A}.actor.strategy=fsdp", "the actor trains with FSDP2"),
+        (f"{A}.actor.strategy=megatron", "tensor parallelism inside each layer"),
         (f"{A}.rollout.mode=async", "in place of verl's sync"),
         (f"{A}.rollout.name=vllm", "the built-in rollout engine runs in place of vllm"),
     ],

@@ -201,19 +201,19 @@ A = "actor_rollout_ref"
 IGNORED_CASES = [
     (
         f"{A}.actor.strategy",
-        ["fsdp", "fsdp2"],
-        "the actor trains with FSDP2",
-        "megatron",
-        "tensor/pipeline",
-        f"set {A}.actor.strategy=fsdp2 (or fsdp)",
+        ["fsdp", "fsdp2", "megatron"],
+        "the actor trains with FSDP2 over the data-parallel ranks and, as Megatron does, tensor parallelism",
+        "deepspeed",
+        "FSDP2, with Megatron-style training views",
+        f"set {A}.actor.strategy=fsdp2, fsdp or megatron",
     ),
     (
         "critic.strategy",
-        ["fsdp", "fsdp2"],
-        "the critic trains with FSDP2",
-        "megatron",
-        "tensor/pipeline",
-        "set critic.strategy=fsdp2 (or fsdp)",
+        ["fsdp", "fsdp2", "megatron"],
+        "the critic trains with FSDP2 over the data-parallel ranks and tensor parallelism",
+        "deepspeed",
+        "FSDP2, with Megatron-style training views",
+        "set critic.strategy=fsdp2, fsdp or megatron",
     ),
     (
         "reward_model.strategy",
@@ -334,13 +334,28 @@ def test_a_value_asking_for_what_we_do_not_do_is_refused(
     assert words in problem.message and fix in problem.fix
 
 
-def test_megatron_is_refused_with_the_fsdp_fix() -> None:
+def test_another_strategy_is_refused_with_the_fix() -> None:
     with pytest.raises(ConfigError) as info:
-        load_config(overrides=[f"{A}.actor.strategy=megatron"])
+        load_config(overrides=[f"{A}.actor.strategy=deepspeed"])
     assert str(info.value) == (
-        f"{A}.actor.strategy: 'megatron' is not supported: hybridflow trains only with FSDP2 (Megatron's "
-        "tensor/pipeline-parallel training views do not exist yet); "
-        f"fix: set {A}.actor.strategy=fsdp2 (or fsdp), or remove it"
+        f"{A}.actor.strategy: 'deepspeed' is not supported: hybridflow trains with FSDP2, with "
+        "Megatron-style training views on top; "
+        f"fix: set {A}.actor.strategy=fsdp2, fsdp or megatron, or remove it"
+    )
+
+
+def test_verls_megatron_keys_set_the_training_views() -> None:
+    cfg = load_config(
+        overrides=[
+            f"{A}.actor.strategy=megatron",
+            f"{A}.actor.megatron.tensor_model_parallel_size=2",
+            f"{A}.ref.megatron.tensor_model_parallel_size=2",
+            "critic.megatron.tensor_model_parallel_size=2",
+            "trainer.n_gpus_per_node=4",
+        ]
+    )
+    assert (
+        cfg.actor.tensor_parallel_size == cfg.ref.tensor_parallel_size == cfg.critic.tensor_parallel_size == 2
     )
 
 
@@ -348,7 +363,7 @@ def test_ignored_keys_as_nested_yaml_are_judged_by_value(tmp_path: Path) -> None
     path = tmp_path / "verl.yaml"
     path.write_text(
         "actor_rollout_ref:\n  hybrid_engine: true\n  actor:\n    strategy: fsdp\n"
-        "  rollout:\n    mode: async\n    name: vllm\ncritic:\n  strategy: megatron\n"
+        "  rollout:\n    mode: async\n    name: vllm\ncritic:\n  strategy: deepspeed\n"
         "trainer:\n  default_hdfs_dir: null\n"
     )
     with pytest.raises(ConfigError) as info:

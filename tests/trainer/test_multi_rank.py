@@ -102,6 +102,9 @@ def steady(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if not k.startswith((*VOLATILE, "rollout/", "reshard/"))}
 
 
+A = "actor_rollout_ref"
+
+
 def check_rollout_matches_trainer(metrics: dict[int, dict[str, float]]) -> None:
     """Rollout log-probs equal the trainer's recomputation (float32), every step."""
     for step, m in metrics.items():
@@ -208,7 +211,17 @@ def test_ppo_with_a_critic_on_two_ranks_equals_one_rank_on_the_same_samples(
 def test_grpo_on_several_ranks_with_a_token_id_reward(
     tmp_path: Path, setup: dict[str, Path], world: int, tp: int
 ) -> None:
-    """At 4 ranks, fsdp=4 trains and rollout groups of 2 tensor-parallel ranks generate."""
+    """At 4 ranks, verl's Megatron keys: the actor and the reference train at tp=2 x dp=2 and rollout groups
+    of 2 tensor-parallel ranks generate, resharded from the tensor-parallel training shards."""
+    views = (
+        []
+        if tp == 1
+        else [
+            f"{A}.actor.strategy=megatron",
+            f"{A}.actor.megatron.tensor_model_parallel_size={tp}",
+            "actor.use_kl_loss=true",  # a reference, in the actor's view (ref.tensor_parallel_size=null)
+        ]
+    )
     metrics = run(
         setup,
         tmp_path / "run",
@@ -217,9 +230,11 @@ def test_grpo_on_several_ranks_with_a_token_id_reward(
         "algorithm.adv_estimator=grpo",
         "trainer.balance_batch=true",
         f"rollout.tensor_model_parallel_size={tp}",
+        *views,
     )
     assert sorted(metrics) == [0, 1, 2, 3]
     check_rollout_matches_trainer(metrics)
+    assert metrics[1]["actor/ppo_kl"] == 0.0  # on-policy: the update's first ratio is exactly 1
     for step in (1, 2, 3):
         assert 0.0 <= metrics[step]["critic/score/mean"] <= 1.0
         assert metrics[step]["response_length/max"] > metrics[step]["response_length/min"]

@@ -34,3 +34,27 @@ def test_the_timing_needs_a_gpu() -> None:
         [sys.executable, str(SCRIPT), "--model-size", "0.5b"], capture_output=True, text=True
     )
     assert done.returncode != 0 and "needs a GPU" in done.stderr
+
+
+def test_the_views_table_gives_each_training_view_its_memory_and_switch() -> None:
+    script = SCRIPT.parent / "views.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--model-size", "0.5b", "--world", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {
+        (r[1], r[2]): r for r in (line.split(" | ") for line in done.stdout.splitlines()) if r[0] == "| 0.5b"
+    }
+    assert sorted(rows) == [
+        ("(fsdp=2)", "(tp=1)"),
+        ("(fsdp=2)", "(tp=2)"),
+        ("(tp=2, pp=1, dp=1)", "(tp=1)"),
+        ("(tp=2, pp=1, dp=1)", "(tp=2)"),
+    ]
+    # the same tensor-parallel split in both views at dp = 1: the shards are used where they are
+    assert rows[("(tp=2, pp=1, dp=1)", "(tp=2)")][6] == "0.000"
+    # a whole replica per rank needs the half of every weight the other rank holds
+    assert float(rows[("(fsdp=2)", "(tp=1)")][6]) > 0

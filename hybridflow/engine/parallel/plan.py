@@ -23,6 +23,11 @@ def intersect(a: Box, b: Box) -> Box | None:
     return out if all(lo < hi for lo, hi in out) else None
 
 
+def contains(outer: Box, inner: Box) -> bool:
+    """Whether box ``inner`` lies inside box ``outer``."""
+    return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner))
+
+
 def volume(box: Box | None) -> int:
     """Elements in a box (0 for None)."""
     if box is None:
@@ -65,17 +70,32 @@ class ParamSpec:
 
 
 class ReshardPlan:
-    """Every transfer of a train -> generate switch, grouped into buckets of about ``bucket_bytes``."""
+    """Every transfer of a train -> generate switch, grouped into buckets of about ``bucket_bytes``.
+
+    ``holdings[rank][param]``: the box of each parameter each training rank holds, for any training view
+    (tensor-parallel shards split again by FSDP2, parameters of other pipeline stages as None). Without it,
+    FSDP2 alone over every rank: each ``ParamSpec.train_dim`` chunked W ways.
+    """
 
     def __init__(
-        self, params: list[ParamSpec], view: GenerateView, elem_size: int, bucket_bytes: int
+        self,
+        params: list[ParamSpec],
+        view: GenerateView,
+        elem_size: int,
+        bucket_bytes: int,
+        holdings: list[list[Box | None]] | None = None,
+        train_view: str | None = None,
     ) -> None:
         self.params, self.view, self.elem_size = params, view, elem_size
+        self.holdings = holdings
+        self.train_view = train_view or f"(fsdp={view.world})"
         self.transfers: list[Transfer] = [t for i in range(len(params)) for t in self._transfers_of(i)]
         self.buckets = self._buckets(bucket_bytes)
 
     def held(self, param: int, rank: int) -> Box | None:
         """The box of ``param`` training rank ``rank`` holds."""
+        if self.holdings is not None:
+            return self.holdings[rank][param]
         p = self.params[param]
         return chunk_box(p.shape, p.train_dim, self.view.world, rank)
 
@@ -84,15 +104,27 @@ class ReshardPlan:
         return self.params[param].layout.box(self.view.tp_rank(rank))
 
     def _transfers_of(self, i: int) -> Iterator[Transfer]:
-        for dst in range(self.view.world):
+        """Each element a rank needs, from one rank that holds it: itself first, else the next ranks.
+
+        Training views hold some parameters on several ranks (the embedding and norms are replicated over
+        the tensor-parallel ranks): a replica's copy of a box already taken is not sent again.
+        """
+        world = self.view.world
+        for dst in range(world):
             need = self.needed(i, dst)
             if need is None:
                 continue
-            for src in range(self.view.world):
+            taken: list[Box] = []
+            for src in sorted(range(world), key=lambda r: (r - dst) % world):
                 held = self.held(i, src)
                 part = None if held is None else intersect(need, held)
-                if part is not None:
-                    yield Transfer(i, src, dst, part)
+                if part is None:
+                    continue
+                if any(intersect(part, box) is not None for box in taken):
+                    assert any(contains(box, part) for box in taken), f"param {i}: holdings overlap in part"
+                    continue
+                taken.append(part)
+                yield Transfer(i, src, dst, part)
 
     def _buckets(self, bucket_bytes: int) -> list[list[int]]:
         """Consecutive parameters, a bucket closed once its generation buffers reach ``bucket_bytes``."""
@@ -126,7 +158,7 @@ class ReshardPlan:
     def __str__(self) -> str:
         gib = 2**30
         lines = [
-            f"reshard plan: train_view=(fsdp={self.view.world}), generate_view={self.view}, "
+            f"reshard plan: train_view={self.train_view}, generate_view={self.view}, "
             f"{len(self.params)} parameters in {len(self.buckets)} bucket(s); per rank: generation buffers "
             f"{self.generation_bytes() / gib:.3f} GiB of a {self.full_bytes() / gib:.3f} GiB copy"
         ]

@@ -26,6 +26,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from hybridflow.engine.fsdp import FSDP_SHARD_DIM
+from hybridflow.utils.errors import UserError
 
 # One (start, stop) per dimension of a tensor: the part of a full parameter a rank holds or needs.
 Box = tuple[tuple[int, int], ...]
@@ -93,7 +94,7 @@ def kind_of(name: str) -> str:
     for pattern, kind in _RULES:
         if re.search(pattern, name):
             return kind
-    raise ValueError(
+    raise UserError(
         f"parameter {name!r} has no tensor-parallel layout for the rollout (Llama-family models only); set "
         "rollout.tensor_model_parallel_size=1"
     )
@@ -138,7 +139,7 @@ def check_tp(config: Any, tp: int) -> None:
     if config.intermediate_size % tp:
         problems.append(f"intermediate_size={config.intermediate_size}")
     if problems:
-        raise ValueError(
+        raise UserError(
             f"rollout.tensor_model_parallel_size={tp} does not split this model: {', '.join(problems)}; "
             "use a tensor-parallel size that divides them"
         )

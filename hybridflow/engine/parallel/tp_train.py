@@ -20,6 +20,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from hybridflow.utils.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 _COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -44,7 +46,7 @@ def check_train_tp(config: Any, tp: int, role: str = "actor") -> None:
         if value % tp
     ]
     if problems:
-        raise ValueError(
+        raise UserError(
             f"{role}.tensor_parallel_size={tp} does not split this model for training: {', '.join(problems)} "
             "(each must be a multiple of it); use a tensor-parallel size that divides them"
         )
@@ -55,7 +57,7 @@ def _plan(layer: nn.Module) -> dict[str, Any]:
     names = {name for name, _ in layer.named_modules()}
     missing = [n for n in (*_COLUMN, *_ROW) if n not in names]
     if missing:
-        raise ValueError(
+        raise UserError(
             f"{type(layer).__name__} has no {missing}: tensor-parallel training covers Llama-family layers "
             "(q/k/v/o and gate/up/down projections); set tensor_parallel_size=1 for this model"
         )

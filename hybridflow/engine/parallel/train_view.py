@@ -22,8 +22,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from hybridflow.engine.parallel.tp_rollout import Box
 from hybridflow.engine.sequences import layout_padding
 from hybridflow.protocol import Batch
+from hybridflow.utils.errors import UserError
 
 MESH_DIMS = ("pp", "tp", "dp")
 
@@ -39,7 +41,7 @@ class TrainView:
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1 or self.world % (self.tp * self.pp):
-            raise ValueError(
+            raise UserError(
                 f"{self.role}.tensor_parallel_size={self.tp} x {self.role}.pipeline_parallel_size={self.pp} "
                 f"must divide the {self.world} ranks (trainer.nnodes x trainer.n_gpus_per_node)"
             )
@@ -98,11 +100,14 @@ class ShareGroup:
         if self.group is None:
             return share, slice(0, len(share)), _response_width(share)
         shares: list[Any] = [None] * len(self.ranks)
-        dist.all_gather_object(shares, share, group=self.group)
+        # Rows only: meta is per rank (its rollout's statistics) and stays this rank's own.
+        dist.all_gather_object(shares, Batch(share.tensors, share.non_tensors), group=self.group)
         mine = self.ranks.index(self.rank)
         start = sum(len(s) for s in shares[:mine])
         pad = layout_padding(self.pad_token_id if self.pad_token_id is not None else 0)
-        return Batch.concat(shares, pad=pad), slice(start, start + len(share)), _response_width(share)
+        joined = Batch.concat(shares, pad=pad)
+        joined.meta.update(share.meta)
+        return joined, slice(start, start + len(share)), _response_width(share)
 
     @staticmethod
     def mine(out: Batch, rows: slice, width: int | None) -> Batch:
@@ -115,3 +120,23 @@ class ShareGroup:
             if torch.is_tensor(t) and t.dim() == 2 and t.shape[1] > width:
                 part[key] = t[:, :width].contiguous()
         return part
+
+
+def _chunk(lo: int, hi: int, parts: int, i: int) -> tuple[int, int]:
+    """Part ``i`` of ``parts`` of the range [lo, hi) as ``torch.chunk`` splits it (empty parts at the end)."""
+    size = -(-(hi - lo) // parts)
+    return min(lo + i * size, hi), min(lo + (i + 1) * size, hi)
+
+
+def train_box(kind: str, shape: tuple[int, ...], view: TrainView, rank: int, fsdp_dim: int = 0) -> Box | None:
+    """The box of a full parameter ``rank`` holds in ``view``, from the parameter's tensor-parallel ``kind``
+    (``tp_rollout.kind_of``) alone: what the DTensors give (a test checks it), for plans of models no machine
+    here can hold. Layers' column (and kv) weights split dim 0 over tp, row weights dim 1; FSDP2 then splits
+    the rank's piece over dp along ``fsdp_dim`` (dim 0, or the dim a layout function marked)."""
+    _, tp_rank, dp_rank = view.coords(rank)
+    box = [(0, n) for n in shape]
+    split = {"column": 0, "kv": 0, "row": 1}.get(kind) if view.tp > 1 else None
+    if split is not None:
+        box[split] = _chunk(0, shape[split], view.tp, tp_rank)
+    box[fsdp_dim] = _chunk(*box[fsdp_dim], view.dp, dp_rank)
+    return None if any(lo >= hi for lo, hi in box) else tuple(box)

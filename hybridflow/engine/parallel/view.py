@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from hybridflow.utils.errors import UserError
+
 
 @dataclass(frozen=True)
 class GenerateView:
@@ -23,7 +25,7 @@ class GenerateView:
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.world % self.tp:
-            raise ValueError(
+            raise UserError(
                 f"rollout.tensor_model_parallel_size={self.tp} must divide the {self.world} ranks "
                 "(trainer.nnodes x trainer.n_gpus_per_node)"
             )

@@ -56,7 +56,9 @@ def train_in_view(rank: int, world: int, views: list[tuple[str, int, int, bool]]
     """Per (arch, tp, pp, remove_padding): log-probs, one update's metrics, and the updated full weights."""
     from hybridflow.engine.actor import ActorEngine
     from hybridflow.engine.fsdp import full_state_dict
-    from hybridflow.engine.parallel.train_view import TrainView
+    from hybridflow.engine.parallel.tp_rollout import kind_of
+    from hybridflow.engine.parallel.train_view import TrainView, train_box
+    from hybridflow.engine.reshard import held_box
 
     out = []
     for arch, tp, pp, packed in views:
@@ -70,6 +72,8 @@ def train_in_view(rank: int, world: int, views: list[tuple[str, int, int, bool]]
         metrics = engine.update_policy(batch)
         state = full_state_dict(engine.module)
         out.append({"log_probs": logp, "metrics": metrics, "state": state if rank == 0 else None})
+        for name, param in engine.module.named_parameters():  # the plans' boxes are the DTensors' own
+            assert held_box(param) == train_box(kind_of(name), tuple(param.shape), view, rank), name
     return out
 
 
@@ -95,3 +99,67 @@ def test_tensor_parallel_training_equals_one_rank(one_rank: list[dict], world: i
     results = run_world(world, train_in_view, world, views, timeout=600)
     for got, want in zip(results[0], one_rank):
         assert_same(got, want, world, world // tp)
+
+
+def save_in_view(rank: int, run_dir: str, tp: int) -> torch.Tensor:
+    """One update at tensor-parallel size ``tp``, a checkpoint (and its export config), then the log-probs."""
+    from pathlib import Path
+
+    from hybridflow.checkpoint import RoleState, save, write_hf_config
+    from hybridflow.engine.actor import ActorEngine
+    from hybridflow.engine.parallel.train_view import TrainView
+
+    lm = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=4, seed=1)
+    engine = ActorEngine(lm, actor_config(), use_remove_padding=True, view=TrainView(2, tp))
+    batch = fixed_batch()  # one replica at tp=2: both ranks train on every row
+    batch["old_log_probs"] = engine.compute_log_prob(batch)["log_probs"] - 0.05
+    engine.update_policy(batch)
+    save(run_dir, 1, {"actor": RoleState(engine.module, engine.engine.optimizer, "lm.")}, {}, {})
+    if rank == 0:
+        write_hf_config(Path(run_dir) / "global_step_1" / "actor" / "hf_config", engine.module.lm, None)
+    return engine.compute_log_prob(fixed_batch())["log_probs"]
+
+
+def load_in_view(rank: int, ckpt: str, world: int, tp: int) -> torch.Tensor:
+    """A fresh engine (other initial weights) in another view, loaded from the checkpoint: its log-probs."""
+    from hybridflow.checkpoint import RoleState, load
+    from hybridflow.engine.actor import ActorEngine
+    from hybridflow.engine.parallel.train_view import TrainView
+
+    lm = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=4, seed=7)
+    engine = ActorEngine(lm, actor_config(), use_remove_padding=True, view=TrainView(world, tp))
+    load(ckpt, {"actor": RoleState(engine.module, engine.engine.optimizer, "lm.")})
+    return engine.compute_log_prob(fixed_batch())["log_probs"]
+
+
+def exported_log_probs(rank: int, model_dir: str) -> torch.Tensor:
+    """The exported directory through AutoModelForCausalLM, scored by a one-rank engine."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.engine.actor import ActorEngine
+
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return ActorEngine(lm, actor_config(), trainable=False).compute_log_prob(fixed_batch())["log_probs"]
+
+
+def save_then_load_at_fsdp(rank: int, run_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """In one pair of processes: save at tp=2, then load into FSDP2 over both ranks."""
+    saved = save_in_view(rank, run_dir, 2)
+    return saved, load_in_view(rank, f"{run_dir}/global_step_1", 2, 1)
+
+
+def load_at_one_rank_and_export(rank: int, run_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """At one rank: load the checkpoint into an engine, and export it as a Hugging Face directory."""
+    from hybridflow.checkpoint import export_hf
+
+    ckpt = f"{run_dir}/global_step_1"
+    at_one = load_in_view(rank, ckpt, 1, 1)
+    export_hf(ckpt, f"{run_dir}/hf")
+    return at_one, exported_log_probs(rank, f"{run_dir}/hf")
+
+
+def test_a_checkpoint_of_the_tensor_parallel_view_loads_in_other_views_and_exports(tmp_path) -> None:
+    saved, at_fsdp2 = run_world(2, save_then_load_at_fsdp, str(tmp_path))[0]
+    at_one, exported = run_world(1, load_at_one_rank_and_export, str(tmp_path))[0]
+    for got in (at_fsdp2, at_one, exported):
+        torch.testing.assert_close(got, saved, rtol=0, atol=1e-5)
