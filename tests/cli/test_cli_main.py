@@ -161,7 +161,10 @@ def test_config_show_lists_the_names_a_reward_module_registers(tmp_path: Path) -
     )
     assert bad.returncode == 2 and bad.stdout == ""
     assert "error: algorithm.adv_estimator: unknown value 'file_estimatr'" in bad.stderr
-    assert "gdpo, file_estimator; or register your own with @register_adv_est(name)" in bad.stderr
+    assert (
+        "tir_optimal_token_baseline, file_estimator; or register your own with @register_adv_est(name)"
+        in bad.stderr
+    )
 
 
 def test_config_show_accepts_registered_builtins_and_lists_them(capsys: pytest.CaptureFixture[str]) -> None:

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridflow.utils.errors import UserError
+
 # Smallest normal float32. Exp(1) draws can be exactly 0 on CPU; clamping them to this keeps p / E finite:
 # p <= 1, so p / tiny <= 8.5e37 < float32 max (3.4e38).
 _TINY = torch.finfo(torch.float32).tiny
@@ -41,7 +43,7 @@ def _token_id_list(name: str, value: int | Iterable[int] | None) -> list[int]:
     ids = [value] if isinstance(value, int) else list(value)
     for tok in ids:
         if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
-            raise ValueError(f"{name} must hold non-negative integer token ids, got {tok!r} in {value!r}")
+            raise UserError(f"{name} must hold non-negative integer token ids, got {tok!r} in {value!r}")
     return ids
 
 
@@ -49,7 +51,7 @@ def _check_int(name: str, value: object, low: int, hint: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}; {hint}")
+        raise UserError(f"{name} must be >= {low}, got {value}; {hint}")
 
 
 @dataclass
@@ -87,19 +89,19 @@ class SamplingParams:
             float(self.min_p),
         )
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(
+            raise UserError(
                 f"temperature must be a finite number >= 0, got {self.temperature}; use 0 with "
                 "do_sample=false for greedy decoding"
             )
         if self.do_sample and self.temperature == 0:
-            raise ValueError(
+            raise UserError(
                 "temperature=0 with do_sample=true cannot sample: set do_sample=false for greedy "
                 "or temperature > 0"
             )
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}; use top_p=1.0 to switch top-p off")
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}; use top_p=1.0 to switch top-p off")
         if not 0.0 <= self.min_p < 1.0:
-            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}; use min_p=0.0 to switch min-p off")
+            raise UserError(f"min_p must be in [0, 1), got {self.min_p}; use min_p=0.0 to switch min-p off")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise TypeError(f"seed must be an int or None, got {self.seed!r}")
         self.eos_token_ids = _token_id_list("eos_token_ids", self.eos_token_ids)
