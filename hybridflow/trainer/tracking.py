@@ -186,7 +186,11 @@ class Tracker:
         kept: list[str] = []
         dropped = 0
         steps: set[int] = set()
-        if self.metrics_path.exists():
+        # A run resumed in its own directory has its file (made at its start, before any kill): only then
+        # can a line be missing. A new directory resumed from another run's checkpoint starts a file of
+        # its own, from the resumed step on.
+        own_file = self.metrics_path.exists()
+        if own_file:
             for line in self.metrics_path.read_text().splitlines():
                 try:
                     row = json.loads(line)
@@ -209,7 +213,7 @@ class Tracker:
                 dropped,
                 resume_step,
             )
-        for step, record in sorted(saved_records.items()):
+        for step, record in sorted(saved_records.items() if own_file else ()):
             if resume_step is not None and int(step) <= resume_step and int(step) not in steps:
                 clean = _clean(record)  # the line a kill after the checkpoint's commit never wrote
                 kept.append(json.dumps({"step": int(step), **clean}, allow_nan=False))

@@ -225,3 +225,20 @@ def test_a_run_files_itself_under_the_configured_project(tmp_path, monkeypatch) 
     assert init["project"] == "myproj" and init["name"] == "exp1"
     assert init["config"]["trainer"]["project_name"] == "myproj"  # the whole config travels with the run
     assert [step for step, m in fake.logged if "actor/pg_loss" in m] == [1]
+
+
+def test_a_saved_line_comes_back_only_in_its_own_run_directory(tmp_path):
+    """A kill after a commit loses the step's line: it comes back from the checkpoint. A new directory
+    resumed from another run's checkpoint starts its own file at the resumed step, with no line of it."""
+    own, other = tmp_path / "own", tmp_path / "other"
+    first = Tracker(own, 3, loggers=("jsonl",), plot_every=0)
+    first.log(1, {"a": 1.0})
+    first.close()  # then killed after step 2's commit, before its line
+    saved = {2: {"a": 2.0}}
+    for run_dir in (own, other):
+        Tracker(run_dir, 3, loggers=("jsonl",), plot_every=0, resume_step=2, saved_records=saved).close()
+    steps = [
+        [json.loads(line)["step"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+        for d in (own, other)
+    ]
+    assert steps == [[1, 2], []]
