@@ -26,7 +26,10 @@ print("RESULT " + json.dumps({k: result[k] for k in ("before", "after", "num_val
 
 def run_fresh(kind: str, *overrides: str) -> dict:
     """``trainer.demo.<kind>(overrides)`` in a fresh interpreter; its before/after accuracies."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    # Not this process's own process-group variables: its one-rank group holds MASTER_PORT.
+    drop = ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, "-c", RUNNER, kind, *overrides], capture_output=True, text=True, env=env, timeout=900
     )
