@@ -14,6 +14,9 @@ waiting thread wakes only at the deadline of the call in progress. A call past i
 the calls after it continue on a fresh thread, and the stuck thread is sent an asynchronous
 ``RewardTimeoutError`` that ends a pure-Python hang (a busy loop at once, a ``time.sleep`` when it
 returns). A call stuck in C code keeps its daemon thread, which never delays the interpreter's exit.
+
+Either way, ``give_up_after=K`` stops calling a function that timed out on each of its first K samples (as
+the pool does): the samples after them get ``(False, RewardSkippedError)`` instead of a wait each.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hybridflow.rewards.pool import Call, Outcome, RewardTimeoutError
+from hybridflow.rewards.pool import Call, Outcome, RewardSkippedError, RewardTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +44,33 @@ def run_here(
     extra_args: tuple = (),
     stop_on_error: bool = False,
     name: str = "reward function",
+    give_up_after: int | None = None,
 ) -> list[Outcome]:
     """Call ``fn`` on each call in this process, each limited to ``timeout_s``; outcomes in call order.
 
     A call past the limit gets ``(False, RewardTimeoutError)``. With ``stop_on_error`` the outcomes end at
-    the first failed call (nothing after it runs).
+    the first failed call (nothing after it runs). With ``give_up_after=K``, once each of the first K calls
+    timed out the rest are not made: they get ``(False, RewardSkippedError)``.
     """
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
-        return run_with_alarm(fn, calls, timeout_s, extra_args, stop_on_error, name)
-    return run_in_thread(fn, calls, timeout_s, extra_args, stop_on_error)
+        outcomes = run_with_alarm(fn, calls, timeout_s, extra_args, stop_on_error, name, give_up_after)
+    else:
+        outcomes = run_in_thread(fn, calls, timeout_s, extra_args, stop_on_error, give_up_after)
+    if len(outcomes) < len(calls) and gave_up(outcomes, give_up_after):
+        reason = (
+            f"not scored: {name} timed out on each of its first {give_up_after} samples, so the rest "
+            "were not called"
+        )
+        logger.warning("reward: %d sample(s) %s", len(calls) - len(outcomes), reason)
+        outcomes += [(False, RewardSkippedError(reason))] * (len(calls) - len(outcomes))
+    return outcomes
+
+
+def gave_up(outcomes: Sequence[Outcome], give_up_after: int | None) -> bool:
+    """Whether there are ``give_up_after`` outcomes, all timeouts (so the calls after them stop)."""
+    if not give_up_after or len(outcomes) != give_up_after:  # checked after each outcome: one compare
+        return False
+    return all(not ok and isinstance(v, RewardTimeoutError) for ok, v in outcomes)
 
 
 class _Alarm:
@@ -73,6 +94,7 @@ def run_with_alarm(
     extra_args: tuple = (),
     stop_on_error: bool = False,
     name: str = "reward function",
+    give_up_after: int | None = None,
 ) -> list[Outcome]:
     """The calls on this (main) thread, each under a SIGALRM timer; the previous handler is restored."""
     alarm = _Alarm(timeout_s)
@@ -96,7 +118,7 @@ def run_with_alarm(
                 alarm.armed = False  # a signal arriving now is ignored
                 signal.setitimer(signal.ITIMER_REAL, 0)
             outcomes.append(outcome)
-            if stop_on_error and not outcome[0]:
+            if (stop_on_error and not outcome[0]) or gave_up(outcomes, give_up_after):
                 break
     finally:
         finished.set()
@@ -176,12 +198,17 @@ class _ThreadRun:
 
 
 def run_in_thread(
-    fn: Callable, calls: Sequence[Call], timeout_s: float, extra_args: tuple = (), stop_on_error: bool = False
+    fn: Callable,
+    calls: Sequence[Call],
+    timeout_s: float,
+    extra_args: tuple = (),
+    stop_on_error: bool = False,
+    give_up_after: int | None = None,
 ) -> list[Outcome]:
     """Call ``fn`` on each call in a daemon thread, each call limited to ``timeout_s``; outcomes in order.
 
     A call past the limit gets ``(False, RewardTimeoutError)``. With ``stop_on_error`` the outcomes end at
-    the first failed call (nothing after it runs).
+    the first failed call (nothing after it runs), with ``give_up_after=K`` once the first K timed out.
     """
     outcomes: list[Outcome] = []
     while len(outcomes) < len(calls):
@@ -196,7 +223,7 @@ def run_in_thread(
         logger.debug("reward call %d passed its %s s limit; its thread is abandoned", timed_out, timeout_s)
         outcomes += run.outcomes[: timed_out - run.start]
         outcomes.append((False, RewardTimeoutError(f"timed out after {timeout_s} s")))
-        if stop_on_error:
+        if stop_on_error or gave_up(outcomes, give_up_after):
             break
     return outcomes
 

@@ -15,9 +15,10 @@ Errors: a call that raises, returns NaN/inf, or returns anything but an int/floa
 numeric ``"score"`` raises ``RewardError`` naming the sample index, its data source and the function. With
 ``on_error="zero"`` the sample scores 0 instead, a warning is logged, and the extras always carry
 ``reward/errors`` (1.0 for each failed sample, 0.0 otherwise; its sum is the error count).
-In the pool, ``on_error="raise"`` stops at the first timeout; with ``"zero"`` the pool stops waiting once
-the function timed out on each of its first max(2, num_workers) samples (the rest score 0), and the extras
-carry ``reward/timeouts`` and ``reward/skipped`` per sample.
+``on_error="raise"`` stops at the first timeout; with ``"zero"`` scoring stops waiting once the function
+timed out on each of its first max(2, num_workers) samples (the rest score 0; in the pool or, with
+num_workers=0, in-process), and the extras of naive and token functions carry ``reward/timeouts`` and
+``reward/skipped`` per sample.
 
 Every call is limited to ``timeout_s`` seconds (one sample, or the whole batch for a batch function); a
 timeout is an error like the others, reported with the limit and the settings that change it.
@@ -55,8 +56,8 @@ logger = logging.getLogger(__name__)
 KINDS = ("naive", "batch", "token")
 ON_ERROR = ("raise", "zero")
 ERRORS_KEY = "reward/errors"
-TIMEOUTS_KEY = "reward/timeouts"  # per sample, 1.0 where the call timed out (pool, on_error=zero)
-SKIPPED_KEY = "reward/skipped"  # per sample, 1.0 where the pool stopped waiting for a hung function
+TIMEOUTS_KEY = "reward/timeouts"  # per sample, 1.0 where the call timed out (on_error=zero)
+SKIPPED_KEY = "reward/skipped"  # per sample, 1.0 where scoring stopped waiting for a hung function
 
 
 class RewardError(UserError):
@@ -231,7 +232,8 @@ class RewardManager:
             give_up = None if raise_now else max(2, self.num_workers)
             return self._get_pool(extra_args).run(calls, stop_on_timeout=raise_now, give_up_after=give_up)
         stop = self.on_error == "raise"
-        return run_here(self.compute_score, calls, self.timeout_s, extra_args, stop, self.fn_name)
+        give_up = None if stop else 2
+        return run_here(self.compute_score, calls, self.timeout_s, extra_args, stop, self.fn_name, give_up)
 
     def _get_pool(self, extra_args: tuple) -> ScoringPool:
         """The pool, (re)started when first needed or when the tokenizer it holds changes."""
@@ -315,7 +317,7 @@ class RewardManager:
         extra_lists = {k: [extras.get(k, 0.0) for extras in per_sample] for k in keys}
         if self.on_error == "zero":
             extra_lists[ERRORS_KEY] = errors
-            if self.num_workers > 0 and self.kind != "batch":
+            if self.kind != "batch":
                 extra_lists[TIMEOUTS_KEY], extra_lists[SKIPPED_KEY] = timeouts, skipped
         if failures:
             logger.warning(

@@ -99,11 +99,12 @@ def test_on_error_zero_scores_zero_counts_and_warns(caplog):
             ["a", "b", "c", "d"], ["ok", "nan", "boom", "ok"], [0, 0, 0, 0]
         )
     assert scores == [1.0, 0.0, 0.0, 1.0]
-    assert extras == {"acc": [1.0, 0.0, 0.0, 1.0], ERRORS_KEY: [0.0, 1.0, 1.0, 0.0]}
+    no_timeouts = {"reward/timeouts": [0.0] * 4, "reward/skipped": [0.0] * 4}
+    assert extras == {"acc": [1.0, 0.0, 0.0, 1.0], ERRORS_KEY: [0.0, 1.0, 1.0, 0.0], **no_timeouts}
     assert "2 of 4 samples" in caplog.text and "sample 1" in caplog.text
     # No failure: the error column is still there, all zeros.
     _, extras = RewardManager(exact_match, on_error="zero").score(["a"], ["x"], ["x"])
-    assert extras == {ERRORS_KEY: [0.0]}
+    assert extras == {ERRORS_KEY: [0.0], "reward/timeouts": [0.0], "reward/skipped": [0.0]}
 
 
 def test_batch_kind():

@@ -27,6 +27,10 @@ SOURCE = textwrap.dedent(
             time.sleep(20)
         return 1.0
 
+    def always_slow(data_source, solution_str, ground_truth, extra_info=None):
+        time.sleep(20)
+        return 1.0
+
     def batch_slow(data_sources, solution_strs, ground_truths, extra_infos):
         time.sleep(20)
         return [1.0] * len(solution_strs)
@@ -100,6 +104,40 @@ def test_a_hung_batch_function_times_out(reward_file, workers, caplog):
     assert scores == [0.0] * 3 and extras[ERRORS_KEY] == [1.0] * 3
     assert "timed out" in caplog.text
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("thread", [False, True], ids=["main-thread", "background-thread"])
+def test_in_process_on_error_zero_stops_calling_a_function_that_times_out_on_everything(
+    reward_file, thread, caplog
+):
+    # Eight samples of a function that hangs on each: two timeouts, then the rest are skipped, not waited.
+    result: dict = {}
+
+    def target() -> None:
+        manager = RewardManager((reward_file, "always_slow"), timeout_s=TIMEOUT_S, on_error="zero")
+        result["out"] = manager.score(["a"] * 8, ["x"] * 8, [0] * 8)
+
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        if thread:
+            worker = threading.Thread(target=target)
+            worker.start()
+            worker.join(timeout=10)
+        else:
+            target()
+    assert time.monotonic() - start < 4 * TIMEOUT_S + 1  # two waits, not eight
+    scores, extras = result["out"]
+    assert scores == [0.0] * 8 and extras[ERRORS_KEY] == [1.0] * 8
+    assert extras["reward/timeouts"] == [1.0, 1.0] + [0.0] * 6  # reported in the step's metrics
+    assert extras["reward/skipped"] == [0.0, 0.0] + [1.0] * 6
+    assert "timed out on each of its first 2 samples" in caplog.text
+
+
+def test_in_process_timeouts_are_counted_without_giving_up_on_a_function_that_scores(reward_file):
+    with RewardManager((reward_file, "slow_on_b"), timeout_s=TIMEOUT_S, on_error="zero") as manager:
+        scores, extras = manager.score(["b", "a", "b", "b"], ["x"] * 4, [0] * 4)
+    assert scores == [0.0, 1.0, 0.0, 0.0]  # the second sample scored: every later sample is still called
+    assert extras["reward/timeouts"] == [1.0, 0.0, 1.0, 1.0] and extras["reward/skipped"] == [0.0] * 4
 
 
 def test_in_process_timeout_holds_on_a_background_thread(reward_file):
