@@ -28,55 +28,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from switch import PLAN_SHAPES, meta_model
 
-from hybridflow.engine.parallel import GenerateView, ReshardPlan
-from hybridflow.engine.parallel.plan import ParamSpec, volume
-from hybridflow.engine.parallel.tp_rollout import ShardLayout, check_tp, kind_of
-from hybridflow.engine.parallel.tp_train import check_train_tp
-from hybridflow.engine.parallel.train_view import TrainView, train_box
+from hybridflow.engine.parallel.memory import unsplit_reason, view_memory
+from hybridflow.engine.parallel.train_view import TrainView
 
 GB = 1e9
-STATE_BYTES = 4 + 4 + 8  # float32 master, float32 gradient, AdamW exp_avg and exp_avg_sq
-
-
-def _fits(check, config, tp: int) -> str | None:
-    """None when ``tp`` splits the model, else the field that it does not split."""
-    try:
-        check(config, tp)
-    except ValueError as e:
-        return str(e).split(": ")[1].split(" (")[0].split(";")[0]
-    return None
 
 
 def view_row(size: str, model, world: int, tp_t: int, tp_g: int) -> str:
     """One table row: the figures of train view (tp_t, dp) -> generate view (tp_g) for ``size``."""
-    config = model.config
-    bad = _fits(check_train_tp, config, tp_t) or _fits(check_tp, config, tp_g)
     train = TrainView(world, tp_t)
+    bad = unsplit_reason(model, tp_t, tp_g)
     if bad:
-        return f"| {size} | {train} | (tp={tp_g}) | - | - | - | - | - | {bad} |"
-    head_dim = config.hidden_size // config.num_attention_heads
-    params = list(model.named_parameters())
-    kinds = [kind_of(n) for n, _ in params]
-    fsdp_dims = [  # as follow_rollout_shards marks them for FSDP2-only training with a tp rollout
-        1 if train.fsdp_only and tp_g > 1 and k == "row" and p.shape[1] % world == 0 else 0
-        for k, (_, p) in zip(kinds, params)
-    ]
-    holdings = [
-        [train_box(k, tuple(p.shape), train, r, d) for k, (_, p), d in zip(kinds, params, fsdp_dims)]
-        for r in range(world)
-    ]
-    specs = [
-        ParamSpec(n, tuple(p.shape), None, ShardLayout(k, tuple(p.shape), tp_g, head_dim))
-        for k, (n, p) in zip(kinds, params)
-    ]
-    plan = ReshardPlan(specs, GenerateView(world, tp_g), 2, 512 * 2**20, holdings, str(train))
-    state = max(sum(volume(b) for b in holdings[r]) for r in range(world)) * STATE_BYTES
-    layer = sum(p.numel() for n, p in params if ".layers.0." in n) * 2 // tp_t
-    gen = plan.generation_bytes()
-    recv = max(plan.bytes_received(r) for r in range(world))
+        return f"| {size} | {train} | (tp={tp_g}) | - | - | - | - | - | {bad.split(': ')[1].split(' (')[0].split(';')[0]} |"
+    m = view_memory(model, train, tp_g)
+    state, gen = m.state_bytes(), m.generation_bytes
     return (
-        f"| {size} | {train} | (tp={tp_g}) | {state / GB:.2f} | {layer / GB:.3f} | {gen / GB:.2f} | "
-        f"{recv / GB:.3f} | {(state + gen) / GB:.2f} | |"
+        f"| {size} | {train} | (tp={tp_g}) | {state / GB:.2f} | {m.layer_bytes / GB:.3f} | {gen / GB:.2f} | "
+        f"{m.received_bytes / GB:.3f} | {(state + gen) / GB:.2f} | |"
     )
 
 

@@ -21,6 +21,7 @@ from hybridflow.data.rows import (
     check_ground_truth,
     check_prompt,
     check_str_field,
+    is_missing,
     lookup,
     origins_of,
     row_error,
@@ -86,7 +87,8 @@ class RLDataset:
 
     Each item holds ``input_ids`` (list[int]), ``raw_prompt`` (the messages or text), ``data_source``,
     ``ground_truth``, ``extra_info`` and ``index`` (``extra_info["index"]`` when present, else the row's
-    number in its source). Prompts longer than ``max_prompt_length`` tokens are dropped when
+    number in its source; ``ground_truth`` is None for a row without one when ``require_ground_truth`` is
+    false, for rewards that do not read it). Prompts longer than ``max_prompt_length`` tokens are dropped when
     ``filter_overlong_prompts`` (the count is logged and kept in ``num_filtered``), otherwise truncated
     per ``truncation`` ('left', 'right', 'middle'; count in ``num_truncated``) or, for 'error', refused.
     Errors name the row's file, row and jsonl line as ``load_rows`` recorded them; rows given as a plain
@@ -103,6 +105,7 @@ class RLDataset:
         filter_overlong_prompts: bool = False,
         source: str | None = None,
         reward_fn_key: str = "data_source",
+        require_ground_truth: bool = True,
     ) -> None:
         if truncation not in TRUNCATIONS:
             raise UserError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
@@ -113,7 +116,10 @@ class RLDataset:
         if not rows:
             raise DataError(f"{self.source}: no rows; the dataset is empty", file=self.source)
         self.max_prompt_length = max_prompt_length
-        items = [self._validate(row, o, prompt_key, reward_fn_key) for row, o in zip(rows, origins)]
+        items = [
+            self._validate(row, o, prompt_key, reward_fn_key, require_ground_truth)
+            for row, o in zip(rows, origins)
+        ]
         ids = encode_prompts(tokenizer, [it["raw_prompt"] for it in items])
         self.items: list[dict[str, Any]] = []
         self.origins: list[RowOrigin] = []
@@ -138,15 +144,20 @@ class RLDataset:
         self._log_counts(len(rows))
 
     @staticmethod
-    def _validate(row: Any, origin: RowOrigin, prompt_key: str, reward_fn_key: str) -> dict[str, Any]:
+    def _validate(
+        row: Any, origin: RowOrigin, prompt_key: str, reward_fn_key: str, require_ground_truth: bool = True
+    ) -> dict[str, Any]:
         if not isinstance(row, dict):
             raise row_error(origin, f"a row must be a dict, got {type(row).__name__}")
         extra_info = check_extra_info(row.get("extra_info"), origin)
         index = extra_info.get("index")
+        truth = lookup(row, "reward_model.ground_truth")
         return {
             "raw_prompt": check_prompt(lookup(row, prompt_key), origin, prompt_key),
             "data_source": check_str_field(lookup(row, reward_fn_key), origin, reward_fn_key),
-            "ground_truth": check_ground_truth(lookup(row, "reward_model.ground_truth"), origin),
+            "ground_truth": None
+            if not require_ground_truth and is_missing(truth)
+            else check_ground_truth(truth, origin),
             "extra_info": extra_info,
             "index": index if isinstance(index, int) else origin.row,
         }

@@ -10,6 +10,7 @@ import torch
 from hybridflow.config.schema import Config
 from hybridflow.protocol import Batch
 from hybridflow.rewards import RewardManager, default_compute_score, known_data_sources, load_reward_function
+from hybridflow.rewards.shapes import RewardShape
 from hybridflow.utils.text import batch_decode
 
 logger = logging.getLogger(__name__)
@@ -23,6 +24,8 @@ def build_reward_manager(cfg: Config, reward_fn: Any = None) -> RewardManager:
         fn = load_reward_function(r.custom_function.path, r.custom_function.name)
         name = f"{r.custom_function.path}:{r.custom_function.name}"
     kind = r.manager if r.manager in ("naive", "batch", "token") else "naive"  # dapo/prime score per sample
+    if isinstance(fn, RewardShape):  # recognised by the notebook API: its own call and manager kind
+        fn, name, kind = fn.call, fn.name, fn.kind
     return RewardManager(
         fn,
         kind=kind,
