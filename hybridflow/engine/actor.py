@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -16,7 +15,16 @@ from hybridflow.config.schema import ActorConfig, FSDPConfig, OptimConfig
 from hybridflow.engine.micro_batch import check_batch, micro_batch_indices, restore_order
 from hybridflow.engine.packed_attention import use_packed_attention
 from hybridflow.engine.packing import build_scoring_inputs, scatter_to_responses, to_device
+from hybridflow.engine.parallel.pipeline import StageScorer
 from hybridflow.engine.parallel.train_view import TrainView
+from hybridflow.engine.pipelined import (
+    attach_pipeline,
+    gather_pass,
+    micro_loss_fn,
+    packed_inputs,
+    pipeline_stage,
+    policy_head,
+)
 from hybridflow.engine.scorer import PolicyScorer, decoder_layers
 from hybridflow.engine.train_engine import TrainEngine
 from hybridflow.protocol import Batch
@@ -67,13 +75,18 @@ class ActorEngine:
             "defer_grad_sync": defer_grad_sync,
             "keep_params_gathered": keep_params_gathered,
         }
+        self.fused_head = fused_head
+        stage = pipeline_stage(lm, view)  # None: one stage
+        if stage is not None:
+            use_remove_padding = self.remove_padding = True  # pipeline stages run packed micro-batches
         if use_remove_padding:
             use_packed_attention(lm)
         if gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         optim: OptimConfig | None = actor.optim if trainable else None
+        root = PolicyScorer(lm, fused_head=fused_head) if stage is None else StageScorer(lm, stage, view.pp)
         self.engine = TrainEngine(
-            PolicyScorer(lm, fused_head=fused_head),
+            root,
             decoder_layers(lm),
             fsdp or actor.fsdp,
             optim,
@@ -83,6 +96,7 @@ class ActorEngine:
             actor.use_torch_compile,
             view,
         )
+        self.pipeline = None if stage is None else attach_pipeline(self.engine, lm, stage)
 
     @property
     def module(self) -> nn.Module:
@@ -128,16 +142,32 @@ class ActorEngine:
         self.engine.onload()
         self.module.eval()
         parts = micro_batch_indices(batch, micro_batch_size, use_dynamic_bsz, max_token_len)
-        logps, ents = [], []
-        for idx in parts:  # results stay on the device: one copy to the host at the end, not one per part
-            lp, ent = self.score(batch[idx], temperature, with_entropy)
-            logps.append(lp)
-            ents.append(ent)
-        out = {"log_probs": restore_order(logps, parts).cpu()}
+        if self.pipeline is not None:
+            results = self._pipelined_scores(batch, parts, temperature, with_entropy)
+        else:
+            logps, ents = [], []
+            for idx in parts:  # results stay on the device: one copy to the host at the end, not one per part
+                lp, ent = self.score(batch[idx], temperature, with_entropy)
+                logps.append(lp)
+                ents.append(ent)
+            results = [restore_order(logps, parts).cpu()]
+            if with_entropy:
+                results.append(restore_order(ents, parts).cpu())
+        out = {"log_probs": results[0]}
         if with_entropy:
-            out["entropys"] = restore_order(ents, parts).cpu()
+            out["entropys"] = results[1]
         self.engine.offload()
         return out
+
+    def _pipelined_scores(
+        self, batch: Batch, parts: list[list[int]], temperature: float, with_entropy: bool
+    ) -> list[torch.Tensor]:
+        """Log-probs (and entropy) (B, R) on the host, through the pipeline stages (every stage gets them)."""
+        inputs = packed_inputs(batch, parts)
+        k = 2 if with_entropy else 1
+        head = policy_head(temperature, with_entropy, False, self.fused_head)
+        outs = self.pipeline.forward(inputs, head, k)
+        return gather_pass(self.pipeline, outs, inputs, parts, batch["responses"].shape[1], k)
 
     def _epoch_order(self, rows: int, epoch: int) -> torch.Tensor:
         """``actor.shuffle``: a permutation of the rows for this epoch's mini-batches.
@@ -209,16 +239,30 @@ class ActorEngine:
         parts = micro_batch_indices(
             batch, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu
         )
-        for i, idx in enumerate(parts):
-            mb = batch[idx]
-            logp, _ = self.score(mb, 1.0, with_entropy=False)  # (b, R)
+
+        def nll(mb: Batch, logp: torch.Tensor) -> torch.Tensor:  # logp (b, R)
+            nonlocal total
             mask = to_device(mb["response_mask"], self.engine.device)
             loss = -agg_loss(logp, mask, "token-mean", dp_size=dp, **counts)
+            total += loss.detach().double() / dp  # on the device: no sync per micro-batch
+            return loss
+
+        if self.pipeline is not None:
+            inputs = packed_inputs(batch, parts)
+            loss_of = micro_loss_fn(
+                inputs, parts, batch["responses"].shape[1], lambda i, o: nll(batch[parts[i]], o[0])
+            )
+            self.pipeline.train(inputs, policy_head(1.0, False, False, self.fused_head), 1, loss_of)
+        for i, idx in enumerate(parts if self.pipeline is None else []):
+            mb = batch[idx]
+            logp, _ = self.score(mb, 1.0, with_entropy=False)  # (b, R)
+            loss = nll(mb, logp)
             self.accumulate_grads(i, len(parts))
             loss.backward()
-            total += loss.detach().double() / dp  # on the device: no sync per micro-batch
-        total = total.cpu()
-        metrics = {"sft/loss": float(self.dp_sum(total)), "sft/grad_norm": self.engine.optimizer_step()}
+        loss_sum = float(self.dp_sum(total.cpu()))  # stages before the last: 0, and their dp groups' own sum
+        if self.pipeline is not None:
+            loss_sum = self.pipeline.from_last(loss_sum)
+        metrics = {"sft/loss": loss_sum, "sft/grad_norm": self.engine.optimizer_step()}
         self.engine.lr_step()
         self.engine.offload()
         metrics["sft/lr"] = self.engine.lr
@@ -248,11 +292,15 @@ class ActorEngine:
             **counts,
         )
 
-    def _micro_losses(
-        self, mini: Batch, parts: list[list[int]], temperature: float, on_policy: bool, cfg: PolicyLossConfig
-    ) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]]:
-        """Yield each micro-batch's loss, its metric contributions (weighted to sum globally), and its
-        detached log-probs (b, R)."""
+    def _micro_loss(
+        self,
+        mb: Batch,
+        logp: torch.Tensor,  # (b, R)
+        ent: torch.Tensor,  # (b, R)
+        on_policy: bool,
+        cfg: PolicyLossConfig,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One micro-batch's loss and its metric contributions (weighted to sum globally)."""
         a = self.actor
         agg = dict(
             dp_size=cfg.dp_size,
@@ -260,31 +308,61 @@ class ActorEngine:
             global_batch_size=cfg.global_batch_size,
             loss_scale_factor=cfg.loss_scale_factor,
         )
+        dev = self._device_fields(mb, LOSS_KEYS)
+        mask = dev["response_mask"]  # (b, R)
+        old = logp.detach() if on_policy else dev["old_log_probs"]
+        weights = dev.get("rollout_is_weights")
         loss_fn = get_policy_loss_fn(a.policy_loss.loss_mode)
-        for idx in parts:
+        pg_loss, pg_metrics = loss_fn(old, logp, dev["advantages"], mask, a.loss_agg_mode, cfg, weights)
+        entropy = agg_loss(ent, mask, a.loss_agg_mode, **agg)
+        loss = pg_loss - a.entropy_coeff * entropy if a.entropy_coeff else pg_loss
+        share = mask.sum() / max(cfg.batch_num_tokens, 1)  # this micro-batch's share of the tokens
+        metrics = {
+            "actor/pg_loss": pg_loss.detach() / cfg.dp_size,
+            "actor/entropy": entropy.detach() / cfg.dp_size,
+        }
+        metrics.update({k: v * share for k, v in pg_metrics.items()})
+        if a.use_kl_loss:
+            kl = agg_loss(kl_penalty(logp, dev["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode, **agg)
+            loss = loss + a.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = kl.detach() / cfg.dp_size
+        return loss, metrics
+
+    def _add_metrics(self, totals: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
+        for key, value in metrics.items():  # float64 sums on the device: one host copy per mini-batch
+            value = torch.as_tensor(value, device=self.engine.device).detach().double()
+            totals[key] = totals[key] + value if key in totals else value
+
+    def _backward_micro_batches(
+        self, mini: Batch, parts: list[list[int]], temperature: float, on_policy: bool, cfg: PolicyLossConfig
+    ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        """Backward of every micro-batch's loss; the metric sums and the detached log-probs (b, R) each."""
+        entropy_grad = self.actor.entropy_coeff != 0  # the entropy is always reported
+        totals: dict[str, torch.Tensor] = {}
+        logps: list[torch.Tensor] = []
+        if self.pipeline is not None:
+            inputs = packed_inputs(mini, parts)
+
+            def loss(i: int, outs: list[torch.Tensor]) -> torch.Tensor:
+                value, metrics = self._micro_loss(mini[parts[i]], outs[0], outs[1], on_policy, cfg)
+                self._add_metrics(totals, metrics)
+                logps.append(outs[0].detach())
+                return value
+
+            head = policy_head(temperature, True, entropy_grad, self.fused_head)
+            self.pipeline.train(
+                inputs, head, 2, micro_loss_fn(inputs, parts, mini["responses"].shape[1], loss)
+            )
+            return totals, logps
+        for i, idx in enumerate(parts):
             mb = mini[idx]  # stays on the host: the scoring indices are built there
-            dev = self._device_fields(mb, LOSS_KEYS)
-            mask = dev["response_mask"]  # (b, R)
-            # The entropy is always reported; it needs a gradient only when it is in the loss.
-            logp, ent = self.score(mb, temperature, True, entropy_grad=a.entropy_coeff != 0)  # (b, R) each
-            old = logp.detach() if on_policy else dev["old_log_probs"]
-            weights = dev.get("rollout_is_weights")
-            pg_loss, pg_metrics = loss_fn(old, logp, dev["advantages"], mask, a.loss_agg_mode, cfg, weights)
-            entropy = agg_loss(ent, mask, a.loss_agg_mode, **agg)
-            loss = pg_loss - a.entropy_coeff * entropy if a.entropy_coeff else pg_loss
-            share = mask.sum() / max(cfg.batch_num_tokens, 1)  # this micro-batch's share of the tokens
-            metrics = {
-                "actor/pg_loss": pg_loss.detach() / cfg.dp_size,
-                "actor/entropy": entropy.detach() / cfg.dp_size,
-            }
-            metrics.update({k: v * share for k, v in pg_metrics.items()})
-            if a.use_kl_loss:
-                kl = agg_loss(
-                    kl_penalty(logp, dev["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode, **agg
-                )
-                loss = loss + a.kl_loss_coef * kl
-                metrics["actor/kl_loss"] = kl.detach() / cfg.dp_size
-            yield loss, metrics, logp.detach()
+            logp, ent = self.score(mb, temperature, True, entropy_grad=entropy_grad)  # (b, R) each
+            value, metrics = self._micro_loss(mb, logp, ent, on_policy, cfg)
+            self.accumulate_grads(i, len(parts))
+            value.backward()
+            self._add_metrics(totals, metrics)
+            logps.append(logp.detach())
+        return totals, logps
 
     def _update_mini_batch(
         self, mini: Batch, temperature: float, on_policy: bool, keep_log_probs: bool = False
@@ -294,21 +372,16 @@ class ActorEngine:
         parts = micro_batch_indices(
             mini, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu
         )
-        totals: dict[str, torch.Tensor] = {}  # float64 sums on the device: one host copy per mini-batch
-        logps = []  # on the device: one copy to the host at the end
-        micro = self._micro_losses(mini, parts, temperature, on_policy, cfg)
-        for i, (loss, metrics, logp) in enumerate(micro):
-            self.accumulate_grads(i, len(parts))
-            loss.backward()
-            if keep_log_probs:
-                logps.append(logp)
-            for key, value in metrics.items():
-                value = torch.as_tensor(value, device=self.engine.device).detach().double()
-                totals[key] = totals[key] + value if key in totals else value
-        keys = sorted(totals)
+        totals, logps = self._backward_micro_batches(mini, parts, temperature, on_policy, cfg)
+        keys = sorted(totals)  # empty on the stages before the last
         summed = self.dp_sum(torch.stack([totals[k] for k in keys]).cpu()) if keys else torch.zeros(0)
         out = dict(zip(keys, summed.tolist()))
+        if self.pipeline is not None:
+            out = self.pipeline.from_last(out)
         if keep_log_probs:  # before the optimizer step, so these are the weights that generated the batch
-            self.last_log_probs = restore_order(logps, parts).cpu()
+            kept = restore_order(logps, parts) if logps else None
+            if self.pipeline is not None:
+                kept = self.pipeline.tensor_from_last(kept, tuple(mini["responses"].shape), torch.float32)
+            self.last_log_probs = kept.cpu()
         out["actor/grad_norm"] = self.engine.optimizer_step()
         return out

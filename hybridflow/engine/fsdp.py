@@ -244,9 +244,26 @@ def _host_sync(device: torch.device | str) -> None:
         torch.cuda.synchronize()
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded state dict on CPU (every rank gets it; used for export and for tests)."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def full_state_dict(model: nn.Module, pp_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+    """The unsharded state dict on rank 0's host (a collective; for export, the baseline switch and tests).
+
+    ``pp_group``: the ranks holding the other pipeline stages of this rank's model replica, when the model
+    is one stage of a pipeline. Each stage gathers its own parameters, and rank 0 receives the others'.
+    """
+    if pp_group is None or dist.get_world_size(pp_group) == 1:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # cpu_offload gathers onto global rank 0 only, which holds no other stage: each stage gathers in place.
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    state = {k: v.detach().cpu() for k, v in state.items()}
+    first = dist.get_global_rank(pp_group, 0)
+    stages: list | None = [None] * dist.get_world_size(pp_group) if dist.get_rank() == first else None
+    dist.gather_object(state, stages, dst=first, group=pp_group)
+    if dist.get_rank() != 0:
+        return {}
+    merged: dict[str, torch.Tensor] = {}
+    for part in stages:
+        merged.update(part)  # a tied head's weight comes from two stages: the same values
+    return merged
 
 
 def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:

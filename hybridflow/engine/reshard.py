@@ -29,7 +29,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from hybridflow.engine.fsdp import full_state_dict
 from hybridflow.engine.parallel.plan import ParamSpec, ReshardPlan
 from hybridflow.engine.parallel.resharder import Resharder
-from hybridflow.engine.parallel.tp_rollout import Box, build_shard, layouts
+from hybridflow.engine.parallel.tp_rollout import Box, build_shard, layouts, meta_model
 from hybridflow.engine.parallel.view import GenerateView
 from hybridflow.utils.dist import world_size
 
@@ -110,15 +110,19 @@ class RolloutShard:
         self.view, self.rank = view, rank
         self.module = build_shard(sharded, view.tp, dtype, device)
         self.storages = _Storages(self.module)
+        # The whole model's parameters: a pipeline stage holds only its own layers, the generation view all.
+        skeleton = meta_model(sharded)
+        whole = dict(skeleton.named_parameters())
         ours = dict(sharded.named_parameters())
         generation = dict(self.module.named_parameters())
-        if ours.keys() != generation.keys():
+        if whole.keys() != generation.keys() or not ours.keys() <= whole.keys():
             raise ValueError(
-                f"the rollout shard's parameters differ: {sorted(ours.keys() ^ generation.keys())}"
+                f"the rollout shard's parameters differ: {sorted(whole.keys() ^ generation.keys())}, "
+                f"{sorted(ours.keys() - whole.keys())}"
             )
-        lay = layouts(sharded, view.tp)
-        self.names = list(ours)
-        specs = [ParamSpec(n, tuple(ours[n].shape), None, lay[n]) for n in self.names]
+        lay = layouts(skeleton, view.tp)
+        self.names = list(whole)
+        specs = [ParamSpec(n, tuple(whole[n].shape), None, lay[n]) for n in self.names]
         for spec in specs:  # the buffers' shapes are what the plan writes into
             got = tuple(generation[spec.name].shape)
             assert got == spec.layout.local_shape(), f"{spec.name}: buffer {got}, layout {spec.layout}"
@@ -147,14 +151,23 @@ class RolloutShard:
         """Refresh every generation weight from ``sharded``'s shards (all ranks together); bytes received."""
         self.storages.restore()
         params = dict(sharded.named_parameters())
-        sources = [local_shard(params[n]) for n in self.names]
+        nothing = torch.empty(0)  # another pipeline stage's parameter: the plan never reads it here
+        sources = [local_shard(params[n]) if n in params else nothing for n in self.names]
         return self.resharder.run(sources, self.targets)
 
 
 class BroadcastReplica:
     """The baseline: a whole copy in the rollout dtype, kept, refreshed by a rank-0 state-dict broadcast."""
 
-    def __init__(self, sharded: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        sharded: nn.Module,
+        dtype: torch.dtype,
+        device: torch.device,
+        pp_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """``pp_group``: the other pipeline stages of this rank's replica, when ``sharded`` is one stage."""
+        self.pp_group = pp_group
         self.module = build_shard(sharded, 1, dtype, device)
         self.params = dict(self.module.named_parameters())
         self.world = world_size()
@@ -171,7 +184,7 @@ class BroadcastReplica:
     @torch.no_grad()
     def sync(self, sharded: nn.Module) -> int:
         """Gather the full state dict (on rank 0's host), broadcast each tensor; returns the bytes received."""
-        state = full_state_dict(sharded)  # every rank takes part; rank 0 is the one that needs it
+        state = full_state_dict(sharded, self.pp_group)  # a collective; rank 0 is the one that needs it
         received = 0
         for name, target in self.params.items():
             if self.world == 1 or dist.get_rank() == 0:

@@ -155,6 +155,7 @@ class TrainEngine:
             )
             allocate_state(self.optimizer)  # steady-state memory from the start (see its docstring)
         self.skipped_steps = 0
+        self.tied = None  # a pipeline's tied head (``pipeline.TiedWeights``): set by the role that has one
         self.on_device = True
         self.moments_away = False  # moved to the host for one rollout (optimizer_offload=auto)
         self.pin_memory = fsdp.pin_memory
@@ -203,7 +204,12 @@ class TrainEngine:
         if self.view.fsdp_only:
             norm = grad_norm_and_clip(params, self.grad_clip)
         else:  # parameters on several meshes (tp x dp layers, dp-only embeddings), or on several stages
-            norm = clip_by_global_norm(params, self.grad_clip, self.pp_group)
+            twin = None
+            if self.tied is not None:
+                self.tied.sync_grads()  # the first and last stages' copies of a tied head get one gradient
+                twin = None if self.tied.counted else self.tied.param  # counted once, on the first stage
+            counted = [p for p in params if p is not twin]
+            norm = clip_by_global_norm(params, self.grad_clip, self.pp_group, counted)
         norm_value = float(norm)
         if math.isfinite(norm_value):
             self.optimizer.step()

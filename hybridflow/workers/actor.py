@@ -137,7 +137,7 @@ class ActorWorker:
         weights: both need weights of their own, refreshed from the shards before each generation.
         """
         if not self.cfg.actor.hybrid_engine:
-            return BroadcastReplica(self.hf_model, dtype, device)
+            return BroadcastReplica(self.hf_model, dtype, device, self.engine.engine.pp_group)
         if view.world == 1 and native:
             logger.info(
                 "HybridEngine initialized: train_view=(fsdp=1), generate_view=%s: the rollout reads the training "

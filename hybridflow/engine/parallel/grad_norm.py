@@ -56,10 +56,16 @@ def global_grad_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | N
 
 @torch.no_grad()
 def clip_by_global_norm(
-    params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None
+    params: list[nn.Parameter],
+    max_norm: float,
+    pp_group: dist.ProcessGroup | None = None,
+    counted: list[nn.Parameter] | None = None,
 ) -> torch.Tensor:
-    """Scale every gradient so the global norm is at most ``max_norm`` (> 0); returns the pre-clip norm."""
-    norm = global_grad_norm(params, pp_group)
+    """Scale every gradient so the global norm is at most ``max_norm`` (> 0); returns the pre-clip norm.
+
+    ``counted``: the parameters the norm sums (default all): a copy held on two stages (a tied head) is
+    scaled on both but counted once."""
+    norm = global_grad_norm(params if counted is None else counted, pp_group)
     value = float(norm)
     if max_norm > 0 and math.isfinite(value) and value > max_norm:
         coef = max_norm / (value + 1e-6)  # torch's clip_grad_norm_ formula, so the numbers compare

@@ -159,6 +159,13 @@ def shard_config(config: Any, tp: int) -> Any:
     return local
 
 
+def meta_model(model: nn.Module) -> nn.Module:
+    """The whole model of ``model``'s class and config on the meta device (every layer, no storage): the
+    names and shapes of all parameters, also when ``model`` is one pipeline stage."""
+    with torch.device("meta"):
+        return type(model)(copy.deepcopy(model.config))
+
+
 def build_shard(model: nn.Module, tp: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """An empty module of ``model``'s class in the shape of one rollout rank's shard (never the whole model).
 

@@ -70,7 +70,7 @@ def train_in_view(rank: int, world: int, views: list[tuple[str, int, int, bool]]
         logp = engine.compute_log_prob(batch, micro_batch_size=3)["log_probs"]
         batch["old_log_probs"] = logp - 0.05
         metrics = engine.update_policy(batch)
-        state = full_state_dict(engine.module)
+        state = full_state_dict(engine.module, engine.engine.pp_group)
         out.append({"log_probs": logp, "metrics": metrics, "state": state if rank == 0 else None})
         for name, param in engine.module.named_parameters():  # the plans' boxes are the DTensors' own
             assert held_box(param) == train_box(kind_of(name), tuple(param.shape), view, rank), name
