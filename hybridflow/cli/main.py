@@ -37,6 +37,7 @@ COMMANDS: tuple[str, ...] = (
     "hybridflow.cli.eval_cmd",
     "hybridflow.cli.export_cmd",
     "hybridflow.cli.config_cmd",
+    "hybridflow.cli.plan_cmd",
 )
 
 EXIT_USER_ERROR = 2

@@ -1,0 +1,90 @@
+"""The automatic 3D layout and ``hybridflow plan``: model shapes from 0.5B to 70B on 1, 2 and 8 GPUs."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridflow.cli.main import main
+from hybridflow.config import load_config
+from hybridflow.engine.parallel.memory import view_memory
+from hybridflow.engine.parallel.train_view import TrainView
+from hybridflow.trainer import layout as layout_mod
+from hybridflow.trainer.layout import GB, plan_layout, shape_config
+
+RUN = [
+    "data.train_batch_size=64",
+    "rollout.n=8",
+    "data.max_prompt_length=512",
+    "data.max_response_length=1024",
+    "model.enable_gradient_checkpointing=true",
+]
+
+
+def _plan(shape: str, gpus: int, gb: int, extra=()):
+    cfg = load_config(None, [*RUN, f"trainer.n_gpus_per_node={gpus}", *extra])
+    return plan_layout(cfg, shape_config(shape), gb * 10**9, given={e.split("=")[0] for e in extra})
+
+
+@pytest.mark.parametrize("shape", ["qwen2.5-0.5b", "qwen2.5-7b", "llama-3-70b"])
+def test_plans_on_1_2_and_8_gpus_of_80_and_141_gb(shape: str) -> None:
+    for gb in (80, 141):
+        peaks = []
+        for gpus in (1, 2, 8):
+            plan = _plan(shape, gpus, gb)
+            assert plan.world == gpus and set(plan.phases) == {"generate", "log_prob", "update_actor"}
+            assert f"on {gpus} GPU(s) of {gb} GB" in plan.line() and plan.views is not None
+            peaks.append(plan.peak)
+            if shape == "qwen2.5-0.5b":  # small enough for the plain layout everywhere
+                assert plan.fits and (plan.tp_train, plan.tp_generate, plan.param_offload) == (1, 1, False)
+            if shape == "llama-3-70b":  # 1.1 TB of training state is more than 8 x 141 GB
+                assert not plan.fits and "it would fit on about" in plan.line()
+        assert peaks == sorted(peaks, reverse=True)  # more GPUs never need more memory per GPU
+
+
+def test_a_7b_shape_needs_offload_on_two_80_gb_gpus_and_nothing_on_eight() -> None:
+    two = _plan("qwen2.5-7b", 2, 80)
+    assert two.fits and two.optimizer_offload and "does not fit (generate needs" in two.line()
+    eight = _plan("qwen2.5-7b", 8, 80)
+    assert eight.fits and not eight.optimizer_offload and "the simplest layout fits" in eight.line()
+
+
+def test_explicit_keys_are_kept_and_pp_and_sp_wait_for_validation() -> None:
+    plan = _plan("qwen2.5-0.5b", 2, 80, ["rollout.tensor_model_parallel_size=2"])
+    assert (
+        plan.tp_generate == 2 and "kept from the config: rollout.tensor_model_parallel_size=2" in plan.line()
+    )
+    model = layout_mod.meta_model(shape_config("qwen2.5-0.5b"))
+    cfg = load_config(None, ["trainer.n_gpus_per_node=4"])
+    candidates = layout_mod._candidates(cfg, model, 4, {})
+    if not layout_mod._accepted("actor.pipeline_parallel_size"):
+        assert {c.pp for c in candidates} == {1}
+    if not layout_mod._accepted("actor.ulysses_sequence_parallel_size"):
+        assert {c.sp for c in candidates} == {1}
+    assert {c.tp_generate for c in candidates} == {1, 2}  # 14 heads: tp=4 does not split them
+
+
+def test_the_estimate_is_the_reshard_plans_accounting() -> None:
+    model = layout_mod.meta_model(shape_config("qwen2.5-0.5b"))
+    full = view_memory(model, TrainView(4, 2), 2)  # with the plan's transfers
+    quick = view_memory(model, TrainView(4, 2), 2, switch=False)
+    assert (full.held_elements, full.generation_bytes) == (quick.held_elements, quick.generation_bytes)
+    assert quick.received_bytes is None and full.received_bytes > 0
+    assert full.full_elements == sum(p.numel() for p in model.parameters())
+
+
+def test_hybridflow_plan_prints_the_plan(capsys) -> None:
+    assert main(["plan", "--model-shape", "qwen2.5-7b", "--gpus", "8", "--gpu-memory-gb", "141", *RUN]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("auto layout: train_view=(fsdp=8), generate_view=(tp=1, dp=8)")
+    assert "| update_actor |" in out and "config keys: actor.tensor_parallel_size=1" in out
+    peak = max(
+        float(line.split("|")[2]) for line in out.splitlines() if line.startswith(("| gen", "| log", "| upd"))
+    )
+    assert peak * GB == pytest.approx(_plan("qwen2.5-7b", 8, 141).peak, rel=1e-3)
+
+
+def test_hybridflow_plan_without_a_gpu_asks_for_its_memory(capsys) -> None:
+    if layout_mod.gpu_memory_bytes() is not None:
+        pytest.skip("this machine has a GPU")
+    assert main(["plan", "--model-shape", "qwen2.5-0.5b"]) == 2
+    assert "pass --gpu-memory-gb" in capsys.readouterr().err

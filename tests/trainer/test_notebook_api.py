@@ -1,0 +1,138 @@
+"""Issue 30's acceptance on the CPU: the write-ups' notebook call, hybrid and baseline, and the step-wise loop.
+
+One tiny model for the module; the dataflow run (``use_3d_hybrid=True``) is reused by the step-wise
+comparison, whose two steps must give its metrics exactly (same seed, same prompts in the same order).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+import hybridflow
+from hybridflow.engine.fsdp import local_bytes, optimizer_state_bytes
+from hybridflow.models import build_tiny_model_and_tokenizer
+from hybridflow.trainer.stepwise import Rewards, Trainer
+
+ROWS = [
+    {"prompt": [{"role": "user", "content": f"say {i}"}], "reward_model": {"ground_truth": str(i)}}
+    for i in range(4)
+]
+COMMON = ["data.max_response_length=6", "data.shuffle=false"]
+
+
+def reward(x):
+    """The write-ups' reward: the response text alone."""
+    return 1.0 if "Transformer" in x else 0.5
+
+
+def keywords(max_steps: int = 2) -> dict:
+    """The snippet's keywords (8 samples per optimizer step: one prompt of num_generations=8 per step)."""
+    return dict(
+        max_steps=max_steps, per_device_train_batch_size=2, gradient_accumulation_steps=4, learning_rate=1e-6
+    )
+
+
+def _comparable(metrics: dict) -> dict:
+    skip = ("timing_s/", "perf/", "memory/")
+    return {k: v for k, v in metrics.items() if not k.startswith(skip)}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("notebook") / "m"
+    build_tiny_model_and_tokenizer(out_dir=out, hidden_size=32, num_hidden_layers=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dataflow_run(model_dir: Path) -> tuple[list[dict], Path]:
+    run = model_dir.parent / "run_hybrid"
+    trainer = hybridflow.RLTrainer(
+        model_name=str(model_dir),
+        reward_fn=reward,
+        use_3d_hybrid=True,
+        overrides=[*COMMON, f"trainer.default_local_dir={run}"],
+        **keywords(),
+    )
+    assert trainer.layout is not None and "without a GPU" in trainer.layout.line()
+    return trainer.train(ROWS), run
+
+
+def test_the_snippet_runs_with_the_hybrid_engine(dataflow_run) -> None:
+    history, run = dataflow_run
+    assert len(history) == 2 and all(math.isfinite(v) for h in history for v in h.values())
+    assert history[0]["critic/score/mean"] == 0.5 and "actor/pg_loss" in history[0]
+    assert (run / "metrics.jsonl").read_text().count("\n") == 2
+    assert (run / "final_model" / "model.safetensors").exists()
+
+
+def test_the_snippet_runs_the_baseline(model_dir: Path) -> None:
+    run = model_dir.parent / "run_baseline"
+    trainer = hybridflow.RLTrainer(
+        model_name=str(model_dir),
+        reward_fn=reward,
+        use_3d_hybrid=False,
+        overrides=[*COMMON, f"trainer.default_local_dir={run}"],
+        **keywords(max_steps=1),
+    )
+    assert trainer.cfg.actor.hybrid_engine is False and trainer.layout is None
+    history = trainer.train(ROWS)
+    assert len(history) == 1 and math.isfinite(history[0]["actor/pg_loss"])
+
+
+def test_the_step_wise_loop_gives_the_dataflows_metrics(model_dir: Path, dataflow_run) -> None:
+    expected, _ = dataflow_run
+    trainer = Trainer(
+        actor_model=str(model_dir),
+        reward_fn=reward,
+        overrides=[*COMMON, f"trainer.default_local_dir={model_dir.parent / 'run_steps'}"],
+        **keywords(),
+    )
+    try:
+        for step in range(2):
+            responses = trainer.generate([ROWS[step]])
+            assert len(responses) == 8 and all(isinstance(t, str) for t in responses.texts)
+            rewards = trainer.critic_score(responses)
+            assert rewards.scores == [0.5] * 8 and rewards.values is None
+            metrics = trainer.update_actor(responses, rewards)
+            assert _comparable(metrics) == _comparable(expected[step])
+        # The plan's training state is the engine's own: the float32 masters and AdamW's moments it holds
+        # (the gradients, as large as the masters, live only through the update).
+        engine = trainer.components.groups[0].worker.roles["actor"].engine.engine
+        views = trainer.layout.views
+        masters, moments = local_bytes(engine.module.parameters()), optimizer_state_bytes(engine.optimizer)
+        assert views.state_bytes(grad=0) == pytest.approx(masters + moments, rel=0.15)
+        assert views.held_elements * 4 == pytest.approx(masters, rel=0.15)
+    finally:
+        trainer.close()
+
+
+def test_the_step_wise_loop_with_a_critic_and_scores_of_ones_own(model_dir: Path, tmp_path: Path) -> None:
+    def verl(data_source, solution_str, ground_truth, extra_info=None):
+        return float(ground_truth in solution_str)
+
+    trainer = Trainer(
+        actor_model=str(model_dir),
+        critic_model=True,
+        ref_model=str(model_dir),
+        reward_fn=verl,
+        overrides=[*COMMON, "actor.use_kl_loss=true", f"trainer.default_local_dir={tmp_path / 'run'}"],
+        **keywords(),
+    )
+    try:
+        assert trainer.cfg.algorithm.adv_estimator == "gae" and trainer.cfg.use_reference
+        responses = trainer.generate(ROWS[:1])
+        rewards = trainer.critic_score(responses)
+        assert isinstance(rewards, Rewards) and rewards.values is not None and rewards.values.shape[0] == 8
+        metrics = trainer.update_actor(responses, rewards)
+        assert {"critic/vf_loss", "actor/pg_loss", "actor/kl_loss"} <= metrics.keys()
+        responses = trainer.generate(ROWS[1:2])
+        metrics = trainer.update_actor(responses, [1.0, 0.0] * 4)  # the caller's own scores
+        assert metrics["critic/score/mean"] == 0.5 and trainer.global_step == 2
+        path = trainer.save(hf_dir=tmp_path / "hf")
+        assert path.name == "global_step_2" and (tmp_path / "hf" / "model.safetensors").exists()
+    finally:
+        trainer.close()
