@@ -39,7 +39,8 @@ from hybridflow.checkpoint.sharded import (
     parameter_shapes,
     save_sharded,
 )
-from hybridflow.utils.errors import disk_full_error, is_disk_full
+from hybridflow.utils.dist import raise_together
+from hybridflow.utils.errors import UserError, disk_full_error, is_disk_full, path_error
 from hybridflow.utils.faults import kill_point
 from hybridflow.utils.storage import fsync_tree
 
@@ -67,11 +68,6 @@ def _rank_world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def _test_delay(step: int) -> None:
@@ -145,10 +141,13 @@ def _looks_like_full_disk(exc: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def disk_full_guard(run_dir: str | os.PathLike, tmp: Path, needed: int | None = None) -> Iterator[None]:
+def disk_full_guard(
+    run_dir: str | os.PathLike, tmp: Path, needed: int | None = None, remove: bool = True
+) -> Iterator[None]:
     """Turn a full disk during a save into ``DiskFullError`` (path, bytes needed); the partial save is removed.
 
     The previous checkpoints are untouched: nothing is renamed or pruned before the save is complete.
+    ``remove=False`` leaves the partial save to the caller (other ranks may still be writing into it).
     """
     try:
         yield
@@ -156,7 +155,8 @@ def disk_full_guard(run_dir: str | os.PathLike, tmp: Path, needed: int | None = 
         if not _looks_like_full_disk(exc):
             raise
         needed = _saved_bytes(run_dir) or needed
-        shutil.rmtree(tmp, ignore_errors=True)
+        if remove:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise disk_full_error(
             run_dir, needed, f"the checkpoint {tmp.name.strip('.').removesuffix('.tmp')}"
         ) from exc
@@ -180,17 +180,27 @@ def write_roles(
     tmp = Path(tmp)
     rank, _ = _rank_world()
     role_meta = {}
-    for name, role in roles.items():
-        with disk_full_guard(tmp.parent, tmp, _state_bytes(roles)):
-            with_optim = save_sharded(tmp / name / SHARDS, role.module, role.optimizer)
-        role_meta[name] = {
-            "optimizer": with_optim,
-            "prefix": role.prefix,
-            "shapes": parameter_shapes(role.module),
-        }
-    with disk_full_guard(tmp.parent, tmp):
-        torch.save(capture_rng(), tmp / "rng" / f"{group}_rank_{rank}.pt")
-    _barrier()
+    error = None
+    try:
+        for name, role in roles.items():
+            # DCP fails on every rank at once; the partial save is removed once all ranks stopped writing
+            with disk_full_guard(tmp.parent, tmp, _state_bytes(roles), remove=False):
+                with_optim = save_sharded(tmp / name / SHARDS, role.module, role.optimizer)
+            role_meta[name] = {
+                "optimizer": with_optim,
+                "prefix": role.prefix,
+                "shapes": parameter_shapes(role.module),
+            }
+        with disk_full_guard(tmp.parent, tmp, remove=False):
+            torch.save(capture_rng(), tmp / "rng" / f"{group}_rank_{rank}.pt")
+    except UserError as exc:  # this rank's own write failed: the others must not wait for it
+        error = exc
+    try:
+        raise_together(error)  # the barrier
+    except UserError:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return role_meta
 
 
@@ -243,16 +253,38 @@ def save(
     """All ranks of one group: write the checkpoint of ``step`` atomically, keep the newest ``keep``."""
     rank, world = _rank_world()
     tmp = rundir.temp_dir(run_dir, step)
-    if rank == 0:
-        begin(run_dir, step)
-    _barrier()
+    with user_errors_together():
+        if rank == 0:
+            begin(run_dir, step)
     role_meta = write_roles(tmp, roles)
-    if rank == 0:
-        if write_extras is not None:
-            write_extras(tmp)
-        finish(run_dir, step, tmp, role_meta, trainer_state, {"world_size": world, **layout}, keep)
-    _barrier()
+    with user_errors_together():
+        if rank == 0:
+            if write_extras is not None:
+                write_extras(tmp)
+            finish(run_dir, step, tmp, role_meta, trainer_state, {"world_size": world, **layout}, keep)
     return rundir.step_dir(run_dir, step)
+
+
+@contextlib.contextmanager
+def user_errors_together(
+    what: str = "the checkpoint", together: Callable[[BaseException | None], None] = raise_together
+) -> Iterator[None]:
+    """Run the block on every rank, then ``together`` (a barrier that raises any rank's user error).
+
+    A full disk, or an ``OSError`` of a path, while writing ``what`` inside the block is a user error;
+    ``together`` raises it on every rank, so a rank that stopped leaves none waiting for it.
+    """
+    error = None
+    try:
+        yield
+    except UserError as exc:
+        error = exc
+    except OSError as exc:
+        if exc.filename is None and not is_disk_full(exc):
+            raise
+        error = path_error(exc, what)
+        error.__cause__ = exc
+    together(error)
 
 
 def check_roles(path: str | os.PathLike, meta: Mapping[str, Any], roles: Mapping[str, RoleState]) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from hybridflow import checkpoint
 from hybridflow.checkpoint import CheckpointError
-from hybridflow.checkpoint.manager import verify_checkpoint
+from hybridflow.checkpoint.manager import user_errors_together, verify_checkpoint
 from hybridflow.checkpoint.rundir import is_complete, step_dir, temp_dir
 from hybridflow.config.schema import Config
 
@@ -69,9 +69,18 @@ def save_checkpoint(trainer: Any, metrics: dict[str, float] | None = None) -> Pa
     groups, driver = trainer.c.groups, trainer.rank == 0
     run_dir, step = t.run_dir(), trainer.global_step
     tmp = temp_dir(run_dir, step)
-    if driver:
-        checkpoint.manager.begin(run_dir, step)
-    groups[0].barrier()
+    # A user error (a full disk) on one SPMD rank is raised on every rank: none waits for one that stopped.
+    with user_errors_together(together=groups[0].raise_together):
+        if driver:
+            checkpoint.manager.begin(run_dir, step)
+    with user_errors_together(together=groups[0].raise_together):
+        _save_groups(trainer, run_dir, step, tmp, metrics)
+    return step_dir(run_dir, step)
+
+
+def _save_groups(trainer: Any, run_dir: Path, step: int, tmp: Path, metrics: dict[str, float] | None) -> None:
+    """Every group writes its shards into ``tmp``; the driver adds the trainer state and commits."""
+    t, groups, driver = trainer.cfg.trainer, trainer.c.groups, trainer.rank == 0
     metas = {g.name: g.run_all("save_checkpoint", str(tmp), t.save_hf)[0] for g in groups}
     if driver:
         state = trainer_state(trainer)
@@ -90,8 +99,6 @@ def save_checkpoint(trainer: Any, metrics: dict[str, float] | None = None) -> Pa
         }
         checkpoint.manager.finish(run_dir, step, tmp, roles, state, layout, t.max_ckpt_to_keep)
         logger.info("saved checkpoint %s", step_dir(run_dir, step))
-    groups[0].barrier()
-    return step_dir(run_dir, step)
 
 
 def load_checkpoint(trainer: Any, path: Path) -> None:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.utils.device import cuda_in_use
+from hybridflow.utils.errors import DiskFullError, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -72,3 +73,27 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> t
 def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
     """Maximum of ``x`` over all ranks (a copy of ``x`` outside torch.distributed)."""
     return _all_reduce(x, dist.ReduceOp.MAX)
+
+
+def raise_together(error: BaseException | None, group: dist.ProcessGroup | None = None) -> None:
+    """A collective in place of a barrier: when any rank brings a user error, every rank raises it.
+
+    A rank that hits a full disk (or another ``UserError``) where the others go on would leave them waiting
+    in the next collective until it breaks, an internal error with a traceback (exit 1). Called by every
+    rank at the same point instead, each raises the first failing rank's message as a user error (exit 2).
+    ``error`` is this rank's user error or None; outside torch.distributed it is simply raised.
+    """
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+        if error is not None:
+            raise error
+        return
+    mine = None if error is None else (isinstance(error, DiskFullError), str(error))
+    gathered: list[tuple[bool, str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    if error is not None:
+        raise error
+    failed = [(r, g) for r, g in enumerate(gathered) if g is not None]
+    if failed:
+        rank, (disk_full, message) = failed[0]
+        logger.debug("rank %d raised a user error; this rank stops with it", rank)
+        raise (DiskFullError if disk_full else UserError)(message)

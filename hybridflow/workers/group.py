@@ -18,6 +18,7 @@ import torch.distributed as dist
 from hybridflow.engine.sequences import layout_padding
 from hybridflow.protocol import Batch
 from hybridflow.protocol.batch import Padding
+from hybridflow.utils.dist import raise_together
 from hybridflow.workers.dispatch import Dispatch, merge_batches, split_batch
 from hybridflow.workers.rank import RankWorker
 
@@ -61,6 +62,11 @@ class WorkerGroup(ABC):
     def barrier(self) -> None:
         """Wait until every process that runs the driver got here (only SPMD runs have more than one)."""
 
+    def raise_together(self, error: BaseException | None) -> None:
+        """A barrier that raises on every driver process when any brings a user error (``error`` here)."""
+        if error is not None:
+            raise error
+
     @abstractmethod
     def shutdown(self) -> None:
         """Release the group's processes."""
@@ -89,6 +95,10 @@ class LocalGroup(WorkerGroup):
         """Every rank runs the driver under torchrun: line them up."""
         if self.world > 1:
             dist.barrier()
+
+    def raise_together(self, error: BaseException | None) -> None:
+        """Under torchrun every rank raises the first rank's user error, none waits for a rank that stopped."""
+        raise_together(error)
 
     def shutdown(self) -> None:
         """Nothing to release: the roles live in this process."""

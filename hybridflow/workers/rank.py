@@ -16,7 +16,7 @@ import torch
 from hybridflow import checkpoint
 from hybridflow.checkpoint import RoleState
 from hybridflow.checkpoint.export import save_hf_model, write_hf_config
-from hybridflow.checkpoint.manager import HF_CONFIG
+from hybridflow.checkpoint.manager import HF_CONFIG, user_errors_together
 from hybridflow.engine.fsdp import full_state_dict
 from hybridflow.utils.device import cuda_in_use
 from hybridflow.utils.dist import world_size
@@ -89,20 +89,22 @@ class RankWorker:
         role_meta = checkpoint.manager.write_roles(tmp_dir, self._role_states(), self.group)
         hf_state = self._actor_state() if save_hf and "actor" in self.roles else None
         engines = {}
-        for name, role in self._trainable().items():
-            engine = role.engine.engine
-            engines[name] = {
-                "scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
-                "skipped_steps": engine.skipped_steps,
-            }
-            if env_rank() == 0:
-                model = role.hf_model if name == "actor" else role.engine.module.model
-                write_hf_config(
-                    tmp_dir / name / HF_CONFIG, model, self.tokenizer if name == "actor" else None
-                )
-        if hf_state is not None and env_rank() == 0:
-            actor = self.roles["actor"]
-            save_hf_model(hf_state, actor.hf_model.config, self.tokenizer, tmp_dir / "actor" / HF_DIR, "lm.")
+        with user_errors_together():  # rank 0 writes; a full disk there stops every rank, none waits
+            for name, role in self._trainable().items():
+                engine = role.engine.engine
+                engines[name] = {
+                    "scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
+                    "skipped_steps": engine.skipped_steps,
+                }
+                if env_rank() == 0:
+                    model = role.hf_model if name == "actor" else role.engine.module.model
+                    write_hf_config(
+                        tmp_dir / name / HF_CONFIG, model, self.tokenizer if name == "actor" else None
+                    )
+            if hf_state is not None and env_rank() == 0:
+                actor = self.roles["actor"]
+                hf_dir = tmp_dir / "actor" / HF_DIR
+                save_hf_model(hf_state, actor.hf_model.config, self.tokenizer, hf_dir, "lm.")
         return {"roles": role_meta, "engines": engines, "world_size": world_size()}
 
     def load_checkpoint(self, path: str, engines: dict[str, Any]) -> None:
@@ -130,6 +132,7 @@ class RankWorker:
         """Write the actor's current weights as a Hugging Face directory (rank 0 writes; all ranks call)."""
         actor = self.roles["actor"]
         state = self._actor_state()
-        if env_rank() == 0:
-            save_hf_model(state, actor.hf_model.config, self.tokenizer, out_dir, "lm.")
+        with user_errors_together("the trained model"):  # a full disk on rank 0 stops every rank
+            if env_rank() == 0:
+                save_hf_model(state, actor.hf_model.config, self.tokenizer, out_dir, "lm.")
         return out_dir

@@ -140,7 +140,15 @@ class RayGroup(WorkerGroup):
                 rank = pending.pop(ref)
                 try:
                     results[rank] = ray.get(ref)
-                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                except ray.exceptions.RayTaskError as e:
+                    if isinstance(e.cause, UserError):  # a full disk, a bad file: one line and exit 2
+                        logger.debug("%s raised a user error in %s", self._describe(rank), method)
+                        self.shutdown()
+                        raise e.cause from None
+                    message = self._failure(rank, e, pending, method)
+                    self.shutdown()
+                    raise WorkerError(message) from None
+                except ray.exceptions.RayActorError as e:
                     message = self._failure(rank, e, pending, method)
                     self.shutdown()
                     raise WorkerError(message) from None

@@ -55,3 +55,78 @@ def metrics_steps(run_dir: Path) -> list[int]:
     """The step of every line of a run's metrics.jsonl, in file order."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line)["step"] for line in lines]
+
+
+# A sitecustomize module for the processes a test starts (torchrun-style ranks, the Ray driver and its rank
+# actors): with HYBRIDFLOW_TEST_FULL_DISK="WHAT@RANK" the disk is full for that rank's writes of WHAT (a
+# file name, or "distcp" for torch.distributed.checkpoint's shard writes, or "final_model"), read at write
+# time. The writes are patched once hybridflow.workers.rank is imported (torch and DCP are loaded by then).
+FULL_DISK_ENV = "HYBRIDFLOW_TEST_FULL_DISK"
+FULL_DISK_SITE = '''
+import errno, importlib.abc, importlib.util, os, sys
+
+ENV = "HYBRIDFLOW_TEST_FULL_DISK"
+
+
+def _full(what):
+    spec = os.environ.get(ENV, "")
+    if not spec or spec.split("@")[0] != what:
+        return False
+    import torch.distributed as dist
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return str(rank) == spec.split("@")[1]
+
+
+def _no_space(path=None):
+    raise OSError(errno.ENOSPC, "No space left on device", path)
+
+
+def _patch(rank_module):
+    import torch
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    save, write_item, save_hf = torch.save, dcp_fs._write_item, rank_module.save_hf_model
+
+    def torch_save(obj, f, *args, **kwargs):
+        if _full(os.path.basename(str(f))):
+            _no_space(str(f))
+        return save(obj, f, *args, **kwargs)
+
+    def dcp_write(*args, **kwargs):
+        if _full("distcp"):
+            _no_space()
+        return write_item(*args, **kwargs)
+
+    def save_hf_model(state, config, tokenizer, out_dir, *args, **kwargs):
+        if _full(os.path.basename(str(out_dir))):
+            _no_space(os.path.join(str(out_dir), "model.safetensors"))
+        return save_hf(state, config, tokenizer, out_dir, *args, **kwargs)
+
+    torch.save, dcp_fs._write_item, rank_module.save_hf_model = torch_save, dcp_write, save_hf_model
+
+
+class _Hook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "hybridflow.workers.rank":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _Hook())
+'''
+
+
+def full_disk_site(folder: Path) -> Path:
+    """A folder holding the full-disk ``sitecustomize.py``; put it first on the PYTHONPATH of a process."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(FULL_DISK_SITE)
+    return folder
