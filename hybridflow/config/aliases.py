@@ -49,6 +49,7 @@ VERL_ALIASES: dict[str, str] = {
     f"{_ARR}.actor.kl_loss_type": "actor.kl_loss_type",
     f"{_ARR}.actor.grad_clip": "actor.grad_clip",
     f"{_ARR}.actor.ulysses_sequence_parallel_size": "actor.ulysses_sequence_parallel_size",
+    f"{_ARR}.ref.ulysses_sequence_parallel_size": "ref.ulysses_sequence_parallel_size",
     f"{_ARR}.actor.megatron.tensor_model_parallel_size": "actor.tensor_parallel_size",
     f"{_ARR}.actor.megatron.pipeline_model_parallel_size": "actor.pipeline_parallel_size",
     f"{_ARR}.ref.megatron.tensor_model_parallel_size": "ref.tensor_parallel_size",
@@ -272,12 +273,6 @@ VERL_IGNORED: dict[str, IgnoredKey] = {
         "the reference has no optimizer, so there is nothing to offload (ref.fsdp.param_offload moves its "
         "weights)",
         _BOOL,
-    ),
-    f"{_ARR}.ref.ulysses_sequence_parallel_size": IgnoredKey(
-        "the reference holds whole sequences (sequence-parallel size 1)",
-        (1,),
-        "sequence parallelism is not implemented: every rank holds whole sequences",
-        "set {key}=1 (or remove it); for long sequences use ref.log_prob_use_dynamic_bsz with a token budget",
     ),
     f"{_ARR}.rollout.mode": IgnoredKey(
         "the built-in engine generates each step's batch in the worker processes with continuous batching, "

@@ -264,7 +264,7 @@ class ActorConfig:
         True, "Reshard the training shards into the rollout's (false: the baseline, a kept copy broadcast)."
     )
     ulysses_sequence_parallel_size: int = option(
-        1, "Ulysses sequence-parallel size; only 1 for now (verl's key, refused above 1)."
+        1, "Ulysses sequence-parallel size: groups of this many ranks split each packed micro-batch's tokens."
     )
     use_torch_compile: bool | None = option(
         None, "torch.compile each decoder layer of the actor and reference; null = on GPU, off on CPU."
@@ -314,7 +314,7 @@ class CriticConfig:
         True, "Reshard the training shards into the rollout's (false: the baseline, a kept copy broadcast)."
     )
     ulysses_sequence_parallel_size: int = option(
-        1, "Ulysses sequence-parallel size; only 1 for now (verl's key, refused above 1)."
+        1, "Ulysses sequence-parallel size: groups of this many ranks split each packed micro-batch's tokens."
     )
     use_torch_compile: bool | None = option(
         None, "torch.compile each decoder layer of the critic; null = on GPU, off on CPU."
@@ -347,6 +347,9 @@ class RefConfig:
     )
     fsdp: FSDPConfig = section(FSDPConfig, "Reference FSDP2 settings (param_offload keeps it on CPU).")
 
+    ulysses_sequence_parallel_size: int | None = option(
+        None, "Ulysses sequence-parallel size of the reference; null = actor.ulysses_sequence_parallel_size."
+    )
 
 @dataclass
 class CustomRewardFunctionConfig:

@@ -21,6 +21,7 @@ from hybridflow.config.rollout_correction import (
     split_rollout_rs,
 )
 from hybridflow.config.schema import Config, schema_index
+from hybridflow.config.sequence_parallel import check_sequence_parallel
 from hybridflow.config.views import check_train_views
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ _RANGES: dict[str, list[str]] = {
         "actor.ppo_epochs", "actor.ulysses_sequence_parallel_size",
         "actor.tensor_parallel_size", "actor.pipeline_parallel_size", "ref.tensor_parallel_size",
         "ref.pipeline_parallel_size", "critic.tensor_parallel_size", "critic.pipeline_parallel_size",
+        "ref.ulysses_sequence_parallel_size",
         "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu",
         "critic.ppo_max_token_len_per_gpu", "critic.ppo_epochs", "critic.ulysses_sequence_parallel_size",
         "ref.log_prob_micro_batch_size_per_gpu", "ref.log_prob_max_token_len_per_gpu",
@@ -256,18 +258,7 @@ def _check_unimplemented(cfg: Config, out: list[Problem]) -> None:
                 "leave it null, or set algorithm.filter_groups.enable=true",
             )
         )
-    for role in ("actor", "critic") if cfg.use_critic else ("actor",):
-        sp = get_path(cfg, f"{role}.ulysses_sequence_parallel_size")
-        ckpt = f"{'critic.' if role == 'critic' else ''}model.enable_gradient_checkpointing"
-        if sp > 1:
-            out.append(
-                Problem(
-                    f"{role}.ulysses_sequence_parallel_size",
-                    f"is {sp}, but sequence parallelism is not implemented: every rank holds whole sequences",
-                    f"set {role}.ulysses_sequence_parallel_size=1; for long sequences use {role}.use_dynamic_bsz "
-                    f"with a token budget, and {ckpt}=true",
-                )
-            )
+    check_sequence_parallel(cfg, out)
 
 
 def _check_rollout_tp(cfg: Config, out: list[Problem]) -> None:

@@ -29,6 +29,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from hybridflow.engine.varlen_attention import flash_supported, varlen_attention
 
 PACKED_ATTENTION = "hybridflow_packed"
+ULYSSES_ATTENTION = "hybridflow_ulysses"  # the packed attention split over sequence-parallel ranks
+PACKED_IMPLEMENTATIONS = (PACKED_ATTENTION, ULYSSES_ATTENTION)  # both take packed bounds and no mask
 BOUNDS_KWARG = "packed_seq_bounds"  # (n + 1,) host tensor: the start of each sequence, then S
 CU_SEQLENS_KWARG = "packed_cu_seqlens"  # the same bounds as int32 on the device (flash kernels)
 

@@ -44,6 +44,7 @@ class ScoringInputs:
     scatter_index: torch.Tensor  # (M,) flat positions in (B * R) where each score belongs
     seq_bounds: list[int] | None = None  # packed: start of each sequence in (1, S), then S
     cu_seqlens: torch.Tensor | None = None  # packed: seq_bounds as int32, moved to the device with the rest
+    host_gather_index: torch.Tensor | None = None  # gather_index's host copy, kept by ``to`` (for Ulysses)
 
     def to(self, device: torch.device | str) -> ScoringInputs:
         """The same inputs with every tensor on ``device`` (asynchronous copies from the host)."""
@@ -51,6 +52,8 @@ class ScoringInputs:
         for f in fields(self):
             value = getattr(self, f.name)
             moved[f.name] = to_device(value, device) if isinstance(value, torch.Tensor) else value
+        if self.gather_index.device.type == "cpu" and self.host_gather_index is None:
+            moved["host_gather_index"] = self.gather_index
         return ScoringInputs(**moved)
 
 

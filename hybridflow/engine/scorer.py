@@ -14,7 +14,7 @@ from hybridflow.engine.lm_head import score_hidden_states
 from hybridflow.engine.packed_attention import (
     BOUNDS_KWARG,
     CU_SEQLENS_KWARG,
-    PACKED_ATTENTION,
+    PACKED_IMPLEMENTATIONS,
     packed_mask_placeholder,
 )
 from hybridflow.engine.packing import ScoringInputs
@@ -46,7 +46,7 @@ def _hidden_rows(body: nn.Module, inputs: ScoringInputs) -> torch.Tensor:
         extra = {BOUNDS_KWARG: torch.tensor(inputs.seq_bounds)}  # a host tensor: see packed_attention
         if inputs.cu_seqlens is not None:
             extra[CU_SEQLENS_KWARG] = inputs.cu_seqlens
-        if getattr(body.config, "_attn_implementation", None) == PACKED_ATTENTION:
+        if getattr(body.config, "_attn_implementation", None) in PACKED_IMPLEMENTATIONS:
             mask = packed_mask_placeholder(inputs.input_ids.device)  # (else HF builds the block mask itself)
     out = body(
         input_ids=inputs.input_ids,

@@ -27,6 +27,7 @@ from hybridflow.engine.optim import allocate_state, build_lr_scheduler, build_op
 from hybridflow.engine.parallel.grad_norm import clip_by_global_norm
 from hybridflow.engine.parallel.tp_train import apply_tp
 from hybridflow.engine.parallel.train_view import TrainView, build_mesh
+from hybridflow.engine.parallel.ulysses import apply_ulysses, ulysses_groups
 from hybridflow.utils.device import cuda_in_use
 from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.host import available_host_bytes, ranks_on_host
@@ -126,6 +127,10 @@ class TrainEngine:
             apply_tp(layers, mesh["tp"])
         self.dp_group = None if mesh is None else mesh["dp"].get_group()
         self.pp_group = None if mesh is None else mesh["pp"].get_group()
+        self.sp_group = None  # Ulysses: FSDP2 over every rank, losses averaged across the sp groups
+        if self.view.sp > 1:
+            self.dp_group, self.sp_group = ulysses_groups(self.view, self.device)
+            apply_ulysses(module, layers, self.sp_group, self.view.role)
         self.compiled = compile_layers(layers, use_torch_compile, self.device)
         self.fsdp = fsdp
         self.grad_clip = grad_clip

@@ -77,15 +77,19 @@ def check_data_sources(dataset: RLDataset, cfg: Config, reward_fn: Any) -> None:
 
 def check_rollout_view(cfg: Config, model: torch.nn.Module | None) -> None:
     """Refuse, before any rank starts, a tensor-parallel size (rollout or training) that cannot split the
-    policy's heads and MLP."""
+    policy's heads and MLP, or a sequence-parallel size that cannot split its heads."""
+    from hybridflow.config.sequence_parallel import sequence_parallel_size
     from hybridflow.config.views import train_view_sizes
 
     tp = cfg.rollout.tensor_model_parallel_size
     roles = [r for r in ("actor", "ref") if train_view_sizes(cfg, r)[0] > 1]
-    if tp == 1 and not roles:
+    used = ("actor", *(("ref",) if cfg.use_reference else ()), *(("critic",) if cfg.use_critic else ()))
+    sp_roles = [r for r in used if sequence_parallel_size(cfg, r) > 1]
+    if tp == 1 and not roles and not sp_roles:
         return
     from hybridflow.engine.parallel.tp_rollout import check_tp
     from hybridflow.engine.parallel.tp_train import check_train_tp
+    from hybridflow.engine.parallel.ulysses import check_ulysses
     from hybridflow.models.loader import load_config as load_model_config
 
     m = cfg.model
@@ -94,6 +98,8 @@ def check_rollout_view(cfg: Config, model: torch.nn.Module | None) -> None:
         check_tp(config, tp)
     for role in roles:  # the critic starts from the policy's shape too, unless it has a model of its own
         check_train_tp(config, train_view_sizes(cfg, role)[0], role)
+    for role in sp_roles:
+        check_ulysses(config, sequence_parallel_size(cfg, role), role)
 
 
 def warn_position_limit(cfg: Config, model: torch.nn.Module | None) -> None:

@@ -12,12 +12,14 @@ import torch
 from torch import nn
 
 from hybridflow.config.schema import Config
+from hybridflow.config.sequence_parallel import sequence_parallel_size
 from hybridflow.engine.actor import ActorEngine
 from hybridflow.engine.fsdp import to_dtype
 from hybridflow.engine.parallel.rollout_group import RolloutGroup
 from hybridflow.engine.parallel.tp_rollout import RolloutTP, check_tp, follow_rollout_shards
 from hybridflow.engine.parallel.tp_train import check_train_tp
 from hybridflow.engine.parallel.train_view import ShareGroup, TrainView
+from hybridflow.engine.parallel.ulysses import group_budgets
 from hybridflow.engine.parallel.view import GenerateView
 from hybridflow.engine.preference import update_preference
 from hybridflow.engine.reshard import BroadcastReplica, RolloutShard
@@ -79,7 +81,11 @@ class ActorWorker:
             logger.warning("the built-in rollout engine does not cover this model: HF generate, much slower")
         view = GenerateView(world_size(), r.tensor_model_parallel_size)
         self.train_view = TrainView(
-            world_size(), cfg.actor.tensor_parallel_size, cfg.actor.pipeline_parallel_size, "actor"
+            world_size(),
+            cfg.actor.tensor_parallel_size,
+            cfg.actor.pipeline_parallel_size,
+            "actor",
+            sp=sequence_parallel_size(cfg, "actor"),
         )
         if self.train_view.tp > 1:
             check_train_tp(model.config, self.train_view.tp, "actor")
@@ -89,7 +95,7 @@ class ActorWorker:
                 follow_rollout_shards(model, view.world, view.tp)  # row-parallel weights sharded on dim 1
         self.engine = ActorEngine(
             model,
-            cfg.actor,
+            group_budgets(cfg.actor, self.train_view.sp),  # a token budget per sp group
             rollout_n=cfg.rollout.n,
             use_remove_padding=cfg.model.use_remove_padding,
             gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
@@ -258,7 +264,7 @@ class ActorWorker:
             temperature=r.temperature,
             micro_batch_size=r.log_prob_micro_batch_size_per_gpu,
             use_dynamic_bsz=r.log_prob_use_dynamic_bsz,
-            max_token_len=r.log_prob_max_token_len_per_gpu,
+            max_token_len=r.log_prob_max_token_len_per_gpu * self.train_view.sp,
             with_entropy=True,
         )
         out = Batch({"old_log_probs": out["log_probs"], "entropys": out["entropys"]})

@@ -8,6 +8,7 @@ from hybridflow.config.schema import Config
 from hybridflow.engine.critic import CriticEngine
 from hybridflow.engine.parallel.tp_train import check_train_tp
 from hybridflow.engine.parallel.train_view import ShareGroup, TrainView
+from hybridflow.engine.parallel.ulysses import group_budgets
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.logging import rank as dist_rank
@@ -19,12 +20,13 @@ class CriticWorker:
     def __init__(self, value_model: nn.Module, cfg: Config, total_steps: int, pad_token_id: int = 0) -> None:
         c = cfg.critic
         init_distributed()
-        view = TrainView(world_size(), c.tensor_parallel_size, c.pipeline_parallel_size, "critic")
+        sp = c.ulysses_sequence_parallel_size
+        view = TrainView(world_size(), c.tensor_parallel_size, c.pipeline_parallel_size, "critic", sp=sp)
         if view.tp > 1:
             check_train_tp(value_model.config, view.tp, "critic")
         self.engine = CriticEngine(
             value_model,
-            c,
+            group_budgets(c, sp),  # a token budget per sp group
             ppo_mini_batch_size=c.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size,
             rollout_n=cfg.rollout.n,
             use_remove_padding=c.model.use_remove_padding,

@@ -5,10 +5,12 @@ from __future__ import annotations
 from torch import nn
 
 from hybridflow.config.schema import Config
+from hybridflow.config.sequence_parallel import sequence_parallel_size
 from hybridflow.config.views import train_view_sizes
 from hybridflow.engine.actor import ActorEngine
 from hybridflow.engine.parallel.tp_train import check_train_tp
 from hybridflow.engine.parallel.train_view import ShareGroup, TrainView
+from hybridflow.engine.parallel.ulysses import group_budgets
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.logging import rank as dist_rank
@@ -20,12 +22,13 @@ class ReferenceWorker:
     def __init__(self, model: nn.Module, cfg: Config, pad_token_id: int = 0) -> None:
         self.cfg = cfg
         init_distributed()
-        view = TrainView(world_size(), *train_view_sizes(cfg, "ref"), "ref")
+        sp = sequence_parallel_size(cfg, "ref")
+        view = TrainView(world_size(), *train_view_sizes(cfg, "ref"), "ref", sp=sp)
         if view.tp > 1:
             check_train_tp(model.config, view.tp, "ref")
         self.engine = ActorEngine(
             model,
-            cfg.actor,
+            group_budgets(cfg.actor, view.sp),
             rollout_n=cfg.rollout.n,
             use_remove_padding=cfg.model.use_remove_padding,
             trainable=False,
@@ -43,6 +46,6 @@ class ReferenceWorker:
             temperature=self.cfg.rollout.temperature,
             micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,
             use_dynamic_bsz=ref.log_prob_use_dynamic_bsz,
-            max_token_len=ref.log_prob_max_token_len_per_gpu,
+            max_token_len=ref.log_prob_max_token_len_per_gpu * self.engine.engine.view.sp,
         )
         return self.shares.mine(Batch({"ref_log_prob": out["log_probs"]}), rows, width)

@@ -70,8 +70,13 @@ def refused(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
             "to HDFS",
         ),
         (
-            [f"{A}.ref.ulysses_sequence_parallel_size=2"],
-            f"error: {A}.ref.ulysses_sequence_parallel_size: 2 is not supported: sequence parallelism",
+            [
+                "trainer.n_gpus_per_node=2",
+                "actor.use_kl_loss=true",
+                f"{A}.ref.ulysses_sequence_parallel_size=2",
+            ],
+            f"error: ref.ulysses_sequence_parallel_size (given as '{A}.ref.ulysses_sequence_parallel_size'): is 2, "
+            "but model.use_remove_padding is false",
         ),
         (  # item 9: empty file lists
             ["data.train_files=[]"],

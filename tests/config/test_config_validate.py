@@ -318,21 +318,64 @@ def test_do_sample_with_temperature_zero(prefix: str) -> None:
     assert cfg.rollout.temperature == 0 or cfg.rollout.val_kwargs.temperature == 0
 
 
-@pytest.mark.parametrize("role", ["actor", "critic"])
-def test_sequence_parallelism_is_refused_until_it_exists(role: str) -> None:
-    base = ["trainer.n_gpus_per_node=2", "model.use_remove_padding=true", "algorithm.adv_estimator=gae"]
-    message = str(_error([*base, f"{role}.ulysses_sequence_parallel_size=2"]))
-    assert message.startswith(
-        f"{role}.ulysses_sequence_parallel_size: is 2, but sequence parallelism is not implemented"
+@pytest.mark.parametrize(
+    ("overrides", "start"),
+    [
+        (
+            ["trainer.n_gpus_per_node=4", "actor.ulysses_sequence_parallel_size=3"],
+            "actor.ulysses_sequence_parallel_size: 3 does not divide the 4 ranks",
+        ),
+        (
+            ["actor.ulysses_sequence_parallel_size=2", "model.use_remove_padding=false"],
+            "actor.ulysses_sequence_parallel_size: is 2, but model.use_remove_padding is false",
+        ),
+        (
+            ["algorithm.adv_estimator=gae", "critic.ulysses_sequence_parallel_size=2"],
+            "critic.ulysses_sequence_parallel_size: is 2, but critic.model.use_remove_padding is false",
+        ),
+        (
+            [
+                "trainer.n_gpus_per_node=4",
+                "actor.ulysses_sequence_parallel_size=2",
+                "actor.tensor_parallel_size=2",
+            ],
+            "actor.ulysses_sequence_parallel_size: is 2 with actor.tensor_parallel_size=2: sequence parallelism "
+            "does not compose",
+        ),
+        (
+            [
+                "actor.use_kl_loss=true",
+                "ref.ulysses_sequence_parallel_size=2",
+                "model.use_remove_padding=false",
+            ],
+            "ref.ulysses_sequence_parallel_size: is 2, but model.use_remove_padding is false",
+        ),
+    ],
+)
+def test_sequence_parallel_views_that_cannot_work(overrides: list[str], start: str) -> None:
+    message = str(_error(["trainer.n_gpus_per_node=2", "model.use_remove_padding=true", *overrides]))
+    assert message.startswith(start), message
+
+
+def test_sequence_parallelism_with_verl_keys() -> None:
+    """verl's keys are aliases; the reference's null follows the actor; the critic's counts only with a critic."""
+    from hybridflow.config.sequence_parallel import sequence_parallel_size
+
+    cfg = load_config(
+        overrides=[
+            "trainer.n_gpus_per_node=4",
+            "model.use_remove_padding=true",
+            "actor.use_kl_loss=true",
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+            "critic.ulysses_sequence_parallel_size=3",  # no critic: not checked
+        ]
     )
-    assert f"fix: set {role}.ulysses_sequence_parallel_size=1" in message
-    # the critic's setting counts only when a critic is trained
-    assert (
-        load_config(
-            overrides=["critic.ulysses_sequence_parallel_size=2"]
-        ).actor.ulysses_sequence_parallel_size
-        == 1
+    assert cfg.actor.ulysses_sequence_parallel_size == 2 and cfg.ref.ulysses_sequence_parallel_size is None
+    assert sequence_parallel_size(cfg, "ref") == 2
+    cfg = load_config(
+        overrides=["trainer.n_gpus_per_node=4", "actor_rollout_ref.ref.ulysses_sequence_parallel_size=4"]
     )
+    assert sequence_parallel_size(cfg, "ref") == 4  # no reference in this run: not checked
 
 
 @pytest.mark.parametrize(

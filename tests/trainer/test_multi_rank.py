@@ -244,6 +244,34 @@ def test_grpo_on_several_ranks_with_a_token_id_reward(
 
 def test_remax_with_a_reward_model_on_two_ranks(tmp_path: Path, setup: dict[str, Path]) -> None:
     """The greedy baseline generates again from the batch's prompts; a reward model scores both."""
+def test_grpo_with_sequence_parallelism_on_two_ranks(tmp_path: Path, setup: dict[str, Path]) -> None:
+    """Ulysses sp=2 (verl's keys): the two ranks are one data-parallel group whose actor and reference split
+    each packed micro-batch, with token budgets and gradient checkpointing; rollout groups of 2
+    tensor-parallel ranks generate."""
+    metrics = run(
+        setup,
+        tmp_path / "run",
+        2,
+        f"reward.custom_function.path={setup['token_reward']}",
+        "algorithm.adv_estimator=grpo",
+        f"{A}.actor.ulysses_sequence_parallel_size=2",
+        "model.use_remove_padding=true",
+        "model.enable_gradient_checkpointing=true",
+        "actor.use_kl_loss=true",
+        "actor.use_dynamic_bsz=true",
+        "actor.ppo_max_token_len_per_gpu=512",
+        "rollout.log_prob_use_dynamic_bsz=true",
+        "rollout.log_prob_max_token_len_per_gpu=512",
+        "rollout.tensor_model_parallel_size=2",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=-1",
+    )
+    assert sorted(metrics) == [0, 1, 2]
+    check_rollout_matches_trainer(metrics)
+    assert metrics[1]["actor/ppo_kl"] == 0.0 and metrics[1]["actor/grad_norm"] > 0
+    assert all(0.0 <= metrics[step]["critic/score/mean"] <= 1.0 for step in (1, 2))
+
+
     from reward_model_util import save_reward_model
 
     from hybridflow.models import load_tokenizer

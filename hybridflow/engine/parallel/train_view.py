@@ -32,12 +32,17 @@ MESH_DIMS = ("pp", "tp", "dp")
 
 @dataclass(frozen=True)
 class TrainView:
-    """``world`` ranks training as ``pp`` pipeline stages x ``tp`` tensor-parallel ranks x ``dp`` replicas."""
+    """``world`` ranks training as ``pp`` pipeline stages x ``tp`` tensor-parallel ranks x ``dp`` replicas.
+
+    ``sp`` (Ulysses, ``ulysses``): FSDP2 still shards over every rank, and each data-parallel group of sp
+    consecutive ranks splits its micro-batches' tokens; a group is one model replica for the data.
+    """
 
     world: int
     tp: int = 1
     pp: int = 1
     role: str = "actor"  # for messages: the config section the sizes come from
+    sp: int = 1
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1 or self.world % (self.tp * self.pp):
@@ -45,11 +50,16 @@ class TrainView:
                 f"{self.role}.tensor_parallel_size={self.tp} x {self.role}.pipeline_parallel_size={self.pp} "
                 f"must divide the {self.world} ranks (trainer.nnodes x trainer.n_gpus_per_node)"
             )
+        if self.sp < 1 or self.world % self.sp or (self.sp > 1 and not self.fsdp_only):
+            raise UserError(
+                f"{self.role}.ulysses_sequence_parallel_size={self.sp} must divide the {self.world} ranks and "
+                f"comes with tensor_parallel_size=1 and pipeline_parallel_size=1 (got {self.tp} and {self.pp})"
+            )
 
     @property
     def dp(self) -> int:
-        """The data-parallel size: model replicas, each over tp x pp ranks."""
-        return self.world // (self.tp * self.pp)
+        """The data-parallel size: model replicas, each over tp x pp ranks (or a group of sp ranks)."""
+        return self.world // (self.tp * self.pp * self.sp)
 
     @property
     def fsdp_only(self) -> bool:
@@ -58,15 +68,17 @@ class TrainView:
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """``(pp_rank, tp_rank, dp_rank)`` of ``rank``."""
+        if self.sp > 1:  # tp = pp = 1: a group's sp ranks are consecutive (its all-to-alls stay on a node)
+            return 0, 0, rank // self.sp
         return rank // (self.tp * self.dp), (rank // self.dp) % self.tp, rank % self.dp
 
     def replica_ranks(self, dp_rank: int) -> list[int]:
         """The ranks of model replica ``dp_rank`` (every stage and tensor-parallel rank), in rank order."""
-        return [r for r in range(self.world) if r % self.dp == dp_rank]
+        return [r for r in range(self.world) if self.coords(r)[2] == dp_rank]
 
     def __str__(self) -> str:
         if self.fsdp_only:
-            return f"(fsdp={self.world})"
+            return f"(fsdp={self.world})" if self.sp == 1 else f"(fsdp={self.world}, sp={self.sp})"
         return f"(tp={self.tp}, pp={self.pp}, dp={self.dp})"
 
 
@@ -138,5 +150,6 @@ def train_box(kind: str, shape: tuple[int, ...], view: TrainView, rank: int, fsd
     split = {"column": 0, "kv": 0, "row": 1}.get(kind) if view.tp > 1 else None
     if split is not None:
         box[split] = _chunk(0, shape[split], view.tp, tp_rank)
-    box[fsdp_dim] = _chunk(*box[fsdp_dim], view.dp, dp_rank)
+    fsdp_rank, fsdp_size = (rank, view.world) if view.sp > 1 else (dp_rank, view.dp)  # sp: FSDP2 over all
+    box[fsdp_dim] = _chunk(*box[fsdp_dim], fsdp_size, fsdp_rank)
     return None if any(lo >= hi for lo, hi in box) else tuple(box)
