@@ -14,8 +14,6 @@ from hybridflow.config.schema import ActorConfig, CriticConfig
 from hybridflow.models import build_tiny_model
 from hybridflow.protocol import Batch
 
-pytestmark = pytest.mark.slow
-
 P, R, B = 7, 6, 8  # prompt width, response width, samples
 LENGTHS = [(0, 6), (3, 2), (1, 0), (5, 4), (0, 6), (2, 1), (6, 3), (1, 5)]  # (left pad, response length)
 
@@ -128,6 +126,7 @@ def whole(results: list[list[dict]], i: int) -> dict:
     return joined
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_sequence_parallel_equals_sp_1(world: int) -> None:
     sps = [2] if world == 2 else [2, 4]
@@ -144,3 +143,56 @@ def test_sequence_parallel_equals_sp_1(world: int) -> None:
                 got = {**got, "state": None}  # rank 0 holds the full weights
             assert_same(got, want if rank == 0 else {**want, "state": None})
         assert arch and results[0][i]["metrics"]["actor/grad_norm"] > 0
+
+
+def test_the_view_groups_consecutive_ranks_and_prints_sp() -> None:
+    from hybridflow.engine.parallel.train_view import TrainView
+    from hybridflow.utils.errors import UserError
+
+    view = TrainView(4, sp=2)
+    assert str(view) == "(fsdp=4, sp=2)" and str(TrainView(4)) == "(fsdp=4)"
+    assert view.dp == 2 and view.fsdp_only
+    assert [view.coords(r)[2] for r in range(4)] == [0, 0, 1, 1]
+    assert [view.replica_ranks(d) for d in range(2)] == [[0, 1], [2, 3]]
+    for bad in (dict(sp=3), dict(tp=2, sp=2), dict(pp=2, sp=2)):
+        with pytest.raises(UserError, match="ulysses_sequence_parallel_size"):
+            TrainView(4, **bad)
+
+
+def test_each_rank_holds_its_slice_of_the_packed_row() -> None:
+    """sp=3 over packed lengths that 3 does not divide: the slices tile the padded row, the pad tokens are a
+    sequence of their own, and each rank's scored rows are its own tokens' (uneven counts, some rank none)."""
+    from hybridflow.engine.packing import build_scoring_inputs
+    from hybridflow.engine.parallel.ulysses import shard_inputs
+
+    b = fixed_batch()
+    inputs = build_scoring_inputs(b["input_ids"], b["attention_mask"], b["position_ids"], R, True)
+    S, sp = inputs.input_ids.shape[1], 3
+    assert S % sp
+    shards = [shard_inputs(inputs, sp, rank) for rank in range(sp)]
+    width = -(-S // sp)
+    ids = torch.cat([local.input_ids for local, _ in shards], dim=1)  # (1, S_pad)
+    assert ids.shape[1] == width * sp and torch.equal(ids[:, :S], inputs.input_ids)
+    counts = shards[0][1].counts
+    assert sum(counts) == inputs.labels.numel() and all(s.counts == counts for _, s in shards)
+    for rank, (local, shard) in enumerate(shards):
+        assert local.seq_bounds == [*inputs.seq_bounds, width * sp]
+        assert local.cu_seqlens.tolist() == local.seq_bounds
+        mine = slice(shard.start, shard.start + counts[rank])
+        assert torch.equal(local.gather_index + rank * width, inputs.gather_index[mine])
+        assert torch.equal(local.labels, inputs.labels[mine])
+        assert ((local.gather_index >= 0) & (local.gather_index < width)).all()
+
+
+def test_heads_that_sp_does_not_split_are_refused() -> None:
+    from types import SimpleNamespace
+
+    from hybridflow.engine.parallel.ulysses import check_ulysses, group_budgets
+    from hybridflow.utils.errors import UserError
+
+    check_ulysses(SimpleNamespace(num_attention_heads=8, num_key_value_heads=2), 4)  # KV heads replicated
+    with pytest.raises(UserError, match=r"critic\.ulysses_sequence_parallel_size=8 .* num_attention_heads=4"):
+        check_ulysses(SimpleNamespace(num_attention_heads=4, num_key_value_heads=2), 8, "critic")
+    with pytest.raises(UserError, match="num_key_value_heads=3"):
+        check_ulysses(SimpleNamespace(num_attention_heads=6, num_key_value_heads=3), 2)
+    assert group_budgets(actor_config(True), 4).ppo_max_token_len_per_gpu == 96
