@@ -345,11 +345,11 @@ class RefConfig:
     pipeline_parallel_size: int | None = option(
         None, "Pipeline stages of the reference's view; null = actor.pipeline_parallel_size."
     )
-    fsdp: FSDPConfig = section(FSDPConfig, "Reference FSDP2 settings (param_offload keeps it on CPU).")
-
     ulysses_sequence_parallel_size: int | None = option(
         None, "Ulysses sequence-parallel size of the reference; null = actor.ulysses_sequence_parallel_size."
     )
+    fsdp: FSDPConfig = section(FSDPConfig, "Reference FSDP2 settings (param_offload keeps it on CPU).")
+
 
 @dataclass
 class CustomRewardFunctionConfig:

@@ -242,8 +242,6 @@ def test_grpo_on_several_ranks_with_a_token_id_reward(
         assert all(0 < mib < 1 for mib in received), received  # a part of a copy (tiny model: < 1 MiB)
 
 
-def test_remax_with_a_reward_model_on_two_ranks(tmp_path: Path, setup: dict[str, Path]) -> None:
-    """The greedy baseline generates again from the batch's prompts; a reward model scores both."""
 def test_grpo_with_sequence_parallelism_on_two_ranks(tmp_path: Path, setup: dict[str, Path]) -> None:
     """Ulysses sp=2 (verl's keys): the two ranks are one data-parallel group whose actor and reference split
     each packed micro-batch, with token budgets and gradient checkpointing; rollout groups of 2
@@ -272,6 +270,8 @@ def test_grpo_with_sequence_parallelism_on_two_ranks(tmp_path: Path, setup: dict
     assert all(0.0 <= metrics[step]["critic/score/mean"] <= 1.0 for step in (1, 2))
 
 
+def test_remax_with_a_reward_model_on_two_ranks(tmp_path: Path, setup: dict[str, Path]) -> None:
+    """The greedy baseline generates again from the batch's prompts; a reward model scores both."""
     from reward_model_util import save_reward_model
 
     from hybridflow.models import load_tokenizer
