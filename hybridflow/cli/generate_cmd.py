@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_causal_lm(args.model, dtype=dtype).to(device).eval()
     prompts = read_prompts(args.prompts, tokenizer)
     params = sampling_params(args, model, tokenizer)
+    check_position_limit(args.prompts, prompts, params.max_new_tokens, model)
     extra = {"compile_decode": True} if args.compile_decode else {}  # (HF generate takes no such option)
     engine = make_rollout(
         model, args.engine, pad_token_id=tokenizer.pad_token_id or 0, max_num_seqs=args.max_num_seqs, **extra
@@ -130,6 +131,33 @@ def run(args: argparse.Namespace) -> int:
         f"-> {args.out}"
     )
     return 0
+
+
+def check_position_limit(path: str, prompts: list[list[int]], max_new_tokens: int, model: Any) -> None:
+    """Refuse a prompt that fills the model's position limit; warn when one plus --max-new-tokens passes it."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return
+    longest = max(len(p) for p in prompts)
+    if longest >= limit:
+        index = next(i for i, p in enumerate(prompts) if len(p) == longest)
+        raise UserError(
+            f"{path}: prompt {index + 1} has {longest} tokens, which fills the model's position limit "
+            f"(max_position_embeddings={limit}) and leaves no room to generate; shorten it to fewer than "
+            f"{limit} tokens"
+        )
+    if longest + max_new_tokens > limit:
+        logger.warning(
+            "the longest prompt (%d tokens) + --max-new-tokens %d = %d tokens is more than the model's "
+            "position limit (max_position_embeddings=%d): its responses stop at %d tokens; lower "
+            "--max-new-tokens to %d or shorten the prompts",
+            longest,
+            max_new_tokens,
+            longest + max_new_tokens,
+            limit,
+            limit - longest,
+            limit - longest,
+        )
 
 
 def sampling_params(args: argparse.Namespace, model: Any, tokenizer: Any) -> SamplingParams:

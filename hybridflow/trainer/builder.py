@@ -232,6 +232,7 @@ def build_eval_components(
         raise UserError(
             "data.val_files is not set: evaluation needs held-out prompts; set data.val_files=[FILE]"
         )
+    warn_position_limit(cfg, model)
     val = build_rl_dataset(cfg.data, tokenizer, "val", cfg.trainer.seed)
     check_data_sources(val, cfg, reward_fn)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

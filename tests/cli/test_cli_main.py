@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import cli_cases
 import pytest
 import yaml
 
@@ -66,6 +67,7 @@ def test_split_file_and_overrides() -> None:
     assert split_file_and_overrides([]) == (None, [])
 
 
+@cli_cases.sweep(cli_cases.config_show)  # the reliability sweep runs these cases too
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import cli_cases
 import pytest
 import yaml
 
@@ -32,6 +33,7 @@ def refused(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return line
 
 
+@cli_cases.sweep(cli_cases.config_show)  # the reliability sweep runs these cases too
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import cli_cases
 import pytest
 import torch
 
@@ -59,6 +60,12 @@ def test_generate_writes_one_line_per_sample(
     assert "tokens/s" in capsys.readouterr().out
 
 
+def _swept(env: cli_cases.Env, rows: list, extra: list, message: str) -> tuple[list[str], str]:
+    """One case of the test below as the reliability sweep runs it (on the sweep's own tiny model)."""
+    return env.generate(env.model, write_prompts(env.tmp / "p.jsonl", rows), *extra), message
+
+
+@cli_cases.sweep(_swept)
 @pytest.mark.parametrize(
     "rows,extra,message",
     [
@@ -90,3 +97,21 @@ def test_unknown_model_directory(tmp_path: Path, capsys: pytest.CaptureFixture) 
     code = main(generate_argv(tmp_path / "nope", prompts, "o.jsonl"))
     assert code == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_a_prompt_plus_max_new_tokens_past_the_position_limit_is_warned_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    model = tmp_path / "short"
+    build_tiny_model_and_tokenizer(
+        out_dir=model, hidden_size=32, num_hidden_layers=1, max_position_embeddings=16
+    )
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"prompt": "12+7="}])  # 5 tokens
+    out = tmp_path / "gen.jsonl"
+    assert main(generate_argv(model, prompts, out, "--max-new-tokens", "20", "--ignore-eos")) == 0
+    warning = [line for line in capsys.readouterr().err.splitlines() if "position limit" in line]
+    assert len(warning) == 1 and "WARNING" in warning[0]
+    assert "the longest prompt (5 tokens) + --max-new-tokens 20 = 25 tokens" in warning[0]
+    assert "max_position_embeddings=16" in warning[0] and "lower --max-new-tokens to 11" in warning[0]
+    (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(line["token_ids"]) == 11  # capped where the positions end, as the warning says

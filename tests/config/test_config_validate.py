@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import cli_cases
 import pytest
 
 from hybridflow.config import (
@@ -72,6 +73,7 @@ def test_key_below_a_leaf_is_unknown() -> None:
 # --- types --------------------------------------------------------------------------------------------
 
 
+@cli_cases.sweep(lambda env, override, expected: (["config", "show", override], expected))
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
@@ -102,6 +104,7 @@ def test_wrong_type(override: str, expected: str) -> None:
 # --- ranges and enums ---------------------------------------------------------------------------------
 
 
+@cli_cases.sweep(lambda env, override, expected: (["config", "show", override], expected))
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
@@ -151,6 +154,7 @@ def test_unknown_enum_lists_the_valid_names() -> None:
         assert name in message
 
 
+@cli_cases.sweep(lambda env, override, path: (["config", "show", override], f"{path}: unknown value"))
 @pytest.mark.parametrize(
     ("override", "path"),
     [

@@ -62,7 +62,7 @@ def metrics_steps(run_dir: Path) -> list[int]:
 # file name, or "distcp" for torch.distributed.checkpoint's shard writes, or "final_model"), read at write
 # time. The writes are patched once hybridflow.workers.rank is imported (torch and DCP are loaded by then).
 FULL_DISK_ENV = "HYBRIDFLOW_TEST_FULL_DISK"
-FULL_DISK_SITE = '''
+FULL_DISK_SITE = """
 import errno, importlib.abc, importlib.util, os, sys
 
 ENV = "HYBRIDFLOW_TEST_FULL_DISK"
@@ -122,7 +122,7 @@ class _Hook(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, _Hook())
-'''
+"""
 
 
 def full_disk_site(folder: Path) -> Path:

@@ -1,8 +1,10 @@
 """The sweep: every bad input of the command line the tests know exits 2 with one line and no traceback.
 
 Each case builds its bad input (a damaged model, checkpoint or data file, an unusable output directory, a
-full disk, a bad value) and names the file, field or fix its message must contain. Add a case here for
-every new user-facing input.
+full disk, a bad value) and names the file, field or fix its message must contain. The cases are this
+module's own (issue 29's items 5-8) and every case of the tests elsewhere tagged ``@cli_cases.sweep``
+(config refusals, value and type checks, generate's bad rows, ...): tag the test of every new user-facing
+input, or add a case here.
 """
 
 from __future__ import annotations
@@ -14,18 +16,17 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import cli_cases
 import pytest
+from cli_cases import Env
 from reliability_util import copy_of, flip_bytes, shard_of, train_argv, truncate
 
 from hybridflow.cli.main import main
-from hybridflow.models import build_tiny_model_and_tokenizer
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("model")
-    build_tiny_model_and_tokenizer(out_dir=out, hidden_size=32, num_hidden_layers=1)
-    return out
+    return cli_cases.tiny_model(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture(scope="module")
@@ -36,37 +37,9 @@ def trained(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
-class Env:
-    """What a case may use: the tiny model, the trained run, its own folder."""
-
-    def __init__(self, model: Path, trained: Callable[[], Path], tmp: Path) -> None:
-        self.model, self._trained, self.tmp = model, trained, tmp
-
-    def run_copy(self) -> Path:
-        return copy_of(self._trained(), self.tmp / "run")
-
-    def model_copy(self) -> Path:
-        return copy_of(self.model, self.tmp / "model")
-
-    def prompts(self, text: bytes = b'{"prompt": "1+1="}\n') -> Path:
-        (self.tmp / "p.jsonl").write_bytes(text)
-        return self.tmp / "p.jsonl"
-
-    def generate(self, model: Path) -> list[str]:
-        return [
-            "generate",
-            "--model",
-            str(model),
-            "--prompts",
-            str(self.prompts()),
-            "--out",
-            str(self.tmp / "o"),
-        ]
-
-
 def _damaged_model(damage: Callable[[Path], None]) -> Callable[[Env], tuple[list[str], str]]:
     def case(env: Env) -> tuple[list[str], str]:
-        model = env.model_copy()
+        model = copy_of(env.model, env.tmp / "model")
         damage(model)
         return env.generate(model), str(model)
 
@@ -88,7 +61,7 @@ def _model_type(model: Path) -> None:
 
 def _damaged_checkpoint(command: str, damage: str) -> Callable[[Env], tuple[list[str], str]]:
     def case(env: Env) -> tuple[list[str], str]:
-        run_dir = env.run_copy()
+        run_dir = copy_of(env.trained(), env.tmp / "run")
         ckpt = run_dir / "global_step_1"
         shard = shard_of(ckpt)
         if damage == "flip":
@@ -138,6 +111,11 @@ def _negative_steps(env: Env) -> tuple[list[str], str]:
     return argv, "set trainer.total_training_steps to a value that is at least 1"
 
 
+def _prompt_past_the_position_limit(env: Env) -> tuple[list[str], str]:
+    prompts = env.prompts(b'{"prompt": "' + b"1+" * 300 + b'"}\n')  # 600 tokens, past the limit of 512
+    return env.generate(env.model, prompts), "p.jsonl: prompt 1 has 600 tokens"
+
+
 def _bad_yaml(env: Env) -> tuple[list[str], str]:
     (env.tmp / "c.yaml").write_text("trainer: [unclosed\n")
     return ["train", str(env.tmp / "c.yaml")], "c.yaml: is not valid YAML"
@@ -161,9 +139,12 @@ CASES: dict[str, Callable[[Env], tuple[list[str], str]]] = {
     "output: run directory under a file": _run_dir_under_file,
     "data: bad UTF-8 in a data file": _bad_utf8_data,
     "data: bad UTF-8 in a prompts file": _bad_utf8_prompts,
+    "data: a prompt past the model's position limit": _prompt_past_the_position_limit,
     "config: a negative step count": _negative_steps,
     "config: invalid YAML": _bad_yaml,
 }
+# The cases of the tests tagged @cli_cases.sweep, each with the marks of its parameter set.
+SWEPT = cli_cases.discover()
 
 
 def _check_user_error(argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> str:
@@ -176,7 +157,9 @@ def _check_user_error(argv: list[str], named: str, capsys: pytest.CaptureFixture
     return errors[0]
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(
+    "name", [*CASES, *(pytest.param(key, marks=marks) for key, (_, marks) in SWEPT.items())]
+)
 def test_a_bad_input_exits_2_with_one_line_naming_it(
     name: str,
     model_dir: Path,
@@ -185,8 +168,20 @@ def test_a_bad_input_exits_2_with_one_line_naming_it(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     env = Env(model_dir, lambda: request.getfixturevalue("trained"), tmp_path)
-    argv, named = CASES[name](env)
+    argv, named = CASES[name](env) if name in CASES else SWEPT[name][0](env)
     _check_user_error(argv, named, capsys)
+
+
+def test_the_sweep_holds_the_tagged_tests_of_config_refusals_values_and_generate() -> None:
+    tagged = {key.split("[")[0] for key in SWEPT}
+    assert {
+        "test_config_refusals::test_refused_at_start_with_exit_2",
+        "test_cli_main::test_user_errors_exit_2_without_traceback",
+        "test_config_validate::test_wrong_type",
+        "test_config_validate::test_out_of_range",
+        "test_config_validate::test_other_enums",
+        "test_generate_cmd::test_bad_inputs_exit_2_with_the_row",
+    } <= tagged
 
 
 def test_a_read_only_run_directory_is_refused_before_any_work(

@@ -35,3 +35,21 @@ def test_a_prompt_plus_response_past_the_position_limit_is_warned_at_start(caplo
         warn_position_limit(cfg, model)
     assert "data.max_prompt_length=300 + data.max_response_length=800 = 1100 tokens" in caplog.text
     assert "max_position_embeddings=1024" in caplog.text
+
+
+def test_evaluation_warns_at_start_too_when_a_prompt_plus_response_is_past_the_position_limit(caplog) -> None:
+    import logging
+
+    from hybridflow.config import load_config
+    from hybridflow.models import build_tiny_model_and_tokenizer
+    from hybridflow.trainer.builder import build_eval_components
+
+    model, tokenizer = build_tiny_model_and_tokenizer(
+        hidden_size=32, num_hidden_layers=1, max_position_embeddings=128
+    )
+    cfg = load_config(None, ["data.max_prompt_length=100", "data.max_response_length=60"])
+    with caplog.at_level(logging.WARNING):
+        components = build_eval_components(cfg, model, tokenizer)
+    components.scorer.close()
+    assert "data.max_prompt_length=100 + data.max_response_length=60 = 160 tokens" in caplog.text
+    assert "max_position_embeddings=128" in caplog.text
