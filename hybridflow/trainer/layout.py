@@ -22,7 +22,6 @@ import torch
 
 from hybridflow.config import Config, ConfigError, validate_config
 from hybridflow.config.validate import get_path
-from hybridflow.engine.lm_head import HEAD_CHUNK_ROWS
 from hybridflow.engine.parallel.memory import (
     GRAD_BYTES,
     MASTER_BYTES,
@@ -184,25 +183,50 @@ def _kv_bytes(cfg: Config, mc: Any, layout: Layout, rollout_bytes: int) -> int:
     return slots * context * per_token + slots * mc.vocab_size * 4 // layout.tp_generate
 
 
+# Fitted on one H200 (benchmarks/plan_check.py, Qwen2.5-0.5B and 1.5B shapes, GRPO workloads W1 and W2, bf16
+# with remove-padding and dynamic micro-batches): what the update's backward really keeps of the bf16 tensors a
+# decoder layer could save, and the bytes per LM-head (embedding) parameter its buffers take during the update
+# (growing with the micro-batch up to HEAD_FULL_TOKENS). Checked on held-out runs: a 32k-token budget (1.5B)
+# within 7%; fixed micro-batches of 4 samples (0.5B) were overestimated by 30% before the head's growth term.
+SAVED_SHARE = 0.57
+HEAD_BYTES_PER_PARAM = 41
+HEAD_FULL_TOKENS = 8192
+
+
+def _micro_tokens(samples: int, length: int, dynamic: bool, budget: int, micro: int) -> int:
+    """Tokens of one micro-batch: ``micro`` samples, or, by a token budget, the samples split evenly."""
+    if not dynamic:
+        return micro * length
+    total = max(samples, 1) * length
+    return -(-total // -(-total // budget))
+
+
 def _activation_bytes(cfg: Config, mc: Any, layout: Layout, backward: bool) -> int:
-    """One micro-batch's activations per GPU (bf16; the fp32 logits of the log-prob pass included)."""
-    a, d = cfg.actor, cfg.data
-    tokens = a.ppo_micro_batch_size_per_gpu * (d.max_prompt_length + d.max_response_length) // layout.sp
-    if a.use_dynamic_bsz:
-        tokens = a.ppo_max_token_len_per_gpu // layout.sp
-    h, i = mc.hidden_size, mc.intermediate_size
+    """One micro-batch's activations per GPU: a backward's saved tensors and head buffers, or a forward's MLP."""
+    a, r, d = cfg.actor, cfg.rollout, cfg.data
+    length = d.max_prompt_length + d.max_response_length
+    dp = layout.world // (layout.tp_train * layout.pp)
+    if backward:  # the update's micro-batch of one mini-batch
+        samples = -(-a.ppo_mini_batch_size * r.n // dp)
+        tokens = _micro_tokens(
+            samples, length, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu, a.ppo_micro_batch_size_per_gpu
+        )
+    else:  # the old-log-prob (and reference) pass over the whole batch
+        samples = -(-d.train_batch_size * r.n // dp)
+        budget, micro = r.log_prob_max_token_len_per_gpu, r.log_prob_micro_batch_size_per_gpu
+        tokens = _micro_tokens(samples, length, r.log_prob_use_dynamic_bsz, budget, micro)
+    tokens //= layout.sp
+    h, i, tp = mc.hidden_size, mc.intermediate_size, layout.tp_train
+    if not backward:  # no graph kept: the MLP's gate, up and product of one layer at a time
+        return tokens * 2 * 3 * i // tp
     kv_dim = (getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads) * (
         h // mc.num_attention_heads
     )
-    layer = tokens * 2 * (6 * h + 2 * kv_dim + 4 * i) // layout.tp_train  # what one layer saves for backward
-    # The LM head scores HEAD_CHUNK_ROWS rows at a time: bf16 logits, fp32 statistics (and their gradient).
-    rows = min(tokens, HEAD_CHUNK_ROWS)
-    logits = rows * mc.vocab_size * (2 + 4 + (4 if backward else 0)) // layout.tp_train
-    if not backward:
-        return layer + logits
+    layer = int(SAVED_SHARE * tokens * 2 * (6 * h + 2 * kv_dim + 4 * i)) // tp  # one layer's saved tensors
     layers = mc.num_hidden_layers // layout.pp
     saved = tokens * 2 * h * layers + layer if cfg.model.enable_gradient_checkpointing else layer * layers
-    return saved + logits
+    head = HEAD_BYTES_PER_PARAM * mc.vocab_size * h * min(tokens, HEAD_FULL_TOKENS) // HEAD_FULL_TOKENS // tp
+    return saved + head
 
 
 @functools.lru_cache(maxsize=64)
@@ -325,7 +349,8 @@ def _phase_over(layout: Layout) -> str:
 
 def _why(layout: Layout, first: Layout, fixed: dict[str, Any], gpu_bytes: int | None) -> str:
     """Why this layout: the model and GPUs, what did not fit before it, what the config fixed."""
-    size = f"{layout.params / 1e9:.2f}B parameters"
+    n = layout.params
+    size = f"{n / 1e9:.2f}B parameters" if n >= 1e8 else f"{n / 1e6:.2f}M parameters"
     kept = f"; kept from the config: {', '.join(f'{k}={v}' for k, v in fixed.items())}" if fixed else ""
     if gpu_bytes is None:
         return f"{size} on {layout.world} rank(s) without a GPU: nothing to fit, the plain layout{kept}"
