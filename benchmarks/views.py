@@ -3,8 +3,9 @@
     python benchmarks/views.py --model-size 1.5b 7b --world 8
 
 No weights are made: the model is built on the meta device and every figure comes from its shapes. For each
-training view (tp_t x dp over W ranks, FSDP2 over dp, the layers' projections split over tp_t, the
-embedding, norms and head replicated over tp_t) and each generation view (tp_g), per rank:
+training view (pp stages x tp_t x dp over W ranks: each stage holding its own layers, FSDP2 over dp, the
+layers' projections split over tp_t, the embedding, norms and head replicated over tp_t) and each generation
+view (tp_g; for pp > 1 the tp_g of tp_t and of tp_t x pp), per rank:
   train  the trained actor's state: float32 masters + float32 gradients + AdamW's two float32 moments;
   layer  FSDP2's gathered bf16 copy of one decoder layer during forward/backward (its tp_t piece);
   gen    the generation shard in bf16 (``ReshardPlan.generation_bytes``);
@@ -34,9 +35,9 @@ from hybridflow.engine.parallel.train_view import TrainView
 GB = 1e9
 
 
-def view_row(size: str, model, world: int, tp_t: int, tp_g: int) -> str:
-    """One table row: the figures of train view (tp_t, dp) -> generate view (tp_g) for ``size``."""
-    train = TrainView(world, tp_t)
+def view_row(size: str, model, world: int, tp_t: int, tp_g: int, pp: int = 1) -> str:
+    """One table row: the figures of train view (tp_t, pp, dp) -> generate view (tp_g) for ``size``."""
+    train = TrainView(world, tp_t, pp)
     bad = unsplit_reason(model, tp_t, tp_g)
     if bad:
         return f"| {size} | {train} | (tp={tp_g}) | - | - | - | - | - | {bad.split(': ')[1].split(' (')[0].split(';')[0]} |"
@@ -66,6 +67,10 @@ def main() -> None:
         for tp_t in sizes:
             for tp_g in sizes:
                 print(view_row(size, model, args.world, tp_t, tp_g))
+        for pp in (2, 4):  # pipeline views: into the same tp, and into tp x pp (stages become tensor ranks)
+            for tp_t in [t for t in sizes if args.world % (t * pp) == 0]:
+                for tp_g in sorted({tp_t, tp_t * pp}):
+                    print(view_row(size, model, args.world, tp_t, tp_g, pp))
 
 
 if __name__ == "__main__":

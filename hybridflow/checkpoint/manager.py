@@ -181,6 +181,8 @@ def write_roles(
     rank, _ = _rank_world()
     role_meta = {}
     error = None
+    # Before any write can fail on one rank: a pipeline stage's shapes are a collective over its stages.
+    shapes = {name: parameter_shapes(role.module) for name, role in roles.items()}
     try:
         for name, role in roles.items():
             # DCP fails on every rank at once; the partial save is removed once all ranks stopped writing
@@ -189,7 +191,7 @@ def write_roles(
             role_meta[name] = {
                 "optimizer": with_optim,
                 "prefix": role.prefix,
-                "shapes": parameter_shapes(role.module),
+                "shapes": shapes[name],
             }
         with disk_full_guard(tmp.parent, tmp, remove=False):
             torch.save(capture_rng(), tmp / "rng" / f"{group}_rank_{rank}.pt")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -59,8 +60,18 @@ def _global_shape(t: torch.Tensor) -> list[int]:
 
 
 def parameter_shapes(module: nn.Module) -> dict[str, list[int]]:
-    """Every parameter's name and global shape: the fingerprint a checkpoint is checked against."""
-    return {name: _global_shape(p) for name, p in module.named_parameters()}
+    """Every parameter's name and global shape: the fingerprint a checkpoint is checked against.
+
+    Those of the whole model: a pipeline stage (a module with a ``stage_group``, see
+    ``engine.parallel.pipeline``) holds only its own layers, so its stages' shapes are joined (a collective
+    over that group)."""
+    shapes = {name: _global_shape(p) for name, p in module.named_parameters()}
+    group = getattr(module, "stage_group", None)
+    if group is None:
+        return shapes
+    stages: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(stages, shapes, group=group)
+    return {name: shape for stage in stages for name, shape in stage.items()}
 
 
 def check_shapes(saved: dict[str, list[int]], current: dict[str, list[int]], what: str) -> None:

@@ -275,7 +275,7 @@ class ActorConfig:
     )
     pipeline_parallel_size: int = option(
         1,
-        "Pipeline stages of the training view; only 1 for now (verl's megatron.pipeline_model_parallel_size).",
+        "Training view: decoder layers split into this many pipeline stages (verl's megatron.pipeline_model_parallel_size).",
     )
     policy_loss: PolicyLossConfig = section(PolicyLossConfig, "Policy loss mode and its parameters.")
     optim: OptimConfig = section(OptimConfig, "Actor optimizer.")
@@ -323,7 +323,9 @@ class CriticConfig:
         1,
         "Tensor-parallel size of the critic's training view (verl's critic.megatron.tensor_model_parallel_size).",
     )
-    pipeline_parallel_size: int = option(1, "Pipeline stages of the critic's training view; only 1 for now.")
+    pipeline_parallel_size: int = option(
+        1, "Pipeline stages of the critic's training view (verl's critic.megatron.pipeline_model_parallel_size)."
+    )
     optim: OptimConfig = section(OptimConfig, "Critic optimizer.", lr=1e-5)
     fsdp: FSDPConfig = section(FSDPConfig, "Critic FSDP2 settings.")
 

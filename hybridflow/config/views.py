@@ -21,21 +21,12 @@ def train_view_sizes(cfg: Config, role: str) -> tuple[int, int]:
 
 
 def check_train_views(cfg: Config, out: list[Problem]) -> None:
-    """Each trained or frozen role's tp x pp divides its ranks; pipeline stages are refused for now."""
+    """Each trained or frozen role's tp x pp divides its ranks (the model's own limits: the builder)."""
     world = cfg.trainer.world_size
     for role in ("actor", "ref", "critic"):
         tp, pp = train_view_sizes(cfg, role)
         if tp < 1 or pp < 1:
             continue  # the range checks report it
-        if pp > 1:
-            out.append(
-                Problem(
-                    f"{role}.pipeline_parallel_size",
-                    f"is {pp}, but pipeline-parallel training views are not implemented yet",
-                    f"set {role}.pipeline_parallel_size=1; use {role}.tensor_parallel_size and FSDP2 "
-                    f"({role}.fsdp.param_offload) for a model that one rank cannot hold",
-                )
-            )
         if world % (tp * pp):
             divisors = [d for d in range(1, world + 1) if world % d == 0]
             out.append(

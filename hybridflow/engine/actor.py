@@ -84,7 +84,11 @@ class ActorEngine:
         if gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         optim: OptimConfig | None = actor.optim if trainable else None
-        root = PolicyScorer(lm, fused_head=fused_head) if stage is None else StageScorer(lm, stage, view.pp)
+        root = (
+            PolicyScorer(lm, fused_head=fused_head)
+            if stage is None
+            else StageScorer(lm, stage.index, view.pp)
+        )
         self.engine = TrainEngine(
             root,
             decoder_layers(lm),

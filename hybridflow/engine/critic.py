@@ -14,7 +14,16 @@ from hybridflow.config.schema import CriticConfig
 from hybridflow.engine.micro_batch import check_batch, micro_batch_indices, restore_order
 from hybridflow.engine.packed_attention import use_packed_attention
 from hybridflow.engine.packing import build_scoring_inputs, scatter_to_responses, to_device
+from hybridflow.engine.parallel.pipeline import StageScorer
 from hybridflow.engine.parallel.train_view import TrainView
+from hybridflow.engine.pipelined import (
+    attach_pipeline,
+    gather_pass,
+    micro_loss_fn,
+    packed_inputs,
+    pipeline_stage,
+    value_head,
+)
 from hybridflow.engine.scorer import ValueScorer, decoder_layers
 from hybridflow.engine.train_engine import TrainEngine
 from hybridflow.protocol import Batch
@@ -44,13 +53,21 @@ class CriticEngine:
     ) -> None:
         """``view``: the training view (None: FSDP2 over every rank), as ``ActorEngine`` takes it."""
         self.critic = critic
+        stage = pipeline_stage(value_model, view, "critic")  # None: one stage
+        if stage is not None:
+            use_remove_padding = True  # pipeline stages run packed micro-batches
         self.remove_padding = use_remove_padding
         if use_remove_padding:
             use_packed_attention(value_model)
         if gradient_checkpointing:
             value_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        root = (
+            ValueScorer(value_model)
+            if stage is None
+            else StageScorer(value_model, stage.index, view.pp, "model")
+        )
         self.engine = TrainEngine(
-            ValueScorer(value_model),
+            root,
             decoder_layers(value_model),
             critic.fsdp,
             critic.optim,
@@ -60,6 +77,7 @@ class CriticEngine:
             critic.use_torch_compile,
             view,
         )
+        self.pipeline = None if stage is None else attach_pipeline(self.engine, value_model, stage)
         dp = self.engine.dp_size
         self.mini_batch_size = ppo_mini_batch_size * rollout_n // dp
         if self.mini_batch_size < 1:
@@ -91,9 +109,14 @@ class CriticEngine:
         parts = micro_batch_indices(
             batch, c.ppo_micro_batch_size_per_gpu, c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu
         )
-        values = [self._values(batch[idx]).cpu() for idx in parts]
+        if self.pipeline is not None:
+            inputs = packed_inputs(batch, parts)
+            outs = self.pipeline.forward(inputs, value_head, 1)
+            (values,) = gather_pass(self.pipeline, outs, inputs, parts, batch["responses"].shape[1], 1)
+        else:
+            values = restore_order([self._values(batch[idx]).cpu() for idx in parts], parts)
         self.engine.offload()
-        return restore_order(values, parts)
+        return values
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Clipped value regression onto ``returns`` for ``ppo_epochs`` passes; returns verl-named metrics."""
@@ -127,27 +150,31 @@ class CriticEngine:
             mini, c.ppo_micro_batch_size_per_gpu, c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu
         )
         tokens = max(counts["batch_num_tokens"], 1)
-        for i, idx in enumerate(parts):
-            mb = mini[idx]  # stays on the host: the scoring indices are built there
+
+        def loss(mb: Batch, vpreds: torch.Tensor) -> torch.Tensor:  # vpreds (b, R)
             share = float(mb["response_mask"].sum()) / tokens  # this micro-batch's token share (host)
             mask, returns, values = (to_device(mb[k], dev) for k in ("response_mask", "returns", "values"))
-            vpreds = self._values(mb)  # (b, R)
             vf_loss, vf_clipfrac = compute_value_loss(
-                vpreds,
-                returns,
-                values,
-                mask,
-                c.cliprange_value,
-                c.loss_agg_mode,
-                dp_size=dp,
-                **counts,
+                vpreds, returns, values, mask, c.cliprange_value, c.loss_agg_mode, dp_size=dp, **counts
             )
-            self.engine.accumulate(i, len(parts))
-            vf_loss.backward()
             totals["critic/vf_loss"] += vf_loss.detach().double() / dp
             totals["critic/vf_clipfrac"] += torch.as_tensor(vf_clipfrac, device=dev).detach().double() * share
             totals["critic/vpred_mean"] += (vpreds.detach() * mask).sum().double() / tokens
-        host = {key: value.cpu() for key, value in sorted(totals.items())}
+            return vf_loss
+
+        if self.pipeline is not None:
+            inputs = packed_inputs(mini, parts)
+            R = mini["responses"].shape[1]
+            loss_of = micro_loss_fn(inputs, parts, R, lambda i, outs: loss(mini[parts[i]], outs[0]))
+            self.pipeline.train(inputs, value_head, 1, loss_of)
+        for i, idx in enumerate(parts if self.pipeline is None else []):
+            mb = mini[idx]  # stays on the host: the scoring indices are built there
+            vf_loss = loss(mb, self._values(mb))
+            self.engine.accumulate(i, len(parts))
+            vf_loss.backward()
+        host = {key: value.cpu() for key, value in sorted(totals.items())}  # empty before the last stage
         metrics = {key: float(all_reduce_sum(value, group)) for key, value in host.items()}
+        if self.pipeline is not None:
+            metrics = self.pipeline.from_last(metrics)
         metrics["critic/grad_norm"] = self.engine.optimizer_step()
         return metrics

@@ -8,6 +8,7 @@ per micro-batch, and the last stage's results reach every stage of the replica a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from hybridflow.engine.parallel.pipeline import (
     TiedWeights,
     check_train_pp,
     split_stage,
+    ties_head,
 )
 from hybridflow.engine.parallel.train_view import TrainView
 from hybridflow.engine.train_engine import TrainEngine
@@ -28,24 +30,34 @@ from hybridflow.protocol import Batch
 from hybridflow.utils.logging import rank as dist_rank
 
 
-def pipeline_stage(model: nn.Module, view: TrainView | None, role: str = "actor") -> int | None:
-    """Cut ``model`` down to this rank's stage of ``view`` (in place); its stage index, None at pp = 1."""
+@dataclass(frozen=True)
+class Stage:
+    """This rank's pipeline stage, and whether the whole model tied its head (the split hides it)."""
+
+    index: int
+    tied_head: bool
+
+
+def pipeline_stage(model: nn.Module, view: TrainView | None, role: str = "actor") -> Stage | None:
+    """Cut ``model`` down to this rank's stage of ``view`` (in place); None at pp = 1."""
     if view is None or view.pp == 1:
         return None
     check_train_pp(model.config, view.pp, role)
-    stage = view.coords(dist_rank())[0]
-    split_stage(model, view.pp, stage)
+    stage = Stage(view.coords(dist_rank())[0], ties_head(model))
+    split_stage(model, view.pp, stage.index)
     return stage
 
 
-def attach_pipeline(engine: TrainEngine, model: nn.Module, stage: int) -> PipelineRunner:
+def attach_pipeline(engine: TrainEngine, model: nn.Module, stage: Stage) -> PipelineRunner:
     """The runner of ``engine``'s stage, and the tied head's gradient sum wired into its optimizer step.
 
     Called once the engine has sharded the stage: the tied weight is FSDP2's parameter from then on.
     """
-    engine.tied = TiedWeights(model, engine.view, dist_rank())  # collective: every rank builds every pair
+    # collective: every rank builds every pair
+    engine.tied = TiedWeights(model, engine.view, dist_rank(), stage.tied_head)
+    engine.module.stage_group = engine.pp_group  # checkpoints join the stages' parameter shapes over it
     hidden = (model.config.hidden_size, engine.compute_dtype)
-    return PipelineRunner(engine.module, stage, engine.view.pp, engine.pp_group, engine.device, hidden)
+    return PipelineRunner(engine.module, stage.index, engine.view.pp, engine.pp_group, engine.device, hidden)
 
 
 def policy_head(temperature: float, with_entropy: bool, entropy_grad: bool, fused: bool) -> Head:
@@ -64,6 +76,11 @@ def policy_head(temperature: float, with_entropy: bool, entropy_grad: bool, fuse
         return (logp,) if ent is None else (logp, ent)
 
     return head
+
+
+def value_head(model: nn.Module, rows: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The last stage's head of a value model: one value (M,) per scored position (the labels unused)."""
+    return (model.score(rows).float().squeeze(-1),)
 
 
 def packed_inputs(batch: Batch, parts: Sequence[Sequence[int]]) -> list[ScoringInputs]:

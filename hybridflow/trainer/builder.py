@@ -77,7 +77,8 @@ def check_data_sources(dataset: RLDataset, cfg: Config, reward_fn: Any) -> None:
 
 def check_rollout_view(cfg: Config, model: torch.nn.Module | None) -> None:
     """Refuse, before any rank starts, a tensor-parallel size (rollout or training) that cannot split the
-    policy's heads and MLP, or a sequence-parallel size that cannot split its heads."""
+    policy's heads and MLP, a sequence-parallel size that cannot split its heads, or more pipeline stages
+    than it has layers."""
     from hybridflow.config.sequence_parallel import sequence_parallel_size
     from hybridflow.config.views import train_view_sizes
 
@@ -85,8 +86,10 @@ def check_rollout_view(cfg: Config, model: torch.nn.Module | None) -> None:
     roles = [r for r in ("actor", "ref") if train_view_sizes(cfg, r)[0] > 1]
     used = ("actor", *(("ref",) if cfg.use_reference else ()), *(("critic",) if cfg.use_critic else ()))
     sp_roles = [r for r in used if sequence_parallel_size(cfg, r) > 1]
-    if tp == 1 and not roles and not sp_roles:
+    pp_roles = [r for r in used if train_view_sizes(cfg, r)[1] > 1]
+    if tp == 1 and not roles and not sp_roles and not pp_roles:
         return
+    from hybridflow.engine.parallel.pipeline import check_train_pp
     from hybridflow.engine.parallel.tp_rollout import check_tp
     from hybridflow.engine.parallel.tp_train import check_train_tp
     from hybridflow.engine.parallel.ulysses import check_ulysses
@@ -100,6 +103,8 @@ def check_rollout_view(cfg: Config, model: torch.nn.Module | None) -> None:
         check_train_tp(config, train_view_sizes(cfg, role)[0], role)
     for role in sp_roles:
         check_ulysses(config, sequence_parallel_size(cfg, role), role)
+    for role in pp_roles:  # the critic's own model has the policy's depth unless it comes from elsewhere
+        check_train_pp(config, train_view_sizes(cfg, role)[1], role)
 
 
 def warn_position_limit(cfg: Config, model: torch.nn.Module | None) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from hybridflow.engine.parallel.pipeline import stage_of_param
 from hybridflow.engine.parallel.plan import ParamSpec, ReshardPlan, volume
 from hybridflow.engine.parallel.tp_rollout import ShardLayout, check_tp, kind_of
 from hybridflow.engine.parallel.tp_train import check_train_tp
@@ -63,7 +64,8 @@ def view_memory(
 ) -> ViewMemory:
     """The per-rank figures of ``view`` switching into generation groups of ``tp_generate`` ranks.
 
-    As the engine lays them out: FSDP2 over dp, the layers' projections split over the view's tp (the
+    As the engine lays them out: each pipeline stage holding its own layers (the embedding on the first, the
+    norm and head on the last, a tied head on both), FSDP2 over dp, the layers' projections split over the view's tp (the
     embedding, norms and head replicated over it), row-parallel weights sharded by FSDP2 on dim 1 when training
     is FSDP2 alone and the rollout is tensor-parallel (``follow_rollout_shards``). ``switch=False`` leaves
     out the reshard plan's transfers (``received_bytes`` is then None): at hundreds of ranks they are what
@@ -81,8 +83,14 @@ def view_memory(
     # torch.chunk makes the first of the dp chunks the largest: without the switch, the dp rank 0 of each
     # stage and tensor-parallel rank is enough to find the most any rank holds.
     ranks = range(world) if switch else [r for r in range(world) if view.coords(r)[2] == 0]
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    stages = [stage_of_param(n, config.num_hidden_layers, view.pp, tied) for n, _ in params]
     holdings = [
-        [train_box(k, shape, view, r, d) for k, (_, shape), d in zip(kinds, params, fsdp_dims)] for r in ranks
+        [
+            train_box(k, shape, view, r, d, st)
+            for k, (_, shape), d, st in zip(kinds, params, fsdp_dims, stages)
+        ]
+        for r in ranks
     ]
     specs = [
         ParamSpec(n, shape, None, ShardLayout(k, shape, tp_generate, head_dim))

@@ -78,6 +78,12 @@ def check_train_pp(config: object, pp: int, role: str = "actor") -> None:
         )
 
 
+def ties_head(model: nn.Module) -> bool:
+    """Whether ``model``'s output head is its input embedding (a tied LM head; a value model's is not)."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and embed is not None and head.weight is embed.weight
+
+
 class StageLayers(nn.ModuleList):
     """A stage's decoder layers under their whole-model indices as names (``layers.7`` stays ``layers.7``).
 
@@ -101,7 +107,7 @@ def split_stage(lm: nn.Module, pp: int, stage: int) -> None:
     keep = stage_layers(len(body.layers), pp, stage)
     body.layers = StageLayers({i: body.layers[i] for i in keep})
     first, last = stage == 0, stage == pp - 1
-    tied = getattr(lm.config, "tie_word_embeddings", False)
+    tied = ties_head(lm)
     if not first and not (last and tied):
         body.embed_tokens = None
     if not last:
@@ -115,11 +121,12 @@ def split_stage(lm: nn.Module, pp: int, stage: int) -> None:
 class TiedWeights:
     """The tied embedding/head weight held by the first and the last stage: their gradients summed."""
 
-    def __init__(self, lm: nn.Module, view: TrainView, rank: int) -> None:
+    def __init__(self, lm: nn.Module, view: TrainView, rank: int, tied: bool) -> None:
+        """``tied``: whether ``lm``'s head was tied to its embedding (``ties_head`` before the split)."""
         self.param: nn.Parameter | None = None
         self.group = None
         self.counted = True  # whether this copy counts in the grad norm (the first stage's does)
-        if view.pp == 1 or not getattr(lm.config, "tie_word_embeddings", False):
+        if view.pp == 1 or not tied:
             return
         stage, tp_rank, dp_rank = view.coords(rank)
         width = view.tp * view.dp  # ranks per stage
@@ -136,8 +143,10 @@ class TiedWeights:
     @torch.no_grad()
     def sync_grads(self) -> None:
         """Sum the two copies' gradients (each rank's local shard: both ends shard the weight alike)."""
-        if self.param is None or self.param.grad is None:
+        if self.param is None:
             return
+        if self.param.grad is None:  # no token reached this copy: the other one still waits for a sum
+            self.param.grad = torch.zeros_like(self.param)
         grad = self.param.grad
         dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=self.group)
 
@@ -261,7 +270,9 @@ class PipelineRunner:
         else:
             inputs = torch.empty(1, S, H, dtype=self.dtype, device=meta, requires_grad=backward)
         if self.stage == self.pp - 1:
-            out = torch.empty(outputs, max(plan.rows), dtype=torch.float32, device=meta, requires_grad=backward)
+            out = torch.empty(
+                outputs, max(plan.rows), dtype=torch.float32, device=meta, requires_grad=backward
+            )
         else:
             out = torch.empty(1, S, H, dtype=self.dtype, device=meta, requires_grad=backward)
         return PipelineStage(

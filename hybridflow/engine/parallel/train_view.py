@@ -140,12 +140,22 @@ def _chunk(lo: int, hi: int, parts: int, i: int) -> tuple[int, int]:
     return min(lo + i * size, hi), min(lo + (i + 1) * size, hi)
 
 
-def train_box(kind: str, shape: tuple[int, ...], view: TrainView, rank: int, fsdp_dim: int = 0) -> Box | None:
+def train_box(
+    kind: str,
+    shape: tuple[int, ...],
+    view: TrainView,
+    rank: int,
+    fsdp_dim: int = 0,
+    stages: tuple[int, ...] | None = None,
+) -> Box | None:
     """The box of a full parameter ``rank`` holds in ``view``, from the parameter's tensor-parallel ``kind``
     (``tp_rollout.kind_of``) alone: what the DTensors give (a test checks it), for plans of models no machine
     here can hold. Layers' column (and kv) weights split dim 0 over tp, row weights dim 1; FSDP2 then splits
-    the rank's piece over dp along ``fsdp_dim`` (dim 0, or the dim a layout function marked)."""
-    _, tp_rank, dp_rank = view.coords(rank)
+    the rank's piece over dp along ``fsdp_dim`` (dim 0, or the dim a layout function marked). ``stages``: the
+    pipeline stages holding the parameter (None: every stage)."""
+    pp_rank, tp_rank, dp_rank = view.coords(rank)
+    if stages is not None and pp_rank not in stages:
+        return None  # another pipeline stage's parameter (``pipeline.stage_of_param``)
     box = [(0, n) for n in shape]
     split = {"column": 0, "kv": 0, "row": 1}.get(kind) if view.tp > 1 else None
     if split is not None:

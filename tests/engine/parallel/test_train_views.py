@@ -1,6 +1,8 @@
-"""Training views on CPU (gloo): tensor parallelism inside the layers, composed with FSDP2 over dp, gives the
-log-probs, the loss, the grad norm and the updated weights of one rank on the same fixed batch (tiny Qwen2
-with tied embeddings and Llama untied, both GQA; prompts and responses of different lengths)."""
+"""Training views on CPU (gloo): tensor parallelism inside the layers and pipeline stages across them,
+composed with FSDP2 over dp, give the log-probs, the loss, the grad norm and the updated weights of one rank
+on the same fixed batch, for the actor and the critic (tiny Qwen2 with tied embeddings and Llama untied,
+both GQA; prompts and responses of different lengths, micro-batches of different token counts); a
+checkpoint of one view loads into others and exports."""
 
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ def train_in_view(rank: int, world: int, views: list[tuple[str, int, int, bool]]
     """Per (arch, tp, pp, remove_padding): log-probs, one update's metrics, and the updated full weights."""
     from hybridflow.engine.actor import ActorEngine
     from hybridflow.engine.fsdp import full_state_dict
+    from hybridflow.engine.parallel.pipeline import stage_of_param
     from hybridflow.engine.parallel.tp_rollout import kind_of
     from hybridflow.engine.parallel.train_view import TrainView, train_box
     from hybridflow.engine.reshard import held_box
@@ -73,8 +76,35 @@ def train_in_view(rank: int, world: int, views: list[tuple[str, int, int, bool]]
         state = full_state_dict(engine.module, engine.engine.pp_group)
         out.append({"log_probs": logp, "metrics": metrics, "state": state if rank == 0 else None})
         for name, param in engine.module.named_parameters():  # the plans' boxes are the DTensors' own
-            assert held_box(param) == train_box(kind_of(name), tuple(param.shape), view, rank), name
+            stages = stage_of_param(name, 4, pp, arch == "qwen2")  # the tiny Qwen2 ties its head
+            assert held_box(param) == train_box(kind_of(name), tuple(param.shape), view, rank, 0, stages), (
+                name
+            )
+        if arch == "qwen2":
+            out[-1]["critic"] = critic_in_view(batch, view)
     return out
+
+
+def critic_in_view(batch: Batch, view) -> dict:
+    """The critic in the same view: values, one update's metrics, the updated weights (rank 0)."""
+    from hybridflow.config.schema import CriticConfig
+    from hybridflow.engine.critic import CriticEngine
+    from hybridflow.engine.fsdp import full_state_dict
+    from hybridflow.models import build_value_model
+
+    lm = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=4, seed=3)
+    cfg = CriticConfig()
+    cfg.ppo_micro_batch_size_per_gpu = 3
+    cfg.optim.lr = 1e-2
+    cfg.optim.eps = 1e-3  # as actor_config's: Adam's first step stays linear in rounding-noise gradients
+    engine = CriticEngine(build_value_model(lm, head_seed=1), cfg, ppo_mini_batch_size=B, view=view)
+    batch = batch[list(range(len(batch)))]  # a copy: the actor's batch keeps its fields
+    values = engine.compute_values(batch)
+    batch["values"] = values
+    batch["returns"] = (0.5 - values) * batch["response_mask"]  # per row: the same on any share of the rows
+    metrics = engine.update_critic(batch)
+    state = full_state_dict(engine.module, engine.engine.pp_group)
+    return {"values": values, "metrics": metrics, "state": state}
 
 
 VIEWS = [("qwen2", 1, 1, True), ("llama", 1, 1, False)]
@@ -85,24 +115,41 @@ def one_rank() -> list[dict]:
     return run_world(1, train_in_view, 1, VIEWS)[0]
 
 
-def assert_same(got: dict, want: dict, world: int, dp: int) -> None:
+def assert_same(got: dict, want: dict, dp: int) -> None:
     torch.testing.assert_close(got["log_probs"], want["log_probs"][: B // dp], rtol=0, atol=1e-5)
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac"):
         assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-5, abs=1e-6), key
     for name, tensor in want["state"].items():
         torch.testing.assert_close(got["state"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    assert got["state"].keys() == want["state"].keys()
+    if "critic" in want:
+        torch.testing.assert_close(
+            got["critic"]["values"], want["critic"]["values"][: B // dp], rtol=0, atol=1e-5
+        )
+        for key, value in want["critic"]["metrics"].items():
+            assert got["critic"]["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+        for name, tensor in want["critic"]["state"].items():
+            torch.testing.assert_close(got["critic"]["state"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize(("world", "tp"), [(2, 2), (4, 2)])
-def test_tensor_parallel_training_equals_one_rank(one_rank: list[dict], world: int, tp: int) -> None:
-    views = [(arch, tp, 1, packed) for arch, _, _, packed in VIEWS]
+# (world, tp, pp) of each view, the views of one world size run in one set of processes.
+VIEWS_BY_WORLD = {2: [(2, 1), (1, 2)], 4: [(2, 2), (2, 1)]}
+
+
+@pytest.mark.parametrize("world", sorted(VIEWS_BY_WORLD))
+def test_tensor_and_pipeline_parallel_training_equals_one_rank(one_rank: list[dict], world: int) -> None:
+    """tp=2 and pp=2 on 2 ranks; tp=2 x pp=2 and tp=2 x dp=2 on 4 (actor and critic, Qwen2 tied + Llama)."""
+    sizes = VIEWS_BY_WORLD[world]
+    views = [(arch, tp, pp, packed) for tp, pp in sizes for arch, _, _, packed in VIEWS]
     results = run_world(world, train_in_view, world, views, timeout=600)
-    for got, want in zip(results[0], one_rank):
-        assert_same(got, want, world, world // tp)
+    for i, (tp, pp) in enumerate(sizes):
+        for j, want in enumerate(one_rank):
+            assert_same(results[0][i * len(VIEWS) + j], want, world // (tp * pp))
 
 
-def save_in_view(rank: int, run_dir: str, tp: int) -> torch.Tensor:
-    """One update at tensor-parallel size ``tp``, a checkpoint (and its export config), then the log-probs."""
+def save_in_view(rank: int, run_dir: str, tp: int, pp: int) -> torch.Tensor:
+    """One update in the view (tp, pp) over tp x pp ranks, a checkpoint (and its export config), then the
+    log-probs."""
     from pathlib import Path
 
     from hybridflow.checkpoint import RoleState, save, write_hf_config
@@ -110,24 +157,24 @@ def save_in_view(rank: int, run_dir: str, tp: int) -> torch.Tensor:
     from hybridflow.engine.parallel.train_view import TrainView
 
     lm = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=4, seed=1)
-    engine = ActorEngine(lm, actor_config(), use_remove_padding=True, view=TrainView(2, tp))
-    batch = fixed_batch()  # one replica at tp=2: both ranks train on every row
+    engine = ActorEngine(lm, actor_config(), use_remove_padding=True, view=TrainView(tp * pp, tp, pp))
+    batch = fixed_batch()  # one replica: every rank trains on every row
     batch["old_log_probs"] = engine.compute_log_prob(batch)["log_probs"] - 0.05
     engine.update_policy(batch)
     save(run_dir, 1, {"actor": RoleState(engine.module, engine.engine.optimizer, "lm.")}, {}, {})
-    if rank == 0:
+    if rank == 0:  # the whole model's config: the stage's own lists every layer too
         write_hf_config(Path(run_dir) / "global_step_1" / "actor" / "hf_config", engine.module.lm, None)
     return engine.compute_log_prob(fixed_batch())["log_probs"]
 
 
-def load_in_view(rank: int, ckpt: str, world: int, tp: int) -> torch.Tensor:
+def load_in_view(rank: int, ckpt: str, world: int, tp: int, pp: int = 1) -> torch.Tensor:
     """A fresh engine (other initial weights) in another view, loaded from the checkpoint: its log-probs."""
     from hybridflow.checkpoint import RoleState, load
     from hybridflow.engine.actor import ActorEngine
     from hybridflow.engine.parallel.train_view import TrainView
 
     lm = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=4, seed=7)
-    engine = ActorEngine(lm, actor_config(), use_remove_padding=True, view=TrainView(world, tp))
+    engine = ActorEngine(lm, actor_config(), use_remove_padding=True, view=TrainView(world, tp, pp))
     load(ckpt, {"actor": RoleState(engine.module, engine.engine.optimizer, "lm.")})
     return engine.compute_log_prob(fixed_batch())["log_probs"]
 
@@ -142,12 +189,6 @@ def exported_log_probs(rank: int, model_dir: str) -> torch.Tensor:
     return ActorEngine(lm, actor_config(), trainable=False).compute_log_prob(fixed_batch())["log_probs"]
 
 
-def save_then_load_at_fsdp(rank: int, run_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """In one pair of processes: save at tp=2, then load into FSDP2 over both ranks."""
-    saved = save_in_view(rank, run_dir, 2)
-    return saved, load_in_view(rank, f"{run_dir}/global_step_1", 2, 1)
-
-
 def load_at_one_rank_and_export(rank: int, run_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     """At one rank: load the checkpoint into an engine, and export it as a Hugging Face directory."""
     from hybridflow.checkpoint import export_hf
@@ -158,8 +199,12 @@ def load_at_one_rank_and_export(rank: int, run_dir: str) -> tuple[torch.Tensor, 
     return at_one, exported_log_probs(rank, f"{run_dir}/hf")
 
 
-def test_a_checkpoint_of_the_tensor_parallel_view_loads_in_other_views_and_exports(tmp_path) -> None:
-    saved, at_fsdp2 = run_world(2, save_then_load_at_fsdp, str(tmp_path))[0]
+def test_a_checkpoint_of_the_tensor_and_pipeline_parallel_view_loads_in_other_views_and_exports(
+    tmp_path,
+) -> None:
+    """Saved at tp=2 x pp=2 (4 ranks); loaded at fsdp=2 and at one rank; exported (tied Qwen2)."""
+    saved = run_world(4, save_in_view, str(tmp_path), 2, 2, timeout=600)[0]
+    at_fsdp2 = run_world(2, load_in_view, f"{tmp_path}/global_step_1", 2, 1)[0]
     at_one, exported = run_world(1, load_at_one_rank_and_export, str(tmp_path))[0]
     for got in (at_fsdp2, at_one, exported):
         torch.testing.assert_close(got, saved, rtol=0, atol=1e-5)
