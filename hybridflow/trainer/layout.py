@@ -141,6 +141,7 @@ def _accepted(path: str) -> bool:
     cfg.trainer.n_gpus_per_node = 2
     cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size = 2, 2, 2
     cfg.actor.ppo_micro_batch_size_per_gpu = 1
+    cfg.model.use_remove_padding = True  # what Ulysses needs besides its size
     section, key = path.rsplit(".", 1)
     setattr(get_path(cfg, section), key, 2)
     return not any(p.path == path for p in validate_config(cfg))
@@ -223,8 +224,10 @@ def _activation_bytes(cfg: Config, mc: Any, layout: Layout, backward: bool) -> i
         h // mc.num_attention_heads
     )
     layer = int(SAVED_SHARE * tokens * 2 * (6 * h + 2 * kv_dim + 4 * i)) // tp  # one layer's saved tensors
-    layers = mc.num_hidden_layers // layout.pp
+    layers = -(-mc.num_hidden_layers // layout.pp)
     saved = tokens * 2 * h * layers + layer if cfg.model.enable_gradient_checkpointing else layer * layers
+    # 1F1B: the first stage holds the saved tensors of up to pp micro-batches at once
+    saved *= min(layout.pp, -(-samples * length // max(tokens * layout.sp, 1)))
     head = HEAD_BYTES_PER_PARAM * mc.vocab_size * h * min(tokens, HEAD_FULL_TOKENS) // HEAD_FULL_TOKENS // tp
     return saved + head
 
@@ -274,10 +277,34 @@ def _candidates(cfg: Config, model: torch.nn.Module, world: int, fixed: dict[str
                         layout = Layout(world, tp_t, pp, sp, tp_g, *offload)
                         if all(layout.overrides()[k] == v for k, v in fixed.items()):
                             out.append(layout)
-    out = [x for x in out if unsplit_reason(model, x.tp_train, x.tp_generate) is None]
+    out = [x for x in out if _splits(model, x) and _valid(cfg, x)]
     return sorted(
         out, key=lambda x: (x.tp_train * x.pp, x.param_offload + x.optimizer_offload, x.tp_generate, x.sp)
     )
+
+
+def _splits(model: torch.nn.Module, layout: Layout) -> bool:
+    """Whether the model splits as the layout asks (heads and MLP over tp, layers over pp, heads over sp)."""
+    from hybridflow.engine.parallel.pipeline import check_train_pp
+    from hybridflow.engine.parallel.ulysses import check_ulysses
+
+    if unsplit_reason(model, layout.tp_train, layout.tp_generate) is not None:
+        return False
+    try:
+        check_train_pp(model.config, layout.pp)
+        check_ulysses(model.config, layout.sp)
+    except ValueError:
+        return False
+    return True
+
+
+def _valid(cfg: Config, layout: Layout) -> bool:
+    """Whether validation accepts the config with the layout (how sp, pp and tp may combine is its to say)."""
+    out = copy.deepcopy(cfg)
+    for path, value in layout.overrides().items():
+        section, key = path.rsplit(".", 1)
+        setattr(get_path(out, section), key, value)
+    return not validate_config(out)
 
 
 def explicit_layout_keys(cfg: Config, given: set[str] | None = None) -> dict[str, Any]:

@@ -32,6 +32,8 @@ PLOT_FILE = "curves.png"
 # The console line: (label, metric key, format). Missing metrics are left out of the line.
 CONSOLE_FIELDS = (
     ("Loss", "actor/pg_loss", "{:.4g}"),
+    ("Loss", "loss", "{:.4g}"),  # DPO and KTO (the first loss present is shown)
+    ("Loss", "sft/loss", "{:.4g}"),
     ("Reward", "critic/score/mean", "{:.4g}"),
     ("Time", "perf/time_per_step", "{:.2f}s"),
 )
@@ -88,7 +90,9 @@ def validation_accuracy(metrics: Mapping[str, float]) -> dict[str, float]:
 def format_step_line(step: int, total_steps: int, metrics: Mapping[str, float]) -> str:
     """The console line, e.g. ``Step 3/100 | Loss: 0.012 | Reward: 0.72 | Time: 0.58s | Val acc: 0.45``."""
     parts = [f"Step {step}/{total_steps}"]
-    parts += [f"{label}: {fmt.format(metrics[key])}" for label, key, fmt in CONSOLE_FIELDS if key in metrics]
+    for label, key, fmt in CONSOLE_FIELDS:
+        if key in metrics and not any(p.startswith(f"{label}: ") for p in parts):
+            parts.append(f"{label}: {fmt.format(metrics[key])}")
     accuracy = validation_accuracy(metrics)
     for source, value in accuracy.items():
         label = "Val acc" if len(accuracy) == 1 else f"Val acc ({source})"
