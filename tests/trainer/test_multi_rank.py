@@ -211,15 +211,19 @@ def test_ppo_with_a_critic_on_two_ranks_equals_one_rank_on_the_same_samples(
 def test_grpo_on_several_ranks_with_a_token_id_reward(
     tmp_path: Path, setup: dict[str, Path], world: int, tp: int
 ) -> None:
-    """At 4 ranks, verl's Megatron keys: the actor and the reference train at tp=2 x dp=2 and rollout groups
-    of 2 tensor-parallel ranks generate, resharded from the tensor-parallel training shards."""
+    """At 4 ranks, verl's Megatron keys: the actor and the reference train at tp=2 x pp=2 (two pipeline
+    stages of two tensor-parallel ranks) and rollout groups of 2 tensor-parallel ranks generate (dp=2),
+    resharded from the stages' tensor-parallel training shards."""
     views = (
         []
         if tp == 1
         else [
             f"{A}.actor.strategy=megatron",
             f"{A}.actor.megatron.tensor_model_parallel_size={tp}",
-            "actor.use_kl_loss=true",  # a reference, in the actor's view (ref.tensor_parallel_size=null)
+            f"{A}.actor.megatron.pipeline_model_parallel_size=2",
+            "actor.use_kl_loss=true",  # a reference, in the actor's view (ref.*=null)
+            f"{A}.actor.use_dynamic_bsz=true",  # micro-batches by tokens, padded to one shape per pass
+            f"{A}.actor.ppo_max_token_len_per_gpu=512",
         ]
     )
     metrics = run(
