@@ -6,13 +6,17 @@ rollout engine on the same weights. ``import hybridflow`` stays light: no Ray, n
 
 __version__ = "0.1.0"
 
-__all__ = ["RLTrainer", "__version__"]
+__all__ = ["RLTrainer", "Trainer", "__version__"]
 
 
 def __getattr__(name: str):
-    # RLTrainer pulls in torch and transformers: load it on first use so `import hybridflow` stays light.
+    # The trainers pull in torch and transformers: load them on first use so `import hybridflow` stays light.
     if name == "RLTrainer":
         from hybridflow.trainer.api import RLTrainer
 
         return RLTrainer
+    if name == "Trainer":  # the step-wise API (generate, critic_score, update_actor, save)
+        from hybridflow.trainer.stepwise import Trainer
+
+        return Trainer
     raise AttributeError(f"module 'hybridflow' has no attribute {name!r}")

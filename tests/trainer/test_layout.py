@@ -96,3 +96,12 @@ def test_hybridflow_plan_without_a_gpu_asks_for_its_memory(capsys) -> None:
         pytest.skip("this machine has a GPU")
     assert main(["plan", "--model-shape", "qwen2.5-0.5b"]) == 2
     assert "pass --gpu-memory-gb" in capsys.readouterr().err
+
+
+def test_hybridflow_plan_reads_the_models_config_json(tmp_path, capsys) -> None:
+    from hybridflow.models import build_tiny_model_and_tokenizer
+
+    build_tiny_model_and_tokenizer(out_dir=tmp_path / "m", hidden_size=32, num_hidden_layers=2)
+    assert main(["plan", f"model.path={tmp_path / 'm'}", "--gpus", "2", "--gpu-memory-gb", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "M parameters on 2 GPU(s) of 80 GB: the simplest layout fits" in out

@@ -14,7 +14,7 @@ import pytest
 import hybridflow
 from hybridflow.engine.fsdp import local_bytes, optimizer_state_bytes
 from hybridflow.models import build_tiny_model_and_tokenizer
-from hybridflow.trainer.stepwise import Rewards, Trainer
+from hybridflow.trainer.stepwise import Rewards
 
 ROWS = [
     {"prompt": [{"role": "user", "content": f"say {i}"}], "reward_model": {"ground_truth": str(i)}}
@@ -85,7 +85,7 @@ def test_the_snippet_runs_the_baseline(model_dir: Path) -> None:
 
 def test_the_step_wise_loop_gives_the_dataflows_metrics(model_dir: Path, dataflow_run) -> None:
     expected, _ = dataflow_run
-    trainer = Trainer(
+    trainer = hybridflow.Trainer(
         actor_model=str(model_dir),
         reward_fn=reward,
         overrides=[*COMMON, f"trainer.default_local_dir={model_dir.parent / 'run_steps'}"],
@@ -114,7 +114,7 @@ def test_the_step_wise_loop_with_a_critic_and_scores_of_ones_own(model_dir: Path
     def verl(data_source, solution_str, ground_truth, extra_info=None):
         return float(ground_truth in solution_str)
 
-    trainer = Trainer(
+    trainer = hybridflow.Trainer(
         actor_model=str(model_dir),
         critic_model=True,
         ref_model=str(model_dir),
