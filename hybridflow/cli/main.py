@@ -36,6 +36,7 @@ COMMANDS: tuple[str, ...] = (
     "hybridflow.cli.generate_cmd",
     "hybridflow.cli.eval_cmd",
     "hybridflow.cli.export_cmd",
+    "hybridflow.cli.plot_cmd",
     "hybridflow.cli.config_cmd",
     "hybridflow.cli.plan_cmd",
 )

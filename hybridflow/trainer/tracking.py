@@ -13,13 +13,14 @@ import math
 import os
 import re
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from hybridflow.trainer.plotting import plot_runs
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.logging import rank as env_rank
-from hybridflow.utils.plot import save_line_charts
 from hybridflow.utils.storage import write_text_atomically
 
 logger = logging.getLogger(__name__)
@@ -37,14 +38,6 @@ CONSOLE_FIELDS = (
     ("Reward", "critic/score/mean", "{:.4g}"),
     ("Time", "perf/time_per_step", "{:.2f}s"),
 )
-# curves.png: panel title -> {series name: metric key}; validation accuracy is added per data source.
-PLOT_PANELS: dict[str, dict[str, str]] = {
-    "reward": {"critic/score/mean": "critic/score/mean"},
-    "validation accuracy": {},
-    "response length": {"response_length/mean": "response_length/mean"},
-    "KL": {"actor/ppo_kl": "actor/ppo_kl", "actor/kl_loss": "actor/kl_loss"},
-    "step time": {"perf/time_per_step": "perf/time_per_step"},
-}
 _VAL_KEY = re.compile(r"^val-core/(?P<source>.+)/(?P<var>acc|reward)/mean@(?P<n>\d+)$")
 
 
@@ -121,11 +114,14 @@ class Tracker:
     """Writes every step's metrics to ``{run_dir}/metrics.jsonl`` and the chosen loggers; plots curves.png.
 
     ``loggers`` is drawn from console, jsonl (always on), tensorboard and wandb. ``plot_every`` refreshes
-    ``curves.png`` every that many steps (0: only at ``close()``). ``resume_step=None`` starts a fresh
+    ``curves.png`` every that many steps, at most once per ``plot_interval_s`` (0: only at ``close()``,
+    which always draws it; ``trainer/plotting.py`` has the panels). ``resume_step=None`` starts a fresh
     metrics.jsonl; an int keeps the earlier lines with ``step <= resume_step`` (and plots them), so a resumed
     run's file matches an uninterrupted one; ``saved_records`` (``{step: metrics}`` saved in the resumed
     checkpoint) puts back a kept step whose line a kill lost. ``use_tqdm=None`` shows a progress bar when stderr is a terminal.
     """
+
+    plot_interval_s = 20.0  # the shortest time between two drawings of curves.png during training
 
     def __init__(
         self,
@@ -150,7 +146,8 @@ class Tracker:
         self.plot_every = plot_every
         self.title = experiment_name or self.run_dir.name
         self.active = (env_rank() if rank is None else rank) == 0
-        self._curves: dict[str, dict[str, list[tuple[float, float | None]]]] = {p: {} for p in PLOT_PANELS}
+        self._records: list[dict[str, Any]] = []  # every step's metrics so far, for curves.png
+        self._plotted_at: float | None = None
         self._last_step: int | None = None
         self._file = self._bar = self._tb = self._wandb = None
         if not self.active:
@@ -234,20 +231,10 @@ class Tracker:
             os.fsync(self._file.fileno())
 
     def _record(self, step: int, metrics: Mapping[str, float | None]) -> None:
-        """Append this step's plotted metrics to the curves (None/NaN are kept as gaps)."""
-        for panel, series in PLOT_PANELS.items():
-            for name, key in series.items():
-                if key in metrics:
-                    self._add_point(panel, name, step, metrics[key])
-        finite = {k: v for k, v in metrics.items() if v is not None}
-        for source, value in validation_accuracy(finite).items():
-            self._add_point("validation accuracy", source, step, value)
-
-    def _add_point(self, panel: str, name: str, step: int, value: float | None) -> None:
-        points = self._curves[panel].setdefault(name, [])
-        while points and points[-1][0] > step:  # a replayed step after a resume replaces the old tail
-            points.pop()
-        points.append((float(step), value))
+        """Keep this step's metrics for the curves (None/NaN are kept as gaps)."""
+        while self._records and self._records[-1]["step"] > step:  # a replayed step replaces the old tail
+            self._records.pop()
+        self._records.append({"step": step, **metrics})
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record one step's metrics: a metrics.jsonl line, the console line, the loggers, and maybe a plot."""
@@ -269,8 +256,12 @@ class Tracker:
                     self._tb.add_scalar(key, value, step)
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in clean.items() if v is not None}, step=step)
-        if self.plot_every and step % self.plot_every == 0:
+        if self.plot_every and step % self.plot_every == 0 and self._plot_due():
             self.plot()
+
+    def _plot_due(self) -> bool:
+        """Whether ``plot_interval_s`` has passed since the last drawing (drawing takes about a second)."""
+        return self._plotted_at is None or time.monotonic() - self._plotted_at >= self.plot_interval_s
 
     def _console(self, step: int, metrics: Mapping[str, float]) -> None:
         line = format_step_line(step, self.total_steps, metrics)
@@ -284,14 +275,12 @@ class Tracker:
         """Refresh ``{run_dir}/curves.png`` from the metrics logged so far; returns its path (None off rank 0)."""
         if not self.active:
             return None
-        panels = {name: series for name, series in self._curves.items() if series}
-        if not panels:
-            panels = {"reward": {"critic/score/mean": []}}
-        steps = "" if self._last_step is None else f"  step {self._last_step}/{self.total_steps}"
+        steps = "" if self._last_step is None else f"  (step {self._last_step} of {self.total_steps})"
+        self._plotted_at = time.monotonic()
         try:
-            return save_line_charts(self.plot_path, panels, title=f"{self.title}{steps}")
-        except OSError as e:  # a full disk must not stop training over a picture
-            logger.warning("could not write %s: %s", self.plot_path, e)
+            return plot_runs({self.title: self._records}, self.plot_path, title=f"{self.title}{steps}")
+        except Exception as e:  # a full disk (or a drawing failure) must not stop training over a picture
+            logger.warning("could not write %s: %s: %s", self.plot_path, type(e).__name__, e)
             return None
 
     def close(self) -> None:

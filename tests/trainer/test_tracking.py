@@ -4,46 +4,21 @@ import importlib.machinery
 import json
 import logging
 import math
-import struct
 import sys
 import types
-import zlib
 
 import numpy as np
 import pytest
 import torch
+from matplotlib.image import imread
 
 from hybridflow.trainer.tracking import Tracker, check_loggers, format_step_line, validation_accuracy
-from hybridflow.utils.plot import PALETTE
 
 LOGGER = "hybridflow.trainer.tracking"
 
 
 def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def png_pixels(data: bytes) -> np.ndarray:
-    """Decode an 8-bit RGB PNG written with filter type 0 (CRCs checked) into (H, W, 3)."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, size = 8, b"", None
-    while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos : pos + 4])
-        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + n]
-        assert struct.unpack(">I", data[pos + 8 + n : pos + 12 + n])[0] == zlib.crc32(kind + body)
-        if kind == b"IHDR":
-            size = struct.unpack(">II", body[:8])
-        elif kind == b"IDAT":
-            idat += body
-        pos += 12 + n
-    w, h = size
-    rows = np.frombuffer(zlib.decompress(idat), dtype=np.uint8).reshape(h, 1 + 3 * w)
-    assert (rows[:, 0] == 0).all()
-    return rows[:, 1:].reshape(h, w, 3)
-
-
-def has_colour(img, colour):
-    return bool((img == np.array(colour, dtype=np.uint8)).all(axis=-1).any())
 
 
 def test_jsonl_lines_with_plain_floats_and_null_for_nan(tmp_path):
@@ -101,24 +76,46 @@ def test_no_console_logger_means_no_lines(tmp_path, caplog):
     assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 1
 
 
-def test_plot_is_written_and_shows_the_series(tmp_path):
-    t = Tracker(tmp_path, total_steps=4, loggers=[], plot_every=2)
-    t.log(1, {"critic/score/mean": 0.1, "actor/ppo_kl": 0.0, "perf/time_per_step": 0.5})
-    assert not (tmp_path / "curves.png").exists()  # plot_every=2: not yet
-    t.log(
-        2, {"critic/score/mean": 0.3, "actor/ppo_kl": 0.01, "actor/kl_loss": 0.02, "perf/time_per_step": 0.5}
-    )
-    assert (tmp_path / "curves.png").exists()
-    t.log(3, {"critic/score/mean": float("nan"), "val-core/arith/reward/mean@1": 0.4})
+def test_plot_is_written_every_plot_every_steps_at_most_once_per_interval(tmp_path, monkeypatch):
+    drawn = []
+    monkeypatch.setattr("hybridflow.trainer.tracking.plot_runs", lambda runs, out, title: drawn.append(title))
+    t = Tracker(tmp_path, total_steps=6, loggers=[], plot_every=2)
+    t.log(1, {"critic/score/mean": 0.1})
+    assert drawn == []  # plot_every=2: not yet
+    t.log(2, {"critic/score/mean": 0.3})
+    t.log(4, {"critic/score/mean": 0.3})  # within plot_interval_s of the last drawing
+    assert len(drawn) == 1 and drawn[0].endswith("(step 2 of 6)")
+    t.plot_interval_s = 0.0
+    t.log(6, {"critic/score/mean": 0.3})
+    t.close()  # close always draws
+    assert len(drawn) == 3 and drawn[-1].endswith("(step 6 of 6)")
+
+
+def test_plot_is_a_png_of_the_logged_series(tmp_path):
+    t = Tracker(tmp_path, total_steps=4, loggers=[], plot_every=1)
+    t.log(0, {"val-core/arith/acc/mean@1": 0.2})
+    t.log(1, {"critic/score/mean": 0.1, "actor/kl_loss": 0.0, "timing_s/gen": 0.5})
+    t.log(2, {"critic/score/mean": float("nan"), "actor/kl_loss": 0.01, "timing_s/gen": 0.4})
+    t.log(3, {"critic/score/mean": 0.4, "val-core/arith/acc/mean@1": 0.4})
     t.close()
-    img = png_pixels((tmp_path / "curves.png").read_bytes())
-    assert img.shape[0] > 100 and img.shape[1] > 100
-    assert has_colour(img, PALETTE[0]) and has_colour(img, PALETTE[1])  # KL has two series
+    img = imread(tmp_path / "curves.png")
+    assert img.shape[0] > 600 and img.shape[1] > 1200 and img[..., :3].std() > 0.05
 
 
 def test_plot_without_any_metric_still_writes_a_png(tmp_path):
     Tracker(tmp_path, total_steps=3, loggers=[]).close()
-    assert png_pixels((tmp_path / "curves.png").read_bytes()).ndim == 3
+    assert imread(tmp_path / "curves.png").ndim == 3
+
+
+def test_a_plot_that_fails_does_not_stop_training(tmp_path, monkeypatch, caplog):
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("hybridflow.trainer.tracking.plot_runs", fail)
+    with Tracker(tmp_path, total_steps=1, loggers=[], plot_every=1) as t:
+        t.log(1, {"critic/score/mean": 0.1})
+        assert t.plot() is None
+    assert "could not write" in caplog.text and "No space left" in caplog.text
 
 
 def test_unknown_and_uninstalled_loggers(tmp_path, monkeypatch):
