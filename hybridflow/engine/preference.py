@@ -15,6 +15,7 @@ import torch
 from hybridflow.algos.preference import dpo_loss, kto_kl_estimate, kto_loss, sequence_logps
 from hybridflow.config.preference import PreferenceConfig
 from hybridflow.engine.micro_batch import check_batch, fixed_micro_batches
+from hybridflow.engine.pipelined import micro_loss_fn, packed_inputs, policy_head
 from hybridflow.protocol import Batch
 
 if TYPE_CHECKING:  # for annotations only
@@ -83,7 +84,12 @@ def kto_reference_point(engine: ActorEngine, batch: Batch, micro_rows: int) -> t
     """z0: the policy/reference KL on the mismatched pairs (odd rows), over all ranks, clamped and detached."""
     kl = batch[list(range(1, len(batch), 2))]
     total = torch.zeros((), dtype=torch.float64)
-    for idx in fixed_micro_batches(len(kl), micro_rows):
+    parts = fixed_micro_batches(len(kl), micro_rows)
+    if engine.pipeline is not None:  # every stage gets the last one's log-probs
+        logp = engine._pipelined_scores(kl, parts, 1.0, False)[0]  # (B, R)
+        seq = sequence_logps(logp, kl["response_mask"])
+        total += (seq.double() - kl["ref_seq_logps"].double()).sum()
+    for idx in parts if engine.pipeline is None else []:
         mb = kl[idx]
         logp, _ = engine.score(mb, 1.0, with_entropy=False)  # (b, R)
         seq = sequence_logps(logp, mb["response_mask"].to(logp.device))
@@ -107,20 +113,33 @@ def update_preference(
         [2 * i + j for i in idx for j in (0, 1)] for idx in fixed_micro_batches(len(batch) // 2, micro_pairs)
     ]
     totals: dict[str, torch.Tensor] = {}
-    for i, idx in enumerate(parts):
-        mb = batch[idx]
-        logp, _ = engine.score(mb, 1.0, with_entropy=False)  # (b, R)
+
+    def micro_loss(mb: Batch, logp: torch.Tensor) -> torch.Tensor:  # logp (b, R)
         if kind == "kto":
             loss, sums = _kto_micro(logp, mb, p, pairs, z0.to(logp.device))
         else:
             loss, sums = _dpo_micro(logp, mb, p, pairs, chosen_tokens)
-        engine.accumulate_grads(i, len(parts))
-        # FSDP averages gradients over the data-parallel ranks; the loss is a global sum already
-        (loss * engine.engine.dp_size).backward()
         for key, value in sums.items():
             totals[key] = totals.get(key, 0) + value.detach().double().cpu()
-    keys = sorted(totals)
-    summed = dict(zip(keys, engine.dp_sum(torch.stack([totals[k] for k in keys])).tolist()))
+        # FSDP averages gradients over the data-parallel ranks; the loss is a global sum already
+        return loss * engine.engine.dp_size
+
+    if engine.pipeline is not None:
+        inputs = packed_inputs(batch, parts)
+        loss_of = micro_loss_fn(
+            inputs, parts, batch["responses"].shape[1], lambda i, outs: micro_loss(batch[parts[i]], outs[0])
+        )
+        engine.pipeline.train(inputs, policy_head(1.0, False, False, engine.fused_head), 1, loss_of)
+    for i, idx in enumerate(parts if engine.pipeline is None else []):
+        mb = batch[idx]
+        logp, _ = engine.score(mb, 1.0, with_entropy=False)  # (b, R)
+        loss = micro_loss(mb, logp)
+        engine.accumulate_grads(i, len(parts))
+        loss.backward()
+    keys = sorted(totals)  # empty on the pipeline stages before the last
+    summed = dict(zip(keys, engine.dp_sum(torch.stack([totals[k] for k in keys])).tolist())) if keys else {}
+    if engine.pipeline is not None:
+        summed = engine.pipeline.from_last(summed)
     metrics = _finish_metrics(summed, pairs, kind)
     if z0 is not None:
         metrics["kl"] = float(z0)

@@ -1,4 +1,5 @@
-"""Preference updates on the FSDP2 engine: the loss matches a direct computation, and 2 ranks match 1."""
+"""Preference updates on the FSDP2 engine: the loss matches a direct computation, and 2 ranks match 1
+(FSDP2 over both, and two pipeline stages)."""
 
 from __future__ import annotations
 
@@ -54,35 +55,45 @@ def direct_sequence_logps(lm: torch.nn.Module, batch: Batch) -> torch.Tensor:
     return torch.stack(out)
 
 
-def update(rank: int, kind: str, loss_type: str) -> dict:
+def update(rank: int, kind: str, loss_type: str, pp: int = 1) -> dict:
+    """One preference step in the view of ``pp`` pipeline stages (1: FSDP2 over every rank)."""
     from hybridflow.engine.actor import ActorEngine
     from hybridflow.engine.fsdp import full_state_dict
+    from hybridflow.engine.parallel.train_view import TrainView
     from hybridflow.engine.preference import update_preference
 
     world = int(os.environ["WORLD_SIZE"])
     cfg = ActorConfig()
     cfg.optim.lr = 1e-2
     lm = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=2, seed=3)
-    engine = ActorEngine(lm, cfg)
+    view = TrainView(world, 1, pp)
+    engine = ActorEngine(lm, cfg, view=view)
     full = pair_batch()
-    mine = full[list(range(rank * 2 * PAIRS // world, (rank + 1) * 2 * PAIRS // world))]
+    dp_rank, dp = view.coords(rank)[2], view.dp  # a replica's ranks (its stages) share its rows
+    mine = full[list(range(dp_rank * 2 * PAIRS // dp, (dp_rank + 1) * 2 * PAIRS // dp))]
     p = PreferenceConfig(
         loss_type=loss_type, beta=0.5, label_smoothing=0.1 if loss_type == "sigmoid" else 0.0
     )
     metrics = update_preference(engine, mine, p, kind, micro_pairs=1)
-    state = full_state_dict(engine.module)  # a collective: every rank calls it
+    state = full_state_dict(engine.module, engine.engine.pp_group)  # a collective: every rank calls it
     return {"metrics": metrics, "state": state if rank == 0 else None}
+
+
+def update_in_both_views(rank: int, kind: str, loss_type: str) -> list[dict]:
+    """FSDP2 over both ranks, then two pipeline stages (one layer each), in one pair of processes."""
+    return [update(rank, kind, loss_type, pp) for pp in (1, 2)]
 
 
 @pytest.mark.parametrize("kind,loss_type", [("dpo", "sigmoid"), ("kto", "sigmoid")])
 def test_two_ranks_match_one_and_the_loss_is_the_direct_one(kind: str, loss_type: str) -> None:
     one = run_world(1, update, kind, loss_type)[0]
-    two = run_world(2, update, kind, loss_type)[0]
-    assert one["metrics"].keys() == two["metrics"].keys()
-    for key, value in one["metrics"].items():
-        assert two["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
-    for name, tensor in one["state"].items():
-        torch.testing.assert_close(two["state"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+    for two in run_world(2, update_in_both_views, kind, loss_type)[0]:  # fsdp=2, then pp=2
+        assert one["metrics"].keys() == two["metrics"].keys()
+        for key, value in one["metrics"].items():
+            assert two["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+        assert one["state"].keys() == two["state"].keys()
+        for name, tensor in one["state"].items():
+            torch.testing.assert_close(two["state"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 
     # The engine's loss (taken before its step) against the algos functions on a direct HF forward.
     lm = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=2, seed=3)
