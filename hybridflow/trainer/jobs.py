@@ -31,10 +31,12 @@ from hybridflow.trainer.loop import TrainingLoop
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.trainer.preference import PreferenceTrainer
 from hybridflow.trainer.sft import encode_pairs, run_sft
+from hybridflow.trainer.summary import write_summary
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.trainer.validation import validate
 from hybridflow.utils.device import use_device_type
 from hybridflow.utils.errors import UserError
+from hybridflow.utils.logging import rank as env_rank
 from hybridflow.utils.seed import set_seed
 from hybridflow.utils.storage import ensure_writable_dir, staged_dir
 from hybridflow.workers.actor import ActorWorker
@@ -134,6 +136,8 @@ def run_loop(trainer: TrainingLoop, run_dir: Path, close: bool) -> list[dict[str
     components.groups[0].run_all("save_hf_model", str(run_dir / "final_model"))
     if close:
         components.close()
+    if env_rank() == 0:  # under torchrun every rank runs the driver; one summary is enough
+        write_summary(run_dir)
     return history
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,9 @@ class TrainingLoop:
             metrics = self.step()
             last = self.global_step == self.total_steps
             if self.c.val is not None and t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
+                start = time.perf_counter()
                 metrics.update(self.validate())
+                metrics["timing_s/testing"] = time.perf_counter() - start  # verl's name
             if last or (t.save_freq > 0 and self.global_step % t.save_freq == 0):
                 with Progress(f"save global_step_{self.global_step}") as bar:
                     save_checkpoint(self, metrics)

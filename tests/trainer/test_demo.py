@@ -64,6 +64,7 @@ def test_demo_path_runs_and_writes_the_run_directory(tmp_path: Path) -> None:
         "config.yaml",
         "metrics.jsonl",
         "curves.png",
+        "summary.md",
         "final_model/config.json",
         "sft_model/config.json",
         "base_model/config.json",
