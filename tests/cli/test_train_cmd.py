@@ -117,16 +117,16 @@ def test_the_demo_says_which_values_of_an_error_are_its_own(
     (error,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert "rollout.n=3" in error  # the user's value
     assert (
-        "[the demo sets actor.ppo_micro_batch_size_per_gpu=256, actor.ppo_mini_batch_size=32; you set rollout.n=3]"
+        "[the demo sets actor.ppo_micro_batch_size_per_gpu=64, actor.ppo_mini_batch_size=8; you set rollout.n=3]"
         in error
     )
     assert not run_dir.exists()
 
 
 def test_the_demo_quotes_the_users_batch_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["train", "data.train_batch_size=16", f"trainer.default_local_dir={tmp_path}"]) == 2
+    assert main(["train", "data.train_batch_size=12", f"trainer.default_local_dir={tmp_path}"]) == 2
     (error,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert "(data.train_batch_size=16)" in error and "the demo sets actor.ppo_mini_batch_size=32" in error
+    assert "(data.train_batch_size=12)" in error and "the demo sets actor.ppo_mini_batch_size=8" in error
 
 
 def test_the_warm_up_config_accepts_what_the_rl_phase_accepts() -> None:

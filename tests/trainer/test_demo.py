@@ -20,7 +20,9 @@ RUNNER = """
 import json, sys
 from hybridflow.trainer import demo
 result = getattr(demo, sys.argv[1])(sys.argv[2:])
-print("RESULT " + json.dumps({k: result[k] for k in ("before", "after", "num_val")}))
+out = {k: result[k] for k in ("before", "after", "num_val")}
+out["rewards"] = [h.get("critic/score/mean") for h in result["history"]]
+print("RESULT " + json.dumps(out))
 """
 
 
@@ -77,10 +79,13 @@ def test_demo_path_runs_and_writes_the_run_directory(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_the_default_demo_gains_at_least_15_points_from_grpo(tmp_path: Path) -> None:
-    """The acceptance run of `hybridflow train` (about two minutes on two cores)."""
-    result = run_fresh("run_demo", f"trainer.default_local_dir={tmp_path}")
+    """The acceptance run of `hybridflow train`, its first 20 GRPO steps of 40 (about 1.5 minutes on two
+    cores): held-out accuracy gains 15 points or more and the sampled training reward rises."""
+    result = run_fresh("run_demo", f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=20")
     assert result["num_val"] >= 100
     assert result["after"] - result["before"] >= 0.15, result
+    rewards = result["rewards"]
+    assert len(rewards) == 20 and sum(rewards[-5:]) / 5 >= sum(rewards[:5]) / 5 + 0.05, rewards
 
 
 @pytest.mark.slow
