@@ -18,3 +18,11 @@ def option(default: Any, help: str) -> Any:
 def section(cls: type, help: str, **overrides: Any) -> Any:
     """A nested-section field: a fresh ``cls(**overrides)`` per instance, with a help string."""
     return field(default_factory=functools.partial(cls, **overrides), metadata={"help": help})
+
+
+def get_path(cfg: Any, path: str) -> Any:
+    """The value at a dotted path, e.g. get_path(cfg, 'actor.optim.lr')."""
+    value: Any = cfg
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
