@@ -74,6 +74,7 @@ def train_in_view(rank: int, world: int, views: list[tuple[str, int, int, bool]]
         batch["old_log_probs"] = logp - 0.05
         metrics = engine.update_policy(batch)
         state = full_state_dict(engine.module, engine.engine.pp_group)
+        state = {k: v.clone() for k, v in state.items()}  # one rank's may alias the live weights
         out.append({"log_probs": logp, "metrics": metrics, "state": state if rank == 0 else None})
         for name, param in engine.module.named_parameters():  # the plans' boxes are the DTensors' own
             stages = stage_of_param(name, 4, pp, arch == "qwen2")  # the tiny Qwen2 ties its head
@@ -81,6 +82,7 @@ def train_in_view(rank: int, world: int, views: list[tuple[str, int, int, bool]]
                 name
             )
         if arch == "qwen2":
+            out[-1]["sft"] = engine.update_sft(batch)  # one SFT step more, from the updated weights
             out[-1]["critic"] = critic_in_view(batch, view)
     return out
 
@@ -122,6 +124,8 @@ def assert_same(got: dict, want: dict, dp: int) -> None:
     for name, tensor in want["state"].items():
         torch.testing.assert_close(got["state"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
     assert got["state"].keys() == want["state"].keys()
+    for key in want.get("sft", {}):
+        assert got["sft"][key] == pytest.approx(want["sft"][key], rel=1e-5, abs=1e-6), key
     if "critic" in want:
         torch.testing.assert_close(
             got["critic"]["values"], want["critic"]["values"][: B // dp], rtol=0, atol=1e-5
