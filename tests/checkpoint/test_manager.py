@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_util import run_world
+from dist_util import run_world_kept as run_world
 
 from hybridflow.checkpoint import CheckpointError, RoleState, load, read_meta, save
 from hybridflow.config.schema import ActorConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_util import run_world
+from dist_util import run_world_kept as run_world
 
 from hybridflow.config.schema import ActorConfig
 from hybridflow.models import build_tiny_model

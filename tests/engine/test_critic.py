@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_util import run_world
+from dist_util import run_world_kept as run_world
 from test_actor import B, R, make_batch
 
 from hybridflow.config.schema import CriticConfig

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from dist_util import run_world
+from dist_util import run_world_kept as run_world
 
 from hybridflow.algos.preference import dpo_loss, kto_kl_estimate, kto_loss
 from hybridflow.config.preference import PreferenceConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from dist_util import run_world
+from dist_util import run_world_kept as run_world
 
 from hybridflow.models import build_tiny_model
 

@@ -6,7 +6,7 @@ import math
 import random
 
 import pytest
-from dist_util import run_world
+from dist_util import run_world_kept as run_world
 
 from hybridflow.trainer.balance import balance_order, balanced_groups
 

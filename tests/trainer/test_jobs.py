@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dist_util import run_world
+from dist_util import run_world_kept as run_world
 
 
 def sft_then_eval_on_a_rank(rank: int, tmp: str) -> tuple[int, int, str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from dist_util import run_world
+from dist_util import run_world_kept as run_world
 
 from hybridflow.config import load_config
 from hybridflow.models import build_tiny_model_and_tokenizer

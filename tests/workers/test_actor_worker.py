@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from dist_util import run_world
+from dist_util import run_world_kept as run_world
 
 
 def prompts() -> dict[str, torch.Tensor]:

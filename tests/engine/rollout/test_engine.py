@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from dist_util import run_world
+from dist_util import run_world_kept as run_world
 
 from hybridflow.engine.rollout.blocks import KSplits
 from hybridflow.engine.rollout.engine import (

@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 import torch
-from dist_util import run_world
+from dist_util import run_world_kept as run_world
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
