@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -231,6 +232,25 @@ class ActorEngine:
             metrics["actor/kl_coef"] = self.actor.kl_loss_coef
         return metrics
 
+    def backward_micro_batches(
+        self, batch: Batch, parts: list[list[int]], loss: Callable[[Batch, torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Backward of ``loss(micro_batch, log_probs (b, R))`` (at temperature 1, no entropy) over each
+        micro-batch of ``batch``, through the pipeline stages when the view has them (the loss runs on the
+        last); gradients accumulate for one optimizer step."""
+        if self.pipeline is not None:
+            inputs = packed_inputs(batch, parts)
+            R = batch["responses"].shape[1]
+            loss_of = micro_loss_fn(inputs, parts, R, lambda i, outs: loss(batch[parts[i]], outs[0]))
+            self.pipeline.train(inputs, policy_head(1.0, False, False, self.fused_head), 1, loss_of)
+            return
+        for i, idx in enumerate(parts):
+            mb = batch[idx]  # stays on the host: the scoring indices are built there
+            logp, _ = self.score(mb, 1.0, with_entropy=False)  # (b, R)
+            value = loss(mb, logp)
+            self.accumulate_grads(i, len(parts))
+            value.backward()
+
     def update_sft(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of negative log-likelihood on the response tokens of ``batch`` (SFT)."""
         check_batch(batch, (*SCORING_KEYS, "response_mask"))
@@ -251,18 +271,7 @@ class ActorEngine:
             total += loss.detach().double() / dp  # on the device: no sync per micro-batch
             return loss
 
-        if self.pipeline is not None:
-            inputs = packed_inputs(batch, parts)
-            loss_of = micro_loss_fn(
-                inputs, parts, batch["responses"].shape[1], lambda i, o: nll(batch[parts[i]], o[0])
-            )
-            self.pipeline.train(inputs, policy_head(1.0, False, False, self.fused_head), 1, loss_of)
-        for i, idx in enumerate(parts if self.pipeline is None else []):
-            mb = batch[idx]
-            logp, _ = self.score(mb, 1.0, with_entropy=False)  # (b, R)
-            loss = nll(mb, logp)
-            self.accumulate_grads(i, len(parts))
-            loss.backward()
+        self.backward_micro_batches(batch, parts, nll)
         loss_sum = float(self.dp_sum(total.cpu()))  # stages before the last: 0, and their dp groups' own sum
         if self.pipeline is not None:
             loss_sum = self.pipeline.from_last(loss_sum)

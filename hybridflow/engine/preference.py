@@ -15,7 +15,6 @@ import torch
 from hybridflow.algos.preference import dpo_loss, kto_kl_estimate, kto_loss, sequence_logps
 from hybridflow.config.preference import PreferenceConfig
 from hybridflow.engine.micro_batch import check_batch, fixed_micro_batches
-from hybridflow.engine.pipelined import micro_loss_fn, packed_inputs, policy_head
 from hybridflow.protocol import Batch
 
 if TYPE_CHECKING:  # for annotations only
@@ -124,18 +123,7 @@ def update_preference(
         # FSDP averages gradients over the data-parallel ranks; the loss is a global sum already
         return loss * engine.engine.dp_size
 
-    if engine.pipeline is not None:
-        inputs = packed_inputs(batch, parts)
-        loss_of = micro_loss_fn(
-            inputs, parts, batch["responses"].shape[1], lambda i, outs: micro_loss(batch[parts[i]], outs[0])
-        )
-        engine.pipeline.train(inputs, policy_head(1.0, False, False, engine.fused_head), 1, loss_of)
-    for i, idx in enumerate(parts if engine.pipeline is None else []):
-        mb = batch[idx]
-        logp, _ = engine.score(mb, 1.0, with_entropy=False)  # (b, R)
-        loss = micro_loss(mb, logp)
-        engine.accumulate_grads(i, len(parts))
-        loss.backward()
+    engine.backward_micro_batches(batch, parts, micro_loss)
     keys = sorted(totals)  # empty on the pipeline stages before the last
     summed = dict(zip(keys, engine.dp_sum(torch.stack([totals[k] for k in keys])).tolist())) if keys else {}
     if engine.pipeline is not None:
