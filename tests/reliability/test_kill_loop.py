@@ -69,8 +69,20 @@ def run_argv(model: Path, run_dir: Path, *extra: str) -> list[str]:
 def launch(runs: list[tuple[list[str], str | None]], world: int, log: Path) -> list[int]:
     """Start ``world`` ranks (torchrun's variables) running ``runs``; their exit codes once all ended.
 
-    When one rank is killed the others would wait for it in a collective: they are killed too.
+    When one rank is killed the others would wait for it in a collective: they are killed too. A port
+    taken by another process between ``free_port`` and the rendezvous (the machine is shared) fails the
+    start before anything ran: that start is made again on another port.
     """
+    for _ in range(3):
+        codes = launch_once(runs, world, log)
+        logs = [log.with_suffix(f".rank{r}.log").read_text() for r in range(world)]
+        if codes == [0] * world or not any("EADDRINUSE" in t or "ddress already in use" in t for t in logs):
+            return codes
+    return codes
+
+
+def launch_once(runs: list[tuple[list[str], str | None]], world: int, log: Path) -> list[int]:
+    """One start of ``launch``'s ranks on a fresh port."""
     port = str(free_port())
     base = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", KILL_ENV)}
     procs = []
@@ -91,7 +103,7 @@ def launch(runs: list[tuple[list[str], str | None]], world: int, log: Path) -> l
                 [sys.executable, "-c", RUNNER, json.dumps(runs)], env=env, stdout=out, stderr=out
             )
         )
-    first = procs[0].wait(timeout=300)
+    first = procs[0].wait(timeout=600)  # two tiny runs; generous for a loaded machine
     for proc in procs[1:]:
         if first != 0:
             proc.send_signal(signal.SIGKILL)
