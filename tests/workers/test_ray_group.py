@@ -1,4 +1,8 @@
-"""Ray worker groups on CPU: same metrics as the torchrun-style 2-process run, split placement, dead ranks."""
+"""Ray worker groups on CPU: same metrics as the torchrun-style 2-process run, split placement, dead ranks.
+
+The Ray runs of the module join one local cluster (``ray_util.ray_cluster``): a cluster start costs more
+than a tiny run. The runs are separate drivers as before, each with its own actors and placement groups.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from dist_util import run_world
+from ray_util import clean_env, ray_cluster
 from realistic import REWARD_SOURCE, build_stopping_model, realistic_rows, write_jsonl
 
 from hybridflow.cli.main import main
@@ -50,6 +56,13 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    """The address of the module's Ray cluster (8 CPU slots: 4 ranks, or 2 + 2 in split placement)."""
+    with ray_cluster(num_cpus=8) as address:
+        yield address
+
+
 def argv(setup: dict[str, Path], run_dir: Path, *extra: str, world: int = 2) -> list[str]:
     return [
         "train",
@@ -75,12 +88,6 @@ def spmd_rank(rank: int, args: list[str]) -> int:
     return main(args)
 
 
-def clean_env() -> dict[str, str]:
-    """The environment without this test process's own process-group variables."""
-    drop = ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-    return {k: v for k, v in os.environ.items() if k not in drop}
-
-
 def start_cli(args: list[str], log: Path) -> subprocess.Popen:
     code = "import sys; from hybridflow.cli.main import main; sys.exit(main(sys.argv[1:]))"
     with log.open("w") as out:
@@ -89,7 +96,7 @@ def start_cli(args: list[str], log: Path) -> subprocess.Popen:
 
 @pytest.mark.parametrize(("world", "tp"), [(2, 1), (4, 2)])
 def test_ray_backend_matches_the_torchrun_style_run(
-    tmp_path: Path, setup: dict[str, Path], world: int, tp: int
+    tmp_path: Path, setup: dict[str, Path], cluster: str, world: int, tp: int
 ) -> None:
     """GRPO on prompts of very different lengths: Ray and torchrun give the same metrics at 2 and 4 ranks
     (at 4, rollout groups of 2 tensor-parallel ranks)."""
@@ -103,7 +110,8 @@ def test_ray_backend_matches_the_torchrun_style_run(
         == [0] * world
     )
     log = tmp_path / "ray.log"
-    proc = start_cli(argv(setup, tmp_path / "ray", *extra, "trainer.backend=ray", world=world), log)
+    ray = ("trainer.backend=ray", f"trainer.ray_address={cluster}")
+    proc = start_cli(argv(setup, tmp_path / "ray", *extra, *ray, world=world), log)
     assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
     want, got = metrics(tmp_path / "spmd"), metrics(tmp_path / "ray")
     assert sorted(got) == sorted(want) == [1, 2, 3]
@@ -117,7 +125,7 @@ def test_ray_backend_matches_the_torchrun_style_run(
 
 
 def test_split_placement_runs_ppo_with_the_critic_on_its_own_pool(
-    tmp_path: Path, setup: dict[str, Path]
+    tmp_path: Path, setup: dict[str, Path], cluster: str
 ) -> None:
     log = tmp_path / "split.log"
     args = argv(
@@ -125,6 +133,7 @@ def test_split_placement_runs_ppo_with_the_critic_on_its_own_pool(
         tmp_path / "run",
         "trainer.total_training_steps=2",
         "trainer.backend=ray",
+        f"trainer.ray_address={cluster}",
         "trainer.placement=split",
         "algorithm.adv_estimator=gae",
         "actor.use_kl_loss=false",
@@ -139,11 +148,12 @@ def test_split_placement_runs_ppo_with_the_critic_on_its_own_pool(
     assert (tmp_path / "run" / "global_step_2" / "critic" / "model_optim" / ".metadata").is_file()
 
 
-def test_a_killed_worker_stops_the_driver_with_a_named_error(tmp_path: Path, setup: dict[str, Path]) -> None:
+def test_a_killed_worker_stops_the_driver_with_a_named_error(
+    tmp_path: Path, setup: dict[str, Path], cluster: str
+) -> None:
     log = tmp_path / "kill.log"
-    proc = start_cli(
-        argv(setup, tmp_path / "run", "trainer.total_training_steps=200", "trainer.backend=ray"), log
-    )
+    ray = ("trainer.backend=ray", f"trainer.ray_address={cluster}")
+    proc = start_cli(argv(setup, tmp_path / "run", "trainer.total_training_steps=200", *ray), log)
     deadline = time.monotonic() + 300
     while "Step 1/200" not in log.read_text():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
