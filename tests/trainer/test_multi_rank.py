@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from dist_util import run_world
+from dist_util import run_world_kept as run_world
 from realistic import (
     REWARD_SOURCE,
     STOP_CHARS,
