@@ -86,7 +86,7 @@ def train_one_step(cfg: Config) -> dict[str, float]:
     return metrics
 
 
-def test_an_estimator_and_a_loss_registered_from_python_train() -> None:
+def test_an_estimator_and_a_loss_registered_from_python_train(tmp_path: Path) -> None:
     calls = {"estimator": 0, "loss": 0}
 
     @core_algos.register_adv_est("python_estimator")
@@ -107,7 +107,9 @@ def test_an_estimator_and_a_loss_registered_from_python_train() -> None:
     )
     metrics = train_one_step(cfg)
     assert metrics["critic/advantages/max"] == metrics["critic/advantages/min"] == -0.375
-    assert RLTrainer("unused", algorithm="python_estimator").cfg.algorithm.adv_estimator == "python_estimator"
+    build_tiny_model_and_tokenizer(out_dir=tmp_path / "model")  # RLTrainer reads the model's config
+    trainer = RLTrainer(str(tmp_path / "model"), algorithm="python_estimator")
+    assert trainer.cfg.algorithm.adv_estimator == "python_estimator"
     assert calls["estimator"] == 1 and calls["loss"] >= 1
 
 
