@@ -200,8 +200,9 @@ def write_roles(
     try:
         raise_together(error)  # the barrier
     except UserError:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+        # Every rank removes it (the removals tolerate each other): under Ray the driver may stop the
+        # other ranks as soon as the first one reports, so only the reporting rank surely gets this far.
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
     return role_meta
 

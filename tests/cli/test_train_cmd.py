@@ -124,9 +124,10 @@ def test_the_demo_says_which_values_of_an_error_are_its_own(
 
 
 def test_the_demo_quotes_the_users_batch_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["train", "data.train_batch_size=12", f"trainer.default_local_dir={tmp_path}"]) == 2
+    # 4 prompts cannot hold the demo's mini-batch of 8 (12 would run: a last, smaller mini-batch is fine)
+    assert main(["train", "data.train_batch_size=4", f"trainer.default_local_dir={tmp_path}"]) == 2
     (error,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert "(data.train_batch_size=12)" in error and "the demo sets actor.ppo_mini_batch_size=8" in error
+    assert "(data.train_batch_size=4)" in error and "the demo sets actor.ppo_mini_batch_size=8" in error
 
 
 def test_the_warm_up_config_accepts_what_the_rl_phase_accepts() -> None:

@@ -51,9 +51,14 @@ def test_the_views_table_gives_each_training_view_its_memory_and_switch() -> Non
     assert sorted(rows) == [
         ("(fsdp=2)", "(tp=1)"),
         ("(fsdp=2)", "(tp=2)"),
+        ("(tp=1, pp=2, dp=1)", "(tp=1)"),
+        ("(tp=1, pp=2, dp=1)", "(tp=2)"),
         ("(tp=2, pp=1, dp=1)", "(tp=1)"),
         ("(tp=2, pp=1, dp=1)", "(tp=2)"),
     ]
+    # two stages: each rank holds one stage's layers and receives the other's at the switch
+    stages = rows[("(tp=1, pp=2, dp=1)", "(tp=1)")]
+    assert float(stages[3]) < float(rows[("(fsdp=2)", "(tp=1)")][3]) * 1.5 and float(stages[6]) > 0
     # the same tensor-parallel split in both views at dp = 1: the shards are used where they are
     assert rows[("(tp=2, pp=1, dp=1)", "(tp=2)")][6] == "0.000"
     # a whole replica per rank needs the half of every weight the other rank holds
