@@ -63,7 +63,17 @@ class DataConfig:
     task_kwargs: dict[str, Any] = option(
         {}, "Keyword arguments of the built-in task generator (e.g. digits, ops)."
     )
-    prompt_key: str = option("prompt", "Dataset column holding the prompt (chat messages or text).")
+    prompt_key: str = option(
+        "prompt",
+        "Dataset column holding the prompt (chat messages or text); a row with a 'messages' conversation and "
+        "no chat prompt takes its prompt from messages (docs/data.md).",
+    )
+    template_text_prompts: bool = option(
+        True,
+        "RL prompts given as text go through the tokenizer's chat template as one user turn, as verl does; "
+        "false feeds them as they are (TRL's standard format). Chat prompts are always templated; SFT and "
+        "DPO keep text prompts as they are.",
+    )
     response_key: str = option("response", "Dataset column holding the target response (SFT only).")
     reward_fn_key: str = option("data_source", "Dataset column that selects the reward function.")
     max_prompt_length: int = option(128, "Maximum prompt length in tokens.")
