@@ -65,14 +65,11 @@ class DataConfig:
     )
     prompt_key: str = option(
         "prompt",
-        "Dataset column holding the prompt (chat messages or text); a row with a 'messages' conversation and "
-        "no chat prompt takes its prompt from messages (docs/data.md).",
+        "Prompt column (chat messages or text); without a chat prompt, a row's 'messages' gives it (docs/data.md).",
     )
     template_text_prompts: bool = option(
         True,
-        "RL prompts given as text go through the tokenizer's chat template as one user turn, as verl does; "
-        "false feeds them as they are (TRL's standard format). Chat prompts are always templated; SFT and "
-        "DPO keep text prompts as they are.",
+        "Chat-template text RL prompts as one user turn, as verl does; false keeps them as they are (TRL's format).",
     )
     response_key: str = option("response", "Dataset column holding the target response (SFT only).")
     reward_fn_key: str = option("data_source", "Dataset column that selects the reward function.")
