@@ -65,7 +65,12 @@ def _place_answer(row: dict[str, Any], answer: str) -> bool:
     """Put the reference answer in extra_info and, lacking one, the ground truth; True for the latter."""
     info = row.get("extra_info")
     if info is None or isinstance(info, Mapping):  # anything else is refused by RLDataset, naming the row
-        row["extra_info"] = {ANSWER_KEY: answer, **(info or {})}  # an answer the row has is kept
+        info = dict(info or {})
+        if (
+            info.get(ANSWER_KEY) is None
+        ):  # an answer the row has is kept (parquet fills absent ones with None)
+            info[ANSWER_KEY] = answer
+        row["extra_info"] = info
     if _has_ground_truth(row):
         return False
     row["reward_model"] = {**(row.get("reward_model") or {}), "ground_truth": answer}

@@ -18,12 +18,20 @@ from chat_rows import (
 )
 
 from hybridflow.config import DataConfig, load_config
-from hybridflow.data import DataError, RLDataset, build_rl_dataset, collate_prompts, save_rows
+from hybridflow.data import (
+    DataError,
+    RLDataset,
+    build_rl_dataset,
+    collate_prompts,
+    load_split_rows,
+    save_rows,
+)
 from hybridflow.data.user_rows import DEFAULT_SOURCE, as_rows
 from hybridflow.models.tiny import SPECIAL_TOKENS
 from hybridflow.rewards import RewardManager
 from hybridflow.rewards.shapes import recognise_reward
 from hybridflow.trainer.api import build_dataset
+from hybridflow.trainer.sft import encode_pairs
 
 FORMS = {"list": list, "dataset": as_dataset}
 LOGGER = "hybridflow.data"
@@ -226,6 +234,16 @@ def test_a_conversation_without_an_answer_and_a_tool_answer(tok) -> None:
     assert ds[1]["raw_prompt"] == tool[:1] and ds[1]["ground_truth"] == "It is sunny."
 
 
+def test_an_extra_info_answer_left_empty_by_parquet_takes_the_reference(tok, tmp_path: Path) -> None:
+    rows = [dict(r, extra_info={"index": i, "answer": None}) for i, r in enumerate(ultrachat_rows(2))]
+    rows[1]["extra_info"]["answer"] = "the row's own answer"
+    save_rows(rows, tmp_path / "u.parquet")
+    ds = _dataset(str(tmp_path / "u.parquet"), tok)
+    assert ds[0]["extra_info"] == {"index": 0, "answer": rows[0]["messages"][-1]["content"]}
+    assert ds[1]["extra_info"]["answer"] == "the row's own answer"
+    assert ds[1]["ground_truth"] == rows[1]["messages"][-1]["content"]  # the ground truth is the reference
+
+
 BAD_MESSAGES = {
     "a string": ("hello", r"column 'messages' must be a list of \{'role', 'content'\} turns, got str"),
     "empty": ([], "column 'messages' must be a list of .* got an empty list; fix the column"),
@@ -334,3 +352,14 @@ def test_reward_functions_receive_the_reference_answer(tok, form: str) -> None:
     assert seen["answer"] == seen["gt"] == answers and seen["ids"] == [r["prompt_id"] for r in rows]
     assert seen["prompts"] == [r["messages"][:-1] for r in rows]  # the conversation, as TRL gives it
     assert seen["completions"][0] == [{"role": "assistant", "content": "response 0"}]
+
+
+def test_sft_on_an_ultrachat_file_learns_the_last_answer_after_its_conversation(tok, tmp_path: Path) -> None:
+    rows = ultrachat_rows(3)
+    save_rows(rows, tmp_path / "u.jsonl")
+    loaded = load_split_rows(DataConfig(train_files=[str(tmp_path / "u.jsonl")]), "train", seed=0)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    prompts, responses = encode_pairs(tok, loaded, end)
+    for row, prompt, response in zip(rows, prompts, responses):
+        assert tok.decode(prompt) == _chatml(row["messages"][:-1])
+        assert tok.decode(response) == row["messages"][-1]["content"] + "<|im_end|>"
