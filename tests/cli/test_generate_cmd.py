@@ -73,6 +73,11 @@ def _swept(env: cli_cases.Env, rows: list, extra: list, message: str) -> tuple[l
         (["{not json"], [], "p.jsonl:1: not valid JSON"),
         ([{"prompt": ""}], [], "p.jsonl:1: the prompt is empty"),
         ([{"text": "x"}], [], 'p.jsonl:1: expected an object with "prompt"'),
+        (
+            [{"messages": [{"role": "assistant", "content": "x"}]}],
+            [],
+            "p.jsonl: row 0 (line 1): column 'messages' has no user turn",
+        ),
         ([{"prompt": "x"}], ["--n", "0"], "n"),
         ([{"prompt": "x"}], ["--device", "tpu"], "--device: unknown value 'tpu'"),
         pytest.param(
