@@ -112,6 +112,11 @@ def verl_rows(n: int = 6, seed: int = 2) -> list[dict[str, Any]]:
 
 
 def as_dataset(rows: list[dict[str, Any]]) -> Any:
-    """``rows`` as a ``datasets.Dataset`` (the test is skipped where the package is missing)."""
+    """``rows`` as a ``datasets.Dataset`` (the test is skipped where the package is missing).
+
+    Columns are the union of the rows' keys, None where a row lacks one (as in a parquet file):
+    ``Dataset.from_list`` would take the first row's keys and drop the others' extra columns without a word.
+    """
     datasets = pytest.importorskip("datasets")
-    return datasets.Dataset.from_list(rows)
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    return datasets.Dataset.from_dict({key: [row.get(key) for row in rows] for key in columns})

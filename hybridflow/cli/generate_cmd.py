@@ -61,11 +61,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_prompts(path: str, tokenizer: Any) -> list[list[int]]:
-    """Token ids of each prompt line; chat messages get the chat template with a generation prompt."""
+    """Token ids of each prompt line; chat messages get the chat template with a generation prompt.
+
+    A line with ``messages`` and no chat ``prompt`` is a conversation: its prompt is every turn up to the last
+    user turn (``data.conversations``), as in training.
+    """
     file = Path(path)
     if not file.is_file():
         raise MissingFileError(f"prompts file {path} does not exist")
     prompts = []
+    from hybridflow.data.conversations import resolve_prompt
+    from hybridflow.data.rows import RowOrigin
     from hybridflow.utils.storage import read_utf8_lines
 
     for lineno, line in enumerate(read_utf8_lines(file), start=1):
@@ -75,7 +81,11 @@ def read_prompts(path: str, tokenizer: Any) -> list[list[int]]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-        value = row.get("messages", row.get("prompt")) if isinstance(row, dict) else None
+        value = None
+        if isinstance(row, dict):
+            row = dict(row)  # the training data's rule: a conversation's prompt ends at its last user turn
+            resolve_prompt(row, "prompt", RowOrigin(path, len(prompts), lineno))
+            value = row.get("prompt")
         if isinstance(value, list):
             ids = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True)
             ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

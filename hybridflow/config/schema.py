@@ -63,7 +63,14 @@ class DataConfig:
     task_kwargs: dict[str, Any] = option(
         {}, "Keyword arguments of the built-in task generator (e.g. digits, ops)."
     )
-    prompt_key: str = option("prompt", "Dataset column holding the prompt (chat messages or text).")
+    prompt_key: str = option(
+        "prompt",
+        "Prompt column (chat messages or text); without a chat prompt, a row's 'messages' gives it (docs/data.md).",
+    )
+    template_text_prompts: bool = option(
+        True,
+        "Chat-template text RL prompts as one user turn, as verl does; false keeps them as they are (TRL's format).",
+    )
     response_key: str = option("response", "Dataset column holding the target response (SFT only).")
     reward_fn_key: str = option("data_source", "Dataset column that selects the reward function.")
     max_prompt_length: int = option(128, "Maximum prompt length in tokens.")

@@ -8,6 +8,7 @@ from hybridflow.config import DataConfig
 from hybridflow.data.rl_dataset import RLDataset
 from hybridflow.data.rows import BUILT_IN, Rows, load_rows
 from hybridflow.data.tasks import make_task
+from hybridflow.data.user_rows import as_rows
 from hybridflow.utils.errors import UserError
 
 if TYPE_CHECKING:
@@ -21,8 +22,8 @@ def load_split_rows(
     if split not in ("train", "val"):
         raise UserError(f"split must be 'train' or 'val', got {split!r}")
     files = data.train_files if split == "train" else data.val_files
-    if files:
-        return load_rows(files)
+    if files:  # the notebook API's rows too: a file gives the same prompts on both paths
+        return as_rows(load_rows(files), data.prompt_key, data.reward_fn_key)[0]
     size = data.task_train_size if split == "train" else data.task_val_size
     task_split = "train" if split == "train" else "test"
     rows = make_task(data.task, task_split, size, seed, **{**data.task_kwargs, **(task_kwargs or {})})
@@ -55,4 +56,5 @@ def dataset_from_rows(
         filter_overlong_prompts=data.filter_overlong_prompts,
         source=source,
         reward_fn_key=data.reward_fn_key,
+        template_text_prompts=data.template_text_prompts,
     )

@@ -56,7 +56,7 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[st
     """The prompt text the model sees: chat messages through the chat template with the generation prompt."""
     if isinstance(prompt, str):
         return prompt
-    if getattr(tokenizer, "chat_template", None) is None:
+    if not has_chat_template(tokenizer):
         raise UserError(
             "the prompts are chat messages but the tokenizer has no chat template; set "
             "model.custom_chat_template, or give text prompts"
@@ -64,10 +64,21 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[st
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
 
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether ``tokenizer`` carries a chat template."""
+    return getattr(tokenizer, "chat_template", None) is not None
+
+
 def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str | list[dict]]
+    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str | list[dict]], template_text: bool = False
 ) -> list[list[int]]:
-    """Token ids of each prompt: chat prompts templated (specials come from the template), text as is."""
+    """Token ids of each prompt: chat prompts templated (specials come from the template), text as is.
+
+    With ``template_text`` and a tokenizer that has a chat template, a text prompt is one user turn and is
+    templated like chat messages (verl's behaviour; ``data.template_text_prompts``).
+    """
+    if template_text and has_chat_template(tokenizer):
+        prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
     chat = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
     text = [i for i, p in enumerate(prompts) if isinstance(p, str)]
     out: list[list[int]] = [[] for _ in prompts]
@@ -92,7 +103,9 @@ class RLDataset:
     ``filter_overlong_prompts`` (the count is logged and kept in ``num_filtered``), otherwise truncated
     per ``truncation`` ('left', 'right', 'middle'; count in ``num_truncated``) or, for 'error', refused.
     Errors name the row's file, row and jsonl line as ``load_rows`` recorded them; rows given as a plain
-    list are named ``source`` (default 'built-in') and their position.
+    list are named ``source`` (default 'built-in') and their position. ``template_text_prompts``: text
+    prompts go through the chat template as one user turn when the tokenizer has one (``raw_prompt`` keeps
+    the text); false feeds them as they are.
     """
 
     def __init__(
@@ -106,6 +119,7 @@ class RLDataset:
         source: str | None = None,
         reward_fn_key: str = "data_source",
         require_ground_truth: bool = True,
+        template_text_prompts: bool = True,
     ) -> None:
         if truncation not in TRUNCATIONS:
             raise UserError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
@@ -120,7 +134,9 @@ class RLDataset:
             self._validate(row, o, prompt_key, reward_fn_key, require_ground_truth)
             for row, o in zip(rows, origins)
         ]
-        ids = encode_prompts(tokenizer, [it["raw_prompt"] for it in items])
+        prompts = [it["raw_prompt"] for it in items]
+        ids = encode_prompts(tokenizer, prompts, template_text=template_text_prompts)
+        self._log_text_prompts(prompts, tokenizer, template_text_prompts)
         self.items: list[dict[str, Any]] = []
         self.origins: list[RowOrigin] = []
         self.num_filtered = self.num_truncated = 0
@@ -161,6 +177,26 @@ class RLDataset:
             "extra_info": extra_info,
             "index": index if isinstance(index, int) else origin.row,
         }
+
+    def _log_text_prompts(
+        self, prompts: list[Any], tokenizer: PreTrainedTokenizerBase, template: bool
+    ) -> None:
+        """One line saying what text prompts become when the tokenizer has a chat template."""
+        texts = sum(isinstance(p, str) for p in prompts)
+        if not texts or not has_chat_template(tokenizer):
+            return
+        if template:
+            logger.info(
+                "%s: %d of %d prompts are text: each is one user turn through the chat template, as verl "
+                "does (data.template_text_prompts=false feeds them as they are)",
+                *(self.source, texts, len(prompts)),
+            )
+        else:
+            logger.info(
+                "%s: %d of %d prompts are text and go to the model as they are, without the chat template "
+                "(data.template_text_prompts=false)",
+                *(self.source, texts, len(prompts)),
+            )
 
     def _log_counts(self, total: int) -> None:
         if self.num_filtered:

@@ -79,6 +79,7 @@ def build_dataset(cfg: Config, data: Any, tokenizer: Any, reward: RewardShape | 
         source=source,
         reward_fn_key=d.reward_fn_key,
         require_ground_truth=reward is None or reward.needs_ground_truth,
+        template_text_prompts=d.template_text_prompts,
     )
 
 

@@ -11,6 +11,7 @@ import torch
 
 from hybridflow.cli.main import main
 from hybridflow.models import build_tiny_model_and_tokenizer
+from hybridflow.utils.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,11 @@ def _swept(env: cli_cases.Env, rows: list, extra: list, message: str) -> tuple[l
         (["{not json"], [], "p.jsonl:1: not valid JSON"),
         ([{"prompt": ""}], [], "p.jsonl:1: the prompt is empty"),
         ([{"text": "x"}], [], 'p.jsonl:1: expected an object with "prompt"'),
+        (
+            [{"messages": [{"role": "assistant", "content": "x"}]}],
+            [],
+            "p.jsonl: row 0 (line 1): column 'messages' has no user turn",
+        ),
         ([{"prompt": "x"}], ["--n", "0"], "n"),
         ([{"prompt": "x"}], ["--device", "tpu"], "--device: unknown value 'tpu'"),
         pytest.param(
@@ -115,3 +121,27 @@ def test_a_prompt_plus_max_new_tokens_past_the_position_limit_is_warned_at_start
     assert "max_position_embeddings=16" in warning[0] and "lower --max-new-tokens to 11" in warning[0]
     (line,) = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(line["token_ids"]) == 11  # capped where the positions end, as the warning says
+
+
+def test_a_conversation_prompts_as_in_training(tmp_path: Path) -> None:
+    from chat_rows import ultrachat_rows
+
+    from hybridflow.cli.generate_cmd import read_prompts
+    from hybridflow.data import RLDataset
+    from hybridflow.data.user_rows import as_rows
+    from hybridflow.models import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    rows = ultrachat_rows(4)
+    ids = read_prompts(str(write_prompts(tmp_path / "p.jsonl", rows)), tok)
+    trained = RLDataset(as_rows(rows)[0], tok, max_prompt_length=1024, require_ground_truth=False)
+    assert ids == [it["input_ids"] for it in trained]  # up to the last user turn, no answer in the prompt
+    last_question = rows[2]["messages"][-2]["content"]  # the answer after it is not in the prompt
+    assert tok.decode(ids[2]).endswith(
+        f"<|im_start|>user\n{last_question}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    with pytest.raises(UserError, match=r"p\.jsonl: row 0 \(line 1\): column 'messages' has no user turn"):
+        read_prompts(
+            str(write_prompts(tmp_path / "p.jsonl", [{"messages": [{"role": "system", "content": "s"}]}])),
+            tok,
+        )

@@ -12,6 +12,8 @@ import torch
 from hybridflow.config import DataConfig
 from hybridflow.data import DataError, RLDataset, build_rl_dataset, collate_prompts, save_rows
 
+RAW = {"template_text_prompts": False}  # text prompts as they are: one token per char, whatever the template
+
 
 def _row(prompt, index: int | None = None, source: str = "arithmetic", truth=None) -> dict:
     row = {"data_source": source, "prompt": prompt, "reward_model": {"ground_truth": truth or "1"}}
@@ -22,7 +24,8 @@ def _row(prompt, index: int | None = None, source: str = "arithmetic", truth=Non
 
 def test_chat_and_text_prompts(tok) -> None:
     messages = [{"role": "user", "content": "What is 1 + 2?"}]
-    ds = RLDataset([_row(messages, index=7), _row("2+2=")], tok, max_prompt_length=64)
+    rows = [_row(messages, index=7), _row("2+2=")]
+    ds = RLDataset(rows, tok, max_prompt_length=64, template_text_prompts=False)
     templated = "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
     assert ds[0]["input_ids"] == tok(templated, add_special_tokens=False)["input_ids"]
     assert ds[1]["input_ids"] == [tok.convert_tokens_to_ids(c) for c in "2+2="]  # one token per char
@@ -42,10 +45,10 @@ def test_truncation_modes(tok, caplog, side: str, kept: str | None) -> None:
     rows = [_row("abcdefghij"), _row("xyz")]
     if kept is None:
         with pytest.raises(DataError, match=r"^data\.jsonl: row 0: prompt has 10 tokens, more than .*=4"):
-            RLDataset(rows, tok, max_prompt_length=4, truncation=side, source="data.jsonl")
+            RLDataset(rows, tok, max_prompt_length=4, truncation=side, source="data.jsonl", **RAW)
         return
     with caplog.at_level(logging.INFO, logger="hybridflow.data"):
-        ds = RLDataset(rows, tok, max_prompt_length=4, truncation=side)
+        ds = RLDataset(rows, tok, max_prompt_length=4, truncation=side, **RAW)
     assert ds[0]["input_ids"] == _char_ids(tok, kept)
     assert ds[1]["input_ids"] == _char_ids(tok, "xyz")
     assert ds.num_truncated == 1 and ds.num_filtered == 0
@@ -53,20 +56,22 @@ def test_truncation_modes(tok, caplog, side: str, kept: str | None) -> None:
 
 
 def test_middle_truncation_odd_length(tok) -> None:
-    ds = RLDataset([_row("abcdefghij")], tok, max_prompt_length=5, truncation="middle")
+    ds = RLDataset([_row("abcdefghij")], tok, max_prompt_length=5, truncation="middle", **RAW)
     assert ds[0]["input_ids"] == _char_ids(tok, "ab" + "hij")  # 5 // 2 from the start, the rest from the end
 
 
 def test_filter_overlong(tok, caplog) -> None:
     rows = [_row("abc"), _row("abcdefghij"), _row("abcde"), _row("abcdefghijkl"), _row("abcdef")]
     with caplog.at_level(logging.INFO, logger="hybridflow.data"):
-        ds = RLDataset(rows, tok, max_prompt_length=6, filter_overlong_prompts=True, source="f.parquet")
+        ds = RLDataset(
+            rows, tok, max_prompt_length=6, filter_overlong_prompts=True, source="f.parquet", **RAW
+        )
     assert len(ds) == 3 and ds.num_filtered == 2 and ds.num_truncated == 0
     assert [it["index"] for it in ds] == [0, 2, 4]
     assert [ds.where(i) for i in range(3)] == ["f.parquet: row 0", "f.parquet: row 2", "f.parquet: row 4"]
     assert "f.parquet: filtered out 2 of 5 prompts longer than 6 tokens" in caplog.text
     with pytest.raises(DataError, match="all 2 prompts are longer than max_prompt_length=2"):
-        RLDataset(rows[1:3], tok, max_prompt_length=2, filter_overlong_prompts=True)
+        RLDataset(rows[1:3], tok, max_prompt_length=2, filter_overlong_prompts=True, **RAW)
 
 
 def test_no_chat_template(tok) -> None:
@@ -80,7 +85,7 @@ def test_no_chat_template(tok) -> None:
 
 def test_data_sources_and_require(tok) -> None:
     rows = [_row("a", source="gsm8k"), _row("b"), _row("c", source="mystery"), _row("d")]
-    ds = RLDataset(rows, tok, max_prompt_length=8, source="mix.jsonl")
+    ds = RLDataset(rows, tok, max_prompt_length=8, source="mix.jsonl", **RAW)
     assert ds.data_sources() == ["arithmetic", "gsm8k", "mystery"]
     ds.require_data_sources({"arithmetic", "gsm8k", "mystery"})
     with pytest.raises(
@@ -132,7 +137,7 @@ def test_collate_prompts_left_pads(tok) -> None:
 
 
 def test_collate_dataset_items(tok) -> None:
-    ds = RLDataset([_row("ab"), _row("abcd")], tok, max_prompt_length=8)
+    ds = RLDataset([_row("ab"), _row("abcd")], tok, max_prompt_length=8, **RAW)
     batch = collate_prompts([ds[0], ds[1]], tok.pad_token_id)
     assert batch["input_ids"][0].tolist() == [tok.pad_token_id] * 2 + _char_ids(tok, "ab")
 
@@ -145,6 +150,8 @@ def test_build_rl_dataset(tok, tmp_path: Path) -> None:
     assert {it["extra_info"]["split"] for it in val} == {"test"}
     assert train.source == "built-in arithmetic (train)"
     save_rows([_row("q", truth="2")], tmp_path / "t.jsonl")
-    cfg = DataConfig(train_files=[str(tmp_path / "t.jsonl")], max_prompt_length=8)
+    cfg = DataConfig(
+        train_files=[str(tmp_path / "t.jsonl")], max_prompt_length=8, template_text_prompts=False
+    )
     files = build_rl_dataset(cfg, tok, "train", seed=1)
     assert len(files) == 1 and files.where(0) == f"{tmp_path / 't.jsonl'}: row 0 (line 1)"

@@ -54,7 +54,7 @@ def test_plain_prompts_and_chat_lists_need_no_ground_truth_when_the_reward_does_
         _dataset(["say hi"], tok, require_ground_truth=True)
 
 
-def test_ultrachat_rows_prompt_with_the_system_and_user_turns(tok) -> None:
+def test_a_conversation_prompts_with_every_turn_up_to_the_last_user_turn(tok) -> None:
     row = {
         "prompt_id": "a1",
         "messages": [
@@ -66,7 +66,13 @@ def test_ultrachat_rows_prompt_with_the_system_and_user_turns(tok) -> None:
         ],
     }
     ds = _dataset([row], tok, require_ground_truth=False)
-    assert [m["content"] for m in ds[0]["raw_prompt"]] == ["be brief", "hi", "bye"]
+    assert [(m["role"], m["content"]) for m in ds[0]["raw_prompt"]] == [
+        ("system", "be brief"),
+        ("user", "hi"),
+        ("assistant", "hello"),
+        ("user", "bye"),
+    ]
+    assert ds[0]["extra_info"]["answer"] == "ciao" and ds[0]["ground_truth"] == "ciao"
 
 
 def test_a_top_level_ground_truth_and_other_columns_for_trl(tok) -> None:

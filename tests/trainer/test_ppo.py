@@ -133,6 +133,7 @@ GOOD = {
         ({**GOOD, "prompt": ""}, "empty"),
         ({**GOOD, "reward_model": {"ground_truth": None}}, "ground_truth"),
         ({**GOOD, "data_source": "my/task"}, "my/task"),
+        ({"messages": [{"role": "bot", "content": "1+1"}]}, "messages[0] has role 'bot'"),
     ],
 )
 def test_bad_training_data_is_named_by_file_and_row(
