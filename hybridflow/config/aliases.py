@@ -256,10 +256,13 @@ class IgnoredKey:
         return f"{value!r} is not a value of this verl key: use {self.accepted_text()}"
 
     def fix_for(self, key: str, value: Any = None) -> str:
-        """The fix of a refused value of ``key`` (``value``: the refused one, for the particular refusals)."""
+        """The fix of a refused value of ``key`` (``value``: the refused one, for the particular refusals;
+        ``{role}`` in a fix is the role the key names, actor by default)."""
         special = self._special(value)
         fix = special.fix if special is not None else self.fix
-        return (fix or "set {key}=" + self.accepted_text() + ", or remove it").format(key=key, value=value)
+        role = next((part for part in key.split(".") if part in ("actor", "ref", "critic")), "actor")
+        text = fix or "set {key}=" + self.accepted_text() + ", or remove it"
+        return text.format(key=key, value=value, role=role)
 
 
 def _yaml_literal(value: Any) -> str:

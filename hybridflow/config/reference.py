@@ -98,7 +98,8 @@ def spellings_markdown() -> str:
     ]
     for name, entry in BY_NAME.items():
         refused = "<br>".join(
-            f"{r.values}: {r.reason}; fix: {r.fix.format(key=f'*.{name}', value='X')}" for r in entry.refusals
+            f"{r.values}: {r.reason}; fix: {r.fix.format(key=f'*.{name}', value='X', role='ROLE')}"
+            for r in entry.refusals
         )
         out.append(f"| `{name}` | `{entry.accepted_text()}` | {entry.notice} | {refused} |")
     out += [

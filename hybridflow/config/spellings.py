@@ -74,9 +74,8 @@ BY_NAME: dict[str, IgnoredKey] = {
         refusals=(
             Refusal(
                 _anything,
-                "buffers stay in float32 (FSDP2, which hybridflow trains with, casts parameters only; "
-                "fsdp.param_dtype sets the compute dtype)",
-                "remove {key} (or set it to float32)",
+                "buffers stay in float32 (FSDP2, which hybridflow trains with, casts parameters only)",
+                "remove {key} (or set it to float32); the compute dtype is {role}.fsdp.param_dtype",
                 "any other",
             ),
         ),

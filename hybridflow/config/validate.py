@@ -1,9 +1,8 @@
 """Range, enum and consistency checks of a Config; every problem names the field and the fix.
 
-Batch sizes follow verl's normalisation: ``ppo_mini_batch_size`` counts prompts, so one optimizer step
-sees ``ppo_mini_batch_size * rollout.n`` samples, split over ``dp = nnodes * n_gpus_per_node``
-data-parallel ranks (divided by the sequence-parallel size under Ulysses); each rank then
-runs micro-batches of ``ppo_micro_batch_size_per_gpu`` samples, which must divide its share.
+The checks of one subject live beside this module: batch sizes (``batches``: verl's normalisation, whole
+mini-batches), the rollout dtype (``dtypes``), training views (``views``), Ulysses (``sequence_parallel``)
+and the algorithms (``validate_algos``).
 """
 
 from __future__ import annotations
