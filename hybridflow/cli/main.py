@@ -69,10 +69,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; ``key=value`` overrides may come before, between and after a command's options.
+
+    argparse fills a ``nargs="*"`` positional from one run of arguments only, so ``plan a=1 --gpus 8 b=2``
+    would leave ``b=2`` unrecognised: such leftovers join the command's ``args`` (its config file and
+    overrides), in the order given. Anything else left over (an unknown option) stays argparse's error.
+    """
+    args, extra = parser.parse_known_args(argv)
+    positional = getattr(args, "args", None)
+    if extra and isinstance(positional, list) and not any(a.startswith("-") for a in extra):
+        args.args = [*positional, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``hybridflow`` command line; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)  # --help and --version exit here, before anything heavy is imported
+    args = parse_args(parser, argv)  # --help and --version exit here, before anything heavy is imported
     # hybridflow.utils imports torch, so it is loaded only once a command runs.
     from hybridflow.utils.logging import setup_console_logging
 

@@ -8,21 +8,30 @@ memory from this machine's first GPU (or ``--gpu-memory-gb``). Layout keys set i
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybridflow.config import ConfigError
 
 NAME = "plan"
 HELP = "Print the automatic 3D layout and the memory per GPU of each phase, without starting a run."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``[CONFIG] [key=value ...]``, ``--gpus``, ``--gpu-memory-gb`` and ``--model-shape``."""
+    """``[CONFIG] [key=value ...]``, ``--gpus``, ``--gpu-memory-gb`` and ``--model-shape``.
+
+    The numbers are read as text and checked in ``run``, so that a bad one is a one-line error (exit 2).
+    """
     parser.add_argument(
         "args", nargs="*", metavar="[CONFIG] [key=value ...]", help="YAML file, then overrides."
     )
     parser.add_argument(
-        "--gpus", type=int, help="GPUs of the run (default: trainer.nnodes x n_gpus_per_node)."
+        "--gpus", metavar="N", help="GPUs of the run (default: trainer.nnodes x n_gpus_per_node)."
     )
     parser.add_argument(
-        "--gpu-memory-gb", type=float, help="Memory of one GPU in GB (default: this machine's)."
+        "--gpu-memory-gb", metavar="GB", help="Memory of one GPU in GB (default: this machine's)."
     )
     parser.add_argument(
         "--model-shape",
@@ -30,18 +39,70 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def gpu_count(text: str) -> int:
+    """``--gpus``: a whole number of GPUs, at least 1."""
+    from hybridflow.utils.errors import UserError
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise UserError(f"--gpus: expected a whole number of GPUs, got {text!r}; e.g. --gpus 8") from None
+    if value < 1:
+        raise UserError(f"--gpus: must be at least 1, got {value}; e.g. --gpus 8")
+    return value
+
+
+def gpu_memory(text: str) -> int:
+    """``--gpu-memory-gb``: a finite number of GB above 0, in bytes."""
+    from hybridflow.utils.errors import UserError
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+        shown = repr(text)
+    else:
+        shown = text
+    if not (math.isfinite(value) and value > 0):
+        raise UserError(
+            f"--gpu-memory-gb: expected the memory of one GPU in GB, a number greater than 0, got {shown}; "
+            "e.g. --gpu-memory-gb 80"
+        )
+    return int(value * 1e9)
+
+
+_WORLD_WORDS = ("n_gpus_per_node", "data-parallel size", " ranks")  # problems of the number of GPUs
+
+
+def _with_flag(exc: ConfigError, gpus: int) -> ConfigError:
+    """``exc`` with the problems ``--gpus`` caused saying so (it sets trainer.nnodes and n_gpus_per_node)."""
+    from hybridflow.config import ConfigError
+
+    note = f" (--gpus {gpus} sets trainer.nnodes=1, trainer.n_gpus_per_node={gpus})"
+    problems = [
+        dataclasses.replace(p, message=p.message + note) if any(w in str(p) for w in _WORLD_WORDS) else p
+        for p in exc.problems
+    ]
+    return ConfigError(problems)
+
+
 def run(args: argparse.Namespace) -> int:
     """Plan and print: the one-line choice, then the phases' memory per GPU."""
     from hybridflow.cli.config_cmd import split_file_and_overrides
-    from hybridflow.config import load_config
+    from hybridflow.config import ConfigError, load_config
     from hybridflow.trainer.keywords import given_overrides
     from hybridflow.trainer.layout import MODEL_SHAPES, gpu_memory_bytes, plan_layout, shape_config
     from hybridflow.utils.errors import UserError
 
+    gpus = None if args.gpus is None else gpu_count(args.gpus)
+    gpu = None if args.gpu_memory_gb is None else gpu_memory(args.gpu_memory_gb)
     config, overrides = split_file_and_overrides(list(args.args))
-    if args.gpus is not None:
-        overrides += ["trainer.nnodes=1", f"trainer.n_gpus_per_node={args.gpus}"]
-    cfg = load_config(config, overrides)
+    if gpus is not None:
+        overrides += ["trainer.nnodes=1", f"trainer.n_gpus_per_node={gpus}"]
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as exc:
+        raise exc if gpus is None else _with_flag(exc, gpus) from None
     if args.model_shape is not None:
         model_config = shape_config(args.model_shape)
     elif cfg.model.path is not None:
@@ -53,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
             f"no model to plan for: set model.path=DIR (its config.json is enough) or --model-shape (one of "
             f"{', '.join(MODEL_SHAPES)})"
         )
-    gpu = int(args.gpu_memory_gb * 1e9) if args.gpu_memory_gb is not None else gpu_memory_bytes()
+    gpu = gpu if gpu is not None else gpu_memory_bytes()
     if gpu is None:
         raise UserError("no GPU here to read the memory of: pass --gpu-memory-gb, e.g. --gpu-memory-gb 80")
     layout = plan_layout(cfg, model_config, gpu, given=set(given_overrides(overrides)))

@@ -31,6 +31,7 @@ from hybridflow.config.schema import (
     TrainerConfig,
     schema_index,
 )
+from hybridflow.config.startup import check_start
 from hybridflow.config.validate import check_config, get_path, validate_config
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "TrainerConfig",
     "add_choice",
     "check_config",
+    "check_start",
     "config_from_dict",
     "get_path",
     "load_config",

@@ -8,6 +8,7 @@ overrides and as nested YAML keys. A key that is also one of our own field paths
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,8 @@ VERL_ALIASES: dict[str, str] = {
     f"{_ARR}.actor.fsdp_config.optimizer_offload": "actor.fsdp.optimizer_offload",
     f"{_ARR}.actor.fsdp_config.reshard_after_forward": "actor.fsdp.reshard_after_forward",
     f"{_ARR}.actor.fsdp_config.fsdp_size": "actor.fsdp.fsdp_size",
+    f"{_ARR}.actor.fsdp_config.mixed_precision.param_dtype": "actor.fsdp.param_dtype",
+    f"{_ARR}.actor.fsdp_config.mixed_precision.reduce_dtype": "actor.fsdp.reduce_dtype",
     # rollout
     f"{_ARR}.rollout.name": "rollout.engine",
     f"{_ARR}.rollout.n": "rollout.n",
@@ -122,11 +125,15 @@ VERL_ALIASES: dict[str, str] = {
     f"{_ARR}.ref.log_prob_max_token_len_per_gpu": "ref.log_prob_max_token_len_per_gpu",
     f"{_ARR}.ref.fsdp_config.param_offload": "ref.fsdp.param_offload",
     f"{_ARR}.ref.fsdp_config.reshard_after_forward": "ref.fsdp.reshard_after_forward",
+    f"{_ARR}.ref.fsdp_config.mixed_precision.param_dtype": "ref.fsdp.param_dtype",
+    f"{_ARR}.ref.fsdp_config.mixed_precision.reduce_dtype": "ref.fsdp.reduce_dtype",
     f"{_ARR}.nccl_timeout": "trainer.nccl_timeout",
     # critic
     "critic.model.fsdp_config.param_offload": "critic.fsdp.param_offload",
     "critic.model.fsdp_config.optimizer_offload": "critic.fsdp.optimizer_offload",
     "critic.model.fsdp_config.fsdp_size": "critic.fsdp.fsdp_size",
+    "critic.model.fsdp_config.mixed_precision.param_dtype": "critic.fsdp.param_dtype",
+    "critic.model.fsdp_config.mixed_precision.reduce_dtype": "critic.fsdp.reduce_dtype",
     "critic.model.use_rmpad": "critic.model.use_remove_padding",
     "critic.optim.warmup_style": "critic.optim.lr_scheduler_type",
     "critic.optim.clip_grad": "critic.grad_clip",
@@ -151,10 +158,38 @@ VERL_ALIASES: dict[str, str] = {
     "trainer.max_critic_ckpt_to_keep": "trainer.max_ckpt_to_keep",
 }
 
-# Short forms of our own keys (the issue tracker and the README write `actor.lr=1e-6`).
+
+def _short_forms() -> dict[str, str]:
+    """The HybridFlow write-ups' and verl's short spellings of training-view, FSDP and rollout keys."""
+    out = {"rollout.tp_size": "rollout.tensor_model_parallel_size"}
+    out[f"{_ARR}.rollout.tp_size"] = "rollout.tensor_model_parallel_size"
+    # megatron.tp_size / pp_size: a top-level megatron section is the actor's (the reference follows it)
+    megatron = {"": "actor", "actor.": "actor", f"{_ARR}.actor.": "actor", "critic.": "critic"}
+    megatron |= {"ref.": "ref", f"{_ARR}.ref.": "ref"}
+    for prefix, role in megatron.items():
+        for short, long, ours in (
+            ("tp_size", "tensor_model_parallel_size", "tensor_parallel_size"),
+            ("pp_size", "pipeline_model_parallel_size", "pipeline_parallel_size"),
+        ):
+            out[f"{prefix}megatron.{short}"] = f"{role}.{ours}"
+            if f"{prefix}megatron.{long}" not in VERL_ALIASES:
+                out[f"{prefix}megatron.{long}"] = f"{role}.{ours}"
+    # actor.fsdp_config.* (verl's, without actor_rollout_ref. in front) for every role
+    for role in ("actor", "ref", "critic"):
+        for name in ("param_offload", "optimizer_offload", "reshard_after_forward", "fsdp_size"):
+            if role != "ref" or name != "optimizer_offload":  # the reference has no optimizer
+                out[f"{role}.fsdp_config.{name}"] = f"{role}.fsdp.{name}"
+        for name in ("param_dtype", "reduce_dtype"):
+            out[f"{role}.fsdp_config.mixed_precision.{name}"] = f"{role}.fsdp.{name}"
+    return out
+
+
+# Short forms of our own keys (the issue tracker and the README write `actor.lr=1e-6`) and the write-ups'
+# short spellings of verl's keys (`rollout.tp_size`, `megatron.tp_size`, `actor.fsdp_config.*`).
 SHORTHANDS: dict[str, str] = {
     "actor.lr": "actor.optim.lr",
     "critic.lr": "critic.optim.lr",
+    **_short_forms(),
 }
 
 # verl values that mean something else here, per key (a value not listed passes through unchanged).
@@ -172,6 +207,16 @@ VERL_VALUE_NOTES: dict[str, str] = {
 
 
 @dataclass(frozen=True)
+class Refusal:
+    """Why some values of an ignored key are refused (e.g. fp8: not there yet, with its issue) and the fix."""
+
+    matches: Callable[[Any], bool]
+    reason: str
+    fix: str
+    values: str  # the values it refuses, as the docs list them
+
+
+@dataclass(frozen=True)
 class IgnoredKey:
     """A verl key with no field here: the values that ask for what hybridflow does anyway, and the others.
 
@@ -184,6 +229,10 @@ class IgnoredKey:
     accepts: tuple[Any, ...] | None = None  # None: every value
     refusal: str = ""
     fix: str = ""
+    refusals: tuple[Refusal, ...] = ()  # particular refused values, with their own reason and fix
+
+    def _special(self, value: Any) -> Refusal | None:
+        return next((r for r in self.refusals if r.matches(value)), None)
 
     def accepts_value(self, value: Any) -> bool:
         """Whether ``value`` is one of the accepted values (``True`` is not ``1`` here)."""
@@ -199,13 +248,21 @@ class IgnoredKey:
 
     def refused_message(self, value: Any) -> str:
         """Why ``value`` is refused."""
+        special = self._special(value)
+        if special is not None:
+            return f"{value!r}: {special.reason}"
         if self.refusal:
             return f"{value!r} is not supported: {self.refusal}"
         return f"{value!r} is not a value of this verl key: use {self.accepted_text()}"
 
-    def fix_for(self, key: str) -> str:
-        """The fix of a refused value of ``key``."""
-        return (self.fix or "set {key}=" + self.accepted_text() + ", or remove it").format(key=key)
+    def fix_for(self, key: str, value: Any = None) -> str:
+        """The fix of a refused value of ``key`` (``value``: the refused one, for the particular refusals;
+        ``{role}`` in a fix is the role the key names, actor by default)."""
+        special = self._special(value)
+        fix = special.fix if special is not None else self.fix
+        role = next((part for part in key.split(".") if part in ("actor", "ref", "critic")), "actor")
+        text = fix or "set {key}=" + self.accepted_text() + ", or remove it"
+        return text.format(key=key, value=value, role=role)
 
 
 def _yaml_literal(value: Any) -> str:

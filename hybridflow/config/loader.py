@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from hybridflow.config import aliases
+from hybridflow.config import aliases, spellings
 from hybridflow.config.errors import ConfigError, Problem
 from hybridflow.config.schema import Config, schema_index
 from hybridflow.config.validate import validate_config
@@ -84,18 +84,41 @@ def _flatten(path: str, value: Any, out: list[_Item], problems: list[Problem]) -
         return
     ignored = aliases.ignored_key(path)
     if ignored is not None:
-        key, entry = ignored
-        if entry.accepts_value(value):
-            message = f"verl key '{path}' ignored: {entry.notice} (value {value!r})"
-            aliases.notice_once(path, message, logging.WARNING)
-        else:
-            problems.append(Problem(path, entry.refused_message(value), entry.fix_for(key)))
+        _judge(path, ignored[0], ignored[1], value, problems, "verl key")
         return
     fix = aliases.unsupported_fix(path)
     if fix is not None:
         problems.append(Problem(path, "this verl key is not supported", fix))
         return
+    if ours not in leaves and _dict_leaf_prefix(ours) is None and _spelling(path, value, problems):
+        return
     out.append(_Item(ours, value, None))
+
+
+def _judge(
+    path: str, key: str, entry: aliases.IgnoredKey, value: Any, problems: list[Problem], kind: str
+) -> None:
+    """A key without a field here: its value accepted with a one-time notice, or refused with the fix."""
+    if entry.accepts_value(value):
+        aliases.notice_once(
+            path, f"{kind} '{path}' ignored: {entry.notice} (value {value!r})", logging.WARNING
+        )
+    else:
+        problems.append(Problem(path, entry.refused_message(value), entry.fix_for(key, value)))
+
+
+def _spelling(path: str, value: Any, problems: list[Problem]) -> bool:
+    """Judge a key that is none of ours by its name (FP8, expert parallelism, ...); whether it was one."""
+    found = spellings.pointer(path, value)
+    if found is not None:
+        why, fix = found
+        problems.append(Problem(path, f"is not a key here: {why}", fix))
+        return True
+    named = spellings.judged_by_name(path)
+    if named is None:
+        return False
+    _judge(path, path, named[1], value, problems, "key")
+    return True
 
 
 def _translated(path: str, ours: str, verl_key: str, value: Any) -> Any:
@@ -112,12 +135,16 @@ def _translated(path: str, ours: str, verl_key: str, value: Any) -> Any:
 
 def _all_keys() -> list[str]:
     leaves, sections = schema_index()
-    return [*leaves, *sections, *aliases.VERL_ALIASES]
+    return [*leaves, *sections, *aliases.VERL_ALIASES, *aliases.SHORTHANDS]
 
 
 def _unknown(path: str) -> Problem:
-    """An unknown-key problem with 'did you mean' suggestions over our keys and the verl aliases."""
-    keys = _all_keys()
+    """An unknown-key problem with 'did you mean' suggestions over our keys and the verl aliases.
+
+    A dotted key is never offered a section (``algorithm.grpo_n`` -> ``algorithm`` helps nobody).
+    """
+    sections = schema_index()[1]
+    keys = [k for k in _all_keys() if "." not in path or k not in sections]
     close = difflib.get_close_matches(path, keys, n=3, cutoff=0.6)
     if not close:  # compare the last component: 'temprature' finds 'rollout.temperature'
         last = path.rsplit(".", 1)[-1]

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from hybridflow.config.aliases import (
+    SHORTHANDS,
     VERL_ALIASES,
     VERL_IGNORED,
     VERL_UNSUPPORTED,
@@ -24,6 +25,7 @@ from hybridflow.config.aliases import (
 )
 from hybridflow.config.choices import CHOICES
 from hybridflow.config.schema import schema_index
+from hybridflow.config.spellings import BY_NAME, POINTERS
 
 BEGIN = "<!-- BEGIN GENERATED: {name} (python -m hybridflow.config.reference docs/config.md) -->"
 END = "<!-- END GENERATED: {name} -->"
@@ -77,6 +79,40 @@ def aliases_markdown() -> str:
         out.append(f"| `{key}` | `{entry.accepted_text()}` | {entry.notice} | {refused} |")
     out += ["", "Refused, with this fix:", "", "| verl key | fix |", "|---|---|"]
     out += [f"| `{key}` | {fix} |" for key, fix in VERL_UNSUPPORTED.items()]
+    return "\n".join(out) + "\n" + spellings_markdown()
+
+
+def spellings_markdown() -> str:
+    """The short spellings we map, the keys judged by their last name, and the keys refused with a pointer."""
+    out = ["", "Short spellings (the write-ups', verl's without its prefix), mapped:", ""]
+    out += ["| spelling | hybridflow key |", "|---|---|"]
+    out += [f"| `{key}` | `{ours}` |" for key, ours in SHORTHANDS.items()]
+    out += [
+        "",
+        "Keys judged by their last name wherever they appear (`rollout.quantization`, "
+        "`actor_rollout_ref.actor.megatron.expert_model_parallel_size`, ...), unless they are hybridflow's own "
+        "or lie inside a free-form mapping such as `model.override_config`:",
+        "",
+        "| last name | accepted | how hybridflow behaves | refused values: why; fix |",
+        "|---|---|---|---|",
+    ]
+    for name, entry in BY_NAME.items():
+        refused = "<br>".join(
+            f"{r.values}: {r.reason}; fix: {r.fix.format(key=f'*.{name}', value='X', role='ROLE')}"
+            for r in entry.refusals
+        )
+        out.append(f"| `{name}` | `{entry.accepted_text()}` | {entry.notice} | {refused} |")
+    out += [
+        "",
+        "Keys that are nobody's, refused with the key to write:",
+        "",
+        "| key | why | fix |",
+        "|---|---|---|",
+    ]
+    out += [
+        f"| `*.{name}` (e.g. `algorithm.{name}`) | {why} | {fix.format(value='N')} |"
+        for name, (fix, why) in POINTERS.items()
+    ]
     return "\n".join(out) + "\n"
 
 

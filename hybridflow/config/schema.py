@@ -116,6 +116,10 @@ class RolloutConfig:
         "Generation dtype: auto (the training compute dtype, actor.fsdp.param_dtype), bfloat16, float16, "
         "float32.",
     )
+    allow_dtype_mismatch: bool = option(
+        False,
+        "Run a rollout.dtype other than the training compute dtype (refused unless true: log-probs drift).",
+    )
     gpu_memory_utilization: float = option(0.5, "GPU share this process may hold with its KV cache, (0, 1].")
     max_num_seqs: int = option(1024, "Most sequences decoded at once (continuous-batching slots).")
     max_num_batched_tokens: int = option(8192, "Token budget of one prefill chunk.")

@@ -1,9 +1,8 @@
 """Range, enum and consistency checks of a Config; every problem names the field and the fix.
 
-Batch sizes follow verl's normalisation: ``ppo_mini_batch_size`` counts prompts, so one optimizer step
-sees ``ppo_mini_batch_size * rollout.n`` samples, split over ``dp = nnodes * n_gpus_per_node``
-data-parallel ranks (divided by the sequence-parallel size under Ulysses); each rank then
-runs micro-batches of ``ppo_micro_batch_size_per_gpu`` samples, which must divide its share.
+The checks of one subject live beside this module: batch sizes (``batches``: verl's normalisation, whole
+mini-batches), the rollout dtype (``dtypes``), training views (``views``), Ulysses (``sequence_parallel``)
+and the algorithms (``validate_algos``).
 """
 
 from __future__ import annotations
@@ -12,7 +11,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from hybridflow.config.batches import check_train_batch
 from hybridflow.config.choices import CHOICES
+from hybridflow.config.dtypes import check_rollout_dtype
 from hybridflow.config.errors import ConfigError, Problem
 from hybridflow.config.schema import Config, schema_index
 from hybridflow.config.schema_base import get_path
@@ -136,61 +137,8 @@ def _check_choices(cfg: Config, out: list[Problem]) -> None:
                 out.append(Problem(path, f"unknown value {v!r}", unknown_choice_fix(path, valid)))
 
 
-def _check_batches(cfg: Config, role: str, out: list[Problem]) -> None:
-    """verl's normalisation of one role's mini- and micro-batch against the data-parallel size."""
-    section = getattr(cfg, role)
-    mini = section.ppo_mini_batch_size
-    if mini is None:  # critic: same as the actor
-        mini = cfg.actor.ppo_mini_batch_size
-    micro = section.ppo_micro_batch_size_per_gpu
-    world, n, bsz = cfg.trainer.world_size, cfg.rollout.n, cfg.data.train_batch_size
-    if mini > bsz:
-        out.append(
-            Problem(
-                f"{role}.ppo_mini_batch_size",
-                f"{mini} prompts is larger than the batch (data.train_batch_size={bsz})",
-                f"set {role}.ppo_mini_batch_size <= {bsz}",
-            )
-        )
-        return
-    dp = world  # every rank is a data-parallel rank (no sequence parallelism: see _check_unimplemented)
-    if (mini * n) % dp:
-        out.append(
-            Problem(
-                f"{role}.ppo_mini_batch_size",
-                f"{mini} prompts x rollout.n={n} = {mini * n} samples do not split over the data-parallel "
-                f"size {dp}",
-                f"make {role}.ppo_mini_batch_size * rollout.n a multiple of {dp}",
-            )
-        )
-        return
-    per_gpu = mini * n // dp
-    if not section.use_dynamic_bsz and per_gpu % micro:
-        largest = max(d for d in range(1, min(micro, per_gpu) + 1) if per_gpu % d == 0)
-        out.append(
-            Problem(
-                f"{role}.ppo_micro_batch_size_per_gpu",
-                f"{micro} does not divide the per-GPU mini-batch of {per_gpu} samples "
-                f"({role}.ppo_mini_batch_size={mini} x rollout.n={n} / data-parallel size {dp})",
-                f"use a divisor of {per_gpu}, e.g. {role}.ppo_micro_batch_size_per_gpu={largest}",
-            )
-        )
-
-
 def _check_consistency(cfg: Config, out: list[Problem]) -> None:
-    world, n, bsz = cfg.trainer.world_size, cfg.rollout.n, cfg.data.train_batch_size
-    if (bsz * n) % world:
-        out.append(
-            Problem(
-                "data.train_batch_size",
-                f"{bsz} prompts x rollout.n={n} = {bsz * n} samples do not split over the data-parallel size "
-                f"{world} (trainer.nnodes * trainer.n_gpus_per_node)",
-                f"make data.train_batch_size * rollout.n a multiple of {world}",
-            )
-        )
-    roles = ["actor", "critic"] if cfg.use_critic else ["actor"]
-    for role in roles:
-        _check_batches(cfg, role, out)
+    check_train_batch(cfg, out)
     if not cfg.use_critic and cfg.algorithm.adv_estimator == "gae":
         out.append(
             Problem(
@@ -210,7 +158,7 @@ def _check_consistency(cfg: Config, out: list[Problem]) -> None:
             )
     _check_rollout(cfg, out)
     _check_token_budgets(cfg, out)
-    _warn_rollout_dtype(cfg)
+    check_rollout_dtype(cfg, out)
     check_rollout_correction(cfg, out)
     check_policy_loss(cfg, out)
     check_adv_estimator_inputs(cfg, out)
@@ -366,40 +314,6 @@ def _check_token_budgets(cfg: Config, out: list[Problem]) -> None:
                     f"set {budget} to at least {total} (or {switch}=false)",
                 )
             )
-
-
-_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
-def _actor_compute_dtypes(cfg: Config) -> tuple[set[str], str]:
-    """The dtypes the actor may compute in, as far as the config tells (auto depends on the device)."""
-    param = cfg.actor.fsdp.param_dtype
-    if param != "auto":
-        name = _DTYPE_NAMES.get(param, param)
-        return {name}, name
-    device = cfg.trainer.device
-    if device == "cuda":
-        return {"bfloat16"}, "bfloat16 on GPU"
-    if device == "cpu":
-        return {"float32"}, "float32 on CPU"
-    return {"bfloat16", "float32"}, "bfloat16 on GPU, float32 on CPU"
-
-
-def _warn_rollout_dtype(cfg: Config) -> None:
-    """A rollout in another dtype than the training forward samples from a slightly different policy."""
-    rollout = cfg.rollout.dtype
-    compute, described = _actor_compute_dtypes(cfg)
-    if rollout == "auto" or _DTYPE_NAMES.get(rollout, rollout) in compute:
-        return
-    logger.warning(
-        "rollout.dtype=%s is not the training compute dtype (actor.fsdp.param_dtype=%s: %s): the rollout "
-        "log-probs will differ from the trainer's recomputation, so the rollout/trainer mismatch metrics "
-        "(rollout_corr/*) and the importance weights grow; leave rollout.dtype=auto to generate in the "
-        "training compute dtype",
-        rollout,
-        cfg.actor.fsdp.param_dtype,
-        described,
-    )
 
 
 _FILE_LISTS = {

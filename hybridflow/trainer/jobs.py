@@ -14,7 +14,7 @@ import torch
 from hybridflow.checkpoint import load_role_model
 from hybridflow.checkpoint.export import save_hf_model as write_hf_model
 from hybridflow.checkpoint.manager import HF_CONFIG
-from hybridflow.config import Config, save_config
+from hybridflow.config import Config, check_start, save_config
 from hybridflow.data import load_split_rows
 from hybridflow.engine.fsdp import full_state_dict
 from hybridflow.models import load_causal_lm, load_tokenizer
@@ -34,7 +34,7 @@ from hybridflow.trainer.sft import encode_pairs, run_sft
 from hybridflow.trainer.summary import write_summary
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.trainer.validation import validate
-from hybridflow.utils.device import use_device_type
+from hybridflow.utils.device import cuda_in_use, use_device_type
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.logging import rank as env_rank
 from hybridflow.utils.seed import set_seed
@@ -57,6 +57,7 @@ def start_job(cfg: Config, single_process: str | None = None) -> None:
             "without torchrun (train, dpo and kto run on several ranks)"
         )
     use_device_type(cfg.trainer.device)
+    check_start(cfg, os.environ, cuda_in_use())  # the rollout dtype on this device; VERL_* variables
     set_seed(cfg.trainer.seed)
 
 

@@ -123,9 +123,15 @@ def test_rollout_rs_without_a_threshold_shows_the_default(capsys: pytest.Capture
     assert rc["rollout_rs_threshold"] == rc["rollout_is_threshold"] == 2.0
 
 
-def test_fp16_rollout_under_bf16_training_warns_once(capsys: pytest.CaptureFixture[str]) -> None:
-    # item 6: accepted, with one warning line naming both fields and the cost
-    assert main(["config", "show", "rollout.dtype=float16", "actor.fsdp.param_dtype=bfloat16"]) == 0
+def test_fp16_rollout_under_bf16_training_is_refused_unless_opted_in(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # issue 38: refused, naming both keys and the opt-in; with the opt-in, one warning line
+    line = refused(["rollout.dtype=float16", "actor.fsdp.param_dtype=bfloat16"], capsys)
+    assert line.startswith("error: rollout.dtype: float16 is not the training compute dtype ")
+    assert "actor.fsdp.param_dtype=bfloat16" in line and "rollout.allow_dtype_mismatch=true" in line
+    args = ["rollout.dtype=float16", "actor.fsdp.param_dtype=bfloat16", "rollout.allow_dtype_mismatch=true"]
+    assert main(["config", "show", *args]) == 0
     lines = [line for line in capsys.readouterr().err.splitlines() if "rollout.dtype=float16" in line]
     assert len(lines) == 1 and "WARNING" in lines[0]
     assert "actor.fsdp.param_dtype=bfloat16" in lines[0] and "importance weights" in lines[0]

@@ -1,4 +1,5 @@
-"""``rollout.dtype=auto`` means the training compute dtype on every device, as its help says (issue 25)."""
+"""``rollout.dtype=auto`` means the training compute dtype on every device, as its help says (issue 25); an explicit
+rollout dtype off it runs with ``rollout.allow_dtype_mismatch=true`` (issue 38)."""
 
 from __future__ import annotations
 
@@ -32,5 +33,12 @@ def test_auto_rollout_dtype_is_the_training_compute_dtype_on_cpu(engine: str, pa
 
 
 def test_an_explicit_rollout_dtype_is_kept_on_cpu() -> None:
-    (got,) = run_world(1, rollout_dtypes, ["actor.fsdp.param_dtype=float32", "rollout.dtype=bfloat16"])
+    # off the training compute dtype: refused at start (tests/config/test_config_startup_checks.py) unless
+    # the user opts in, as here
+    overrides = [
+        "actor.fsdp.param_dtype=float32",
+        "rollout.dtype=bfloat16",
+        "rollout.allow_dtype_mismatch=true",
+    ]
+    (got,) = run_world(1, rollout_dtypes, overrides)
     assert got == {"rollout": "torch.bfloat16", "compute": "torch.float32"}

@@ -4,10 +4,13 @@ the behaviour its help text documents or refused at start, naming the field and 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
 from hybridflow.config import Config, ConfigError, load_config, schema_index, validate_config
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 
 def _error(overrides: list[str]) -> ConfigError:
@@ -192,60 +195,98 @@ def test_file_lists_and_null_pass() -> None:
     assert cfg.data.train_files == ["/d/a.parquet"] and cfg.data.val_files is None
 
 
-# --- a rollout dtype other than the training compute dtype ---------------------------------------------
+# --- a rollout dtype other than the training compute dtype: refused unless opted in (issue 38) ----------
 
 
 @pytest.fixture
 def validate_warnings(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch):
-    """The validate module's warnings (the CLI's console logging stops propagation at 'hybridflow')."""
+    """The dtype check's warnings (the CLI's console logging stops propagation at 'hybridflow')."""
     monkeypatch.setattr(logging.getLogger("hybridflow"), "propagate", True)
 
     def messages(overrides: list[str]) -> list[str]:
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="hybridflow.config.validate"):
+        with caplog.at_level(logging.WARNING, logger="hybridflow.config.dtypes"):
             load_config(overrides=overrides)
-        return [r.getMessage() for r in caplog.records if r.name == "hybridflow.config.validate"]
+        return [r.getMessage() for r in caplog.records if r.name == "hybridflow.config.dtypes"]
 
     return messages
 
 
-@pytest.mark.parametrize(
-    ("overrides", "compute"),
-    [
-        (["rollout.dtype=float16"], "bfloat16 on GPU, float32 on CPU"),
-        (["rollout.dtype=fp16", "trainer.device=cuda"], "bfloat16 on GPU"),
-        (["rollout.dtype=float16", "actor.fsdp.param_dtype=bf16"], "bfloat16"),
-        (["rollout.dtype=bfloat16", "trainer.device=cpu"], "float32 on CPU"),
-    ],
-)
-def test_a_rollout_dtype_off_the_training_compute_dtype_warns_once(
-    validate_warnings, overrides: list[str], compute: str
+MISMATCHES = [
+    (["rollout.dtype=float16"], "auto", "bfloat16 on GPU, float32 on CPU"),
+    (["rollout.dtype=fp16", "trainer.device=cuda"], "auto", "bfloat16 on GPU"),
+    (["rollout.dtype=float16", "actor.fsdp.param_dtype=bf16"], "bf16", "bfloat16"),
+    (["rollout.dtype=bfloat16", "trainer.device=cpu"], "auto", "float32 on CPU"),
+    (["rollout.dtype=float32", "actor.fsdp.param_dtype=bfloat16"], "bfloat16", "bfloat16"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "param", "compute"), MISMATCHES)
+def test_a_rollout_dtype_off_the_training_compute_dtype_is_refused_naming_both_keys(
+    overrides: list[str], param: str, compute: str
 ) -> None:
-    (message,) = validate_warnings(overrides)
+    (problem,) = _error(overrides).problems
     rollout = overrides[0].split("=")[1]
-    param = next((o.split("=")[1] for o in overrides if o.startswith("actor.fsdp.param_dtype")), "auto")
-    assert message.startswith(
-        f"rollout.dtype={rollout} is not the training compute dtype "
-        f"(actor.fsdp.param_dtype={param}: {compute}): "
-        "the rollout log-probs will differ from the trainer's recomputation"
+    assert problem.path == "rollout.dtype"
+    assert problem.message.startswith(
+        f"{rollout} is not the training compute dtype (actor.fsdp.param_dtype={param}: {compute}): "
+        "the rollout's log-probs would differ from the trainer's recomputation"
     )
-    assert "rollout_corr/" in message and "importance weights" in message
-    assert message.endswith("leave rollout.dtype=auto to generate in the training compute dtype")
-    assert "\n" not in message
+    assert problem.fix == (
+        f"leave rollout.dtype=auto to generate in the training compute dtype, or set "
+        f"actor.fsdp.param_dtype={rollout}; rollout.allow_dtype_mismatch=true runs them apart"
+    )
+
+
+@pytest.mark.parametrize(("overrides", "param", "compute"), MISMATCHES)
+def test_the_opt_in_runs_a_mismatch_with_one_warning(
+    validate_warnings, overrides: list[str], param: str, compute: str
+) -> None:
+    (message,) = validate_warnings([*overrides, "rollout.allow_dtype_mismatch=true"])
+    rollout = overrides[0].split("=")[1]
+    assert message.startswith(f"rollout.dtype={rollout} is not the training compute dtype")
+    assert "importance weights" in message and "\n" not in message
+    assert message.endswith("(accepted: rollout.allow_dtype_mismatch=true)")
 
 
 @pytest.mark.parametrize(
     "overrides",
     [
-        [],  # auto: the training compute dtype
+        [],  # auto: the training compute dtype (float32 masters computing and generating in bf16 on GPU)
         ["rollout.dtype=bf16", "trainer.device=cuda"],
         ["rollout.dtype=float32", "trainer.device=cpu"],
         ["rollout.dtype=float16", "actor.fsdp.param_dtype=fp16"],
-        ["rollout.dtype=bfloat16"],  # trainer.device=auto: bfloat16 on GPU, which it matches
+        ["rollout.dtype=bfloat16"],  # trainer.device=auto: decided at start, once the device is known
+        ["rollout.dtype=auto", "actor.fsdp.param_dtype=float32", "actor.fsdp.master_dtype=float32"],
     ],
 )
 def test_a_rollout_in_the_training_compute_dtype_is_silent(validate_warnings, overrides: list[str]) -> None:
     assert validate_warnings(overrides) == []
+
+
+@pytest.mark.parametrize(("on_gpu", "refused"), [(False, True), (True, False)])
+def test_device_auto_is_decided_at_start(on_gpu: bool, refused: bool) -> None:
+    from hybridflow.config import check_start
+
+    cfg = load_config(overrides=["rollout.dtype=bfloat16"])  # auto: bfloat16 on GPU, float32 on CPU
+    if not refused:
+        check_start(cfg, {}, on_gpu)
+        return
+    with pytest.raises(ConfigError) as info:
+        check_start(cfg, {}, on_gpu)
+    assert str(info.value).startswith(
+        "rollout.dtype: bfloat16 is not the training compute dtype (actor.fsdp.param_dtype=auto: float32 on "
+        "CPU)"
+    )
+    assert "(trainer.device=auto computes on the CPU here)" in str(info.value)
+    opted_in = load_config(overrides=["rollout.dtype=bfloat16", "rollout.allow_dtype_mismatch=true"])
+    check_start(opted_in, {}, on_gpu)  # accepted, with the warning
+
+
+def test_the_opt_in_is_documented() -> None:
+    help_text = schema_index()[0]["rollout.allow_dtype_mismatch"].help
+    assert "rollout.dtype" in help_text and "training compute dtype" in help_text
+    assert "`rollout.allow_dtype_mismatch`" in DOC.read_text()
 
 
 def test_rollout_dtype_help_says_auto_is_the_training_compute_dtype() -> None:

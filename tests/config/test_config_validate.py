@@ -222,7 +222,7 @@ def test_batch_times_n_must_split_over_the_world() -> None:
         "actor.ppo_mini_batch_size=2",
     ]
     overrides.append("actor.ppo_micro_batch_size_per_gpu=1")
-    message = str(_error(overrides))
+    message = str(_error(overrides).problems[0])  # the second: 3 prompts are no whole mini-batches of 2
     assert message.startswith("data.train_batch_size: 3 prompts x rollout.n=1 = 3 samples do not split over")
     assert "fix: make data.train_batch_size * rollout.n a multiple of 2" in message
 

@@ -90,6 +90,7 @@ def cast_buffer_bytes(rank: int) -> dict:
 
     # bfloat16 generation from float32 masters: the engine works from cast copies of the weights.
     overrides = ["data.max_response_length=8", "rollout.dtype=bfloat16", "rollout.free_cache_engine=false"]
+    overrides.append("rollout.allow_dtype_mismatch=true")  # bf16 generation, float32 training on the CPU
     cfg = load_config(None, overrides)
     model = build_tiny_model("qwen2", vocab_size=64, hidden_size=64, num_hidden_layers=2, seed=5)
     plain = RolloutEngine(

@@ -1,0 +1,121 @@
+"""Keys judged by their last name wherever they appear, and keys refused with a pointer to the one to write.
+
+The HybridFlow write-ups and verl's configs use keys hybridflow has no field for: FP8 rollout
+(``rollout.quantization``, ``rollout.kv_cache_dtype``), expert parallelism (``*.expert_model_parallel_size``,
+``*.ep_size``), FSDP1's ``mixed_precision.buffer_dtype``, and ``algorithm.grpo_n``, which is nobody's key.
+Each is judged here only when it is not one of our own keys, verl's keys or a key inside a free-form mapping
+(``model.override_config.quantization_config`` stays the model's). A value that asks for what hybridflow does
+anyway (``quantization: null``, ``expert_model_parallel_size: 1``) is accepted with a notice; any other
+value is refused, saying what is not there yet and where it is planned.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridflow.config.aliases import IgnoredKey, Refusal
+
+_DTYPE_WORDS = {"float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half", "float"}
+FP8_ISSUE = "FP8 rollout is not supported yet (issue 45)"
+EP_ISSUE = "expert parallelism is not supported yet (issue 42)"
+
+
+def _is_fp8(value: Any) -> bool:
+    """fp8, fp8_e4m3, fp8_e5m2, e4m3fn, ... (vLLM's and SGLang's spellings)."""
+    text = str(value).lower()
+    return "fp8" in text or "e4m3" in text or "e5m2" in text
+
+
+def _is_dtype(value: Any) -> bool:
+    return str(value).lower() in _DTYPE_WORDS
+
+
+def _anything(value: Any) -> bool:
+    return True
+
+
+_ROLLOUT_DTYPE_FIX = "remove {key} (or set it to null): the rollout generates in rollout.dtype (auto: the "
+_ROLLOUT_DTYPE_FIX += "training compute dtype)"
+_FP8 = Refusal(_is_fp8, FP8_ISSUE, _ROLLOUT_DTYPE_FIX, "fp8, fp8_e4m3, fp8_e5m2, ...")
+
+# last name of a key -> how its values are judged
+BY_NAME: dict[str, IgnoredKey] = {
+    "quantization": IgnoredKey(
+        "the rollout generates from the trainer's own weights in rollout.dtype, unquantized",
+        (None, "none"),
+        refusals=(
+            _FP8,
+            Refusal(
+                _anything,
+                "a quantized rollout is not supported: the rollout reads the trainer's weights in "
+                "rollout.dtype",
+                _ROLLOUT_DTYPE_FIX,
+                "any other",
+            ),
+        ),
+    ),
+    "kv_cache_dtype": IgnoredKey(
+        "the rollout's KV cache is held in rollout.dtype",
+        (None, "auto"),
+        refusals=(
+            _FP8,
+            Refusal(
+                _is_dtype,
+                "the KV cache has no dtype of its own: it is held in rollout.dtype",
+                "remove {key} and set rollout.dtype={value} (the rollout's weights and KV cache together)",
+                "float32, bfloat16, float16, ...",
+            ),
+            Refusal(_anything, "the KV cache is held in rollout.dtype", _ROLLOUT_DTYPE_FIX, "any other"),
+        ),
+    ),
+    "buffer_dtype": IgnoredKey(
+        "FSDP2 casts parameters only: buffers (RoPE's inv_freq, ...) stay in float32, as loaded",
+        ("float32", "fp32"),
+        refusals=(
+            Refusal(
+                _anything,
+                "buffers stay in float32 (FSDP2, which hybridflow trains with, casts parameters only)",
+                "remove {key} (or set it to float32); the compute dtype is {role}.fsdp.param_dtype",
+                "any other",
+            ),
+        ),
+    ),
+    **{
+        name: IgnoredKey(
+            "no expert parallelism: each rank holds every expert of its layers",
+            (None, 1),
+            refusals=(Refusal(_anything, EP_ISSUE, "remove {key} (or set it to 1)", "any other"),),
+        )
+        for name in (
+            "expert_model_parallel_size",
+            "expert_tensor_parallel_size",
+            "expert_parallel_size",
+            "ep_size",
+        )
+    },
+}
+
+# last name of a key that is nobody's -> (what to write instead, '{value}' the value given; why)
+POINTERS: dict[str, tuple[str, str]] = {
+    "grpo_n": (  # algorithm.grpo_n
+        "set rollout.n={value} (verl: actor_rollout_ref.rollout.n)",
+        "GRPO's group size is the number of responses sampled per prompt, rollout.n",
+    ),
+}
+
+
+def judged_by_name(path: str) -> tuple[str, IgnoredKey] | None:
+    """``(last name, entry)`` when ``path``'s last name is judged by value here; else None."""
+    name = path.rsplit(".", 1)[-1]
+    entry = BY_NAME.get(name)
+    return None if entry is None else (name, entry)
+
+
+def pointer(path: str, value: Any) -> tuple[str, str] | None:
+    """``(why, fix)`` for a key that is nobody's but means one of ours; else None."""
+    found = POINTERS.get(path.rsplit(".", 1)[-1])
+    if found is None:
+        return None
+    fix, why = found
+    shown = "N" if value is None or isinstance(value, (dict, list)) else value
+    return why, fix.format(value=shown)

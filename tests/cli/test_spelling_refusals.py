@@ -1,0 +1,153 @@
+"""Issue 38 on the command line: verl's and the write-ups' spellings map or are refused naming the key to use,
+the settings that used to pass without a word are refused, and ``hybridflow plan`` checks its own numbers and
+takes overrides after its options. Every refusal is one ``error:`` line with exit status 2 (bad-input sweep)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import cli_cases
+import pytest
+import yaml
+from spelling_cases import MAPPED, REFUSED
+
+from hybridflow.cli.main import main
+from hybridflow.config import aliases
+
+SHAPE = ["--model-shape", "qwen2.5-0.5b"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Fresh once-per-process notices; main()'s stderr handler taken away afterwards."""
+    monkeypatch.setattr(aliases, "_noticed", set())
+    root = logging.getLogger("hybridflow")
+    handlers, level, propagate = list(root.handlers), root.level, root.propagate
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    root.propagate = propagate
+
+
+def error_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one ``error:`` line of ``hybridflow ARGV``, which must exit with status 2 and no traceback."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    (line,) = [line for line in captured.err.splitlines() if line.startswith("error: ")]
+    return line
+
+
+@cli_cases.sweep(lambda env, spelling, words, fix: (["config", "show", spelling], spelling.split("=")[0]))
+@pytest.mark.parametrize(("spelling", "words", "fix"), REFUSED, ids=[r[0] for r in REFUSED])
+def test_a_spelling_we_do_not_take_is_one_line_naming_the_key_to_use(
+    spelling: str, words: str, fix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = error_line(["config", "show", spelling], capsys)
+    key = spelling.split("=")[0]
+    assert line.startswith(f"error: {key}: ") and words in line and "; fix: " in line
+    assert fix in line.split("; fix: ", 1)[1]
+
+
+@pytest.mark.parametrize(("spelling", "extra", "ours", "value"), MAPPED[::3], ids=[m[0] for m in MAPPED[::3]])
+def test_a_mapped_spelling_shows_as_our_key(
+    spelling: str, extra: list[str], ours: str, value: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["config", "show", *extra, spelling]) == 0
+    captured = capsys.readouterr()
+    node = yaml.safe_load(captured.out)
+    for part in ours.split("."):
+        node = node[part]
+    assert node == value
+    assert f"'{spelling.split('=')[0]}' -> '{ours}'" in captured.err  # the one notice of the mapping
+
+
+# settings that ran without a word before issue 38: (config show arguments, the start of the error line)
+SILENT = [
+    (
+        ["rollout.dtype=float16", "actor.fsdp.param_dtype=bfloat16"],
+        "error: rollout.dtype: float16 is not the training compute dtype (actor.fsdp.param_dtype=bfloat16",
+    ),
+    (
+        ["data.train_batch_size=1025", "actor.ppo_mini_batch_size=16"],
+        "error: data.train_batch_size: 1025 prompts is not a whole number of mini-batches of "
+        "actor.ppo_mini_batch_size=16",
+    ),
+    (
+        ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=6"],
+        "error: data.train_batch_size: 16 prompts is not a whole number of mini-batches of "
+        "critic.ppo_mini_batch_size=6",
+    ),
+    (["actor.pipeline_parallel_size=2"], "error: actor.pipeline_parallel_size: 2 does not divide the 1 rank"),
+    (
+        ["critic.pipeline_parallel_size=2"],
+        "error: critic.pipeline_parallel_size: 2 does not divide the 1 rank",
+    ),
+    (["ref.pipeline_parallel_size=2"], "error: ref.pipeline_parallel_size: 2 does not divide the 1 rank"),
+]
+
+
+@cli_cases.sweep(cli_cases.config_show)
+@pytest.mark.parametrize(("args", "message"), SILENT)
+def test_what_ran_without_a_word_is_refused(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert error_line(["config", "show", *args], capsys).startswith(message)
+
+
+PLAN = [
+    (
+        ["--gpu-memory-gb", "0"],
+        "error: --gpu-memory-gb: expected the memory of one GPU in GB, a number greater",
+    ),
+    (["--gpu-memory-gb", "-80"], "error: --gpu-memory-gb: expected the memory of one GPU in GB"),
+    (["--gpu-memory-gb", "nan"], "error: --gpu-memory-gb: expected the memory of one GPU in GB"),
+    (["--gpu-memory-gb", "inf"], "error: --gpu-memory-gb: expected the memory of one GPU in GB"),
+    (["--gpu-memory-gb", "eighty"], "error: --gpu-memory-gb: expected the memory of one GPU in GB"),
+    (["--gpus", "0", "--gpu-memory-gb", "80"], "error: --gpus: must be at least 1, got 0"),
+    (["--gpus", "-8", "--gpu-memory-gb", "80"], "error: --gpus: must be at least 1, got -8"),
+    (["--gpus", "two", "--gpu-memory-gb", "80"], "error: --gpus: expected a whole number of GPUs, got 'two'"),
+    (
+        ["--gpus", "8", "--gpu-memory-gb", "80", "actor.pipeline_parallel_size=3"],
+        "error: actor.pipeline_parallel_size: 3 does not divide the 8 ranks",
+    ),
+]
+
+
+@cli_cases.sweep(lambda env, args, message: (["plan", *SHAPE, *args], message.removeprefix("error: ")))
+@pytest.mark.parametrize(("args", "message"), PLAN)
+def test_plan_refuses_a_bad_number_naming_the_option(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert error_line(["plan", *SHAPE, *args], capsys).startswith(message)
+
+
+def test_plan_names_gpus_in_the_problems_it_causes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", *SHAPE, "--gpus", "3", "--gpu-memory-gb", "80"]) == 2
+    err = capsys.readouterr().err
+    assert "(--gpus 3 sets trainer.nnodes=1, trainer.n_gpus_per_node=3)" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--gpus", "8", "rollout.tp_size=2", "--gpu-memory-gb", "80", *SHAPE],
+        ["rollout.tp_size=2", "--gpus", "8", *SHAPE, "--gpu-memory-gb", "80"],
+        ["--gpus", "8", "data.train_batch_size=64", "--gpu-memory-gb", "80", "rollout.tp_size=2", *SHAPE],
+    ],
+)
+def test_plan_takes_overrides_before_between_and_after_options(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "on 8 GPU(s) of 80 GB" in out
+    assert "kept from the config: rollout.tensor_model_parallel_size=2" in out  # the override after options
+
+
+def test_an_unknown_option_is_still_argparses_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["plan", *SHAPE, "data.train_batch_size=64", "--memory", "80", "rollout.n=4"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --memory 80" in capsys.readouterr().err

@@ -1,0 +1,75 @@
+"""The spellings of verl and the HybridFlow write-ups that issue 38 lists, and what each does here.
+
+Shared by tests/config/test_spellings.py (as overrides and as YAML) and tests/cli/test_spelling_refusals.py
+(the command line, in the bad-input sweep).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+A = "actor_rollout_ref"
+TWO = ["trainer.n_gpus_per_node=2"]  # a view of 2 ranks needs 2 ranks
+
+# (spelling=value, extra overrides, our key, its value): mapped onto hybridflow's keys
+MAPPED: list[tuple[str, list[str], str, Any]] = [
+    ("actor.fsdp_config.mixed_precision.param_dtype=bf16", [], "actor.fsdp.param_dtype", "bf16"),
+    ("actor.fsdp_config.mixed_precision.reduce_dtype=fp32", [], "actor.fsdp.reduce_dtype", "fp32"),
+    (f"{A}.actor.fsdp_config.mixed_precision.param_dtype=bf16", [], "actor.fsdp.param_dtype", "bf16"),
+    (f"{A}.actor.fsdp_config.mixed_precision.reduce_dtype=fp32", [], "actor.fsdp.reduce_dtype", "fp32"),
+    (f"{A}.ref.fsdp_config.mixed_precision.param_dtype=bf16", [], "ref.fsdp.param_dtype", "bf16"),
+    ("critic.model.fsdp_config.mixed_precision.param_dtype=bf16", [], "critic.fsdp.param_dtype", "bf16"),
+    ("critic.model.fsdp_config.mixed_precision.reduce_dtype=fp32", [], "critic.fsdp.reduce_dtype", "fp32"),
+    ("actor.fsdp_config.param_offload=true", [], "actor.fsdp.param_offload", True),
+    ("rollout.tp_size=2", TWO, "rollout.tensor_model_parallel_size", 2),
+    (f"{A}.rollout.tp_size=2", TWO, "rollout.tensor_model_parallel_size", 2),
+    ("megatron.tp_size=2", TWO, "actor.tensor_parallel_size", 2),
+    ("megatron.pp_size=2", TWO, "actor.pipeline_parallel_size", 2),
+    ("actor.megatron.tp_size=2", TWO, "actor.tensor_parallel_size", 2),
+    ("actor.megatron.pp_size=2", TWO, "actor.pipeline_parallel_size", 2),
+    (f"{A}.actor.megatron.tp_size=2", TWO, "actor.tensor_parallel_size", 2),
+    (f"{A}.actor.megatron.pp_size=2", TWO, "actor.pipeline_parallel_size", 2),
+    ("critic.megatron.tp_size=2", TWO, "critic.tensor_parallel_size", 2),
+    (f"{A}.ref.megatron.pp_size=2", TWO, "ref.pipeline_parallel_size", 2),
+]
+
+# (spelling=value): accepted, changing nothing, with one notice (the value asks for what hybridflow does)
+NO_OPS = [
+    "actor.fsdp_config.mixed_precision.buffer_dtype=fp32",
+    f"{A}.actor.fsdp_config.mixed_precision.buffer_dtype=float32",
+    "rollout.quantization=null",
+    f"{A}.rollout.kv_cache_dtype=auto",
+    f"{A}.actor.megatron.expert_model_parallel_size=1",
+    "megatron.ep_size=1",
+]
+
+FP8 = "FP8 rollout is not supported yet (issue 45)"
+EP = "expert parallelism is not supported yet (issue 42)"
+# (spelling=value, words of the message, words of the fix: the key to use)
+REFUSED: list[tuple[str, str, str]] = [
+    (
+        "algorithm.grpo_n=8",
+        "GRPO's group size is the number of responses sampled per prompt",
+        "set rollout.n=8",
+    ),
+    (
+        "actor.fsdp_config.mixed_precision.buffer_dtype=bf16",
+        "buffers stay in float32",
+        "actor.fsdp.param_dtype",
+    ),
+    (f"{A}.actor.fsdp_config.mixed_precision.buffer_dtype=fp16", "FSDP2", "actor.fsdp.param_dtype"),
+    ("critic.model.fsdp_config.mixed_precision.buffer_dtype=bf16", "FSDP2", "critic.fsdp.param_dtype"),
+    (f"{A}.ref.fsdp_config.mixed_precision.buffer_dtype=bf16", "FSDP2", "ref.fsdp.param_dtype"),
+    ("megatron.ep_size=2", EP, "remove megatron.ep_size (or set it to 1)"),
+    ("actor.megatron.ep_size=4", EP, "(or set it to 1)"),
+    (f"{A}.actor.megatron.ep_size=2", EP, "(or set it to 1)"),
+    (f"{A}.actor.megatron.expert_model_parallel_size=8", EP, "(or set it to 1)"),
+    ("expert_model_parallel_size=2", EP, "remove expert_model_parallel_size (or set it to 1)"),
+    ("critic.megatron.expert_model_parallel_size=2", EP, "(or set it to 1)"),
+    ("rollout.quantization=fp8", FP8, "the rollout generates in rollout.dtype"),
+    (f"{A}.rollout.quantization=fp8", FP8, "rollout.dtype"),
+    ("rollout.kv_cache_dtype=fp8", FP8, "rollout.dtype"),
+    (f"{A}.rollout.kv_cache_dtype=fp8_e4m3", FP8, "rollout.dtype"),
+    ("rollout.kv_cache_dtype=bfloat16", "it is held in rollout.dtype", "set rollout.dtype=bfloat16"),
+    ("rollout.quantization=awq", "a quantized rollout is not supported", "rollout.dtype"),
+]
