@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from hybridflow.checkpoint import complete_checkpoints
 from hybridflow.config import Config
 from hybridflow.utils.errors import UserError
@@ -55,12 +57,26 @@ def new_run_name(root: Path, label: str, now: float | None = None) -> str:
     return name
 
 
-def latest_run(root: Path, label: str) -> Path | None:
-    """The newest run directory of the model ``label`` under ``root`` that holds a complete checkpoint."""
+def _model_of(run: Path) -> str | None:
+    """The ``model.path`` a run trained (its config.yaml), resolved; None when unreadable."""
+    try:
+        saved = yaml.safe_load((run / "config.yaml").read_text())
+        return str(Path(saved["model"]["path"]).expanduser().resolve())
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return None
+
+
+def latest_run(root: Path, model_path: str) -> Path | None:
+    """The newest run directory of the model at ``model_path`` under ``root`` holding a complete checkpoint.
+
+    Runs are told apart by the model they trained (config.yaml's ``model.path``), not only by the name: two
+    models in directories of the same name have runs of the same prefix.
+    """
     if not root.is_dir():
         return None
-    pattern = _pattern(label)
-    runs = [p for p in root.iterdir() if p.is_dir() and pattern.match(p.name)]
+    pattern = _pattern(model_label(model_path))
+    model = str(Path(model_path).expanduser().resolve())
+    runs = [p for p in root.iterdir() if p.is_dir() and pattern.match(p.name) and _model_of(p) == model]
     stamp = re.compile(r"-(\d{8}-\d{6})(?:-(\d+))?$")
 
     def order(p: Path) -> tuple[str, int]:
@@ -99,7 +115,7 @@ def run_dir_settings(cfg: Config, is_set: Callable[[str], bool], resume: Resume)
                 "drop resume_from_checkpoint to start there afresh, or name a checkpoint to resume from"
             )
     elif resume is True:
-        run = latest_run(root, label)
+        run = latest_run(root, cfg.model.path)
         if run is None:
             raise UserError(
                 f"resume_from_checkpoint=True: no run of {label} under {root}/ holds a checkpoint; name the "
