@@ -15,8 +15,7 @@ import hybridflow
 from hybridflow.models import build_tiny_model_and_tokenizer
 from hybridflow.utils.errors import UserError
 
-# The write-ups' batch keywords: 2 x 4 = 8 samples per optimizer step, one prompt of 8 responses, so two
-# or more prompts make several mini-batches (issue 38: that update found no old log-probs).
+# The write-ups' batch keywords: 2 x 4 = 8 samples per optimizer step.
 SNIPPET = dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, learning_rate=1e-6)
 SHORT = "data.max_response_length=6"
 
@@ -41,28 +40,30 @@ def test_any_number_of_prompts_with_a_critic_and_no_reward_function(
         actor_model=str(model_dir),
         critic_model=str(model_dir),
         ref_model=True,
-        overrides=[SHORT, f"trainer.default_local_dir={run}"],
-        **SNIPPET,
+        num_generations=2,  # 2 samples per optimizer step: one prompt per mini-batch
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        overrides=[SHORT, "critic.ppo_micro_batch_size_per_gpu=2", f"trainer.default_local_dir={run}"],
     ) as trainer:
         # one prompt; two (an update of two mini-batches: its old log-probs are computed); three strings
         responses = trainer.generate(rows[:1])
-        assert len(responses) == 8 and responses.prompt_index == [0] * 8
+        assert len(responses) == 2 and responses.prompt_index == [0, 0]
         rewards = trainer.critic_score(responses)  # no reward_fn: gsm8k rows get the built-in scorer
-        assert rewards.values is not None and len(rewards.scores) == 8
+        assert rewards.values is not None and len(rewards.scores) == 2
         metrics = trainer.update_actor(responses, rewards)
         assert {"critic/vf_loss", "actor/pg_loss"} <= metrics.keys()
 
         responses = trainer.generate(rows[1:3])
-        assert responses.prompt_index == [0] * 8 + [1] * 8
-        scores = [float(i % 3 == 0) for i in range(16)]
+        assert responses.prompt_index == [0, 0, 1, 1]
+        scores = [1.0, 0.0, 0.0, 1.0]
         metrics = trainer.update_actor(responses, scores)  # the caller's own scores
         assert "timing_s/old_log_prob" in metrics and math.isfinite(metrics["actor/pg_loss"])
-        assert metrics["critic/score/mean"] == pytest.approx(sum(scores) / 16)
+        assert metrics["critic/score/mean"] == pytest.approx(0.5)
 
         prompts = [row["prompt"][0]["content"] for row in rows[3:6]]  # plain strings
         responses = trainer.generate(prompts)
         metrics = trainer.update_actor(responses, lambda text: float(len(text) % 2))  # a reward function
-        assert len(responses) == 24 and math.isfinite(metrics["critic/vf_loss"])
+        assert len(responses) == 6 and math.isfinite(metrics["critic/vf_loss"])
         assert trainer.global_step == 3
     assert _steps(run) == [1, 2, 3]
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Step ")]
@@ -113,6 +114,16 @@ def test_refusals_of_the_step_wise_loop(model_dir: Path, tmp_path: Path, caplog)
         trainer.update_actor(third, [0.0, 1.0, 1.0, 0.0])
         with pytest.raises(UserError, match=r"max_steps=3 reached"):
             trainer.update_actor(trainer.generate(prompts[:1]), [0.0, 1.0])
+        assert trainer.save().name == "global_step_3"
     assert _steps(run) == [1, 2, 3]  # each step once
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Step ")]
     assert lines[-1].startswith("Step 3/3 |"), lines
+    # The same directory again: the run resumes from its checkpoint and goes on to step 4.
+    with hybridflow.Trainer(
+        actor_model=str(model_dir),
+        max_steps=4,
+        overrides=[SHORT, "rollout.n=2", f"trainer.default_local_dir={run}"],
+    ) as trainer:
+        assert trainer.global_step == 3
+        trainer.update_actor(trainer.generate(prompts[:1]), [0.0, 1.0])
+    assert _steps(run) == [1, 2, 3, 4]
