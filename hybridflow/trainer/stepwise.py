@@ -131,13 +131,23 @@ class Trainer:
         else:
             model, self.tokenizer = load_policy(self.cfg)
         self.components = build_components(self.cfg, model, self.tokenizer, self.reward, step_wise=True)
-        self.loop = PPOTrainer(self.cfg, self.components)  # its stages and state; no prompt sampler
+        try:
+            self._start()
+        except BaseException:
+            self.components.close()  # the workers (Ray actors too) do not outlive a failed construction
+            raise
+        self.last_metrics: dict[str, float] = {}
+        self._scorers: dict[int, tuple[Callable, Scorer]] = {}
+
+    def _start(self) -> None:
+        """The loop's stages and state (resumed when the run directory holds a checkpoint), and the tracker."""
+        self.loop = PPOTrainer(self.cfg, self.components)  # no prompt sampler: the caller brings the prompts
         start = self.loop.resume()
         self._updates = self._rollouts = start
-        run_dir = ensure_writable_dir(self.cfg.trainer.run_dir(), "the run directory (output_dir=)")
-        save_config(self.cfg, run_dir / "config.yaml")
+        self.run_dir = ensure_writable_dir(self.cfg.trainer.run_dir(), "the run directory (output_dir=)")
+        save_config(self.cfg, self.run_dir / "config.yaml")
         self.tracker = Tracker(
-            run_dir,
+            self.run_dir,
             self.cfg.trainer.total_training_steps,
             loggers=self.cfg.trainer.logger,
             resume_step=start if start > 0 else None,
@@ -145,9 +155,6 @@ class Trainer:
             **run_names(self.cfg),
         )
         self.loop.tracker = self.tracker  # a checkpoint makes the metrics written so far durable first
-        self.run_dir = run_dir
-        self.last_metrics: dict[str, float] = {}
-        self._scorers: dict[int, tuple[Callable, Scorer]] = {}
 
     @property
     def global_step(self) -> int:
