@@ -185,22 +185,10 @@ def _handles(
     return actor, ref, critic
 
 
-def build_components(
-    cfg: Config,
-    model: torch.nn.Module | None = None,
-    tokenizer: Any = None,
-    reward_fn: Any = None,
-    train: RLDataset | None = None,
-    val: RLDataset | None = None,
-) -> Components:
-    """Workers, datasets and scorer for ``cfg`` (a model/tokenizer/datasets given here take precedence).
-
-    With ``trainer.backend=ray`` each rank loads the policy from ``model.path``; the driver loads only the
-    tokenizer.
-    """
-    model, tokenizer = _policy(cfg, model, tokenizer)
-    check_rollout_view(cfg, model)
-    warn_position_limit(cfg, model)
+def _datasets(
+    cfg: Config, tokenizer: Any, reward_fn: Any, train: RLDataset | None, val: RLDataset | None
+) -> tuple[RLDataset, RLDataset | None]:
+    """The given datasets, else the configured files', else the built-in task's; data sources checked."""
     built_in = train is None and cfg.data.train_files is None  # the built-in task supplies both splits
     train = train or build_rl_dataset(cfg.data, tokenizer, "train", cfg.trainer.seed)
     if val is None and (cfg.data.val_files or built_in):
@@ -208,7 +196,38 @@ def build_components(
     for ds in (train, val):
         if ds is not None:
             check_data_sources(ds, cfg, reward_fn)
-    steps = total_training_steps(cfg, len(train))
+    return train, val
+
+
+def build_components(
+    cfg: Config,
+    model: torch.nn.Module | None = None,
+    tokenizer: Any = None,
+    reward_fn: Any = None,
+    train: RLDataset | None = None,
+    val: RLDataset | None = None,
+    *,
+    step_wise: bool = False,
+) -> Components:
+    """Workers, datasets and scorer for ``cfg`` (a model/tokenizer/datasets given here take precedence).
+
+    With ``trainer.backend=ray`` each rank loads the policy from ``model.path``; the driver loads only the
+    tokenizer. ``step_wise``: no datasets (the step-wise API's caller brings the prompts of each step), and
+    ``trainer.total_training_steps`` (else 1, for a schedule that does not depend on it) for the schedulers.
+    """
+    model, tokenizer = _policy(cfg, model, tokenizer)
+    check_rollout_view(cfg, model)
+    warn_position_limit(cfg, model)
+    if step_wise:
+        train = val = None
+        steps = cfg.trainer.total_training_steps or 1
+        data = "prompts from the caller's loop (step-wise Trainer), " + (
+            f"{steps} steps" if cfg.trainer.total_training_steps else "no step limit"
+        )
+    else:
+        train, val = _datasets(cfg, tokenizer, reward_fn, train, val)
+        steps = total_training_steps(cfg, len(train))
+        data = f"{len(train)} prompts from {train.source}, {steps} steps"
     groups = _groups(cfg, model, tokenizer, steps)
     eos = groups[0].run_all("stop_tokens")[0]
     actor, ref, critic = _handles(cfg, groups, pad_id_of(tokenizer))
@@ -216,10 +235,8 @@ def build_components(
     rm = RewardModelWorker(cfg, vocab) if cfg.reward.model.enable else None
     scorer = Scorer(build_reward_manager(cfg, reward_fn), tokenizer, cfg, rm)
     logger.info(
-        "run: %d prompts (%s), %d steps, %s backend, %d rank(s): %s",
-        len(train),
-        "built-in task" if cfg.data.train_files is None else "files",
-        steps,
+        "run: %s, %s backend, %d rank(s): %s",
+        data,
         cfg.trainer.backend,
         cfg.trainer.world_size,
         " + ".join(name for name, h in (("actor", actor), ("reference", ref), ("critic", critic)) if h),

@@ -46,7 +46,7 @@ def trainer_state(trainer: Any) -> dict[str, Any]:
     """The driver's state that a resumed run needs to continue exactly (the ranks add their engines')."""
     return {
         "global_step": trainer.global_step,
-        "sampler": trainer.sampler.state_dict(),
+        "sampler": trainer.sampler.state_dict() if trainer.sampler is not None else None,  # step-wise: none
         "kl_ctrl": trainer.kl_ctrl.state_dict() if trainer.kl_ctrl is not None else None,
     }
 
@@ -54,7 +54,8 @@ def trainer_state(trainer: Any) -> dict[str, Any]:
 def restore_trainer_state(trainer: Any, state: dict[str, Any]) -> None:
     """Put back what ``trainer_state`` saved."""
     trainer.global_step = int(state["global_step"])
-    trainer.sampler.load_state_dict(state["sampler"])
+    if trainer.sampler is not None and state.get("sampler") is not None:  # the step-wise API saves none
+        trainer.sampler.load_state_dict(state["sampler"])
     if trainer.kl_ctrl is not None and state.get("kl_ctrl") is not None:
         trainer.kl_ctrl.load_state_dict(state["kl_ctrl"])
 

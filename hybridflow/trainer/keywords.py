@@ -3,22 +3,27 @@
 | keyword | config key |
 |---|---|
 | ``model_name`` | ``model.path`` |
-| ``algorithm`` | ``algorithm.adv_estimator`` |
+| ``algorithm`` | ``algorithm.adv_estimator`` (``grpo`` unless the config sets it) |
 | ``max_steps`` | ``trainer.total_training_steps`` |
 | ``learning_rate`` | ``actor.optim.lr`` |
 | ``num_generations`` | ``rollout.n`` |
 | ``per_device_train_batch_size`` | ``actor.ppo_micro_batch_size_per_gpu`` (samples per GPU per forward/backward) |
 | ``gradient_accumulation_steps`` | ``actor.ppo_mini_batch_size`` = per_device x steps x GPUs / num_generations prompts (one optimizer step), and ``data.train_batch_size`` the same unless set |
-| ``use_3d_hybrid`` | ``actor.hybrid_engine`` |
+| ``max_prompt_length`` | ``data.max_prompt_length`` |
+| ``max_completion_length`` | ``data.max_response_length`` |
+| ``output_dir`` | ``trainer.default_local_dir`` (the run directory) |
+| ``use_3d_hybrid`` | ``actor.hybrid_engine`` (true unless the config sets it) |
 
-A keyword and an override (``overrides=["actor.optim.lr=1e-5"]``, verl's spelling included) that set the same
-key to different values are refused, naming both.
+A keyword and an override (``overrides=["actor.optim.lr=1e-5"]``, verl's spelling included) or a key of the
+``config=`` file or dict that set the same key to different values are refused, naming both. A keyword that
+is none of these is refused, naming the closest one.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from hybridflow.config import Config, parse_overrides
@@ -33,10 +38,29 @@ DIRECT = {
     "learning_rate": "actor.optim.lr",
     "num_generations": "rollout.n",
     "per_device_train_batch_size": "actor.ppo_micro_batch_size_per_gpu",
+    "max_prompt_length": "data.max_prompt_length",
+    "max_completion_length": "data.max_response_length",
+    "output_dir": "trainer.default_local_dir",
     "use_3d_hybrid": "actor.hybrid_engine",
 }
+KEYWORDS = (*DIRECT, "gradient_accumulation_steps")
+# The notebook API's own defaults, used where neither a keyword nor the config sets the key.
+DEFAULTS = {"algorithm.adv_estimator": "grpo", "actor.hybrid_engine": True}
 MINI_BATCH = "actor.ppo_mini_batch_size"
 TRAIN_BATCH = "data.train_batch_size"
+
+
+def check_keywords(given: Collection[str], accepted: Collection[str], who: str) -> None:
+    """Refuse a keyword ``who`` does not take, naming the closest one it does (``learning_rat``)."""
+    for name in given:
+        if name in accepted:
+            continue
+        close = difflib.get_close_matches(name, list(accepted), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}=?" if close else f"the keywords are {', '.join(sorted(accepted))}"
+        raise UserError(
+            f"{who} got an unknown keyword {name}=; {hint} (any config key goes through "
+            'overrides=["section.key=value"])'
+        )
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -54,16 +78,24 @@ def given_overrides(overrides: list[str]) -> dict[str, Any]:
     return {resolve_alias(key)[0]: value for key, value in parse_overrides(overrides)}
 
 
+def file_values(file: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Our config path -> value of every leaf a YAML config (or dict) sets, verl's spellings resolved."""
+    out: dict[str, Any] = {}
+    for key, value in file.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(file_values(value, path + "."))
+        else:
+            out[resolve_alias(path)[0]] = value
+    return out
+
+
 def _value(path: str, chosen: Mapping[str, Any], given: Mapping[str, Any], file: Mapping[str, Any]) -> Any:
     """A key's value as the run will see it: an override, a keyword, the config file, else the default."""
-    if path in given:
-        return given[path]
-    if path in chosen:
-        return chosen[path]
-    node: Any = file
-    for part in path.split("."):
-        node = node.get(part) if isinstance(node, Mapping) else None
-    return node if node is not None else get_path(Config(), path)
+    for source in (given, chosen, file):
+        if path in source:
+            return source[path]
+    return get_path(Config(), path)
 
 
 def _mini_batch(keywords: Mapping[str, Any], chosen: dict, given: Mapping, file: Mapping) -> int:
@@ -84,12 +116,23 @@ def _mini_batch(keywords: Mapping[str, Any], chosen: dict, given: Mapping, file:
     return samples // n
 
 
+def keyword_paths(keywords: Mapping[str, Any]) -> set[str]:
+    """The config keys the given keywords (those not None) set."""
+    paths = {DIRECT[k] for k, v in keywords.items() if k in DIRECT and v is not None}
+    return paths | ({MINI_BATCH} if keywords.get("gradient_accumulation_steps") is not None else set())
+
+
 def keyword_overrides(
-    keywords: Mapping[str, Any], overrides: list[str], file: Mapping[str, Any] | None = None
+    keywords: Mapping[str, Any],
+    overrides: list[str],
+    file: Mapping[str, Any] | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """The ``key=value`` overrides the keywords stand for (to go before the user's own overrides).
 
-    Raises UserError when a keyword and an override set one key to different values.
+    ``file`` is the config file's (or dict's) values by our path (``file_values``). Raises UserError when a
+    keyword and an override, or a keyword and the file, set one key to different values. ``defaults``
+    (``DEFAULTS`` when None) are added for the keys that neither the keywords nor the config set.
     """
     given = given_overrides(overrides)
     file = file or {}
@@ -101,14 +144,18 @@ def keyword_overrides(
         origin[MINI_BATCH] = (
             f"gradient_accumulation_steps={keywords['gradient_accumulation_steps']!r} (= {mini} prompts)"
         )
-        if TRAIN_BATCH not in given and TRAIN_BATCH not in (file.get("data") or {}):
+        if TRAIN_BATCH not in given and TRAIN_BATCH not in file:
             chosen[TRAIN_BATCH] = mini  # one optimizer step per step, as TRL's default
     for path, value in chosen.items():
-        if path in given and not _same(given[path], value):
-            raise UserError(
-                f"{origin.get(path, path)} sets {path}={value!r}, but overrides set {path}={given[path]!r}; "
-                "drop one of the two"
-            )
+        for where, values in (("overrides set", given), ("the config (config=) sets", file)):
+            if path in values and not _same(values[path], value):
+                raise UserError(
+                    f"{origin.get(path, path)} sets {path}={value!r}, but {where} {path}={values[path]!r}; "
+                    "drop one of the two"
+                )
+    for path, value in (DEFAULTS if defaults is None else defaults).items():
+        if path not in chosen and path not in given and path not in file:
+            chosen[path] = value
     return [f"{path}={_literal(value)}" for path, value in chosen.items()]
 
 

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from hybridflow.protocol import Batch
 from hybridflow.utils.device import cuda_in_use
+
+logger = logging.getLogger(__name__)
+
+CLIP_KEY = "response_length/clip_ratio"
 
 
 def _stats(name: str, values: torch.Tensor) -> dict[str, float]:
@@ -42,6 +48,35 @@ def compute_data_metrics(batch: Batch, max_response_length: int) -> dict[str, fl
         metrics["critic/acc/mean"] = float(torch.as_tensor(list(batch["acc"]), dtype=torch.float32).mean())
     metrics["response_length/empty_ratio"] = float((~valid).float().mean())
     return metrics
+
+
+class ClipWatch:
+    """Says once, when most responses of the run so far stopped at ``data.max_response_length``, that the
+    answers are cut off (the mean of ``response_length/clip_ratio`` over the steps above one half)."""
+
+    def __init__(self, max_response_length: int) -> None:
+        self.max_response_length = max_response_length
+        self.total = 0.0
+        self.steps = 0
+        self.said = False
+
+    def update(self, metrics: dict[str, float]) -> None:
+        """Count one step's clip ratio; warn the first time the run's mean is above one half."""
+        if CLIP_KEY not in metrics:
+            return
+        self.total += metrics[CLIP_KEY]
+        self.steps += 1
+        mean = self.total / self.steps
+        if mean > 0.5 and not self.said:
+            self.said = True
+            logger.warning(
+                "%.0f%% of the responses of %d step(s) so far stopped at data.max_response_length=%d tokens "
+                "(response_length/clip_ratio): most answers are cut off; raise data.max_response_length "
+                "(max_completion_length= in the Python API)",
+                100 * mean,
+                self.steps,
+                self.max_response_length,
+            )
 
 
 def throughput_metrics(batch: Batch, step_time: float, num_devices: int) -> dict[str, float]:

@@ -27,6 +27,7 @@ from hybridflow.trainer.dataflow import Dataflow, Stage
 from hybridflow.trainer.dumps import rollout_records, write_jsonl
 from hybridflow.trainer.loop import TrainingLoop
 from hybridflow.trainer.metrics import (
+    ClipWatch,
     add_reshard_stats,
     add_rollout_stats,
     compute_data_metrics,
@@ -43,8 +44,11 @@ PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 SEQ_KEYS = (*PROMPT_KEYS, "responses")  # what every pass over (prompt + response) reads
 
 
-def old_log_prob_source(cfg: Config) -> str:
+def old_log_prob_source(cfg: Config, prompts: int | None = None) -> str:
     """Where the update's ``old_log_probs`` come from: "recompute", "rollout" or "update".
+
+    ``prompts`` is the batch's size in prompts (``data.train_batch_size`` when None; the step-wise API's
+    batches are the caller's).
 
     "recompute" is verl's default, a forward pass before the update. "rollout" is verl's bypass mode
     (``rollout_correction.bypass_old_logprob_for_rollout``): the rollout's own log-probs stand in. "update":
@@ -56,9 +60,22 @@ def old_log_prob_source(cfg: Config) -> str:
     a, rc = cfg.algorithm, cfg.algorithm.rollout_correction
     if rc.bypass_old_logprob_for_rollout:
         return "rollout"
-    on_policy = cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size >= cfg.data.train_batch_size
+    batch = cfg.data.train_batch_size if prompts is None else prompts
+    on_policy = cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size >= batch
     read_before_update = a.use_kl_in_reward or rc.rollout_is is not None or rc.rollout_rs is not None
     return "update" if on_policy and not read_before_update else "recompute"
+
+
+def score_batch(scorer: Any, batch: Batch, metrics: dict[str, float]) -> Batch:
+    """The reward stage's output: each sample's score on its last response token, ``acc``, and the reward
+    function's extras as ``reward_extra/{key}/mean`` metrics."""
+    scores, extra = scorer.score(batch)  # (B,), per-sample extras
+    out = Batch({"token_level_scores": place_on_last_token(scores, batch["response_mask"])})
+    out["acc"] = np.asarray(extra.get("acc", (scores > 0).float().tolist()), dtype=object)
+    for key, values in extra.items():
+        if key != "acc":
+            metrics[f"reward_extra/{key}/mean"] = float(np.mean(values)) if len(values) else 0.0
+    return out
 
 
 class PPOTrainer(TrainingLoop):
@@ -69,14 +86,33 @@ class PPOTrainer(TrainingLoop):
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         # With dynamic sampling a round draws data.gen_batch_size prompts (verl's oversampling), else one batch.
         per_round = cfg.data.gen_batch_size if cfg.algorithm.filter_groups.enable else None
-        self.sampler = PromptSampler(
-            len(components.train),
-            per_round or cfg.data.train_batch_size,
-            cfg.trainer.seed,
-            shuffle=cfg.data.shuffle,
+        # No training set: the step-wise API, whose caller brings the prompts of every step.
+        self.sampler = (
+            PromptSampler(
+                len(components.train),
+                per_round or cfg.data.train_batch_size,
+                cfg.trainer.seed,
+                shuffle=cfg.data.shuffle,
+            )
+            if components.train is not None
+            else None
         )
-        self.dataflow = Dataflow(
-            self._stages(),
+        self.old_source = old_log_prob_source(cfg)
+        self.dataflow = self._dataflow(self.old_source)
+        self._dataflows = {self.old_source: self.dataflow}
+        self.clip_watch = ClipWatch(cfg.data.max_response_length)
+
+    def dataflow_for(self, prompts: int) -> Dataflow:
+        """The step's dataflow for a batch of ``prompts`` prompts: whether the update needs a separate
+        old-log-prob pass depends on how many mini-batches the batch makes."""
+        source = old_log_prob_source(self.cfg, prompts)
+        if source not in self._dataflows:
+            self._dataflows[source] = self._dataflow(source)
+        return self._dataflows[source]
+
+    def _dataflow(self, old_source: str) -> Dataflow:
+        return Dataflow(
+            self._stages(old_source),
             inputs=(*PROMPT_KEYS, "data_source", "ground_truth", "extra_info"),
             keep=(
                 "token_level_scores",
@@ -91,10 +127,9 @@ class PPOTrainer(TrainingLoop):
         )
 
     # ----- the recipe -------------------------------------------------------------------------------------
-    def _stages(self) -> list[Stage]:
+    def _stages(self, old_source: str) -> list[Stage]:
         cfg = self.cfg
         scores = ("token_level_scores", "acc")
-        self.old_source = old_log_prob_source(cfg)
         stages = [
             Stage(
                 "gen",
@@ -112,10 +147,10 @@ class PPOTrainer(TrainingLoop):
                 background=cfg.reward.launch_async and cfg.algorithm.adv_estimator != "remax",
             ),
         ]
-        if self.old_source == "recompute":
+        if old_source == "recompute":
             reads = ("input_ids", "responses")
             stages.append(Stage("old_log_prob", reads, ("old_log_probs", "entropys"), self._old_log_prob))
-        elif self.old_source == "rollout":
+        elif old_source == "rollout":
             stages.append(Stage("old_log_prob", ("rollout_log_probs",), ("old_log_probs",), self._bypass))
         if cfg.trainer.rollout_data_dir:
             reads = (*SEQ_KEYS, "response_mask", "token_level_scores", "uid", "data_source", "ground_truth")
@@ -128,7 +163,7 @@ class PPOTrainer(TrainingLoop):
         if self.c.critic is not None:
             stages.append(Stage("values", SEQ_KEYS, ("values",), self._values))
         adv_reads = ["token_level_scores", "response_mask", "uid", "rollout_log_probs"]
-        adv_reads += ["old_log_probs"] if self.old_source != "update" else []
+        adv_reads += ["old_log_probs"] if old_source != "update" else []
         adv_reads += ["ref_log_prob"] if cfg.algorithm.use_kl_in_reward else []
         adv_reads += ["values"] if self.c.critic is not None else []
         adv_reads += ["reward_baselines"] if cfg.algorithm.adv_estimator == "remax" else []
@@ -145,7 +180,7 @@ class PPOTrainer(TrainingLoop):
                 )
             )
         actor_reads = [*SEQ_KEYS, "advantages", "response_mask"]
-        actor_reads += ["old_log_probs"] if self.old_source != "update" else ["rollout_log_probs"]
+        actor_reads += ["old_log_probs"] if old_source != "update" else ["rollout_log_probs"]
         actor_reads += ["ref_log_prob"] if cfg.actor.use_kl_loss else []
         stages.append(Stage("update_actor", tuple(actor_reads), (), self._update_actor))
         return stages
@@ -163,6 +198,7 @@ class PPOTrainer(TrainingLoop):
         metrics.update(compute_data_metrics(batch, self.cfg.data.max_response_length))
         metrics.update(throughput_metrics(batch, elapsed, self.cfg.trainer.world_size))
         metrics.update(step_peak_memory(memory))
+        self.clip_watch.update(metrics)
         return metrics
 
     # ----- stages -----------------------------------------------------------------------------------------
@@ -236,13 +272,7 @@ class PPOTrainer(TrainingLoop):
     def _reward(self, batch: Batch, metrics: dict[str, float]) -> Batch | None:
         if "token_level_scores" in batch:
             return None  # dynamic sampling scored the samples already
-        scores, extra = self.c.scorer.score(batch)  # (B,), per-sample extras
-        out = Batch({"token_level_scores": place_on_last_token(scores, batch["response_mask"])})
-        out["acc"] = np.asarray(extra.get("acc", (scores > 0).float().tolist()), dtype=object)
-        for key, values in extra.items():
-            if key != "acc":
-                metrics[f"reward_extra/{key}/mean"] = float(np.mean(values)) if len(values) else 0.0
-        return out
+        return score_batch(self.c.scorer, batch, metrics)
 
     def _dump_rollout(self, batch: Batch, metrics: dict[str, float]) -> None:
         if self.rank == 0:

@@ -80,9 +80,12 @@ def validation_accuracy(metrics: Mapping[str, float]) -> dict[str, float]:
     return {source: float(v) for source, (_, v) in best.items()}
 
 
-def format_step_line(step: int, total_steps: int, metrics: Mapping[str, float]) -> str:
-    """The console line, e.g. ``Step 3/100 | Loss: 0.012 | Reward: 0.72 | Time: 0.58s | Val acc: 0.45``."""
-    parts = [f"Step {step}/{total_steps}"]
+def format_step_line(step: int, total_steps: int | None, metrics: Mapping[str, float]) -> str:
+    """The console line, e.g. ``Step 3/100 | Loss: 0.012 | Reward: 0.72 | Time: 0.58s | Val acc: 0.45``.
+
+    ``total_steps=None`` (a loop of the caller's with no step limit) shows the step alone: ``Step 3 | ...``.
+    """
+    parts = [f"Step {step}" if total_steps is None else f"Step {step}/{total_steps}"]
     for label, key, fmt in CONSOLE_FIELDS:
         if key in metrics and not any(p.startswith(f"{label}: ") for p in parts):
             parts.append(f"{label}: {fmt.format(metrics[key])}")
@@ -126,7 +129,7 @@ class Tracker:
     def __init__(
         self,
         run_dir: str | Path,
-        total_steps: int,
+        total_steps: int | None,
         loggers: Sequence[str] = ("console", "jsonl"),
         plot_every: int = 1,
         *,
@@ -275,7 +278,8 @@ class Tracker:
         """Refresh ``{run_dir}/curves.png`` from the metrics logged so far; returns its path (None off rank 0)."""
         if not self.active:
             return None
-        steps = "" if self._last_step is None else f"  (step {self._last_step} of {self.total_steps})"
+        of = "" if self.total_steps is None else f" of {self.total_steps}"
+        steps = "" if self._last_step is None else f"  (step {self._last_step}{of})"
         self._plotted_at = time.monotonic()
         try:
             return plot_runs({self.title: self._records}, self.plot_path, title=f"{self.title}{steps}")

@@ -1,7 +1,8 @@
 """Issue 30's acceptance on the CPU: the write-ups' notebook call, hybrid and baseline, and the step-wise loop.
 
-One tiny model for the module; the dataflow run (``use_3d_hybrid=True``) is reused by the step-wise
-comparison, whose two steps must give its metrics exactly (same seed, same prompts in the same order).
+One tiny model for the module. The step-wise loop must give the dataflow's metrics exactly for the same
+batch (same seed, same prompts in the same order): 8 prompts of different lengths per step, with and
+without a critic, the step-wise Trainer choosing its stages from the batch it is given (issue 38).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import math
 from pathlib import Path
 
 import pytest
+from chat_rows import trl_conversational_rows
 
 import hybridflow
 from hybridflow.engine.fsdp import local_bytes, optimizer_state_bytes
@@ -21,6 +23,16 @@ ROWS = [
     for i in range(4)
 ]
 COMMON = ["data.max_response_length=6", "data.shuffle=false"]
+# The rollout's KV cache is sized by data.max_prompt_length + data.max_response_length, and the cache's length
+# moves the rollout's log-probs in their last bits (1e-8): the comparisons give both APIs the same limit
+# (the notebook API sizes it from the dataset, the step-wise one from the model's positions).
+SAME_LIMIT = "data.max_prompt_length=400"
+EIGHT = [row["prompt"] for row in trl_conversational_rows(8)]  # chat prompts of 30-300 characters
+
+
+def varied(x):
+    """A reward that differs between responses, so that the advantages (and the updates) are not zero."""
+    return float(len(x) % 3) / 2
 
 
 def reward(x):
@@ -83,22 +95,59 @@ def test_the_snippet_runs_the_baseline(model_dir: Path) -> None:
     assert len(history) == 1 and math.isfinite(history[0]["actor/pg_loss"])
 
 
-def test_the_step_wise_loop_gives_the_dataflows_metrics(model_dir: Path, dataflow_run) -> None:
-    expected, _ = dataflow_run
+@pytest.mark.parametrize("critic", [False, True], ids=["grpo", "gae_critic"])
+def test_the_step_wise_loop_gives_the_dataflows_metrics(
+    model_dir: Path, tmp_path: Path, critic: bool
+) -> None:
+    # Two prompts of 2 samples per optimizer step: 8 prompts a step make 4 mini-batches, so the update needs
+    # the old log-probs (the step-wise Trainer's config has data.train_batch_size=2: it chooses for the batch).
+    batch = dict(num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=1, max_steps=2)
+    micro = ["critic.ppo_micro_batch_size_per_gpu=4"] if critic else []  # the critic's mini-batch: 4 samples
+    expected = hybridflow.RLTrainer(
+        model_name=str(model_dir),
+        reward_fn=varied,
+        algorithm="gae" if critic else None,
+        overrides=[
+            *COMMON,
+            SAME_LIMIT,
+            *micro,
+            *(["critic.enable=true"] if critic else []),
+            "data.train_batch_size=8",
+            f"trainer.default_local_dir={tmp_path / 'a'}",
+        ],
+        **batch,
+    ).train(EIGHT)
+    trainer = hybridflow.Trainer(
+        actor_model=str(model_dir),
+        critic_model=critic or None,
+        reward_fn=varied,
+        overrides=[*COMMON, SAME_LIMIT, *micro, f"trainer.default_local_dir={tmp_path / 'b'}"],
+        **batch,
+    )
+    try:
+        assert trainer.cfg.data.train_batch_size == 2
+        for step in range(2):
+            responses = trainer.generate(EIGHT)
+            assert len(responses) == 16 and all(isinstance(t, str) for t in responses.texts)
+            rewards = trainer.critic_score(responses)
+            assert (rewards.values is not None) == critic
+            metrics = trainer.update_actor(responses, rewards)
+            assert "timing_s/old_log_prob" in metrics
+            assert metrics["actor/pg_loss"] != 0.0
+            assert _comparable(metrics) == _comparable(expected[step])
+    finally:
+        trainer.close()
+
+
+def test_the_step_wise_plan_is_the_engines_state(model_dir: Path, tmp_path: Path) -> None:
     trainer = hybridflow.Trainer(
         actor_model=str(model_dir),
         reward_fn=reward,
-        overrides=[*COMMON, f"trainer.default_local_dir={model_dir.parent / 'run_steps'}"],
+        overrides=[*COMMON, f"trainer.default_local_dir={tmp_path / 'run'}"],
         **keywords(),
     )
     try:
-        for step in range(2):
-            responses = trainer.generate([ROWS[step]])
-            assert len(responses) == 8 and all(isinstance(t, str) for t in responses.texts)
-            rewards = trainer.critic_score(responses)
-            assert rewards.scores == [0.5] * 8 and rewards.values is None
-            metrics = trainer.update_actor(responses, rewards)
-            assert _comparable(metrics) == _comparable(expected[step])
+        trainer.update_actor(trainer.generate([ROWS[0]]))  # the trainer's own reward scores them
         # The plan's training state is the engine's own: the float32 masters and AdamW's moments it holds
         # (the gradients, as large as the masters, live only through the update).
         engine = trainer.components.groups[0].worker.roles["actor"].engine.engine

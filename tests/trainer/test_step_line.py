@@ -26,3 +26,7 @@ def test_the_loss_of_preference_and_sft_steps() -> None:
     assert format_step_line(3, 9, {"sft/loss": 1.5}) == "Step 3/9 | Loss: 1.5"
     both = {"actor/pg_loss": 0.5, "loss": 9.0}  # the policy loss wins over any other
     assert format_step_line(1, 1, both) == "Step 1/1 | Loss: 0.5"
+
+
+def test_a_loop_without_a_step_limit_shows_the_step_alone() -> None:
+    assert format_step_line(3, None, {"actor/pg_loss": 0.5}) == "Step 3 | Loss: 0.5"
