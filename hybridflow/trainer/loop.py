@@ -61,6 +61,7 @@ class TrainingLoop:
             self._log(0, self.validate())
         while self.global_step < self.total_steps:
             self.global_step += 1
+            kill_point("step_start", self.global_step)
             metrics = self.step()
             last = self.global_step == self.total_steps
             if self.c.val is not None and t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
