@@ -21,7 +21,8 @@ def resume_target(cfg: Config) -> Path | None:
     ``auto`` takes the latest complete checkpoint in the run directory (none: a fresh start); a path may be
     a ``global_step_N`` folder or a run directory (its latest). Interrupted saves and damaged checkpoints
     (files that fail their checksums) are skipped, with a warning naming each and why; a damaged checkpoint
-    named by its own folder is refused.
+    named by its own folder is refused, and so is a run directory whose every checkpoint is damaged
+    (``trainer.resume=disable`` is how to start over there).
     """
     t = cfg.trainer
     mode = t.resume or t.resume_mode

@@ -19,7 +19,7 @@ from pathlib import Path
 import cli_cases
 import pytest
 from cli_cases import Env
-from reliability_util import copy_of, flip_bytes, shard_of, train_argv, truncate
+from reliability_util import copy_of, flip_bytes, metrics_steps, shard_of, train_argv, truncate
 
 from hybridflow.cli.main import main
 
@@ -81,6 +81,13 @@ def _damaged_checkpoint(command: str, damage: str) -> Callable[[Env], tuple[list
     return case
 
 
+def _every_checkpoint_damaged(env: Env) -> tuple[list[str], str]:
+    run_dir = copy_of(env.trained(), env.tmp / "run")
+    flip_bytes(shard_of(run_dir / "global_step_1"))
+    argv = train_argv(env.model, run_dir, "trainer.total_training_steps=2")  # trainer.resume=auto
+    return argv, f"every checkpoint in {run_dir} is damaged"
+
+
 def _run_dir_file(env: Env) -> tuple[list[str], str]:
     (env.tmp / "runs").write_text("not a directory")
     return train_argv(env.model, env.tmp / "runs"), "is a file, not a directory"
@@ -135,6 +142,7 @@ CASES: dict[str, Callable[[Env], tuple[list[str], str]]] = {
         for command in ("train", "export", "eval")
         for damage in ("flip", "truncate", "metadata")
     },
+    "checkpoint: every checkpoint of the run damaged, resume=auto": _every_checkpoint_damaged,
     "output: run directory is a file": _run_dir_file,
     "output: run directory under a file": _run_dir_under_file,
     "data: bad UTF-8 in a data file": _bad_utf8_data,
@@ -224,3 +232,20 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(
     assert str(run_dir) in line and "it needs about" in line
     assert sorted(p.name for p in run_dir.iterdir() if "global_step" in p.name) == ["global_step_1"]
     shutil.rmtree(run_dir)
+
+
+def test_every_checkpoint_damaged_is_refused_unless_a_fresh_start_is_asked_for(
+    model_dir: Path, trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = copy_of(trained, tmp_path / "run")
+    shard = shard_of(run_dir / "global_step_1")
+    flip_bytes(shard)
+    damaged = shard.read_bytes()
+    line = _check_user_error(
+        train_argv(model_dir, run_dir, "trainer.total_training_steps=1"), "every checkpoint", capsys
+    )
+    assert f"global_step_1: {shard} does not match the checksum" in line and "trainer.resume=disable" in line
+    assert shard.read_bytes() == damaged and metrics_steps(run_dir) == [1]  # nothing overwritten
+    # asked for: a fresh start, whose save replaces the damaged checkpoint
+    assert main(train_argv(model_dir, run_dir, "trainer.total_training_steps=1", "trainer.resume=disable")) == 0
+    assert shard_of(run_dir / "global_step_1").read_bytes() != damaged
