@@ -3,9 +3,9 @@
 ``HYBRIDFLOW_TEST_KILL_AT="POINT:STEP[,POINT:STEP...]"`` kills the process the first time it reaches
 ``POINT`` at ``STEP``, exactly as ``kill -9`` from outside would, but at a moment the test chooses. Points:
 ``save_shards`` (shards written, the rest of the checkpoint not), ``save_commit`` (everything written, not
-yet renamed into place), ``save_committed`` (committed, the step's metrics line not yet written) and
-``metrics_written`` (the line written) and ``step_start`` (a step about to run). ``POINT:STEP@RANK`` kills only
-the process of that rank (``RANK``), so that its peers live on. Unset in normal runs: the check is one
+yet renamed into place), ``save_committed`` (committed, the step's metrics line not yet written),
+``metrics_written`` (the line written) and ``step_start`` (a step about to run). ``POINT:STEP@RANK`` kills
+only the process of that rank (``RANK``), so that its peers live on. Unset in normal runs: the check is one
 dictionary look-up.
 """
 
