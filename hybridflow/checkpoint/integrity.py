@@ -86,9 +86,11 @@ def verify(root: str | os.PathLike, meta: Mapping[str, Any], required: list[str]
     """Raise ``CheckpointError`` naming the damaged file when the checkpoint's files do not match."""
     problem = find_damage(root, meta, required)
     if problem is not None:
-        raise CheckpointError(
+        error = CheckpointError(
             f"checkpoint {root} is damaged: {problem}. Resume from (or export) an earlier checkpoint, e.g. "
             "trainer.resume=auto picks the newest undamaged one, or restore the file from a backup"
         )
+        error.damage = problem  # the first bad file and what is wrong with it, for a list of checkpoints
+        raise error
     if meta.get(FILES_KEY) is None:
         logger.info("checkpoint %s has no checksums (saved by an older version): not verified", root)

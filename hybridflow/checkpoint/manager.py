@@ -2,8 +2,9 @@
 
 Layout of ``{run_dir}/global_step_{N}/``::
 
-    meta.json              step, world size and layout, each role's parameter shapes, and the size and
-                           SHA-256 of every other file (written last; verified before any load)
+    meta.json              step, world size and layout, each role's parameter shapes, the model each role
+                           started from (``identity.py``), and the size and SHA-256 of every other file
+                           (written last; verified before any load)
     trainer_state.pt       plain Python state from the driver: data sampler, KL controller, schedulers, ...
     rng/rank_{r}.pt        each rank's generator states
     {role}/model_optim/    the role's model and optimizer shards (torch.distributed.checkpoint)
@@ -215,11 +216,13 @@ def finish(
     trainer_state: Mapping[str, Any],
     layout: Mapping[str, Any],
     keep: int | None = None,
+    models: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write the trainer state and ``meta.json`` (last, with every file's checksum), fsync, commit, prune.
 
     Every file and folder is fsynced before the rename that commits, so a committed checkpoint survives a
-    power loss; the rename and the marker are fsynced by ``rundir.commit``.
+    power loss; the rename and the marker are fsynced by ``rundir.commit``. ``models``: which model each
+    role started from (``identity.model_identity``), checked when a run resumes.
     """
     kill_point("save_shards", step)
     with disk_full_guard(run_dir, tmp):
@@ -231,6 +234,7 @@ def finish(
             "world_size": int(layout.get("world_size", 1)),
             "layout": dict(layout),
             "roles": dict(role_meta),
+            **({"models": dict(models)} if models is not None else {}),
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             integrity.FILES_KEY: integrity.build_manifest(tmp, skip=rundir.META_FILE),
         }

@@ -16,6 +16,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from hybridflow.checkpoint.sharded import CheckpointError
 from hybridflow.utils.storage import fsync_dir, write_text_atomically
 
 logger = logging.getLogger(__name__)
@@ -103,27 +104,43 @@ def find_latest(run_dir: str | os.PathLike, verify: Callable[[Path], object] | N
 
     Interrupted saves are skipped and reported: a resume never picks up a checkpoint that is not complete.
     ``verify(path)`` raising ``ValueError`` (a damaged checkpoint) skips that one too, saying why, and falls
-    back to the next newest.
+    back to the next newest. When every complete checkpoint is damaged, ``CheckpointError`` names each and
+    its damage: a fresh start would save over them, so it is never chosen silently.
     """
     chosen = None
-    skipped: list[str] = []
+    skipped: list[tuple[str, ValueError]] = []
     for _, path in _pick(run_dir):
         try:
             if verify is not None:
                 verify(path)
         except ValueError as e:
-            skipped.append(f"{path.name} ({e})")
+            skipped.append((path.name, e))
             continue
         chosen = path
         break
+    if chosen is None and skipped:
+        raise all_damaged(run_dir, skipped)
     using = chosen.name if chosen is not None else "no checkpoint (a fresh start)"
     for path in incomplete_saves(run_dir):
         logger.warning(
             "ignoring %s: an interrupted save left it incomplete; using %s instead", path.name, using
         )
-    for what in skipped:
-        logger.warning("skipping the damaged checkpoint %s; using %s instead", what, using)
+    for name, e in skipped:
+        logger.warning("skipping the damaged checkpoint %s (%s); using %s instead", name, e, using)
     return chosen
+
+
+def all_damaged(run_dir: str | os.PathLike, damaged: list[tuple[str, ValueError]]) -> CheckpointError:
+    """The refusal of a resume whose every checkpoint is damaged: each one and its first bad file."""
+    what = "; ".join(f"{name}: {getattr(e, 'damage', None) or e}" for name, e in damaged[:3])
+    if len(damaged) > 3:
+        what += f"; and {len(damaged) - 3} older ones"
+    return CheckpointError(
+        f"every checkpoint in {run_dir} is damaged, so there is none to resume from ({what}). Nothing was "
+        "loaded or overwritten: restore the damaged files (from a backup or a copy), or resume from a "
+        "checkpoint elsewhere (trainer.resume=PATH), or start over on purpose with trainer.resume=disable "
+        "(its saves then replace these checkpoints) or in a new trainer.default_local_dir"
+    )
 
 
 def commit(tmp: Path, final: Path) -> None:

@@ -7,8 +7,9 @@ so that ``hybridflow --help`` and ``--version`` stay instant.
 Exit statuses: 0 done; 2 a user error (``UserError``: a bad config, file, row, model, checkpoint or output
 directory, a full disk; also an ``OSError`` of a path and a YAML error), printed as one ``error: ...`` line
 naming the file, field or row and the fix, never a traceback; 1 a failed rank (``WorkerError``, its remote
-traceback in the message) or an internal error: anything else is a bug in hybridflow, printed with its
-traceback and a line asking to report it.
+traceback in the message; under torchrun, a collective broken by a peer rank that died, one line naming it)
+or an internal error: anything else is a bug in hybridflow, printed with its traceback and a line asking to
+report it.
 """
 
 from __future__ import annotations
@@ -117,6 +118,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report_internal_error(exc)
 
 
+def report_internal_error(exc: BaseException) -> int:
+    """The traceback and one line saying it is a bug to report; returns exit status 1.
+
+    A collective broken by a peer rank that died (torchrun) is no bug of this rank: one line says so.
+    """
+    from hybridflow.utils.peers import peer_failure
+
+    peer = peer_failure(exc)
+    if peer is not None:
+        logger.debug("a peer rank failed", exc_info=exc)
+        print(f"error: {peer}", file=sys.stderr)
+        return EXIT_WORKER_ERROR
+    return report_bug(exc)
+
+
 def report_user_error(exc: BaseException) -> int:
     """One ``error:`` line on stderr (the traceback only at --log-level DEBUG); returns exit status 2."""
     logger.debug("user error", exc_info=exc)
@@ -124,8 +140,8 @@ def report_user_error(exc: BaseException) -> int:
     return EXIT_USER_ERROR
 
 
-def report_internal_error(exc: BaseException) -> int:
-    """The traceback and one line saying it is a bug to report; returns exit status 1."""
+def report_bug(exc: BaseException) -> int:
+    """The traceback and one line saying it is a bug in hybridflow to report; returns exit status 1."""
     traceback.print_exception(exc, file=sys.stderr)
     print(
         f"internal error: {type(exc).__name__}: {exc}\nThis is a bug in hybridflow {hybridflow.__version__}, "

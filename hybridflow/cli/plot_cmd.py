@@ -6,6 +6,7 @@ Several run directories are drawn in the same panels, one colour per run (a run 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from hybridflow.utils.errors import UserError
@@ -25,8 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_run(run_dir: Path) -> list[dict]:
-    """The metrics lines of ``run_dir``; a ``UserError`` naming the path when there are none to plot."""
-    from hybridflow.trainer.plotting import read_metrics
+    """The metrics lines of ``run_dir``; a ``UserError`` naming the path and line when none can be plotted.
+
+    A line that is not JSON is damage (the file is refused, naming the line); a JSON line that is not a
+    metrics line, and an unfinished last line (a run stopped while writing it), are left out with a
+    ``warning:`` line each.
+    """
+    from hybridflow.trainer.plotting import scan_metrics
     from hybridflow.trainer.tracking import METRICS_FILE
 
     if not run_dir.exists():
@@ -38,10 +44,21 @@ def load_run(run_dir: Path) -> list[dict]:
     path = run_dir / METRICS_FILE
     if not path.is_file():
         raise UserError(f"{run_dir} holds no {METRICS_FILE}; is it the directory of a run?")
-    records = read_metrics(path)
-    if not records:
-        raise UserError(f"{path} holds no metrics yet: nothing to plot")
-    return records
+    found = scan_metrics(path)
+    if found.damaged:
+        n, why = found.damaged[0]
+        count = "" if len(found.damaged) == 1 else f" ({len(found.damaged)} damaged lines in all)"
+        raise UserError(
+            f"{path}: line {n} is not JSON ({why}){count}: the file is damaged, not merely cut short by a "
+            "stopped run; repair or delete the damaged lines (the others are intact JSON lines), or plot "
+            "another run"
+        )
+    for problem in found.problems():
+        print(f"warning: {problem}", file=sys.stderr)
+    if not found.records:
+        left_out = " (no line of it is a metrics line)" if found.malformed or found.unfinished else ""
+        raise UserError(f"{path} holds no metrics yet{left_out}: nothing to plot")
+    return found.records
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,7 +27,8 @@ a stuck call is killed. The function must be picklable (a module-level function 
 or come from a file: pass ``(path, name)``, or a function returned by ``load_reward_function``, and the
 workers load the file themselves. With ``num_workers=0``, and for batch functions always, the calls run in
 the calling process (``in_process.run_here``: under a timer on the main thread, on a daemon thread
-elsewhere); a call stuck in C code cannot be stopped there, only reported.
+elsewhere); a call stuck in C code cannot be stopped there: a watchdog process stops the run instead, with
+one line naming the function, the sample and the fix (``watchdog.py``).
 """
 
 from __future__ import annotations
@@ -257,7 +258,9 @@ class RewardManager:
             extra_infos=infos,
             **self.reward_kwargs,
         )
-        [(ok, values)] = run_here(self.compute_score, [((), kwargs)], self.timeout_s, name=self.fn_name)
+        [(ok, values)] = run_here(
+            self.compute_score, [((), kwargs)], self.timeout_s, name=self.fn_name, batch_of=n
+        )
         if not ok:
             problem = values
         elif isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__"):

@@ -8,6 +8,7 @@ from typing import Any
 
 from hybridflow import checkpoint
 from hybridflow.checkpoint import CheckpointError
+from hybridflow.checkpoint.identity import check_identity, model_identity
 from hybridflow.checkpoint.manager import user_errors_together, verify_checkpoint
 from hybridflow.checkpoint.rundir import is_complete, step_dir, temp_dir
 from hybridflow.config.schema import Config
@@ -21,7 +22,8 @@ def resume_target(cfg: Config) -> Path | None:
     ``auto`` takes the latest complete checkpoint in the run directory (none: a fresh start); a path may be
     a ``global_step_N`` folder or a run directory (its latest). Interrupted saves and damaged checkpoints
     (files that fail their checksums) are skipped, with a warning naming each and why; a damaged checkpoint
-    named by its own folder is refused.
+    named by its own folder is refused, and so is a run directory whose every checkpoint is damaged
+    (``trainer.resume=disable`` is how to start over there).
     """
     t = cfg.trainer
     mode = t.resume or t.resume_mode
@@ -98,12 +100,33 @@ def _save_groups(trainer: Any, run_dir: Path, step: int, tmp: Path, metrics: dic
             "backend": t.backend,
             "placement": t.placement,
         }
-        checkpoint.manager.finish(run_dir, step, tmp, roles, state, layout, t.max_ckpt_to_keep)
+        models = run_models(trainer)
+        checkpoint.manager.finish(run_dir, step, tmp, roles, state, layout, t.max_ckpt_to_keep, models)
         logger.info("saved checkpoint %s", step_dir(run_dir, step))
 
 
+def run_models(trainer: Any) -> dict[str, Any]:
+    """The models this run started from, by role (computed once; ``identity.model_identity``).
+
+    The actor's is ``model.path`` with ``model.override_config``; the critic's only when it has a directory
+    of its own (``critic.model.path``), else it starts from the actor's model too.
+    """
+    if getattr(trainer, "model_identity", None) is None:
+        cfg = trainer.cfg
+        models = {"actor": model_identity(cfg.model.path, cfg.model.override_config)}
+        if cfg.use_critic and cfg.critic.model.path:
+            models["critic"] = model_identity(cfg.critic.model.path)
+        trainer.model_identity = {role: found for role, found in models.items() if found is not None}
+    return trainer.model_identity
+
+
 def load_checkpoint(trainer: Any, path: Path) -> None:
-    """Load every group's roles, the schedulers, sampler, KL controller and RNG from ``path``."""
+    """Load every group's roles, the schedulers, sampler, KL controller and RNG from ``path``.
+
+    A checkpoint trained from another model than this run's (another config, other initial weights) is
+    refused naming both, before anything is loaded.
+    """
+    check_identity(path, checkpoint.read_meta(path).get("models"), run_models(trainer))
     state = checkpoint.manager.read_trainer_state(path)
     for group in trainer.c.groups:  # refuse a mismatch before anything is overwritten
         group.run_all("check_checkpoint", str(path))

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.config.schema import Config
-from hybridflow.trainer.checkpointing import load_checkpoint, resume_target, save_checkpoint
+from hybridflow.trainer.checkpointing import load_checkpoint, resume_target, run_models, save_checkpoint
 from hybridflow.trainer.dumps import write_jsonl
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.trainer.validation import validate
@@ -32,6 +32,7 @@ class TrainingLoop:
         self.rank = env_rank()
         self.kl_ctrl: Any = None  # the checkpoint saves it when a driver has one
         self.saved_metrics: dict[int, dict[str, float]] = {}  # the resumed checkpoint's step record
+        self.model_identity: dict[str, Any] | None = None  # the models the run started from (checkpointing)
 
     def step(self) -> dict[str, float]:
         """One training step; returns its metrics."""
@@ -39,6 +40,7 @@ class TrainingLoop:
 
     def resume(self) -> int:
         """Load the checkpoint ``trainer.resume`` names (if any); returns the step the run continues from."""
+        run_models(self)  # at the start, while model.path is surely there: every checkpoint records it
         path = resume_target(self.cfg)
         if path is not None:
             load_checkpoint(self, path)
@@ -61,6 +63,7 @@ class TrainingLoop:
             self._log(0, self.validate())
         while self.global_step < self.total_steps:
             self.global_step += 1
+            kill_point("step_start", self.global_step)
             metrics = self.step()
             last = self.global_step == self.total_steps
             if self.c.val is not None and t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):

@@ -74,20 +74,106 @@ STEP_TIME = "step time by stage"
 _SFT_ALIASES = {"actor/grad_norm": "sft/grad_norm"}  # an SFT run's grad norm stands in for the actor's
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The lines of a metrics.jsonl file as dicts with an int ``step``; torn or foreign lines are skipped."""
-    rows = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-        if not line.strip():
+@dataclass
+class MetricsFile:
+    """A metrics.jsonl as read: its metrics lines and every line that is not one, by line number.
+
+    ``damaged``: lines that are not JSON (binary bytes, garbled text): the file was corrupted. ``malformed``:
+    JSON lines that are not metrics lines (no integer ``step``, not an object). ``unfinished``: the number
+    of the last line when it is the start of a JSON object with no newline after it, which is what a run
+    stopped while writing leaves (``Tracker`` writes a line and its newline together); it is not damage.
+    """
+
+    path: Path
+    records: list[dict[str, Any]]
+    damaged: list[tuple[int, str]]
+    malformed: list[tuple[int, str]]
+    unfinished: int | None = None
+
+    def problems(self) -> list[str]:
+        """One sentence per kind of line left out (empty when every line is a metrics line)."""
+        out = []
+        if self.damaged:
+            n = len(self.damaged)
+            what = "1 line is" if n == 1 else f"{n} lines are"
+            out.append(f"{self.path}: {what} damaged (not JSON): {_named(self.damaged)}")
+        if self.malformed:
+            n = len(self.malformed)
+            what = "1 line is not a metrics line" if n == 1 else f"{n} lines are not metrics lines"
+            out.append(f"{self.path}: {what}, left out: {_named(self.malformed)}")
+        if self.unfinished is not None:
+            out.append(
+                f"{self.path}: line {self.unfinished} is unfinished (the run was stopped while writing it), "
+                "left out"
+            )
+        return out
+
+
+def _named(found: Sequence[tuple[int, str]], most: int = 3) -> str:
+    """'line 3 (why), line 7 (why) and 4 more'."""
+    text = ", ".join(f"line {n} ({why})" for n, why in found[:most])
+    return text + (f" and {len(found) - most} more" if len(found) > most else "")
+
+
+def _step_of(row: Any) -> str | int:
+    """The row's step as an int, or why the row is not a metrics line."""
+    if not isinstance(row, dict):
+        return f"a JSON {type(row).__name__}, not an object"
+    if "step" not in row:
+        return "no 'step'"
+    step = row["step"]
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not float(step).is_integer():
+        return f"'step' is {step!r}, not a whole number"
+    return int(step)
+
+
+def _text_of(raw: bytes) -> str | None:
+    """A line's text; None for binary bytes (not UTF-8, or NULs: what a crash leaves in unwritten blocks)."""
+    if b"\0" in raw:
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def scan_metrics(path: str | Path) -> MetricsFile:
+    """Read a metrics.jsonl line by line, keeping its metrics lines and naming every other line."""
+    path = Path(path)
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    out = MetricsFile(path, [], [], [])
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        last = n == len(lines)  # no newline after it: the file ends inside this line
+        text = _text_of(raw)
+        if text is None:
+            out.damaged.append((n, "binary bytes"))
             continue
         try:
-            row = json.loads(line)
-            row["step"] = int(row["step"])
-        except (ValueError, KeyError, TypeError):
-            logger.debug("%s: line %d is not a metrics line; skipped", path, n)
+            row = json.loads(text)
+        except ValueError:
+            if last and text.lstrip().startswith("{"):
+                out.unfinished = n
+            else:
+                out.damaged.append((n, f"starts {text[:24]!r}"))
             continue
-        rows.append(row)
-    return rows
+        step = _step_of(row)
+        if isinstance(step, str):
+            out.malformed.append((n, step))
+            continue
+        row["step"] = step
+        out.records.append(row)
+    return out
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The metrics lines of a metrics.jsonl file (int ``step``); every other line is named in a warning."""
+    found = scan_metrics(path)
+    for problem in found.problems():
+        logger.warning("%s", problem)
+    return found.records
 
 
 def value_of(record: Record, key: str) -> float:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from hybridflow.utils.device import cuda_in_use
 from hybridflow.utils.errors import DiskFullError, UserError
+from hybridflow.utils.peers import record_peers
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
             int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % torch.cuda.device_count()
         )
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    record_peers()  # so that a rank whose peer dies can name it
     logger.info("process group: backend=%s rank=%d world=%d", backend, dist.get_rank(), dist.get_world_size())
     return dist.get_rank(), dist.get_world_size()
 

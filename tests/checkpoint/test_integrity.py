@@ -92,8 +92,14 @@ def test_auto_resume_falls_back_to_the_newest_undamaged_checkpoint(
         assert find_latest(run_dir, verify=verify_checkpoint) == run_dir / "global_step_1"
     assert "skipping the damaged checkpoint global_step_2" in caplog.text
     assert "trainer_state.pt has 7 bytes" in caplog.text and "using global_step_1 instead" in caplog.text
-    (run_dir / "global_step_1" / "meta.json").write_text("{not json")  # both damaged: a fresh start
-    assert find_latest(run_dir, verify=verify_checkpoint) is None
+    (run_dir / "global_step_1" / "meta.json").write_text("{not json")  # both damaged: refused, naming each
+    with pytest.raises(CheckpointError) as err:
+        find_latest(run_dir, verify=verify_checkpoint)
+    message = str(err.value)
+    assert f"every checkpoint in {run_dir} is damaged" in message
+    assert f"global_step_2: {run_dir / 'global_step_2' / 'trainer_state.pt'} has 7 bytes" in message
+    assert f"global_step_1: {run_dir / 'global_step_1' / 'meta.json'} is not valid JSON" in message
+    assert "trainer.resume=disable" in message and "Nothing was loaded or overwritten" in message
 
 
 def test_a_checkpoint_without_checksums_is_still_read_and_its_damage_reported(run_dir: Path) -> None:

@@ -19,9 +19,10 @@ from pathlib import Path
 import cli_cases
 import pytest
 from cli_cases import Env
-from reliability_util import copy_of, flip_bytes, shard_of, train_argv, truncate
+from reliability_util import copy_of, flip_bytes, metrics_steps, shard_of, train_argv, truncate
 
 from hybridflow.cli.main import main
+from hybridflow.models import build_tiny_model_and_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +82,34 @@ def _damaged_checkpoint(command: str, damage: str) -> Callable[[Env], tuple[list
     return case
 
 
+def _every_checkpoint_damaged(env: Env) -> tuple[list[str], str]:
+    run_dir = copy_of(env.trained(), env.tmp / "run")
+    flip_bytes(shard_of(run_dir / "global_step_1"))
+    argv = train_argv(env.model, run_dir, "trainer.total_training_steps=2")  # trainer.resume=auto
+    return argv, f"every checkpoint in {run_dir} is damaged"
+
+
+def _another_model(change: str) -> Callable[[Env], tuple[list[str], str]]:
+    """Resume the shared run (trained from env.model) with model.path at a model of the same shape."""
+
+    def case(env: Env) -> tuple[list[str], str]:
+        run_dir = copy_of(env.trained(), env.tmp / "run")
+        other = env.tmp / "other"
+        if change == "seed":
+            build_tiny_model_and_tokenizer(out_dir=other, hidden_size=32, num_hidden_layers=1, seed=1)
+            named = (
+                f"its actor started from {env.model.resolve()}, this run's model.path is {other.resolve()}"
+            )
+        else:
+            config = json.loads((copy_of(env.model, other) / "config.json").read_text())
+            config["rope_parameters"]["rope_theta"] = 500000.0
+            (other / "config.json").write_text(json.dumps(config))
+            named = "config.json differs (rope_parameters: "
+        return train_argv(other, run_dir, "trainer.total_training_steps=2"), named
+
+    return case
+
+
 def _run_dir_file(env: Env) -> tuple[list[str], str]:
     (env.tmp / "runs").write_text("not a directory")
     return train_argv(env.model, env.tmp / "runs"), "is a file, not a directory"
@@ -135,6 +164,9 @@ CASES: dict[str, Callable[[Env], tuple[list[str], str]]] = {
         for command in ("train", "export", "eval")
         for damage in ("flip", "truncate", "metadata")
     },
+    "checkpoint: every checkpoint of the run damaged, resume=auto": _every_checkpoint_damaged,
+    "checkpoint: resuming another model of the same shape (another seed)": _another_model("seed"),
+    "checkpoint: resuming a model of another config (rope_theta)": _another_model("config"),
     "output: run directory is a file": _run_dir_file,
     "output: run directory under a file": _run_dir_under_file,
     "data: bad UTF-8 in a data file": _bad_utf8_data,
@@ -224,3 +256,40 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(
     assert str(run_dir) in line and "it needs about" in line
     assert sorted(p.name for p in run_dir.iterdir() if "global_step" in p.name) == ["global_step_1"]
     shutil.rmtree(run_dir)
+
+
+def test_every_checkpoint_damaged_is_refused_unless_a_fresh_start_is_asked_for(
+    model_dir: Path, trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = copy_of(trained, tmp_path / "run")
+    shard = shard_of(run_dir / "global_step_1")
+    flip_bytes(shard)
+    damaged = shard.read_bytes()
+    line = _check_user_error(
+        train_argv(model_dir, run_dir, "trainer.total_training_steps=1"), "every checkpoint", capsys
+    )
+    assert f"global_step_1: {shard} does not match the checksum" in line and "trainer.resume=disable" in line
+    assert shard.read_bytes() == damaged and metrics_steps(run_dir) == [1]  # nothing overwritten
+    # asked for: a fresh start, whose save replaces the damaged checkpoint
+    assert (
+        main(train_argv(model_dir, run_dir, "trainer.total_training_steps=1", "trainer.resume=disable")) == 0
+    )
+    assert shard_of(run_dir / "global_step_1").read_bytes() != damaged
+
+
+def test_the_same_model_elsewhere_resumes_and_a_checkpoint_without_a_record_with_a_notice(
+    model_dir: Path, trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The identity is the starting model's content: a copy at another path is the same model."""
+    run_dir = copy_of(trained, tmp_path / "run")
+    moved = copy_of(model_dir, tmp_path / "moved")
+    assert main(train_argv(moved, run_dir, "trainer.total_training_steps=2")) == 0
+    assert "resumed from" in capsys.readouterr().err and metrics_steps(run_dir) == [1, 2]
+    meta_path = run_dir / "global_step_2" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["models"]["actor"]["path"] == str(moved.resolve())  # the run's model, recorded again
+    del meta["models"]  # as saved before the record existed
+    meta_path.write_text(json.dumps(meta))
+    assert main(train_argv(model_dir, run_dir, "trainer.total_training_steps=3")) == 0
+    err = capsys.readouterr().err
+    assert "does not record which model it was trained from" in err and metrics_steps(run_dir) == [1, 2, 3]

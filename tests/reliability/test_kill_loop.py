@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -169,3 +170,22 @@ def test_kill_9_between_a_commit_and_its_metrics_line_on_two_ranks(model_dir: Pa
     codes = launch([(run_argv(model_dir, killed, *two), None)], 2, tmp_path / "resume.log")
     assert codes == [0, 0], (tmp_path / "resume.rank0.log").read_text()[-3000:]
     assert_same_run(killed, straight, 1, model_dir)  # the lost line came back from the checkpoint
+
+
+def test_the_survivor_of_a_killed_peer_names_it_and_exits_1(model_dir: Path, tmp_path: Path) -> None:
+    """Rank 1 is killed as step 1 starts: rank 0 finds out in a collective, a failed rank, not a bug."""
+    two = (
+        "trainer.total_training_steps=1",
+        "trainer.n_gpus_per_node=2",
+        "actor.ppo_micro_batch_size_per_gpu=4",
+    )
+    codes = launch(
+        [(run_argv(model_dir, tmp_path / "run", *two), "step_start:1@1")], 2, tmp_path / "peer.log"
+    )
+    log = (tmp_path / "peer.rank0.log").read_text()
+    assert codes == [1, -signal.SIGKILL], log[-3000:]
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in log and "internal error" not in log, log[-3000:]
+    pid = re.search(r"rank 1 \(pid (\d+)\) has exited or was killed: the collective (\w+)", errors[0])
+    assert pid is not None and errors[0].startswith("error: rank 0 of 2 stops because "), errors[0]
+    assert "called from hybridflow/" in errors[0] and "Look at the other ranks' output" in errors[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import sys
 import textwrap
@@ -208,11 +209,8 @@ def test_a_reward_that_sets_timers_of_its_own_runs_in_process_under_the_default_
     assert scores == [1.0, 0.0]
 
 
-def test_a_call_stuck_in_c_code_is_reported_then_timed_out(monkeypatch, caplog):
-    """The timer's signal waits for C code to return; the watchdog names the stuck call meanwhile."""
-    from hybridflow.rewards import in_process
-
-    monkeypatch.setattr(in_process, "STUCK_REPORT_AFTER_S", 0.2)
+def test_c_code_that_returns_past_its_limit_counts_as_a_timeout():
+    """The timer's signal waits for C code to return; a call back before the watchdog's limit timed out."""
     start = time.perf_counter()
     sum(range(10**6))
     n = int(1.5e6 / (time.perf_counter() - start))  # sum over a range never checks for signals: ~1.5 s
@@ -220,11 +218,68 @@ def test_a_call_stuck_in_c_code_is_reported_then_timed_out(monkeypatch, caplog):
     def in_c(data_source, solution_str, ground_truth, extra_info=None):
         return float(sum(range(n)) > 0) if data_source == "b" else 1.0
 
-    with caplog.at_level(logging.ERROR, logger="hybridflow.rewards.in_process"):
-        scores, extras = RewardManager(in_c, timeout_s=0.1, on_error="zero").score(
-            ["a", "b"], ["x", "y"], [0, 0]
-        )
+    scores, extras = RewardManager(in_c, timeout_s=0.1, on_error="zero").score(["a", "b"], ["x", "y"], [0, 0])
     assert scores == [1.0, 0.0] and extras[ERRORS_KEY] == [0.0, 1.0]
-    assert (
-        "in_c has run" in caplog.text and "on sample 1" in caplog.text and "reward.num_workers" in caplog.text
+
+
+# C code that holds the GIL and does not return when a signal arrives (it retries on EINTR, as much C code
+# does): SIGALRM is blocked on the calling thread, then libc's sleep runs through ctypes.PyDLL, which keeps
+# the GIL. No thread of the process can run meanwhile, the timer's handler included.
+STUCK_IN_C = textwrap.dedent(
+    """
+    import ctypes, signal
+
+    def _stuck():
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        ctypes.PyDLL(None).sleep(60)
+
+    def stuck_on_b(data_source, solution_str, ground_truth, extra_info=None):
+        if data_source == "b":
+            _stuck()
+        return 1.0
+
+    def batch_stuck(data_sources, solution_strs, ground_truths, extra_infos):
+        _stuck()
+        return [1.0] * len(solution_strs)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "thread", "said"),
+    [
+        ("stuck_on_b", False, "on sample 1 (of 3 in this call)"),
+        ("stuck_on_b", True, "on sample 1 (of 3 in this call)"),
+        ("batch_stuck", False, "on a batch of 3 samples"),
+    ],
+    ids=["main-thread", "background-thread", "batch"],
+)
+def test_a_call_stuck_in_c_code_holding_the_gil_stops_the_process_with_one_line(tmp_path, name, thread, said):
+    """The watchdog process names the function, the sample and the fix, and stops the process."""
+    path = tmp_path / "stuck.py"
+    path.write_text(STUCK_IN_C)
+    kind = "batch" if name.startswith("batch") else "naive"
+    script = textwrap.dedent(
+        f"""
+        import threading
+        from hybridflow.rewards import RewardManager
+
+        manager = RewardManager(({str(path)!r}, {name!r}), kind={kind!r}, timeout_s=0.5, on_error="zero")
+        score = lambda: print(manager.score(["a", "b", "c"], ["x", "y", "z"], [0, 0, 0]))
+        if {thread}:
+            worker = threading.Thread(target=score)
+            worker.start()
+            worker.join()
+        else:
+            score()
+        """
     )
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=50)
+    took = time.monotonic() - start
+    assert done.returncode == -signal.SIGTERM and done.stdout == "", done.stderr
+    assert 5.0 < took < 40  # stuck_after(0.5) = 5.5 s after the call began, not the 60 s it sleeps
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: reward function {name} ({path}) has run "), lines
+    assert said in lines[0] and "past reward.timeout_s=0.5" in lines[0] and "the run is stopped" in lines[0]
+    assert "reward.num_workers >= 1" in lines[0]

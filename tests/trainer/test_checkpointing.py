@@ -269,6 +269,15 @@ def test_resuming_with_another_model_is_refused_at_the_command_line(
     capsys.readouterr()
     assert main(argv(wider, run_dir, "trainer.total_training_steps=2")) == 2
     err = capsys.readouterr().err
+    assert f"its actor started from {model_dir.resolve()}, this run's model.path is {wider.resolve()}" in err
+    assert "config.json differs (hidden_size: 32 vs 48, " in err and "Traceback" not in err
+    # a checkpoint saved before the record existed: the parameters' shapes are checked
+    meta_path = run_dir / "global_step_1" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["models"]
+    meta_path.write_text(json.dumps(meta))
+    assert main(argv(wider, run_dir, "trainer.total_training_steps=2")) == 2
+    err = capsys.readouterr().err
     assert "the actor in" in err and "does not match this model" in err
     assert "lm.model.embed_tokens.weight: checkpoint" in err and ", 32) vs model (" in err
     assert "Traceback" not in err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import numpy as np
@@ -106,8 +107,18 @@ def test_run_labels_are_short_and_distinct(tmp_path):
     assert run_label([tmp_path / "a" / "demo", tmp_path / "b" / "demo"]) == ["a/demo", "b/demo"]
 
 
-@pytest.mark.parametrize("line", ["not json", '{"no_step": 1}', '{"step": "x"}', ""])
-def test_foreign_lines_are_skipped(tmp_path, line):
+@pytest.mark.parametrize(
+    ("line", "said"),
+    [
+        ("not json", "1 line is damaged (not JSON): line 1 (starts 'not json')"),
+        ('{"no_step": 1}', "1 line is not a metrics line, left out: line 1 (no 'step')"),
+        ('{"step": "x"}', "line 1 ('step' is 'x', not a whole number)"),
+        ("", None),
+    ],
+)
+def test_foreign_lines_are_skipped_and_named(tmp_path, caplog, line, said):
     path = tmp_path / "metrics.jsonl"
     path.write_text(f'{line}\n{{"step": 2, "a": 1.0}}\n')
-    assert read_metrics(path) == [{"step": 2, "a": 1.0}]
+    with caplog.at_level(logging.WARNING, logger="hybridflow.trainer.plotting"):
+        assert read_metrics(path) == [{"step": 2, "a": 1.0}]
+    assert (said in caplog.text) if said else not caplog.records

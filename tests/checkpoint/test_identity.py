@@ -1,0 +1,103 @@
+"""The model a run started from: its config and weights digest, and the refusal of another model's checkpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from hybridflow.checkpoint import CheckpointError, identity
+from hybridflow.checkpoint.identity import check_identity, model_identity
+from hybridflow.models import build_tiny_model_and_tokenizer
+
+
+def _tiny(folder: Path, seed: int = 0, **kwargs: object) -> Path:
+    model, _ = build_tiny_model_and_tokenizer(hidden_size=32, num_hidden_layers=2, seed=seed)
+    model.save_pretrained(folder, **kwargs)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "a": _tiny(root / "a"),
+        "b": _tiny(root / "b", seed=1),  # same shapes, other weights
+        "a_shards": _tiny(root / "a_shards", max_shard_size="20KB"),  # a's weights in several files
+    }
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["hashed-whole", "sampled"])
+def test_the_weights_digest_tells_seeds_apart_and_ignores_the_shard_files(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, whole: bool
+) -> None:
+    if not whole:
+        monkeypatch.setattr(identity, "FULL_DIGEST_BYTES", 0)  # as a model of many GB is read
+    assert len(list(models["a_shards"].glob("*.safetensors"))) > 1
+    a, b = identity.weights_digest(models["a"]), identity.weights_digest(models["b"])
+    assert a is not None and a != b
+    assert identity.weights_digest(models["a_shards"]) == a
+
+
+def test_a_changed_tensor_changes_the_digest(models: dict[str, Path], tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    copy = Path(shutil.copytree(models["a"], tmp_path / "a"))
+    weights = load_file(copy / "model.safetensors")
+    name = sorted(weights)[-1]
+    weights[name].view(-1)[0] += 1e-3  # one element of one tensor
+    save_file(weights, copy / "model.safetensors", metadata={"format": "pt"})
+    assert identity.weights_digest(copy) != identity.weights_digest(models["a"])
+
+
+def test_the_config_is_compared_without_bookkeeping_keys_and_with_overrides(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    copy = Path(shutil.copytree(models["a"], tmp_path / "a"))
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(
+        json.dumps({**config, "transformers_version": "0.0.1", "use_cache": False})
+    )
+    base = model_identity(models["a"])
+    assert model_identity(copy)["config"] == base["config"]  # a re-save by another transformers
+    theta = model_identity(models["a"], {"rope_theta": 1234.0})
+    assert theta["config"]["rope_theta"] == 1234.0 and theta["weights"] == base["weights"]
+    assert model_identity(tmp_path / "nowhere") is None and model_identity(None) is None
+
+
+def test_another_model_is_refused_naming_both(models: dict[str, Path], tmp_path: Path) -> None:
+    ckpt = tmp_path / "global_step_3"
+    saved = {"actor": model_identity(models["a"])}
+    check_identity(ckpt, saved, {"actor": model_identity(models["a_shards"])})  # same model: resumes
+    with pytest.raises(CheckpointError) as err:
+        check_identity(ckpt, saved, {"actor": model_identity(models["b"])})
+    message = str(err.value)
+    assert (
+        f"its actor started from {models['a'].resolve()}, this run's model.path is {models['b'].resolve()}"
+        in (message)
+    )
+    assert "the weights differ" in message and "config.json" not in message
+    assert "trainer.default_local_dir" in message and "trainer.resume=disable" in message
+    other_theta = Path(shutil.copytree(models["a"], tmp_path / "theta"))
+    config = json.loads((other_theta / "config.json").read_text())
+    config["rope_parameters"]["rope_theta"] = 500000.0  # same weights, another config
+    (other_theta / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        CheckpointError, match=r"config.json differs \(rope_parameters: \{.*'rope_theta': 500000.0"
+    ):
+        check_identity(ckpt, saved, {"actor": model_identity(other_theta)})
+    with pytest.raises(CheckpointError, match=r"config.json differs \(rope_theta: None vs 500000.0\)"):
+        check_identity(ckpt, saved, {"actor": model_identity(models["a"], {"rope_theta": 500000.0})})
+    with pytest.raises(CheckpointError, match=r"its critic started from .* critic.model.path is"):
+        check_identity(ckpt, {"critic": saved["actor"]}, {"critic": model_identity(models["b"])})
+
+
+def test_a_checkpoint_without_a_record_resumes_with_a_notice(
+    models: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="hybridflow.checkpoint.identity"):
+        check_identity(tmp_path / "global_step_1", None, {"actor": model_identity(models["b"])})
+    assert len(caplog.records) == 1 and "does not record which model it was trained from" in caplog.text
