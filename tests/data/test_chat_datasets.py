@@ -149,12 +149,12 @@ def test_ultrachat_files_give_the_same_prompts_on_the_command_line_as_from_pytho
     path = tmp_path / f"ultrachat{suffix}"
     save_rows(rows, path)
     python = _dataset(rows, tok)
-    caplog.clear()  # the notice of the Python rows above (kept when an earlier test set the level to INFO)
+    from_path = _dataset(str(path), tok)
+    caplog.clear()  # the notices above (kept when an earlier test left hybridflow's logger at INFO)
     with caplog.at_level(logging.INFO, logger=LOGGER):
         cli = build_rl_dataset(
             DataConfig(train_files=[str(path)], max_prompt_length=1024), tok, "train", seed=0
         )
-    from_path = _dataset(str(path), tok)
     for ds in (cli, from_path):
         assert [it["input_ids"] for it in ds] == [it["input_ids"] for it in python]
         assert [it["extra_info"]["answer"] for it in ds] == [it["extra_info"]["answer"] for it in python]
