@@ -101,7 +101,7 @@ def realistic_rows(n: int = 16, seed: int = 0) -> list[dict[str, Any]]:
         messages.append({"role": "user", "content": _text(rng, chars)})
         rows.append(
             {
-                # a plain-text prompt now and then (no chat template: a handful of tokens)
+                # a plain-text prompt now and then (a handful of tokens, templated as one user turn)
                 "prompt": messages if i % 8 != 4 else _text(rng, chars % 12 + 3),
                 "data_source": "chat/tie" if i % 4 == 3 else "chat/vary",
                 "reward_model": {"ground_truth": str(rng.randint(0, 9)), "style": "rule"},
