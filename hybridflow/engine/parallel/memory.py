@@ -19,6 +19,7 @@ from hybridflow.engine.parallel.tp_rollout import ShardLayout, check_tp, kind_of
 from hybridflow.engine.parallel.tp_train import check_train_tp
 from hybridflow.engine.parallel.train_view import TrainView, train_box
 from hybridflow.engine.parallel.view import GenerateView
+from hybridflow.models.families import has_shard_rules
 
 MASTER_BYTES = 4  # float32 masters
 GRAD_BYTES = 4  # float32 gradients
@@ -75,7 +76,9 @@ def view_memory(
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     params = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    kinds = [kind_of(n) for n, _ in params]
+    # A family without shard rules (GPT-2, MoE) only ever has whole weights here: tp = 1 in both views
+    # (unsplit_reason refuses more), so every parameter is whole and needs no rule.
+    kinds = [kind_of(n) if has_shard_rules(config) else "replicated" for n, _ in params]
     fsdp_dims = [
         1 if view.fsdp_only and tp_generate > 1 and k == "row" and shape[1] % world == 0 else 0
         for k, (_, shape) in zip(kinds, params)
