@@ -133,14 +133,14 @@ class RolloutShard:
         self.resharder = Resharder(self.plan, rank, device, dtype)
         self.targets = [generation[n] for n in self.names]
         logger.info(
-            "HybridEngine initialized: train_view=%s, generate_view=%s, %s; this rank holds %.3f GiB of "
-            "generation weights (a whole copy: %.3f GiB) and receives %.3f GiB at every switch",
+            "HybridEngine initialized: train_view=%s, generate_view=%s, %s; this rank holds %s of generation "
+            "weights (a whole copy: %s) and receives %s at every switch",
             self.plan.train_view,
             view,
             dtype,
-            self.plan.generation_bytes() / 2**30,
-            self.plan.full_bytes() / 2**30,
-            self.plan.bytes_received(rank) / 2**30,
+            format_bytes(self.plan.generation_bytes()),
+            format_bytes(self.plan.full_bytes()),
+            format_bytes(self.plan.bytes_received(rank)),
         )
 
     def release(self) -> int:

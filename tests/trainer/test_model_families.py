@@ -176,3 +176,27 @@ def test_one_grpo_step_on_two_ranks_for_the_families_outside_the_built_in_engine
             assert "received per rank into a whole replica" in switch
         else:
             assert "full state-dict broadcast" in switch
+
+
+@pytest.mark.parametrize("family", ["gpt2", "mixtral"])
+def test_the_automatic_layout_never_gives_a_family_a_split_it_cannot_take(family: str) -> None:
+    # The notebook call plans the layout from the model's shape: GPT-2 (no n_inner-free intermediate size,
+    # no shard rules) used to crash it. On four 8 GB GPUs a 1.5B model wants splitting: no tensor
+    # parallelism for either family, and no pipeline stages or Ulysses for GPT-2.
+    from transformers import GPT2Config, MixtralConfig
+
+    from hybridflow.trainer.layout import plan_layout
+
+    if family == "gpt2":
+        shape = GPT2Config(n_embd=1600, n_layer=48, n_head=25, vocab_size=50257)
+    else:
+        shape = MixtralConfig(
+            hidden_size=1024, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=16,
+            num_key_value_heads=8, num_local_experts=8, vocab_size=32000,
+        )  # fmt: skip
+    cfg = load_config(None, ["trainer.n_gpus_per_node=4", "data.train_batch_size=16", "rollout.n=4"])
+    layout = plan_layout(cfg, shape, 8 * 10**9)
+    assert layout.tp_train == layout.tp_generate == 1
+    if family == "gpt2":
+        assert layout.pp == layout.sp == 1
+    assert layout.phases and layout.views is not None  # estimated and with the switch's figures

@@ -9,6 +9,7 @@ nothing to plan. ``benchmarks/views.py`` prints these figures per view; the trai
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from torch import nn
@@ -104,7 +105,8 @@ def view_memory(
     if switch:
         plan = ReshardPlan(specs, generate, rollout_bytes, 512 * 2**20, holdings, str(view))
         received = max(plan.bytes_received(r) for r in range(world))
-    layer = sum(volume(tuple((0, d) for d in s)) for n, s in params if ".layers.0." in n)
+    first = re.compile(r"\.(layers|h)\.0\.")  # the first decoder layer (GPT-2 names its layers h)
+    layer = sum(volume(tuple((0, d) for d in s)) for n, s in params if first.search(n))
     local = (volume(tuple((0, d) for d in spec.layout.local_shape())) for spec in specs)
     return ViewMemory(
         train_view=str(view),
