@@ -126,6 +126,19 @@ def test_one_grpo_step_at_one_rank(
     assert len(switch) == 1 and switch[0].levelno == logging.INFO
 
 
+@pytest.mark.parametrize("name", ["gpt2", "qwen2_moe"])
+def test_ppo_with_a_critic_and_a_reference_at_one_rank(
+    setup: dict[str, Path], tmp_path: Path, name: str
+) -> None:
+    # The critic is the family's token-classification model (GPT-2's head is ``classifier``), the
+    # reference a frozen copy: both start for the families outside the built-in engine too.
+    ppo = ("algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "critic.ppo_mini_batch_size=4")
+    cfg = load_config(None, overrides(setup, name, tmp_path / "run", *ppo))
+    (m,) = PPOTrainer(cfg, build_components(cfg)).fit()
+    check_step(m)
+    assert math.isfinite(m["critic/vf_loss"]) and m["actor/kl_loss"] == 0.0  # the policy is the reference
+
+
 def train_rank(rank: int, runs: list[list[str]]) -> list[dict]:
     """One rank of torchrun-style runs, one after another; each run's exit code and this rank's warnings."""
     from hybridflow.cli.main import main
