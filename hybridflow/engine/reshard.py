@@ -32,6 +32,7 @@ from hybridflow.engine.parallel.resharder import Resharder
 from hybridflow.engine.parallel.tp_rollout import Box, build_shard, layouts, meta_model
 from hybridflow.engine.parallel.view import GenerateView
 from hybridflow.utils.dist import world_size
+from hybridflow.utils.errors import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -132,19 +133,34 @@ class RolloutShard:
         self.resharder = Resharder(self.plan, rank, device, dtype)
         self.targets = [generation[n] for n in self.names]
         logger.info(
-            "HybridEngine initialized: train_view=%s, generate_view=%s, %s; this rank holds %.3f GiB of "
-            "generation weights (a whole copy: %.3f GiB) and receives %.3f GiB at every switch",
+            "HybridEngine initialized: train_view=%s, generate_view=%s, %s; this rank holds %s of generation "
+            "weights (a whole copy: %s) and receives %s at every switch",
             self.plan.train_view,
             view,
             dtype,
-            self.plan.generation_bytes() / 2**30,
-            self.plan.full_bytes() / 2**30,
-            self.plan.bytes_received(rank) / 2**30,
+            format_bytes(self.plan.generation_bytes()),
+            format_bytes(self.plan.full_bytes()),
+            format_bytes(self.plan.bytes_received(rank)),
         )
 
     def release(self) -> int:
         """Free the generation weights' memory until the next ``sync()``; returns the bytes freed."""
         return self.storages.release()
+
+    def switch_line(self) -> str:
+        """What every switch moves, from the plan: the log line of ``ActorWorker``'s switch."""
+        plan = self.plan
+        whole = format_bytes(plan.full_bytes())
+        if self.view.world == 1:  # one rank: its replica (for HF generate) is refreshed by a local copy
+            return (
+                f"Stage switch: nothing received (one rank); {format_bytes(plan.generation_bytes())} copied "
+                f"locally into the rollout's replica (a whole copy is {whole})"
+            )
+        received = [plan.bytes_received(r) for r in range(self.view.world)]
+        most = format_bytes(max(received))
+        amount = most if min(received) == max(received) else f"up to {most}"
+        shard = "a whole replica" if self.view.tp == 1 else f"a 1/{self.view.tp} tensor-parallel shard"
+        return f"Stage switch: {amount} received per rank into {shard} (a whole copy is {whole})"
 
     @torch.no_grad()
     def sync(self, sharded: nn.Module) -> int:
@@ -180,6 +196,16 @@ class BroadcastReplica:
     def release(self) -> int:
         """The baseline keeps its copy: nothing is freed."""
         return 0
+
+    def switch_line(self) -> str:
+        """What every switch moves: the whole state dict, broadcast from rank 0 to each other rank."""
+        whole = format_bytes(sum(p.numel() * p.element_size() for p in self.params.values()))
+        if self.world == 1:
+            return f"Stage switch (actor.hybrid_engine=false): the kept copy is refreshed locally ({whole})"
+        return (
+            f"Stage switch (actor.hybrid_engine=false): {whole} received per rank other than rank 0, a full "
+            f"state-dict broadcast (a whole copy is {whole})"
+        )
 
     @torch.no_grad()
     def sync(self, sharded: nn.Module) -> int:

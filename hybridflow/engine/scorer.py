@@ -18,6 +18,7 @@ from hybridflow.engine.packed_attention import (
     packed_mask_placeholder,
 )
 from hybridflow.engine.packing import ScoringInputs
+from hybridflow.models.value_model import value_head
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -99,8 +100,6 @@ class ValueScorer(nn.Module):
     def forward(self, inputs: ScoringInputs) -> torch.Tensor:
         """Return the values (M,) in float32 at ``inputs.gather_index``."""
         rows = _hidden_rows(decoder_of(self.model), inputs)  # (M, H)
-        head = getattr(self.model, "score", None)
-        if head is None:
-            raise TypeError(f"{type(self.model).__name__} has no 'score' head; load it with load_value_model")
+        head = value_head(self.model)  # ``score`` (GPT-2: ``classifier``); TypeError without one
         # A fresh tensor, not a view: FSDP2 hooks backward on the root's output and warns about views.
         return head(rows).float().squeeze(-1).clone()  # (M,)

@@ -10,14 +10,22 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import (
     GenerationConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 logger = logging.getLogger(__name__)
@@ -43,7 +51,39 @@ _ARCHS = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),  # per-head q/k RMSNorm
     "llama": (LlamaConfig, LlamaForCausalLM),
+    # Outside the built-in rollout engine (HF generate): learned positions, LayerNorm, GELU, fused c_attn.
+    "gpt2": (GPT2Config, GPT2LMHeadModel),
+    # Mixtures of experts (4 experts, 2 per token): Qwen2-MoE adds a gated shared expert.
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "mixtral": (MixtralConfig, MixtralForCausalLM),
 }
+TINY_EXPERTS, TINY_EXPERTS_PER_TOKEN = 4, 2
+
+
+def _family_kwargs(
+    arch: str, hidden: int, layers: int, heads: int, kv_heads: int, inter: int, positions: int
+) -> dict:
+    """The config keywords of one family for the shared tiny sizes."""
+    if arch == "gpt2":  # GPT-2 spells its sizes its own way and has no grouped KV heads
+        return dict(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=inter, n_positions=positions)
+    out = dict(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=inter,
+        max_position_embeddings=positions,
+    )
+    if arch in ("qwen3", "qwen3_moe"):  # Qwen3's config defaults to 128-wide heads whatever the hidden size
+        out["head_dim"] = hidden // heads
+    if arch in ("qwen2_moe", "qwen3_moe", "mixtral"):
+        out.update(num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_EXPERTS_PER_TOKEN)
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        out.update(moe_intermediate_size=inter // 2, decoder_sparse_step=1)
+    if arch == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = inter
+    return out
 
 
 def _byte_symbols() -> list[str]:
@@ -134,10 +174,11 @@ def build_tiny_model(
     eos_token_id: int | list[int] | None = None,
     attn_implementation: str | None = None,
 ) -> PreTrainedModel:
-    """Build a randomly initialised Qwen2, Qwen3 or Llama causal LM from a small config.
+    """Build a randomly initialised causal LM of ``arch`` (a key of ``_ARCHS``) from a small config.
 
     ``vocab_size`` defaults to the char tokenizer's, ``intermediate_size`` to 4 * hidden_size and
-    ``tie_word_embeddings`` to the family's small models (True for qwen2 and qwen3, False for llama). The same
+    ``tie_word_embeddings`` to the family's small models (True for qwen2, qwen3 and gpt2, False for the
+    others). GPT-2 ignores ``num_key_value_heads``; the MoE families get 4 experts, 2 per token. The same
     ``seed`` gives the same weights, and the global RNG state is left untouched.
     """
     if arch not in _ARCHS:
@@ -148,21 +189,25 @@ def build_tiny_model(
             f"which must be divisible by num_key_value_heads ({num_key_value_heads})"
         )
     config_cls, model_cls = _ARCHS[arch]
+    inter = intermediate_size if intermediate_size is not None else 4 * hidden_size
+    sizes = _family_kwargs(
+        arch,
+        hidden_size,
+        num_hidden_layers,
+        num_attention_heads,
+        num_key_value_heads,
+        inter,
+        max_position_embeddings,
+    )
+    tied = arch in ("qwen2", "qwen3", "gpt2") if tie_word_embeddings is None else tie_word_embeddings
     config = config_cls(
         vocab_size=vocab_size if vocab_size is not None else char_vocab_size(),
-        hidden_size=hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        intermediate_size=intermediate_size if intermediate_size is not None else 4 * hidden_size,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=arch.startswith("qwen") if tie_word_embeddings is None else tie_word_embeddings,
+        tie_word_embeddings=tied,
         pad_token_id=pad_token_id,
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id[0] if isinstance(eos_token_id, list) else eos_token_id,
         attn_implementation=attn_implementation,
-        # Qwen3's config defaults to 128-wide heads whatever the hidden size: keep hidden / heads as the others
-        **({"head_dim": hidden_size // num_attention_heads} if arch == "qwen3" else {}),
+        **sizes,
     )
     # Initialise in float32 under a forked RNG so weights depend only on `seed`, not on the dtype or on
     # whatever ran before; then cast once.

@@ -16,8 +16,17 @@ from hybridflow.models.loader import from_pretrained_kwargs, load_config
 
 logger = logging.getLogger(__name__)
 
-# Name of the scalar head in transformers' generic token-classification models (Qwen2, Llama, Mistral, ...).
+# Name of the scalar head in transformers' generic token-classification models (Qwen2, Llama, Mistral, the
+# MoE families, ...); GPT-2's (and BERT-style models') is ``classifier``.
 VALUE_HEAD_NAME = "score"
+VALUE_HEAD_NAMES = (VALUE_HEAD_NAME, "classifier")
+
+
+def value_head_name(model: nn.Module) -> str:
+    """The attribute holding ``model``'s token-classification head (``score``, or GPT-2's ``classifier``)."""
+    return next(
+        (n for n in VALUE_HEAD_NAMES if isinstance(getattr(model, n, None), nn.Linear)), VALUE_HEAD_NAME
+    )
 
 
 def load_value_model(
@@ -52,7 +61,7 @@ def load_value_model(
             "<Arch>ForTokenClassification (Qwen2, Llama, Mistral, ...) or register one with trust_remote_code"
         ) from err
     missing = set(info.get("missing_keys", ()))
-    head_keys = {f"{VALUE_HEAD_NAME}.weight", f"{VALUE_HEAD_NAME}.bias"}
+    head_keys = {f"{value_head_name(model)}.weight", f"{value_head_name(model)}.bias"}
     if missing - head_keys:
         raise ValueError(
             f"checkpoint at {str(path)!r} does not hold the backbone of {type(model).__name__} "
@@ -68,7 +77,7 @@ def load_value_model(
 
 def value_head(model: PreTrainedModel) -> nn.Linear:
     """Return the scalar head of a critic built by ``load_value_model`` or ``build_value_model``."""
-    head = getattr(model, VALUE_HEAD_NAME, None)
+    head = getattr(model, value_head_name(model), None)
     if not isinstance(head, nn.Linear) or head.out_features != 1:
         raise TypeError(
             f"{type(model).__name__} has no scalar '{VALUE_HEAD_NAME}' head; load the critic with "

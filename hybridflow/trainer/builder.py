@@ -12,6 +12,7 @@ import torch
 
 from hybridflow.config.schema import Config
 from hybridflow.data import KTODataset, PreferenceDataset, RLDataset, build_rl_dataset, load_rows
+from hybridflow.engine.parallel.world import world_line
 from hybridflow.trainer.scoring import Scorer, build_reward_manager, has_scorer, known_sources
 from hybridflow.utils.dist import init_distributed
 from hybridflow.utils.errors import UserError
@@ -215,6 +216,7 @@ def build_components(
     tokenizer. ``step_wise``: no datasets (the step-wise API's caller brings the prompts of each step), and
     ``trainer.total_training_steps`` (else 1, for a schedule that does not depend on it) for the schedulers.
     """
+    logger.info("%s", world_line(cfg))  # the run's first line: world size and every role's rank layout
     model, tokenizer = _policy(cfg, model, tokenizer)
     check_rollout_view(cfg, model)
     warn_position_limit(cfg, model)
@@ -276,6 +278,7 @@ def build_preference_components(
 
     ``rows`` replaces ``data.train_files`` (the built-in DPO demo builds its pairs itself).
     """
+    logger.info("%s", world_line(cfg))  # the run's first line: world size and every role's rank layout
     model, tokenizer = _policy(cfg, model, tokenizer)
     warn_position_limit(cfg, model)
     p, d = cfg.preference, cfg.data

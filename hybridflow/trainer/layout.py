@@ -217,7 +217,8 @@ def _activation_bytes(cfg: Config, mc: Any, layout: Layout, backward: bool) -> i
         budget, micro = r.log_prob_max_token_len_per_gpu, r.log_prob_micro_batch_size_per_gpu
         tokens = _micro_tokens(samples, length, r.log_prob_use_dynamic_bsz, budget, micro)
     tokens //= layout.sp
-    h, i, tp = mc.hidden_size, mc.intermediate_size, layout.tp_train
+    h, tp = mc.hidden_size, layout.tp_train
+    i = getattr(mc, "intermediate_size", None) or getattr(mc, "n_inner", None) or 4 * h  # GPT-2: n_inner
     if not backward:  # no graph kept: the MLP's gate, up and product of one layer at a time
         return tokens * 2 * 3 * i // tp
     kv_dim = (getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads) * (

@@ -25,11 +25,13 @@ from hybridflow.engine.preference import update_preference
 from hybridflow.engine.reshard import BroadcastReplica, RolloutShard
 from hybridflow.engine.rollout.engine import RolloutEngine, make_rollout
 from hybridflow.engine.rollout.sampling import SamplingParams
-from hybridflow.engine.rollout.support import supports
+from hybridflow.engine.rollout.support import fallback_reason
 from hybridflow.engine.sequences import pack_prompt_response, pad_rows
 from hybridflow.engine.train_engine import TrainEngine
+from hybridflow.models.families import check_tensor_parallel, fallback_notice
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import init_distributed, world_size
+from hybridflow.utils.errors import UserError, format_bytes
 from hybridflow.utils.logging import rank as dist_rank
 from hybridflow.utils.progress import Progress
 
@@ -76,10 +78,8 @@ class ActorWorker:
         init_distributed()
         r = cfg.rollout
         max_len = r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
-        native = r.engine == "native" and supports(model, max_len)
-        if r.engine == "native" and not native:
-            logger.warning("the built-in rollout engine does not cover this model: HF generate, much slower")
         view = GenerateView(world_size(), r.tensor_model_parallel_size)
+        native = self._pick_engine(model, view, max_len)
         self.train_view = TrainView(
             world_size(),
             cfg.actor.tensor_parallel_size,
@@ -127,11 +127,51 @@ class ActorWorker:
             device=device,  # the GPU, also while offloaded parameters sit on the host
             **({"tp": tp} if tp is not None else {}),
         )
+        self.switch_line = self._switch_line(dtype)
+        self._last_switch_line: str | None = None
         # Engines whose moments may leave the GPU for a rollout short of room (optimizer_offload=auto); the
         # builder adds a critic on the same devices.
         auto = trainable and cfg.actor.fsdp.optimizer_offload == "auto"
         self.room_donors: list[TrainEngine] = [self.engine.engine] if auto else []
         self._release_rollout_weights()
+
+    def _pick_engine(self, model: nn.Module, view: GenerateView, max_len: int) -> bool:
+        """Whether the built-in engine generates (else HF generate); refuses a layout the model cannot take.
+
+        A family outside the built-in engine falls back to HF generate on a whole replica per rank, with one
+        warning (rank 0) naming the family; a tensor-parallel rollout needs the built-in engine's shard rules.
+        """
+        r = self.cfg.rollout
+        reason = fallback_reason(model, max_len) if r.engine == "native" else None
+        if view.tp > 1:
+            check_tensor_parallel(model.config, "rollout.tensor_model_parallel_size", view.tp)
+            if reason is not None:
+                raise UserError(
+                    f"rollout.tensor_model_parallel_size={view.tp} needs the built-in rollout engine, which "
+                    f"does not run this model ({reason}); set rollout.tensor_model_parallel_size=1 (HF "
+                    "generate on a whole replica per rank)"
+                )
+        if reason is not None and dist_rank() == 0:  # one warning per run, not one per rank
+            logger.warning(fallback_notice(model.config, reason))
+        return r.engine == "native" and reason is None
+
+    def _switch_line(self, dtype: torch.dtype) -> str:
+        """The log line of every train -> generate switch: what moves, from the reshard plan."""
+        if self.weights is not None:
+            return self.weights.switch_line()
+        cast = sum(  # the runner's cast buffers: weights whose dtype (or device) is not the rollout's
+            p.numel() * dtype.itemsize
+            for p in self.hf_model.parameters()
+            if p.dtype != dtype or p.device != self.engine.engine.device
+        )
+        line = "Stage switch: nothing copied, the rollout reads the training weights in place (one rank)"
+        return line + (f"; {format_bytes(cast)} cast to {dtype} into its buffers" if cast else "")
+
+    def _log_switch(self) -> None:
+        """The switch line: INFO on the run's first switch and when its figure changes, DEBUG otherwise."""
+        line = self.switch_line
+        logger.log(logging.INFO if line != self._last_switch_line else logging.DEBUG, line)
+        self._last_switch_line = line
 
     def _generation_weights(
         self, view: GenerateView, native: bool, dtype: torch.dtype, device: torch.device
@@ -203,6 +243,7 @@ class ActorWorker:
         group) and ``finish_reason``; ``meta["rollout_stats"]`` holds the engine's ``GenerationStats``.
         """
         reshard = self._switch_to_generation()
+        self._log_switch()
         params = dataclasses.replace(params, seed=self.group.seed(params.seed))
         mask = prompts["attention_mask"].bool()
         ids = [row[m].tolist() for row, m in zip(prompts["input_ids"], mask)]

@@ -10,6 +10,7 @@ import torch
 
 from hybridflow.config.schema import Config
 from hybridflow.models import build_value_model, load_causal_lm, load_tokenizer, load_value_model
+from hybridflow.models.families import disable_dropout
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.seed import set_seed
 from hybridflow.workers.actor import ActorWorker
@@ -64,13 +65,23 @@ def load_policy(cfg: Config) -> tuple[torch.nn.Module, Any]:
 def build_roles(
     cfg: Config, model: torch.nn.Module, total_steps: int, pad_id: int, roles: tuple[str, ...] = COLOCATED
 ) -> dict[str, Any]:
-    """The workers of ``roles`` that the config asks for, built from the initial policy ``model``."""
+    """The workers of ``roles`` that the config asks for, built from the initial policy ``model``.
+
+    Dropout is turned off in every model first (``families.disable_dropout``): the update must score the
+    distribution the rollout sampled from.
+    """
+    turned_off = disable_dropout(model)
+    if turned_off:
+        logger.info(
+            "dropout off for RL (the update must see what the rollout sampled): %s", ", ".join(turned_off)
+        )
     # The reference and critic start from the initial policy: copy it before the actor's engine shards it.
     ref_model = copy.deepcopy(model) if cfg.use_reference and "ref" in roles else None
     critic_model = None
     if cfg.use_critic and "critic" in roles:
         path = cfg.critic.model.path
         critic_model = load_value_model(path) if path else build_value_model(model)
+        disable_dropout(critic_model)
     out: dict[str, Any] = {}
     if "actor" in roles:
         out["actor"] = ActorWorker(model, cfg, total_steps, pad_id)

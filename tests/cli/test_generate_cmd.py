@@ -145,3 +145,33 @@ def test_a_conversation_prompts_as_in_training(tmp_path: Path) -> None:
             str(write_prompts(tmp_path / "p.jsonl", [{"messages": [{"role": "system", "content": "s"}]}])),
             tok,
         )
+
+
+@pytest.mark.parametrize("arch,engine", [("gpt2", "native"), ("gpt2", "hf"), ("qwen2", "hf")])
+def test_responses_stop_at_the_position_limit_on_hf_generate_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture, arch: str, engine: str
+) -> None:
+    # The case: a 256-position GPT-2 warned that responses stop at 252 tokens, then died with an
+    # IndexError (the HF fallback ran past its last position). Several prompts, of very different lengths.
+    model = tmp_path / arch
+    build_tiny_model_and_tokenizer(
+        out_dir=model, arch=arch, hidden_size=32, num_hidden_layers=1, max_position_embeddings=256
+    )
+    rows = [
+        {"prompt": "a" * 252},
+        {"prompt": "12+7="},
+        {"messages": [{"role": "user", "content": "b" * 120}]},
+    ]
+    rows.append({"prompt": "c" * 249})
+    prompts = write_prompts(tmp_path / "p.jsonl", rows)
+    out = tmp_path / "gen.jsonl"
+    argv = generate_argv(model, prompts, out, "--max-new-tokens", "8", "--n", "2", "--seed", "3")
+    assert main([*argv, "--ignore-eos", "--engine", engine]) == 0
+    err = capsys.readouterr().err
+    assert "its responses stop at 4 tokens" in err
+    fallback = [line for line in err.splitlines() if "HF generate" in line]
+    assert len(fallback) == (1 if (arch, engine) == ("gpt2", "native") else 0)  # asked for: no warning
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    lengths = [len(r["token_ids"]) for r in lines]
+    assert lengths == [4, 4, 8, 8, 8, 8, 7, 7]  # 256 - 252, then whole, then 256 - 249
+    assert all(r["finish_reason"] == "length" and len(r["logprobs"]) == len(r["token_ids"]) for r in lines)

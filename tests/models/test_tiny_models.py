@@ -65,7 +65,7 @@ def test_bf16_model_is_cast_of_fp32_weights():
 
 def test_bad_arch_and_head_split():
     with pytest.raises(ValueError, match="qwen2"):
-        build_tiny_model("gpt2")
+        build_tiny_model("bloom")
     with pytest.raises(ValueError, match="divisible"):
         build_tiny_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=3)
 

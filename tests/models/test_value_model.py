@@ -119,3 +119,18 @@ def test_compute_values_rejects_bad_input(tiny_dir):
         compute_values(load_causal_lm(path), IDS)
     with pytest.raises(TypeError, match="scalar"):
         value_head(load_causal_lm(path))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "mixtral"])
+def test_critics_of_the_other_families(tmp_path, arch):
+    # GPT-2's token-classification head is ``classifier``, not ``score``: the critic of a GPT-2 policy used
+    # to fail at start. From a saved causal LM (fresh head) and from one in memory, the same critic.
+    lm = build_tiny_model(arch, vocab_size=64, hidden_size=32, num_hidden_layers=1)
+    lm.save_pretrained(tmp_path)
+    loaded, built = load_value_model(tmp_path), build_value_model(lm)
+    for critic in (loaded, built):
+        head = value_head(critic)
+        assert head.out_features == 1 and head.in_features == 32
+    assert torch.equal(value_head(loaded).weight, value_head(built).weight)  # the same deterministic head
+    values = compute_values(loaded.eval(), IDS, MASK)
+    assert values.shape == (2, 6) and torch.equal(values, compute_values(built.eval(), IDS, MASK))

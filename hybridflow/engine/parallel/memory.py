@@ -9,6 +9,7 @@ nothing to plan. ``benchmarks/views.py`` prints these figures per view; the trai
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from torch import nn
@@ -19,6 +20,7 @@ from hybridflow.engine.parallel.tp_rollout import ShardLayout, check_tp, kind_of
 from hybridflow.engine.parallel.tp_train import check_train_tp
 from hybridflow.engine.parallel.train_view import TrainView, train_box
 from hybridflow.engine.parallel.view import GenerateView
+from hybridflow.models.families import has_shard_rules
 
 MASTER_BYTES = 4  # float32 masters
 GRAD_BYTES = 4  # float32 gradients
@@ -75,7 +77,9 @@ def view_memory(
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     params = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    kinds = [kind_of(n) for n, _ in params]
+    # A family without shard rules (GPT-2, MoE) only ever has whole weights here: tp = 1 in both views
+    # (unsplit_reason refuses more), so every parameter is whole and needs no rule.
+    kinds = [kind_of(n) if has_shard_rules(config) else "replicated" for n, _ in params]
     fsdp_dims = [
         1 if view.fsdp_only and tp_generate > 1 and k == "row" and shape[1] % world == 0 else 0
         for k, (_, shape) in zip(kinds, params)
@@ -101,7 +105,8 @@ def view_memory(
     if switch:
         plan = ReshardPlan(specs, generate, rollout_bytes, 512 * 2**20, holdings, str(view))
         received = max(plan.bytes_received(r) for r in range(world))
-    layer = sum(volume(tuple((0, d) for d in s)) for n, s in params if ".layers.0." in n)
+    first = re.compile(r"\.(layers|h)\.0\.")  # the first decoder layer (GPT-2 names its layers h)
+    layer = sum(volume(tuple((0, d) for d in s)) for n, s in params if first.search(n))
     local = (volume(tuple((0, d) for d in spec.layout.local_shape())) for spec in specs)
     return ViewMemory(
         train_view=str(view),

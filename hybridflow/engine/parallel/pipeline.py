@@ -31,6 +31,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from hybridflow.engine.packed_attention import BOUNDS_KWARG, CU_SEQLENS_KWARG, packed_mask_placeholder
 from hybridflow.engine.packing import ScoringInputs
 from hybridflow.engine.parallel.train_view import TrainView
+from hybridflow.models.families import check_layer_split
 from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ def stage_of_param(name: str, num_layers: int, pp: int, tied: bool) -> tuple[int
 
 def check_train_pp(config: object, pp: int, role: str = "actor") -> None:
     """Raise UserError naming the field when ``pp`` stages cannot split this model."""
+    check_layer_split(config, f"{role}.pipeline_parallel_size", pp, "pipeline parallelism")
     layers = config.num_hidden_layers
     if pp > layers:
         raise UserError(

@@ -26,6 +26,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from hybridflow.engine.fsdp import FSDP_SHARD_DIM
+from hybridflow.models.families import check_tensor_parallel
 from hybridflow.utils.errors import UserError
 
 # One (start, stop) per dimension of a tensor: the part of a full parameter a rank holds or needs.
@@ -102,6 +103,8 @@ def kind_of(name: str) -> str:
 
 def layouts(model: nn.Module, tp: int) -> dict[str, ShardLayout]:
     """The ``ShardLayout`` of every parameter of ``model`` (names as ``named_parameters`` gives them)."""
+    if tp == 1:  # a whole replica: every parameter whole, whatever the family (no shard rule needed)
+        return {name: ShardLayout("replicated", tuple(p.shape), 1) for name, p in model.named_parameters()}
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return {
@@ -128,7 +131,11 @@ def follow_rollout_shards(model: nn.Module, world: int, tp: int) -> int:
 
 
 def check_tp(config: Any, tp: int) -> None:
-    """Raise ValueError naming the fields when ``tp`` cannot split this model's heads and MLP."""
+    """Raise UserError naming the fields when ``tp`` cannot split this model's heads and MLP (or the family
+    has no shard rules)."""
+    check_tensor_parallel(config, "rollout.tensor_model_parallel_size", tp)
+    if tp == 1:  # nothing to split (and a family without shard rules may lack the fields below)
+        return
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     problems = []
@@ -182,8 +189,8 @@ def build_shard(model: nn.Module, tp: int, dtype: torch.dtype, device: torch.dev
     finally:
         torch.set_default_dtype(default)
     shard.to_empty(device=device)
-    if getattr(config, "tie_word_embeddings", False):
-        shard.lm_head.weight = shard.model.embed_tokens.weight  # to_empty allocates the two apart
+    if getattr(config, "tie_word_embeddings", False):  # to_empty allocates the two apart
+        shard.get_output_embeddings().weight = shard.get_input_embeddings().weight
     sources = dict(model.named_buffers())
     for name, _ in list(shard.named_buffers()):
         module_name, _, attr = name.rpartition(".")

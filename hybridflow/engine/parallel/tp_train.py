@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from hybridflow.models.families import check_tensor_parallel
 from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -32,8 +33,12 @@ def check_train_tp(config: Any, tp: int, role: str = "actor") -> None:
     """Raise ValueError naming the fields when ``tp`` cannot split this model's layers for training.
 
     Unlike the rollout, training cannot share a KV head between ranks (its gradient would be split), so the
-    KV heads must divide by tp, as Megatron requires of its query groups.
+    KV heads must divide by tp, as Megatron requires of its query groups. Families without shard rules
+    (GPT-2, mixtures of experts) are refused first, naming the family.
     """
+    check_tensor_parallel(config, f"{role}.tensor_parallel_size", tp)
+    if tp == 1:  # nothing to split (and a family without shard rules may lack the fields below)
+        return
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     problems = [

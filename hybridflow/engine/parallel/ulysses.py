@@ -45,6 +45,7 @@ from hybridflow.engine.packed_attention import (
 )
 from hybridflow.engine.packing import ScoringInputs, to_device
 from hybridflow.engine.parallel.train_view import TrainView
+from hybridflow.models.families import check_layer_split
 from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class SequenceShard:
 
 def check_ulysses(config: Any, sp: int, role: str = "actor") -> None:
     """Raise UserError naming the fields when ``sp`` cannot split this model's attention heads."""
+    check_layer_split(config, f"{role}.ulysses_sequence_parallel_size", sp, "sequence parallelism (Ulysses)")
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     problems = []

@@ -23,7 +23,8 @@ from hybridflow.engine.rollout.sampling import SamplingParams, make_generator, s
 from hybridflow.engine.rollout.scheduler import PrefillChunk, PromptGroup, SlotScheduler
 from hybridflow.engine.rollout.state import REASONS, DecodeState
 from hybridflow.engine.rollout.stats import GenerationStats, PhaseTimer
-from hybridflow.engine.rollout.support import supports
+from hybridflow.engine.rollout.support import fallback_reason
+from hybridflow.models.families import fallback_notice
 
 logger = logging.getLogger(__name__)
 
@@ -425,11 +426,16 @@ class RolloutEngine:
 
 
 class HFRollout:
-    """The same ``generate`` interface over transformers' ``generate`` (``rollout.engine=hf``, or a fallback)."""
+    """The same ``generate`` interface over transformers' ``generate`` (``rollout.engine=hf``, or a fallback).
 
-    def __init__(self, model: nn.Module, pad_token_id: int = 0) -> None:
+    ``max_model_len`` caps prompt + response as the built-in engine does (each response stops at the model's
+    position limit, or at this length when smaller).
+    """
+
+    def __init__(self, model: nn.Module, pad_token_id: int = 0, max_model_len: int | None = None) -> None:
         self.model = model
         self.pad_token_id = pad_token_id
+        self.max_model_len = max_model_len
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, progress: Callable[[int], None] | None = None
@@ -437,7 +443,7 @@ class HFRollout:
         """``params.n`` responses for each prompt through HF ``generate``."""
         from hybridflow.engine.rollout.hf_fallback import hf_generate
 
-        out = hf_generate(self.model, prompts, params, self.pad_token_id)
+        out = hf_generate(self.model, prompts, params, self.pad_token_id, self.max_model_len)
         if progress is not None:
             progress(len(prompts) * params.n)
         return out
@@ -446,14 +452,12 @@ class HFRollout:
 def make_rollout(
     model: nn.Module, engine: str = "native", pad_token_id: int = 0, **kwargs
 ) -> RolloutEngine | HFRollout:
-    """The built-in engine when the architecture is supported (else HF ``generate`` with a notice)."""
+    """The built-in engine when the architecture is supported, else HF ``generate`` with one warning."""
     if engine not in ("native", "hf"):
         raise ValueError(f"unknown rollout engine {engine!r}; use native or hf")
     if engine == "native":
-        if supports(model, kwargs.get("max_model_len")):
+        reason = fallback_reason(model, kwargs.get("max_model_len"))
+        if reason is None:
             return RolloutEngine(model, **kwargs)
-        logger.warning(
-            "the built-in rollout engine does not cover this model (the reason is logged above); using HF "
-            "generate, which is much slower"
-        )
-    return HFRollout(model, pad_token_id)
+        logger.warning(fallback_notice(model.config, reason))
+    return HFRollout(model, pad_token_id, kwargs.get("max_model_len"))

@@ -16,6 +16,7 @@ seeded stream and lose its draws (the trainer's only other thread, the async rew
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 
@@ -72,14 +73,36 @@ def _private_rng(seed: int | None, device: torch.device) -> Iterator[None]:
         yield
 
 
+def position_limit(model: nn.Module, max_model_len: int | None = None) -> int | None:
+    """The most tokens a sequence may hold: the model's position limit, or ``max_model_len`` when smaller."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    limits = [n for n in (limit, max_model_len) if isinstance(n, int) and n > 0]
+    return min(limits) if limits else None
+
+
+def response_caps(prompts: list[list[int]], max_new_tokens: int, limit: int | None) -> list[int]:
+    """Each prompt's most new tokens: ``max_new_tokens``, cut where prompt + response reaches ``limit``.
+
+    The built-in engine's rule (``DecodeState.start``). Raises ValueError for a prompt that leaves no room.
+    """
+    if limit is None:
+        return [max_new_tokens] * len(prompts)
+    longest = max(len(p) for p in prompts)
+    if longest >= limit:
+        raise ValueError(
+            f"a prompt of {longest} tokens leaves no room to generate within the context of {limit} tokens; "
+            "shorten it or raise max_model_len (data.max_prompt_length)"
+        )
+    return [min(max_new_tokens, limit - len(p)) for p in prompts]
+
+
 @torch.no_grad()
-def hf_generate(
-    model: nn.Module, prompts: list[list[int]], params: SamplingParams, pad_id: int = 0
+def _generate_batch(
+    model: nn.Module, prompts: list[list[int]], params: SamplingParams, pad_id: int, device: torch.device
 ) -> list[list]:
-    """``params.n`` responses per prompt with HF ``generate`` (left-padded batch); same output type as the engine."""
+    """One HF ``generate`` call over ``prompts`` (left-padded), ``params.n`` outputs each."""
     from hybridflow.engine.rollout.engine import GenerationOutput
 
-    device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     rows = [p for p in prompts for _ in range(params.n)]  # interleaved [a, a, b, b]; greedy allows no n > 1
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B * n, T) left-padded
@@ -87,10 +110,9 @@ def hf_generate(
     for i, p in enumerate(rows):
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
-    with _private_rng(params.seed, device):
-        out = model.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), **_generate_kwargs(params, pad_id)
-        )
+    out = model.generate(
+        input_ids=ids.to(device), attention_mask=mask.to(device), **_generate_kwargs(params, pad_id)
+    )
     new = out.sequences[:, width:]  # (B * n, W)
     scores = torch.stack(out.scores, dim=1).float()  # (B * n, W, V) processed logits
     logps = torch.log_softmax(scores, dim=-1).gather(-1, new[..., None]).squeeze(-1)  # (B * n, W)
@@ -108,4 +130,29 @@ def hf_generate(
                     break
             row.append(GenerationOutput(toks, lps, reason))
         results.append(row)
+    return results
+
+
+def hf_generate(
+    model: nn.Module,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    pad_id: int = 0,
+    max_model_len: int | None = None,
+) -> list[list]:
+    """``params.n`` responses per prompt with HF ``generate``; same output type as the engine.
+
+    Each response stops where its prompt plus response reaches the model's position limit (or
+    ``max_model_len``), as in the built-in engine: prompts are grouped by that cap, one ``generate`` call
+    per group (one call when no prompt is near the limit), so no position past the limit is ever used.
+    """
+    device = next(model.parameters()).device
+    caps = response_caps(prompts, params.max_new_tokens, position_limit(model, max_model_len))
+    results: list[list | None] = [None] * len(prompts)
+    with _private_rng(params.seed, device):
+        for cap in sorted(set(caps), reverse=True):
+            idx = [i for i, c in enumerate(caps) if c == cap]
+            group = dataclasses.replace(params, max_new_tokens=cap)
+            for i, row in zip(idx, _generate_batch(model, [prompts[i] for i in idx], group, pad_id, device)):
+                results[i] = row
     return results

@@ -190,9 +190,13 @@ def test_heads_that_sp_does_not_split_are_refused() -> None:
     from hybridflow.engine.parallel.ulysses import check_ulysses, group_budgets
     from hybridflow.utils.errors import UserError
 
-    check_ulysses(SimpleNamespace(num_attention_heads=8, num_key_value_heads=2), 4)  # KV heads replicated
+    check_ulysses(
+        SimpleNamespace(model_type="qwen2", num_attention_heads=8, num_key_value_heads=2), 4
+    )  # KV heads replicated
     with pytest.raises(UserError, match=r"critic\.ulysses_sequence_parallel_size=8 .* num_attention_heads=4"):
-        check_ulysses(SimpleNamespace(num_attention_heads=4, num_key_value_heads=2), 8, "critic")
+        check_ulysses(
+            SimpleNamespace(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2), 8, "critic"
+        )
     with pytest.raises(UserError, match="num_key_value_heads=3"):
-        check_ulysses(SimpleNamespace(num_attention_heads=6, num_key_value_heads=3), 2)
+        check_ulysses(SimpleNamespace(model_type="qwen2", num_attention_heads=6, num_key_value_heads=3), 2)
     assert group_budgets(actor_config(True), 4).ppo_max_token_len_per_gpu == 96

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.engine.rollout.hf_fallback import hf_generate
+from hybridflow.engine.rollout.hf_fallback import hf_generate, position_limit, response_caps
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.models import build_tiny_model
 
@@ -65,3 +65,37 @@ def test_seeded_generate_on_cuda_leaves_cpu_and_cuda_rng_states_untouched() -> N
     assert torch.equal(torch.cuda.get_rng_state(), cuda)
     assert sample(model, seed=7) == first
     assert sample(model, seed=8) != first
+
+
+def test_each_response_stops_at_the_position_limit_as_in_the_built_in_engine() -> None:
+    # Regression: HF generate ran every prompt max_new_tokens past the longest one and a GPT-2 died with an
+    # IndexError at its last learned position. Caps are per prompt, as the built-in engine's.
+    from hybridflow.engine.rollout.engine import RolloutEngine
+
+    model = build_tiny_model(
+        "qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=1, max_position_embeddings=24
+    )
+    prompts = [list(range(3, 23)), [5, 6, 7], list(range(4, 20)), [9] * 21]  # 20, 3, 16 and 21 tokens
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=1, ignore_eos=True)
+    assert response_caps(prompts, 6, position_limit(model)) == [4, 6, 6, 3]
+    assert response_caps(prompts, 6, position_limit(model, max_model_len=22)) == [2, 6, 6, 1]
+    hf = hf_generate(model, prompts, params)
+    native = RolloutEngine(model).generate(prompts, params)
+    for got, want in zip(hf, native):
+        assert [len(s.token_ids) for s in got] == [len(s.token_ids) for s in want]
+        assert all(s.finish_reason == "length" for s in got)
+    assert [len(g[0].token_ids) for g in hf] == [4, 6, 6, 3]
+    with pytest.raises(ValueError, match="a prompt of 24 tokens leaves no room"):
+        hf_generate(model, [[5] * 24, [6]], params)
+
+
+def test_a_gpt2_at_its_last_positions_generates_every_prompt() -> None:
+    model = build_tiny_model(
+        "gpt2", vocab_size=64, hidden_size=32, num_hidden_layers=1, max_position_embeddings=16
+    )
+    prompts = [[5] * 14, [6, 7], [8] * 10]
+    params = SamplingParams(n=2, max_new_tokens=5, temperature=1.0, seed=3, ignore_eos=True)
+    out = hf_generate(model, prompts, params)
+    assert [[len(s.token_ids) for s in g] for g in out] == [[2, 2], [5, 5], [5, 5]]
+    first = hf_generate(model, prompts, params)  # grouped calls, one seeded stream: still reproducible
+    assert [[s.token_ids for s in g] for g in first] == [[s.token_ids for s in g] for g in out]

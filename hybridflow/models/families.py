@@ -1,0 +1,116 @@
+"""What hybridflow does with each model family: the built-in engine's Llama family, the rest, and MoE.
+
+The built-in rollout engine and every tensor-parallel shard rule (rollout and training) cover the dense Llama
+family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3). Any other causal LM (GPT-2, a mixture of experts, ...) still
+trains with FSDP2 over every rank and generates with HF ``generate`` on a whole replica per rank; only the
+layouts that need shard rules (tensor parallelism) are refused, at start, naming the family. Mixtures of
+experts get their own engine path and expert parallelism in issue 42; until then this module says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from hybridflow.utils.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+# Families whose HF module is a Llama-style decoder (model.embed_tokens, model.layers of self_attn + mlp,
+# model.norm, model.rotary_emb): pipeline stages and Ulysses split these, dense or mixture of experts.
+LLAMA_LAYOUT = (*LLAMA_FAMILY, "qwen2_moe", "qwen3_moe", "mixtral")
+# Config fields holding the number of routed experts, by family (Qwen2/3-MoE, Mixtral, DeepSeek).
+_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+MOE_ISSUE = "issue 42, mixture-of-experts models with expert parallelism"
+MOE_NOT_YET = (
+    f"not there yet for MoE ({MOE_ISSUE}): the built-in rollout engine, expert parallelism, tensor-parallel "
+    "training and a tensor-parallel rollout"
+)
+
+
+def model_type(config: Any) -> str:
+    """The config's ``model_type`` (the family's name), or its class name when it has none."""
+    return getattr(config, "model_type", None) or type(config).__name__
+
+
+def is_moe(config: Any) -> bool:
+    """Whether the config describes a mixture of experts (any routed experts)."""
+    return any(isinstance(getattr(config, f, None), int) and getattr(config, f) > 0 for f in _EXPERT_FIELDS)
+
+
+def has_shard_rules(config: Any) -> bool:
+    """Whether tensor-parallel shard rules exist for this family (dense Llama family only)."""
+    return model_type(config) in LLAMA_FAMILY and not is_moe(config)
+
+
+def check_tensor_parallel(config: Any, key: str, size: int) -> None:
+    """Refuse ``key=size`` > 1 for a family without tensor-parallel shard rules (UserError naming both)."""
+    if size <= 1 or has_shard_rules(config):
+        return
+    family = model_type(config)
+    if is_moe(config):
+        raise UserError(
+            f"{key}={size}: {family!r} is a mixture-of-experts model; {MOE_NOT_YET}. Set {key}=1: MoE models "
+            "train data-parallel with FSDP2 over every rank and generate with HF generate on a whole replica"
+        )
+    raise UserError(
+        f"{key}={size}: tensor parallelism has shard rules for the Llama family only ({', '.join(LLAMA_FAMILY)}), "
+        f"not for {family!r}; set {key}=1 (this model trains with FSDP2 over every rank and generates with HF "
+        "generate on a whole replica per rank)"
+    )
+
+
+def check_layer_split(config: Any, key: str, size: int, what: str) -> None:
+    """Refuse ``key=size`` > 1 (pipeline stages, Ulysses) for a family without a Llama-style decoder."""
+    family = model_type(config)
+    if size > 1 and family not in LLAMA_LAYOUT:
+        raise UserError(
+            f"{key}={size}: {what} splits Llama-style decoders ({', '.join(LLAMA_LAYOUT)}), not {family!r}; "
+            f"set {key}=1 (this model trains with FSDP2 over every rank)"
+        )
+
+
+def fallback_notice(config: Any, reason: str) -> str:
+    """The one warning of a model the built-in rollout engine does not run: what runs instead and why."""
+    family = model_type(config)
+    if is_moe(config):
+        return (
+            f"model family {family!r} is a mixture of experts: it trains data-parallel (FSDP2 over every rank) "
+            f"and generates with HF generate on a whole replica per rank, much slower; {MOE_NOT_YET}"
+        )
+    why = (
+        f"which runs dense {', '.join(LLAMA_FAMILY)}"
+        if family not in LLAMA_FAMILY
+        else f"this {family} model: {reason}"
+    )
+    return (
+        f"model family {family!r} is outside the built-in rollout engine ({why}): generating with HF "
+        "generate on a whole replica per rank, much slower"
+    )
+
+
+def disable_dropout(model: nn.Module) -> list[str]:
+    """Set every dropout of ``model``'s modules to 0 in place; returns the config's non-zero rates it overrode.
+
+    RL needs the distribution the rollout sampled from (eval mode, no dropout) to be the one the update
+    scores: with dropout the first on-policy ratio is not 1 and the rollout's log-probs differ from the
+    trainer's (TRL's ``disable_dropout``). GPT-2 ships with 0.1 on its residual, embedding and attention
+    paths; the Llama family with 0. The config is left as it is, so an exported model keeps its settings.
+    """
+    config = getattr(model, "config", None)
+    rates = {
+        key: value
+        for key, value in (vars(config) if config is not None else {}).items()
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) and value > 0
+    }
+    for module in model.modules():
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            module.p = 0.0
+        # The attention of transformers' Llama-style layers reads a float attribute, not a Dropout module.
+        rate = getattr(module, "attention_dropout", None)
+        if isinstance(rate, float) and rate > 0:
+            module.attention_dropout = 0.0
+    return [f"{k}={v:g}" for k, v in sorted(rates.items())]

@@ -1,0 +1,132 @@
+"""Model families: which run the built-in engine and its shard rules, the refusals that name them, dropout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.engine.parallel.pipeline import check_train_pp
+from hybridflow.engine.parallel.tp_rollout import check_tp, layouts
+from hybridflow.engine.parallel.tp_train import check_train_tp
+from hybridflow.engine.parallel.ulysses import check_ulysses
+from hybridflow.engine.rollout.support import fallback_reason
+from hybridflow.models import build_tiny_model
+from hybridflow.models.families import (
+    check_tensor_parallel,
+    disable_dropout,
+    fallback_notice,
+    has_shard_rules,
+    is_moe,
+)
+from hybridflow.utils.errors import UserError
+
+DENSE = ("qwen2", "qwen3", "llama")
+OTHERS = ("gpt2", "qwen2_moe", "qwen3_moe", "mixtral")
+
+
+def tiny(arch: str, **kw) -> torch.nn.Module:
+    return build_tiny_model(arch, vocab_size=64, hidden_size=32, num_hidden_layers=1, **kw)
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, torch.nn.Module]:
+    return {arch: tiny(arch) for arch in (*DENSE, *OTHERS)}
+
+
+def test_every_family_builds_and_runs_a_forward(models: dict[str, torch.nn.Module]) -> None:
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    for arch, model in models.items():
+        assert model.config.model_type == arch
+        assert model(ids).logits.shape == (2, 4, 64), arch
+    assert models["gpt2"].config.tie_word_embeddings  # GPT-2 ties its head, as the released models do
+    assert not models["mixtral"].config.tie_word_embeddings
+    assert models["qwen2_moe"].config.num_experts == models["mixtral"].config.num_local_experts == 4
+
+
+def test_which_family_runs_where(models: dict[str, torch.nn.Module]) -> None:
+    for arch in DENSE:
+        config = models[arch].config
+        assert has_shard_rules(config) and not is_moe(config)
+        assert fallback_reason(models[arch]) is None  # the built-in engine runs it
+    assert not is_moe(models["gpt2"].config) and not has_shard_rules(models["gpt2"].config)
+    for arch in ("qwen2_moe", "qwen3_moe", "mixtral"):
+        assert is_moe(models[arch].config) and not has_shard_rules(models[arch].config)
+    for arch in OTHERS:
+        assert "mixture of experts" in fallback_reason(models[arch]) or arch == "gpt2"
+        assert fallback_reason(models[arch]) is not None
+
+
+def test_the_fallback_warning_names_the_family_and_for_moe_what_is_not_there_yet(
+    models: dict[str, torch.nn.Module],
+) -> None:
+    gpt2 = fallback_notice(models["gpt2"].config, fallback_reason(models["gpt2"]))
+    assert "'gpt2' is outside the built-in rollout engine" in gpt2 and "HF generate" in gpt2
+    moe = fallback_notice(models["mixtral"].config, fallback_reason(models["mixtral"]))
+    assert "'mixtral' is a mixture of experts" in moe and "FSDP2" in moe
+    assert "issue 42" in moe and "expert parallelism" in moe and "tensor-parallel rollout" in moe
+
+
+@pytest.mark.parametrize("arch", OTHERS)
+@pytest.mark.parametrize(
+    "check,key",
+    [
+        (lambda c, n: check_tp(c, n), "rollout.tensor_model_parallel_size=2"),
+        (lambda c, n: check_train_tp(c, n, "actor"), "actor.tensor_parallel_size=2"),
+        (lambda c, n: check_train_tp(c, n, "critic"), "critic.tensor_parallel_size=2"),
+    ],
+)
+def test_tensor_parallelism_is_refused_for_families_without_shard_rules(
+    models: dict[str, torch.nn.Module], arch: str, check, key: str
+) -> None:
+    config = models[arch].config
+    check(config, 1)  # tp = 1 needs no rule
+    with pytest.raises(UserError) as err:
+        check(config, 2)
+    message = str(err.value)
+    assert message.startswith(key) and f"et {key[:-2]}=1" in message and repr(arch) in message
+    if is_moe(config):
+        assert "issue 42" in message and "not there yet" in message
+
+
+def test_pipeline_and_ulysses_are_refused_only_where_the_decoder_is_not_llama_style(
+    models: dict[str, torch.nn.Module],
+) -> None:
+    with pytest.raises(UserError, match=r"actor.pipeline_parallel_size=2: pipeline .* not 'gpt2'"):
+        check_train_pp(models["gpt2"].config, 2)
+    with pytest.raises(UserError, match=r"actor.ulysses_sequence_parallel_size=2: .* not 'gpt2'"):
+        check_ulysses(models["gpt2"].config, 2)
+    for arch in ("qwen2", "qwen2_moe", "mixtral"):  # Llama-style decoders, dense or MoE, split either way
+        check_train_pp(build_tiny_model(arch, vocab_size=64, hidden_size=32, num_hidden_layers=2).config, 2)
+        check_ulysses(models[arch].config, 2)
+
+
+def test_a_whole_replica_needs_no_shard_rule(models: dict[str, torch.nn.Module]) -> None:
+    for arch in OTHERS:
+        lay = layouts(models[arch], 1)
+        assert all(
+            x.kind == "replicated" and x.box(0) == tuple((0, n) for n in x.shape) for x in lay.values()
+        )
+    check_tensor_parallel(models["qwen2"].config, "rollout.tensor_model_parallel_size", 2)  # has rules
+
+
+def test_disable_dropout_makes_training_mode_deterministic() -> None:
+    model = tiny("gpt2").train()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    torch.manual_seed(0)
+    assert not torch.equal(model(ids).logits, model(ids).logits)  # GPT-2's 0.1 dropouts are on
+    turned_off = disable_dropout(model)
+    assert {"attn_pdrop=0.1", "embd_pdrop=0.1", "resid_pdrop=0.1"} <= set(turned_off)
+    with torch.no_grad():
+        trained = model(ids).logits
+        assert torch.equal(trained, model(ids).logits)
+        assert torch.equal(trained, model.eval()(ids).logits)  # what the rollout samples from
+    assert model.config.attn_pdrop == 0.1  # the config (and so an export) keeps the model's own settings
+    assert disable_dropout(tiny("qwen2")) == []  # the Llama family has none
+
+
+def test_disable_dropout_covers_the_llama_style_attention_rate() -> None:
+    model = build_tiny_model("llama", vocab_size=64, hidden_size=32, num_hidden_layers=1)
+    model.config.attention_dropout = 0.2
+    model.model.layers[0].self_attn.attention_dropout = 0.2
+    assert disable_dropout(model) == ["attention_dropout=0.2"]
+    assert model.model.layers[0].self_attn.attention_dropout == 0.0
