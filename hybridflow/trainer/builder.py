@@ -108,13 +108,19 @@ def check_rollout_view(cfg: Config, model: torch.nn.Module | None) -> None:
         check_train_pp(config, train_view_sizes(cfg, role)[1], role)
 
 
-def warn_position_limit(cfg: Config, model: torch.nn.Module | None) -> None:
-    """Warn at start when a prompt plus a response can be longer than the model's position limit."""
+def check_position_limit(cfg: Config, model: torch.nn.Module | None) -> None:
+    """Refuse a prompt limit the model's positions cannot hold; warn when prompt plus response can pass them."""
     from hybridflow.models.loader import load_config as load_model_config
 
     d, m = cfg.data, cfg.model
     config = model.config if model is not None else load_model_config(m.path, m.trust_remote_code)
     limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and d.max_prompt_length >= limit:
+        raise UserError(
+            f"data.max_prompt_length={d.max_prompt_length} is not below the model's position limit "
+            f"(max_position_embeddings={limit}): a prompt that long leaves no room for a response; set "
+            f"data.max_prompt_length below {limit} (and data.max_response_length to fit the rest)"
+        )
     need = d.max_prompt_length + d.max_response_length
     if isinstance(limit, int) and need > limit:
         logger.warning(
@@ -219,7 +225,7 @@ def build_components(
     logger.info("%s", world_line(cfg))  # the run's first line: world size and every role's rank layout
     model, tokenizer = _policy(cfg, model, tokenizer)
     check_rollout_view(cfg, model)
-    warn_position_limit(cfg, model)
+    check_position_limit(cfg, model)
     if step_wise:
         train = val = None
         steps = cfg.trainer.total_training_steps or 1
@@ -256,7 +262,7 @@ def build_eval_components(
         raise UserError(
             "data.val_files is not set: evaluation needs held-out prompts; set data.val_files=[FILE]"
         )
-    warn_position_limit(cfg, model)
+    check_position_limit(cfg, model)
     val = build_rl_dataset(cfg.data, tokenizer, "val", cfg.trainer.seed)
     check_data_sources(val, cfg, reward_fn)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -280,7 +286,7 @@ def build_preference_components(
     """
     logger.info("%s", world_line(cfg))  # the run's first line: world size and every role's rank layout
     model, tokenizer = _policy(cfg, model, tokenizer)
-    warn_position_limit(cfg, model)
+    check_position_limit(cfg, model)
     p, d = cfg.preference, cfg.data
     if rows is None:
         if not d.train_files:

@@ -17,11 +17,13 @@ are chosen for that batch (an update over several mini-batches gets its old-log-
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import numbers
+import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 SCORE_STAGES = ("reward", "values")  # critic_score; generate runs "gen", update_actor the rest
 POSITION = "prompt_position"  # each sample's prompt: its position in the generate call's prompts
+DATA_LOGGERS = ("user_rows", "rl_dataset")  # the modules whose notices say how rows become prompts
 
 
 @dataclass
@@ -144,6 +147,7 @@ class Trainer:
         self.loop = PPOTrainer(self.cfg, self.components)  # no prompt sampler: the caller brings the prompts
         start = self.loop.resume()
         self._updates = self._rollouts = start
+        self._notices = _SaidOnce()
         self.run_dir = ensure_writable_dir(self.cfg.trainer.run_dir(), "the run directory (output_dir=)")
         save_config(self.cfg, self.run_dir / "config.yaml")
         self.tracker = Tracker(
@@ -197,7 +201,10 @@ class Trainer:
     def generate(self, prompts: Any) -> Responses:
         """``rollout.n`` responses per prompt (prompt strings, chat messages, rows or a dataset), interleaved."""
         needs_truth = self.reward is not None and self.reward.needs_ground_truth
-        data = build_dataset(self.cfg, prompts, self.tokenizer, self.reward, self.prompt_limit, needs_truth)
+        with self._notices.applied():  # how rows become prompts: said once per Trainer
+            data = build_dataset(
+                self.cfg, prompts, self.tokenizer, self.reward, self.prompt_limit, needs_truth
+            )
         batch = collate_prompts([data[i] for i in range(len(data))], self.components.pad_token_id)
         batch[POSITION] = np.asarray([o.row for o in data.origins], dtype=object)
         flow = self.loop.dataflow_for(len(data))
@@ -441,3 +448,35 @@ def _role_overrides(actor: str, critic: str | bool | None, ref: str | bool | Non
             )
         out.append("ref.enable=true")
     return out
+
+
+class _SaidOnce(logging.Filter):
+    """Drops an INFO notice of the datasets that this Trainer said already (counts aside).
+
+    Every ``generate`` reads its prompts as a small dataset of its own, so each call would repeat how rows
+    become prompts; a notice of a new kind still shows, and warnings (prompts filtered out, ...) always do.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.said: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.INFO:
+            return True
+        kind = re.sub(r"\d+", "N", record.getMessage())
+        new = kind not in self.said
+        self.said.add(kind)
+        return new
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        """The filter on the data loggers for the block."""
+        loggers = [logging.getLogger(f"hybridflow.data.{name}") for name in DATA_LOGGERS]
+        for log in loggers:
+            log.addFilter(self)
+        try:
+            yield
+        finally:
+            for log in loggers:
+                log.removeFilter(self)

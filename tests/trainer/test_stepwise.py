@@ -5,6 +5,7 @@ responses trained on twice or sampled by an older policy and for scores that are
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -127,3 +128,23 @@ def test_refusals_of_the_step_wise_loop(model_dir: Path, tmp_path: Path, caplog)
         assert trainer.global_step == 3
         trainer.update_actor(trainer.generate(prompts[:1]), [0.0, 1.0])
     assert _steps(run) == [1, 2, 3, 4]
+
+
+def test_how_rows_become_prompts_is_said_once_per_trainer(model_dir: Path, tmp_path: Path, caplog) -> None:
+    from chat_rows import ultrachat_rows
+
+    rows = ultrachat_rows(8)
+    with (
+        caplog.at_level(logging.INFO, logger="hybridflow.data"),
+        hybridflow.Trainer(
+            actor_model=str(model_dir),
+            num_generations=2,
+            overrides=[SHORT, "data.max_prompt_length=300", f"trainer.default_local_dir={tmp_path / 'run'}"],
+        ) as trainer,
+    ):
+        for calls in ([rows[0], rows[7]], [rows[3], rows[6]]):  # short, multi-turn and the Chinese row
+            trainer.update_actor(trainer.generate(calls), lambda t: len(t) % 2)
+        trainer.generate(["What is the capital of France?", "Name three rivers."])  # text: a new notice
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("hybridflow.data")]
+    assert sum("have both a 'prompt' string and 'messages'" in m for m in said) == 1, said
+    assert sum("prompts are text" in m for m in said) == 1, said

@@ -25,6 +25,7 @@ from hybridflow.engine.rollout.state import REASONS, DecodeState
 from hybridflow.engine.rollout.stats import GenerationStats, PhaseTimer
 from hybridflow.engine.rollout.support import fallback_reason
 from hybridflow.models.families import fallback_notice
+from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ class RolloutEngine:
         max_len = self.max_model_len or longest + params.max_new_tokens
         limit = self.runner.max_position_embeddings
         if longest >= max_len or longest >= limit:
-            raise ValueError(
+            raise UserError(
                 f"a prompt of {longest} tokens leaves no room to generate within the context of "
                 f"{min(max_len, limit)} tokens; shorten it or raise max_model_len (data.max_prompt_length)"
             )

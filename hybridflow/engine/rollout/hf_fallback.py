@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from hybridflow.engine.rollout.sampling import SamplingParams
+from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -83,13 +84,13 @@ def position_limit(model: nn.Module, max_model_len: int | None = None) -> int | 
 def response_caps(prompts: list[list[int]], max_new_tokens: int, limit: int | None) -> list[int]:
     """Each prompt's most new tokens: ``max_new_tokens``, cut where prompt + response reaches ``limit``.
 
-    The built-in engine's rule (``DecodeState.start``). Raises ValueError for a prompt that leaves no room.
+    The built-in engine's rule (``DecodeState.start``). Raises UserError for a prompt that leaves no room.
     """
     if limit is None:
         return [max_new_tokens] * len(prompts)
     longest = max(len(p) for p in prompts)
     if longest >= limit:
-        raise ValueError(
+        raise UserError(
             f"a prompt of {longest} tokens leaves no room to generate within the context of {limit} tokens; "
             "shorten it or raise max_model_len (data.max_prompt_length)"
         )
