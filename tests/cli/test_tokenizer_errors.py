@@ -26,7 +26,8 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def assert_names_the_missing_files(err: str, model_dir: Path, fix: str) -> None:
-    assert err.startswith("error: ") and "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and err.splitlines()[-1] == errors[0] and "Traceback" not in err  # after the log
     assert "prompt 0 is empty" not in err
     for part in (str(model_dir), "tokenizer.json", "tokenizer_config.json", fix):
         assert part in err
