@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_clocks import ClockSampler, machine_line
 from train_mfu import SHAPES
 
-from hybridflow.engine.parallel import GenerateView, ReshardPlan
-from hybridflow.engine.parallel.plan import ParamSpec
-from hybridflow.engine.parallel.tp_rollout import ShardLayout, check_tp, kind_of
+from hybridflow.engine.hybrid.plan import ParamSpec, ReshardPlan
+from hybridflow.engine.parallel.layout import ShardLayout, check_tp, kind_of
+from hybridflow.engine.parallel.view import GenerateView
 
 GB = 1e9
 PLAN_SHAPES = dict(  # untied Qwen2.5-7B, for the plan table only (no weights are made)

@@ -168,7 +168,7 @@ def make_batch(num_seqs: int, prompt_len: int, response_len: int, vocab: int, ra
 def engine_step_fn(args: argparse.Namespace, model: torch.nn.Module, batch) -> Callable[[], None]:
     """Wrap the model in our FSDP2 ActorEngine; the step is one ``update_policy`` call."""
     from hybridflow.config.schema import ActorConfig
-    from hybridflow.engine.actor import ActorEngine
+    from hybridflow.engine.roles.actor import ActorEngine
 
     cfg = ActorConfig()
     cfg.ppo_mini_batch_size = len(batch)  # one optimizer step per update_policy call

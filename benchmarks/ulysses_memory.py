@@ -80,9 +80,9 @@ def saved_bytes(fn) -> tuple[object, int]:
 def measure(rank: int, sp: int, tokens: int, response: int) -> dict[str, float]:
     """This rank's saved bytes and times for one forward and backward at sequence-parallel size ``sp``."""
     from hybridflow.config.schema import ActorConfig
-    from hybridflow.engine.actor import ActorEngine
-    from hybridflow.engine.packing import build_scoring_inputs
+    from hybridflow.engine.ops.packing import build_scoring_inputs
     from hybridflow.engine.parallel.train_view import TrainView
+    from hybridflow.engine.roles.actor import ActorEngine
     from hybridflow.models import build_tiny_model
 
     lm = build_tiny_model("llama", **MODEL, seed=1)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from switch import PLAN_SHAPES, meta_model
 
-from hybridflow.engine.parallel.memory import unsplit_reason, view_memory
+from hybridflow.engine.hybrid.memory import unsplit_reason, view_memory
 from hybridflow.engine.parallel.train_view import TrainView
 
 GB = 1e9

@@ -81,6 +81,101 @@ def test_no_module_imports_a_higher_layer() -> None:
     assert not violations, "layering violations:\n" + "\n".join(violations)
 
 
+# The engine's rooms (hybridflow/engine/__init__.py): which other rooms each may import.
+ROOMS: dict[str, set[str]] = {
+    "ops": set(),
+    "parallel": {"ops"},
+    "train": {"ops", "parallel"},
+    "rollout": {"ops", "parallel"},
+    "roles": {"ops", "parallel", "train"},
+    "hybrid": {"ops", "parallel", "rollout"},
+}
+
+
+def test_engine_rooms_import_only_the_rooms_below() -> None:
+    """Training never imports the rollout, the rollout never imports training, nothing imports upwards."""
+    engine = PACKAGE / "engine"
+    rooms = {p.relative_to(engine).parts[0] for p in engine.rglob("*.py") if p.parent != engine}
+    assert rooms == set(ROOMS), f"place {sorted(rooms ^ set(ROOMS))} in ROOMS of {__file__}"
+    violations = []
+    for path in sorted(engine.rglob("*.py")):
+        if path.parent == engine:
+            continue  # the package's surface
+        room = path.relative_to(engine).parts[0]
+        for name, line in _imports(path):
+            parts = name.split(".")
+            if parts[:2] == ["hybridflow", "engine"] and len(parts) == 2:
+                violations.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports the surface from inside")
+            elif parts[:2] == ["hybridflow", "engine"] and parts[2] not in {room} | ROOMS[room]:
+                violations.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
+    assert not violations, "engine room violations:\n" + "\n".join(violations)
+
+
+def test_other_packages_use_the_engine_surface() -> None:
+    """Outside engine/, names come from ``hybridflow.engine`` (its exported surface), not from its rooms."""
+    deep = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}"
+        for path in _sources()
+        if path.parent != PACKAGE and path.relative_to(PACKAGE).parts[0] != "engine"
+        for name, line in _imports(path)
+        if name.startswith("hybridflow.engine.")
+    ]
+    assert not deep, "import these from hybridflow.engine:\n" + "\n".join(deep)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """hybridflow module -> the hybridflow modules it imports (anywhere in the file)."""
+    modules = {}
+    for path in _sources():
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        graph[module] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+                graph[module] |= {n if n in modules else node.module for n in names} & set(modules)
+            elif isinstance(node, ast.Import):
+                graph[module] |= {a.name for a in node.names} & set(modules)
+        graph[module].discard(module)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (a depth-first search), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def test_no_import_cycle() -> None:
+    """No hybridflow module imports itself through others, at the top or inside a function."""
+    cycle = _cycle(_module_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    """The search above can fail: a two-module cycle is found."""
+    assert _cycle({"a": {"b"}, "b": {"a"}, "c": set()}) == ["a", "b", "a"]
+
+
 def test_ray_is_imported_in_at_most_one_module() -> None:
     """Ray lives behind one module of hybridflow.workers."""
     users = {

@@ -14,8 +14,7 @@ from hybridflow.cli.output import add_overwrite_flag, check_output_file
 from hybridflow.utils.errors import MissingFileError, UserError
 
 if TYPE_CHECKING:
-    from hybridflow.engine.rollout.engine import GenerationOutput
-    from hybridflow.engine.rollout.sampling import SamplingParams
+    from hybridflow.engine import GenerationOutput, SamplingParams
 
 NAME = "generate"
 HELP = "Generate responses for a JSONL file of prompts with the built-in rollout engine."
@@ -108,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from hybridflow.engine.rollout.engine import make_rollout
+    from hybridflow.engine import make_rollout
     from hybridflow.models import load_causal_lm, load_tokenizer
     from hybridflow.utils.device import cuda_in_use, use_device_type
 
@@ -172,7 +171,7 @@ def check_position_limit(path: str, prompts: list[list[int]], max_new_tokens: in
 
 def sampling_params(args: argparse.Namespace, model: Any, tokenizer: Any) -> SamplingParams:
     """The command's SamplingParams; EOS ids from the model's generation config, else the tokenizer's."""
-    from hybridflow.engine.rollout.sampling import SamplingParams
+    from hybridflow.engine import SamplingParams
 
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
     eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [tokenizer.eos_token_id])

@@ -1,1 +1,75 @@
-"""L3: per-rank compute: the FSDP2 training engine, the rollout engine and resharding."""
+"""L3: per-rank compute, in rooms with one-way imports (``tests/test_layering.py`` checks them).
+
+- ``ops``: what a forward pass computes with: packing, sequences, packed/varlen attention, the LM head and its
+  kernels, dtypes, local shards. Imports no other room.
+- ``parallel``: the layouts and how they are applied: the training and generation views, FSDP2, tensor and
+  pipeline parallelism, Ulysses, the shard rules (``layout``). Imports ``ops``.
+- ``train``: the training engine (optimizer, schedule, clipping, offload), micro-batches and the scorers.
+  Imports ``ops`` and ``parallel``.
+- ``rollout``: the built-in rollout engine and its tensor-parallel shard. Imports ``ops`` and ``parallel``:
+  never training code.
+- ``roles``: the actor, critic and preference updates over the training engine. Imports ``ops``, ``parallel``,
+  ``train``.
+- ``hybrid``: the switch between the two views: the reshard plan, the resharder, the rollout's weights (shard,
+  or the baseline's broadcast copy), the memory account, the world line. Imports ``ops``, ``parallel``,
+  ``rollout``.
+
+This package exports the surface the workers and the trainer use; each name is imported on first use, so
+``import hybridflow.engine`` stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> the module (under hybridflow.engine) that defines it
+SURFACE: dict[str, str] = {
+    "GRAD_BYTES": "hybrid.memory",
+    "MASTER_BYTES": "hybrid.memory",
+    "MOMENT_BYTES": "hybrid.memory",
+    "ViewMemory": "hybrid.memory",
+    "unsplit_reason": "hybrid.memory",
+    "view_memory": "hybrid.memory",
+    "BroadcastReplica": "hybrid.switch",
+    "RolloutShard": "hybrid.switch",
+    "world_line": "hybrid.world",
+    "to_dtype": "ops.dtypes",
+    "layout_padding": "ops.sequences",
+    "pack_prompt_response": "ops.sequences",
+    "pad_rows": "ops.sequences",
+    "full_state_dict": "parallel.fsdp",
+    "check_tp": "parallel.layout",
+    "follow_rollout_shards": "parallel.layout",
+    "check_train_pp": "parallel.pipeline",
+    "RolloutGroup": "parallel.rollout_group",
+    "check_train_tp": "parallel.tp",
+    "ShareGroup": "parallel.train_view",
+    "TrainView": "parallel.train_view",
+    "check_ulysses": "parallel.ulysses",
+    "group_budgets": "parallel.ulysses",
+    "GenerateView": "parallel.view",
+    "ActorEngine": "roles.actor",
+    "CriticEngine": "roles.critic",
+    "update_preference": "roles.preference",
+    "RolloutEngine": "rollout.engine",
+    "make_rollout": "rollout.engine",
+    "SamplingParams": "rollout.sampling",
+    "fallback_reason": "rollout.support",
+    "RolloutTP": "rollout.tp",
+    "GenerationOutput": "rollout.types",
+    "move_model": "train.offload",
+    "decoder_of": "train.scorer",
+    "TrainEngine": "train.train_engine",
+    "default_device": "train.train_engine",
+}
+__all__ = sorted(SURFACE)
+
+
+def __getattr__(name: str) -> Any:
+    """Import a name of the surface from its module on first use (PEP 562)."""
+    if name not in SURFACE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{SURFACE[name]}"), name)
+    globals()[name] = value
+    return value

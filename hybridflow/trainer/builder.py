@@ -12,7 +12,7 @@ import torch
 
 from hybridflow.config.schema import Config
 from hybridflow.data import KTODataset, PreferenceDataset, RLDataset, build_rl_dataset, load_rows
-from hybridflow.engine.parallel.world import world_line
+from hybridflow.engine import world_line
 from hybridflow.trainer.scoring import Scorer, build_reward_manager, has_scorer, known_sources
 from hybridflow.utils.dist import init_distributed
 from hybridflow.utils.errors import UserError
@@ -90,10 +90,7 @@ def check_rollout_view(cfg: Config, model: torch.nn.Module | None) -> None:
     pp_roles = [r for r in used if train_view_sizes(cfg, r)[1] > 1]
     if tp == 1 and not roles and not sp_roles and not pp_roles:
         return
-    from hybridflow.engine.parallel.pipeline import check_train_pp
-    from hybridflow.engine.parallel.tp_rollout import check_tp
-    from hybridflow.engine.parallel.tp_train import check_train_tp
-    from hybridflow.engine.parallel.ulysses import check_ulysses
+    from hybridflow.engine import check_tp, check_train_pp, check_train_tp, check_ulysses
     from hybridflow.models.loader import load_config as load_model_config
 
     m = cfg.model

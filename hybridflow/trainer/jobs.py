@@ -16,7 +16,7 @@ from hybridflow.checkpoint.export import save_hf_model as write_hf_model
 from hybridflow.checkpoint.manager import HF_CONFIG
 from hybridflow.config import Config, check_start, save_config
 from hybridflow.data import load_split_rows
-from hybridflow.engine.fsdp import full_state_dict
+from hybridflow.engine import full_state_dict
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.trainer.builder import (
     Components,

@@ -3,7 +3,7 @@
 ``plan_layout(cfg, model_config, gpu_bytes)`` tries every layout the engine accepts today (training tp, and
 pp and Ulysses sp once validation accepts them; generation tp; no offload, optimizer offload, parameter and
 optimizer offload), estimates each phase's memory per GPU from the engine's own accounting
-(``engine.parallel.memory``: held boxes, the reshard plan's generation shard) plus activations and the KV
+(``engine.hybrid.memory``: held boxes, the reshard plan's generation shard) plus activations and the KV
 cache, and keeps the first that fits, simplest first: FSDP2 alone before tensor parallelism, no offload before
 offload, smaller rollout groups before larger ones. Keys set in the config are kept as they are (the plan
 only fills the others). ``Layout.line()`` is the one-line log of the choice and why; ``Layout.table()`` the
@@ -22,15 +22,15 @@ import torch
 
 from hybridflow.config import Config, ConfigError, validate_config
 from hybridflow.config.validate import get_path
-from hybridflow.engine.parallel.memory import (
+from hybridflow.engine import (
     GRAD_BYTES,
     MASTER_BYTES,
     MOMENT_BYTES,
+    TrainView,
     ViewMemory,
     unsplit_reason,
     view_memory,
 )
-from hybridflow.engine.parallel.train_view import TrainView
 
 logger = logging.getLogger(__name__)
 
@@ -286,8 +286,7 @@ def _candidates(cfg: Config, model: torch.nn.Module, world: int, fixed: dict[str
 
 def _splits(model: torch.nn.Module, layout: Layout) -> bool:
     """Whether the model splits as the layout asks (heads and MLP over tp, layers over pp, heads over sp)."""
-    from hybridflow.engine.parallel.pipeline import check_train_pp
-    from hybridflow.engine.parallel.ulysses import check_ulysses
+    from hybridflow.engine import check_train_pp, check_ulysses
 
     if unsplit_reason(model, layout.tp_train, layout.tp_generate) is not None:
         return False

@@ -19,7 +19,7 @@ from hybridflow.algos import (
 )
 from hybridflow.config.schema import Config
 from hybridflow.data import PromptSampler, collate_prompts
-from hybridflow.engine.sequences import layout_padding
+from hybridflow.engine import layout_padding
 from hybridflow.protocol import Batch
 from hybridflow.rewards import place_on_last_token
 from hybridflow.trainer.balance import balance_order

@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from hybridflow.data import PromptSampler
-from hybridflow.engine.sequences import pack_prompt_response
+from hybridflow.engine import pack_prompt_response
 from hybridflow.utils.errors import UserError
 from hybridflow.workers.actor import ActorWorker
 

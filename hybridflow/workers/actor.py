@@ -13,21 +13,29 @@ from torch import nn
 
 from hybridflow.config.schema import Config
 from hybridflow.config.sequence_parallel import sequence_parallel_size
-from hybridflow.engine.actor import ActorEngine
-from hybridflow.engine.fsdp import to_dtype
-from hybridflow.engine.parallel.rollout_group import RolloutGroup
-from hybridflow.engine.parallel.tp_rollout import RolloutTP, check_tp, follow_rollout_shards
-from hybridflow.engine.parallel.tp_train import check_train_tp
-from hybridflow.engine.parallel.train_view import ShareGroup, TrainView
-from hybridflow.engine.parallel.ulysses import group_budgets
-from hybridflow.engine.parallel.view import GenerateView
-from hybridflow.engine.preference import update_preference
-from hybridflow.engine.reshard import BroadcastReplica, RolloutShard
-from hybridflow.engine.rollout.engine import RolloutEngine, make_rollout
-from hybridflow.engine.rollout.sampling import SamplingParams
-from hybridflow.engine.rollout.support import fallback_reason
-from hybridflow.engine.sequences import pack_prompt_response, pad_rows
-from hybridflow.engine.train_engine import TrainEngine
+from hybridflow.engine import (
+    ActorEngine,
+    BroadcastReplica,
+    GenerateView,
+    RolloutEngine,
+    RolloutGroup,
+    RolloutShard,
+    RolloutTP,
+    SamplingParams,
+    ShareGroup,
+    TrainEngine,
+    TrainView,
+    check_tp,
+    check_train_tp,
+    fallback_reason,
+    follow_rollout_shards,
+    group_budgets,
+    make_rollout,
+    pack_prompt_response,
+    pad_rows,
+    to_dtype,
+    update_preference,
+)
 from hybridflow.models.families import check_tensor_parallel, fallback_notice
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import init_distributed, world_size

@@ -5,10 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from hybridflow.config.schema import Config
-from hybridflow.engine.critic import CriticEngine
-from hybridflow.engine.parallel.tp_train import check_train_tp
-from hybridflow.engine.parallel.train_view import ShareGroup, TrainView
-from hybridflow.engine.parallel.ulysses import group_budgets
+from hybridflow.engine import CriticEngine, ShareGroup, TrainView, check_train_tp, group_budgets
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.logging import rank as dist_rank

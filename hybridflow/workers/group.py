@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from hybridflow.engine.sequences import layout_padding
+from hybridflow.engine import layout_padding
 from hybridflow.protocol import Batch
 from hybridflow.protocol.batch import Padding
 from hybridflow.utils.dist import raise_together

@@ -17,7 +17,7 @@ from hybridflow import checkpoint
 from hybridflow.checkpoint import RoleState
 from hybridflow.checkpoint.export import save_hf_model, write_hf_config
 from hybridflow.checkpoint.manager import HF_CONFIG, user_errors_together
-from hybridflow.engine.fsdp import full_state_dict
+from hybridflow.engine import full_state_dict
 from hybridflow.utils.device import cuda_in_use
 from hybridflow.utils.dist import world_size
 from hybridflow.utils.logging import rank as env_rank

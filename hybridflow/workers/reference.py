@@ -7,10 +7,7 @@ from torch import nn
 from hybridflow.config.schema import Config
 from hybridflow.config.sequence_parallel import sequence_parallel_size
 from hybridflow.config.views import train_view_sizes
-from hybridflow.engine.actor import ActorEngine
-from hybridflow.engine.parallel.tp_train import check_train_tp
-from hybridflow.engine.parallel.train_view import ShareGroup, TrainView
-from hybridflow.engine.parallel.ulysses import group_budgets
+from hybridflow.engine import ActorEngine, ShareGroup, TrainView, check_train_tp, group_budgets
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.logging import rank as dist_rank

@@ -8,9 +8,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from hybridflow.config.schema import Config
-from hybridflow.engine.fsdp import move_model, to_dtype
-from hybridflow.engine.scorer import decoder_of
-from hybridflow.engine.train_engine import default_device
+from hybridflow.engine import decoder_of, default_device, move_model, to_dtype
 from hybridflow.models.loader import resolve_local_dir
 from hybridflow.protocol import Batch
 from hybridflow.utils.errors import UserError

@@ -40,7 +40,7 @@ def fixed_batch() -> Batch:
 
 
 def make_engine(hidden: int = 32, seed: int = 1):
-    from hybridflow.engine.actor import ActorEngine
+    from hybridflow.engine.roles.actor import ActorEngine
 
     cfg = ActorConfig()
     cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size_per_gpu = B, 4
@@ -55,7 +55,7 @@ def my_rows(rank: int, world: int) -> Batch:
 
 def log_probs_and_next_update(engine, rank: int, world: int) -> dict:
     """Log-probs of the whole fixed batch, then one more update on this rank's rows, then the weights."""
-    from hybridflow.engine.fsdp import full_state_dict
+    from hybridflow.engine.parallel.fsdp import full_state_dict
 
     logps = engine.compute_log_prob(fixed_batch(), micro_batch_size=4)["log_probs"]
     engine.update_policy(my_rows(rank, world))

@@ -131,7 +131,7 @@ def test_optimal_token_baseline_stays_callable_from_python() -> None:
 
 def test_the_keys_reach_the_actors_policy_loss_config() -> None:
     from hybridflow.algos.policy_loss import get_config_value
-    from hybridflow.engine.actor import ActorEngine
+    from hybridflow.engine.roles.actor import ActorEngine
 
     cfg = load_config(
         overrides=[

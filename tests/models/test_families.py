@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridflow.engine.parallel.layout import check_tp, layouts
 from hybridflow.engine.parallel.pipeline import check_train_pp
-from hybridflow.engine.parallel.tp_rollout import check_tp, layouts
-from hybridflow.engine.parallel.tp_train import check_train_tp
+from hybridflow.engine.parallel.tp import check_train_tp
 from hybridflow.engine.parallel.ulysses import check_ulysses
 from hybridflow.engine.rollout.support import fallback_reason
 from hybridflow.models import build_tiny_model

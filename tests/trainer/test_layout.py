@@ -6,7 +6,7 @@ import pytest
 
 from hybridflow.cli.main import main
 from hybridflow.config import load_config
-from hybridflow.engine.parallel.memory import view_memory
+from hybridflow.engine.hybrid.memory import view_memory
 from hybridflow.engine.parallel.train_view import TrainView
 from hybridflow.trainer import layout as layout_mod
 from hybridflow.trainer.layout import GB, plan_layout, shape_config

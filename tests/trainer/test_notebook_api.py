@@ -14,7 +14,7 @@ import pytest
 from chat_rows import trl_conversational_rows
 
 import hybridflow
-from hybridflow.engine.fsdp import local_bytes, optimizer_state_bytes
+from hybridflow.engine.parallel.fsdp import local_bytes, optimizer_state_bytes
 from hybridflow.models import build_tiny_model_and_tokenizer
 from hybridflow.trainer.stepwise import Rewards
 

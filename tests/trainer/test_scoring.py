@@ -43,7 +43,7 @@ def test_the_overlong_penalty_always_applies_and_is_logged_on_request(log: bool)
 
 def test_a_token_id_reward_gets_each_samples_own_prompt_and_response_ids() -> None:
     """Prompts of different lengths, left-padded: the function sees each prompt's tokens, no padding."""
-    from hybridflow.engine.sequences import pack_prompt_response
+    from hybridflow.engine.ops.sequences import pack_prompt_response
 
     seen: list[tuple[list[int], list[int]]] = []
 

@@ -172,7 +172,7 @@ def room_from_actor_and_critic(rank: int) -> dict:
     """PPO roles with ``optimizer_offload=auto`` on actor and critic: where the moments are after rollouts
     short of less than the actor's moments, and of more."""
     from hybridflow.config import load_config
-    from hybridflow.engine.fsdp import optimizer_state_bytes
+    from hybridflow.engine.parallel.fsdp import optimizer_state_bytes
     from hybridflow.models import build_tiny_model
     from hybridflow.protocol import Batch
     from hybridflow.workers.build import build_roles

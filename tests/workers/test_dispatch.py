@@ -55,7 +55,7 @@ def test_local_group_of_one_rank_calls_the_role_directly() -> None:
 
 def test_shares_of_different_widths_merge_into_the_one_batch_layout() -> None:
     """Each rank lays out its samples with its own longest prompt; merged, they equal one rank's layout."""
-    from hybridflow.engine.sequences import layout_padding, pack_prompt_response
+    from hybridflow.engine.ops.sequences import layout_padding, pack_prompt_response
 
     prompts = [[5, 6, 7, 8, 9, 10], [11], [12, 13], [14, 15, 16, 17]]  # rank 0 gets the long one
     responses = [[1, 2], [3], [4, 4, 4], [2]]  # end at different places; R = 3

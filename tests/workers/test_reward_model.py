@@ -10,7 +10,7 @@ import torch
 from reward_model_util import save_reward_model
 
 from hybridflow.config import load_config
-from hybridflow.engine.sequences import pack_prompt_response
+from hybridflow.engine.ops.sequences import pack_prompt_response
 from hybridflow.models import build_tiny_model_and_tokenizer
 from hybridflow.trainer.builder import build_components
 from hybridflow.trainer.ppo import PPOTrainer

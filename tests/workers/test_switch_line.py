@@ -30,7 +30,7 @@ def switch_lines(rank: int, arch: str, overrides: list[str]) -> dict:
     """The switch lines (level, text) of two generations, the plan's figures and what the worker reported."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from hybridflow.config import load_config
-    from hybridflow.engine.reshard import RolloutShard
+    from hybridflow.engine.hybrid.switch import RolloutShard
     from hybridflow.models import build_tiny_model
     from hybridflow.protocol import Batch
     from hybridflow.workers.actor import ActorWorker

@@ -1,6 +1,6 @@
 """The training view: a role's W ranks on a ``(pp, tp, dp)`` device mesh, and the data its ranks share.
 
-FSDP2 shards over ``dp``; DTensor tensor parallelism (``tp_train``) splits each decoder layer over ``tp``.
+FSDP2 shards over ``dp``; DTensor tensor parallelism (``tp``) splits each decoder layer over ``tp``.
 Ranks are laid out with dp innermost: rank r is data-parallel rank ``r % dp`` and tensor-parallel rank
 ``(r // dp) % tp``, which is the generation view's ordering (``view.GenerateView``: tensor-parallel rank
 ``r // dp_g``). So when the rollout's tensor-parallel size equals the trainer's, a rank's generation shard
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hybridflow.engine.parallel.tp_rollout import Box
-from hybridflow.engine.sequences import layout_padding
+from hybridflow.engine.ops.sequences import layout_padding
+from hybridflow.engine.parallel.layout import Box
 from hybridflow.protocol import Batch
 from hybridflow.utils.errors import UserError
 
@@ -149,7 +149,7 @@ def train_box(
     stages: tuple[int, ...] | None = None,
 ) -> Box | None:
     """The box of a full parameter ``rank`` holds in ``view``, from the parameter's tensor-parallel ``kind``
-    (``tp_rollout.kind_of``) alone: what the DTensors give (a test checks it), for plans of models no machine
+    (``layout.kind_of``) alone: what the DTensors give (a test checks it), for plans of models no machine
     here can hold. Layers' column (and kv) weights split dim 0 over tp, row weights dim 1; FSDP2 then splits
     the rank's piece over dp along ``fsdp_dim`` (dim 0, or the dim a layout function marked). ``stages``: the
     pipeline stages holding the parameter (None: every stage)."""

@@ -36,14 +36,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
-from hybridflow.engine.packed_attention import (
+from hybridflow.engine.ops.packed_attention import (
     BOUNDS_KWARG,
     PACKED_ATTENTION,
     ULYSSES_ATTENTION,
     packed_attention,
     packed_mask,
 )
-from hybridflow.engine.packing import ScoringInputs, to_device
+from hybridflow.engine.ops.packing import ScoringInputs, to_device
 from hybridflow.engine.parallel.train_view import TrainView
 from hybridflow.models.families import check_layer_split
 from hybridflow.utils.errors import UserError

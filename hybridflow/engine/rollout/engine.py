@@ -7,14 +7,12 @@ import functools
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from hybridflow.engine.packing import to_device
-from hybridflow.engine.parallel.tp_rollout import RolloutTP
+from hybridflow.engine.ops.packing import to_device
 from hybridflow.engine.rollout.blocks import KSplits
 from hybridflow.engine.rollout.graphs import DecodeGraphs, buckets
 from hybridflow.engine.rollout.kv_cache import KVCache
@@ -24,6 +22,8 @@ from hybridflow.engine.rollout.scheduler import PrefillChunk, PromptGroup, SlotS
 from hybridflow.engine.rollout.state import REASONS, DecodeState
 from hybridflow.engine.rollout.stats import GenerationStats, PhaseTimer
 from hybridflow.engine.rollout.support import fallback_reason
+from hybridflow.engine.rollout.tp import RolloutTP
+from hybridflow.engine.rollout.types import GenerationOutput
 from hybridflow.models.families import fallback_notice
 from hybridflow.utils.errors import UserError
 
@@ -61,15 +61,6 @@ def _compiled_per_bucket(fn: Callable, num_buckets: int, backend: str | Callable
             return compiled(*args, **kwargs)
 
     return call
-
-
-@dataclass
-class GenerationOutput:
-    """One sampled response."""
-
-    token_ids: list[int]
-    logprobs: list[float]  # log-prob of each sampled token, see sampling.sample for the exact distribution
-    finish_reason: str  # "eos", "stop" or "length"
 
 
 # The K splits of the compiled bf16/fp16 decode step on CUDA (blocks.split_linear): the down projection as 4

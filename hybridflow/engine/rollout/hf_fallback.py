@@ -102,7 +102,7 @@ def _generate_batch(
     model: nn.Module, prompts: list[list[int]], params: SamplingParams, pad_id: int, device: torch.device
 ) -> list[list]:
     """One HF ``generate`` call over ``prompts`` (left-padded), ``params.n`` outputs each."""
-    from hybridflow.engine.rollout.engine import GenerationOutput
+    from hybridflow.engine.rollout.types import GenerationOutput
 
     width = max(len(p) for p in prompts)
     rows = [p for p in prompts for _ in range(params.n)]  # interleaved [a, a, b, b]; greedy allows no n > 1

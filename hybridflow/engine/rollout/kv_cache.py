@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hybridflow.engine.packing import to_device
+from hybridflow.engine.ops.packing import to_device
 
 logger = logging.getLogger(__name__)
 

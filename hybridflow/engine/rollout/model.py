@@ -1,11 +1,9 @@
 """A Llama-family forward (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) that runs on a Hugging Face module's weights.
 
-The runner loads nothing of its own: it binds the HF module's parameters by reference, so the rollout
-engine generates with exactly the weights the trainer holds. Where the generation dtype differs from the
-parameters' (fp32 masters, bf16 generation) each weight is cast once into a buffer allocated at
-construction, and ``refresh()`` copies the current values into those buffers in place. Between generations
-``release()`` frees the buffers' storage (the engine does so with ``free_cache_engine``), so training never
-holds them beside FSDP2's own compute-dtype parameters; the next ``refresh()`` allocates it again.
+The runner loads nothing of its own: it binds the HF module's parameters by reference (``binding``), so the
+rollout engine generates with exactly the weights the trainer holds; where the generation dtype differs from
+the parameters' they are cast into buffers that ``refresh()`` fills in place and ``release()`` frees between
+generations.
 
 The math follows transformers' modeling_llama / modeling_qwen2 / modeling_qwen3 op for op (the layer's
 pieces around attention are in ``blocks``): RoPE tables computed in float32 from the module's own
@@ -25,30 +23,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridflow.engine.fsdp import reshard_fsdp
-from hybridflow.engine.packing import to_device
-from hybridflow.engine.parallel.tp_rollout import RolloutTP
+from hybridflow.engine.ops.packing import to_device
 from hybridflow.engine.rollout import blocks
+from hybridflow.engine.rollout.binding import WeightBinding
 from hybridflow.engine.rollout.blocks import KSplits, LayerDims, LayerWeights
 from hybridflow.engine.rollout.kv_cache import KVCache, write_kv
 from hybridflow.engine.rollout.support import check_structure, check_supported
-from hybridflow.engine.rollout.weights import join_in_place, local_tensor
+from hybridflow.engine.rollout.tp import RolloutTP
+from hybridflow.engine.rollout.weights import local_tensor
 
 logger = logging.getLogger(__name__)
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _fill(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``, casting on ``dst``'s device when ``src`` is an offloaded host tensor.
-
-    A cross-device copy that also changes dtype converts on the host first (float32 -> bfloat16 through a
-    pageable temporary); moving the float32 tensor over as it is, a DMA from pinned memory, then casting on
-    the GPU is faster (0.5B actor offloaded, W1: see ``benchmarks/RESULTS.md``, tenth session).
-    """
-    if src.device != dst.device:
-        src = src.to(dst.device, non_blocking=True)  # ordered on the stream before the cast below
-    dst.copy_(src)
 
 
 def _pick_decode_attention(device: torch.device, dtype: torch.dtype) -> str:
@@ -82,7 +68,7 @@ class LlamaRunner:
         device: torch.device | None = None,
         tp: RolloutTP | None = None,
     ) -> None:
-        """``tp``: ``hf_model`` is this rank's tensor-parallel shard (``engine.parallel.tp_rollout``), and
+        """``tp``: ``hf_model`` is this rank's tensor-parallel shard (``engine.rollout.tp``), and
         the runner adds the group's collectives: vocabulary-parallel embedding and logits, and an all-reduce
         after the o and down projections."""
         config = hf_model.config
@@ -113,93 +99,6 @@ class LlamaRunner:
         # (the rollout engine's fused sampler); saves a float32 copy of (B, V) per step.
         self.float_logits = True
         self._prefill_layers = self._prefill_hidden  # compile_prefill() swaps in a compiled one
-        self._bind_all()
-        # Decode's projections as batched GEMMs over slices of K whose float32 partials the next fused kernel
-        # sums (blocks.split_linear); all 1 leaves them to cuBLAS. Worth it only under torch.compile.
-        self.k_splits = KSplits()
-
-    # ---- weight binding -------------------------------------------------------------------------------
-
-    def _bind(self, parts: list[tuple[nn.Module, str]], fuse: bool | None = None) -> list[torch.Tensor]:
-        """Bind parameters given as (module, name): by reference if dtype and device match, else by a cast.
-
-        ``fuse=None`` fuses the group into one buffer when it must be copied anyway, or, for plain CUDA
-        tensors already in the runner's dtype, by re-laying them out in place (``weights.join_in_place``); True
-        always fuses (the biases of a fused weight group); False never fuses. Tied parameters (the same
-        object) are bound once.
-        """
-        params = [getattr(m, n) for m, n in parts]
-        key = (fuse, tuple(id(p) for p in params))
-        if key not in self._memo:
-            srcs = [local_tensor(p) for p in params]
-            cast = any(s.dtype != self.dtype or s.device != self.device for s in srcs)
-            joined = None
-            if not cast and fuse is not False and len(params) > 1:
-                joined = join_in_place(params)
-            if joined is not None:
-                self._aliases += [(local_tensor(p), m, n) for p, (m, n) in zip(params, parts)]
-                self._memo[key] = [joined]
-            elif fuse or (fuse is None and cast):
-                self._memo[key] = [self._alloc(srcs, parts)]
-            elif cast:
-                self._memo[key] = [self._alloc([s], [part]) for s, part in zip(srcs, parts)]
-            else:
-                self._aliases += [(s, m, n) for s, (m, n) in zip(srcs, parts)]
-                self._memo[key] = srcs
-        return self._memo[key]
-
-    def _alloc(self, srcs: list[torch.Tensor], parts: list[tuple[nn.Module, str]]) -> torch.Tensor:
-        """One buffer holding ``srcs`` stacked on dim 0 in the runner's dtype; remembered for refresh()."""
-        rows = [s.shape[0] for s in srcs]
-        buf = torch.empty((sum(rows), *srcs[0].shape[1:]), dtype=self.dtype, device=self.device)
-        self._buffers.append(buf)
-        for view, src, (module, name) in zip(buf.split(rows), srcs, parts):
-            _fill(view, src)
-            self._copies.append((view, module, name))
-        return buf
-
-    def _bind_layer(self, layer: nn.Module) -> LayerWeights:
-        """Bind one decoder layer, checking the projection shapes against the config."""
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv_mods = [attn.q_proj, attn.k_proj, attn.v_proj]
-        rows = [local_tensor(m.weight).shape[0] for m in [*qkv_mods, mlp.gate_proj, mlp.up_proj]]
-        want = [*self.dims.qkv_splits, *self.dims.mlp_splits]
-        if rows != want:
-            raise ValueError(f"q/k/v/gate/up projections have {rows} rows; the config implies {want}")
-        qkv = self._bind([(m, "weight") for m in qkv_mods])
-        gate_up = self._bind([(mlp.gate_proj, "weight"), (mlp.up_proj, "weight")])
-
-        def bias(mods: list[nn.Module], fused: bool) -> list[torch.Tensor] | None:
-            if getattr(mods[0], "bias", None) is None:
-                return None
-            # A fused weight needs a fused bias; otherwise each bias is bound alone (alias or cast).
-            return self._bind([(m, "bias") for m in mods], fuse=fused)
-
-        q_norm = getattr(attn, "q_norm", None)
-        k_norm = getattr(attn, "k_norm", None)
-        return LayerWeights(
-            input_norm=self._bind([(layer.input_layernorm, "weight")])[0],
-            qkv=qkv,
-            qkv_bias=bias(qkv_mods, len(qkv) == 1),
-            q_norm=None if q_norm is None else self._bind([(q_norm, "weight")])[0],
-            k_norm=None if k_norm is None else self._bind([(k_norm, "weight")])[0],
-            o=self._bind([(attn.o_proj, "weight")]),
-            o_bias=bias([attn.o_proj], False),
-            post_norm=self._bind([(layer.post_attention_layernorm, "weight")])[0],
-            gate_up=gate_up,
-            gate_up_bias=bias([mlp.gate_proj, mlp.up_proj], len(gate_up) == 1),
-            down=self._bind([(mlp.down_proj, "weight")]),
-            down_bias=bias([mlp.down_proj], False),
-        )
-
-    @torch.no_grad()
-    def _bind_all(self) -> None:
-        """(Re)bind every weight; allocates the cast buffers."""
-        reshard_fsdp(self._model)
-        self._memo: dict[tuple, list[torch.Tensor]] = {}
-        self._aliases: list[tuple[torch.Tensor, nn.Module, str]] = []  # zero-copy: (tensor, module, name)
-        self._copies: list[tuple[torch.Tensor, nn.Module, str]] = []  # cast buffers: (view, module, name)
-        self._buffers: list[torch.Tensor] = []  # the cast buffers themselves (release() frees their storage)
         self.dims = LayerDims(
             self.num_heads,
             self.num_kv_heads,
@@ -208,79 +107,51 @@ class LlamaRunner:
             qkv_splits=tuple(
                 d * self.head_dim for d in (self.num_heads, self.num_kv_heads, self.num_kv_heads)
             ),
-            mlp_splits=(self.config.intermediate_size,) * 2,
+            mlp_splits=(config.intermediate_size,) * 2,
         )
-        base = self._model.model
-        self.embed = self._bind([(base.embed_tokens, "weight")])[0]
-        self.layers = [self._bind_layer(layer) for layer in base.layers]
-        self.norm = self._bind([(base.norm, "weight")])[0]
-        # Tied embeddings: lm_head.weight is the embedding Parameter, so the memo returns the same tensor.
-        self.lm_head = self._bind([(self._model.lm_head, "weight")])[0]
-        rotary = base.rotary_emb
-        # The module's own inv_freq and attention_scaling carry the rope scaling (llama3, yarn, linear).
-        self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32).clone()  # (D/2,)
-        self.attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        if self.inv_freq.numel() * 2 != self.head_dim:
-            raise ValueError(f"rotary dim {self.inv_freq.numel() * 2} != head_dim {self.head_dim}")
+        self.weights = WeightBinding(hf_model, self.dtype, self.device, self.dims)
+        # Decode's projections as batched GEMMs over slices of K whose float32 partials the next fused kernel
+        # sums (blocks.split_linear); all 1 leaves them to cuBLAS. Worth it only under torch.compile.
+        self.k_splits = KSplits()
 
-    @torch.no_grad()
+    # ---- weights (``binding.WeightBinding``) -----------------------------------------------------------
+
+    @property
+    def embed(self) -> torch.Tensor:
+        """The bound embedding (V, hidden), or this rank's vocabulary slice."""
+        return self.weights.embed
+
+    @property
+    def layers(self) -> list[LayerWeights]:
+        """Each decoder layer's bound weights."""
+        return self.weights.layers
+
+    @property
+    def norm(self) -> torch.Tensor:
+        """The final norm's weight."""
+        return self.weights.norm
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        """The LM head (the embedding itself when tied)."""
+        return self.weights.lm_head
+
     def refresh(self) -> bool:
-        """Copy the module's current weights into the cast buffers in place (re-allocated if released).
-
-        Returns True when parameter storage moved (offload/reload, FSDP re-initialisation) so the runner
-        had to rebind: tensor addresses changed and any captured CUDA graph must be re-captured.
-        """
-        reshard_fsdp(self._model)
-        if any(local_tensor(getattr(m, n)).data_ptr() != t.data_ptr() for t, m, n in self._aliases):
-            logger.info("model parameters moved since the runner bound them; rebinding")
-            self._bind_all()
-            return True
-        for buf in self._buffers:  # released after the last generate: allocate again (views stay valid)
-            if buf.untyped_storage().nbytes() == 0:
-                buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-        same_device: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for dst, module, name in self._copies:
-            src = local_tensor(getattr(module, name))
-            if src.device != dst.device:
-                _fill(dst, src)  # an offloaded host shard: over to the device first, cast there
-                continue
-            dsts, srcs = same_device.setdefault((src.dtype, src.device), ([], []))
-            dsts.append(dst)
-            srcs.append(src)
-        for dsts, srcs in same_device.values():
-            # One multi-tensor copy (it casts too) instead of a launch per weight: 0.5B, 290 weights, on an
-            # H200: 0.9 ms against 2.6 ms.
-            torch._foreach_copy_(dsts, srcs)
-        return False
+        """Copy the module's current weights into the cast buffers (``WeightBinding.refresh``); True when the
+        parameters moved and the runner rebound them (any captured CUDA graph must be re-captured)."""
+        return self.weights.refresh()
 
     def release(self) -> int:
-        """Free the cast buffers' memory until the next ``refresh()``; returns the bytes freed.
-
-        The buffers are a rendering of the module's weights in the generation dtype, re-filled by every
-        ``refresh()``, so between generations they are dead weight: at the update's peak they would be a
-        second copy of the actor beside FSDP2's own compute-dtype parameters. Their tensors (and every view of
-        them) stay valid objects; only the storage goes, as FSDP2 does with its unsharded parameters. Weights
-        bound by reference are the module's own and are never touched. Any CUDA graph captured on the
-        buffers must be dropped first (the engine captures its graphs per call).
-        """
-        freed = 0
-        for buf in self._buffers:
-            storage = buf.untyped_storage()
-            freed += storage.nbytes()
-            storage.resize_(0)
-        return freed
+        """Free the cast buffers until the next ``refresh()``; returns the bytes freed."""
+        return self.weights.release()
 
     def pending_bytes(self) -> int:
-        """Bytes the next ``refresh()`` allocates: the cast buffers released since the last one."""
-        return sum(b.numel() * b.element_size() for b in self._buffers if b.untyped_storage().nbytes() == 0)
+        """Bytes the next ``refresh()`` allocates."""
+        return self.weights.pending_bytes()
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every distinct tensor the forward reads (for checks: data pointers, memory)."""
-        seen: dict[int, torch.Tensor] = {}
-        for tensors in self._memo.values():
-            for t in tensors:
-                seen.setdefault(id(t), t)
-        return list(seen.values())
+        return self.weights.weight_tensors()
 
     @property
     def decode_attention(self) -> str:
@@ -333,10 +204,10 @@ class LlamaRunner:
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin (b, 1, t, D) for (b, t) positions, exactly as HF: float32 angles, then the dtype."""
-        freqs = positions[..., None].float() * self.inv_freq  # (b, t, D/2)
+        freqs = positions[..., None].float() * self.weights.inv_freq  # (b, t, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (b, t, D)
-        cos = (emb.cos() * self.attention_scaling).to(self.dtype)[:, None]  # (b, 1, t, D)
-        sin = (emb.sin() * self.attention_scaling).to(self.dtype)[:, None]
+        cos = (emb.cos() * self.weights.attention_scaling).to(self.dtype)[:, None]  # (b, 1, t, D)
+        sin = (emb.sin() * self.weights.attention_scaling).to(self.dtype)[:, None]
         return cos, sin
 
     def _forward(

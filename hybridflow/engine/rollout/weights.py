@@ -6,23 +6,18 @@ import itertools
 
 import torch
 
+from hybridflow.engine.ops.tensors import local_shard
+
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:
     """The plain tensor behind a parameter; for an FSDP2 DTensor, its local shard (which must be whole)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(param, DTensor):
-        # The DTensor's own attribute: ``to_local()`` dispatches through autograd, ~16 us a call on an H200
-        # host, which over the ~300 weights of a refresh was most of the switch (benchmarks/RESULTS.md).
-        local = getattr(param, "_local_tensor", None)
-        local = param.to_local() if local is None else local
-        if local.shape != param.shape:
-            raise ValueError(
-                f"a parameter is sharded ({tuple(local.shape)} of {tuple(param.shape)}): the runner reads "
-                "whole weights, i.e. FSDP2 at world size 1; gather the weights into a rollout replica first"
-            )
-        return local.detach()
-    return param.detach()
+    local = local_shard(param)
+    if local.shape != param.shape:
+        raise ValueError(
+            f"a parameter is sharded ({tuple(local.shape)} of {tuple(param.shape)}): the runner reads "
+            "whole weights, i.e. FSDP2 at world size 1; gather the weights into a rollout replica first"
+        )
+    return local
 
 
 def join_in_place(params: list[torch.Tensor], cuda_only: bool = True) -> torch.Tensor | None:

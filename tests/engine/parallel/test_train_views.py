@@ -56,12 +56,12 @@ def actor_config() -> ActorConfig:
 
 def train_in_view(rank: int, world: int, views: list[tuple[str, int, int, bool]]) -> list[dict]:
     """Per (arch, tp, pp, remove_padding): log-probs, one update's metrics, and the updated full weights."""
-    from hybridflow.engine.actor import ActorEngine
-    from hybridflow.engine.fsdp import full_state_dict
+    from hybridflow.engine.hybrid.switch import held_box
+    from hybridflow.engine.parallel.fsdp import full_state_dict
+    from hybridflow.engine.parallel.layout import kind_of
     from hybridflow.engine.parallel.pipeline import stage_of_param
-    from hybridflow.engine.parallel.tp_rollout import kind_of
     from hybridflow.engine.parallel.train_view import TrainView, train_box
-    from hybridflow.engine.reshard import held_box
+    from hybridflow.engine.roles.actor import ActorEngine
 
     out = []
     for arch, tp, pp, packed in views:
@@ -90,8 +90,8 @@ def train_in_view(rank: int, world: int, views: list[tuple[str, int, int, bool]]
 def critic_in_view(batch: Batch, view) -> dict:
     """The critic in the same view: values, one update's metrics, the updated weights (rank 0)."""
     from hybridflow.config.schema import CriticConfig
-    from hybridflow.engine.critic import CriticEngine
-    from hybridflow.engine.fsdp import full_state_dict
+    from hybridflow.engine.parallel.fsdp import full_state_dict
+    from hybridflow.engine.roles.critic import CriticEngine
     from hybridflow.models import build_value_model
 
     lm = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=4, seed=3)
@@ -157,8 +157,8 @@ def save_in_view(rank: int, run_dir: str, tp: int, pp: int) -> torch.Tensor:
     from pathlib import Path
 
     from hybridflow.checkpoint import RoleState, save, write_hf_config
-    from hybridflow.engine.actor import ActorEngine
     from hybridflow.engine.parallel.train_view import TrainView
+    from hybridflow.engine.roles.actor import ActorEngine
 
     lm = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=4, seed=1)
     engine = ActorEngine(lm, actor_config(), use_remove_padding=True, view=TrainView(tp * pp, tp, pp))
@@ -174,8 +174,8 @@ def save_in_view(rank: int, run_dir: str, tp: int, pp: int) -> torch.Tensor:
 def load_in_view(rank: int, ckpt: str, world: int, tp: int, pp: int = 1) -> torch.Tensor:
     """A fresh engine (other initial weights) in another view, loaded from the checkpoint: its log-probs."""
     from hybridflow.checkpoint import RoleState, load
-    from hybridflow.engine.actor import ActorEngine
     from hybridflow.engine.parallel.train_view import TrainView
+    from hybridflow.engine.roles.actor import ActorEngine
 
     lm = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=4, seed=7)
     engine = ActorEngine(lm, actor_config(), use_remove_padding=True, view=TrainView(world, tp, pp))
@@ -187,7 +187,7 @@ def exported_log_probs(rank: int, model_dir: str) -> torch.Tensor:
     """The exported directory through AutoModelForCausalLM, scored by a one-rank engine."""
     from transformers import AutoModelForCausalLM
 
-    from hybridflow.engine.actor import ActorEngine
+    from hybridflow.engine.roles.actor import ActorEngine
 
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return ActorEngine(lm, actor_config(), trainable=False).compute_log_prob(fixed_batch())["log_probs"]

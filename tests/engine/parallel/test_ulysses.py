@@ -65,12 +65,12 @@ def critic_config() -> CriticConfig:
 
 def run_views(rank: int, world: int, views: list[tuple[str, int, bool]]) -> list[dict]:
     """Per (arch, sp, dynamic + checkpointing): the actor's and the critic's outputs on this group's rows."""
-    from hybridflow.engine.actor import ActorEngine
-    from hybridflow.engine.critic import CriticEngine
-    from hybridflow.engine.fsdp import full_state_dict
-    from hybridflow.engine.parallel.tp_rollout import kind_of
+    from hybridflow.engine.hybrid.switch import held_box
+    from hybridflow.engine.parallel.fsdp import full_state_dict
+    from hybridflow.engine.parallel.layout import kind_of
     from hybridflow.engine.parallel.train_view import TrainView, train_box
-    from hybridflow.engine.reshard import held_box
+    from hybridflow.engine.roles.actor import ActorEngine
+    from hybridflow.engine.roles.critic import CriticEngine
     from hybridflow.models import build_value_model
 
     out = []
@@ -162,7 +162,7 @@ def test_the_view_groups_consecutive_ranks_and_prints_sp() -> None:
 def test_each_rank_holds_its_slice_of_the_packed_row() -> None:
     """sp=3 over packed lengths that 3 does not divide: the slices tile the padded row, the pad tokens are a
     sequence of their own, and each rank's scored rows are its own tokens' (uneven counts, some rank none)."""
-    from hybridflow.engine.packing import build_scoring_inputs
+    from hybridflow.engine.ops.packing import build_scoring_inputs
     from hybridflow.engine.parallel.ulysses import shard_inputs
 
     b = fixed_batch()

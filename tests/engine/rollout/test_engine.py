@@ -122,7 +122,7 @@ def rollout_then_score(rank: int, temperature: float) -> float:
     # has not touched CUDA yet, so hiding the devices here keeps it on the CPU.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from hybridflow.config.schema import ActorConfig
-    from hybridflow.engine.actor import ActorEngine
+    from hybridflow.engine.roles.actor import ActorEngine
     from hybridflow.protocol import Batch
 
     actor = ActorEngine(lively_model(), ActorConfig(), use_remove_padding=True, trainable=False)

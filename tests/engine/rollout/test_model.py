@@ -318,7 +318,7 @@ def test_refresh_rebinds_when_parameter_storage_moves() -> None:
 def _fsdp_world(rank: int) -> dict[str, float | bool]:
     from torch.distributed.tensor import DTensor
 
-    from hybridflow.engine.fsdp import shard_model
+    from hybridflow.engine.parallel.fsdp import shard_model
 
     torch.manual_seed(0)
     model = build_tiny_model("qwen2", seed=1, **SMALL, **HEADS)

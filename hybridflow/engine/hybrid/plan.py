@@ -1,0 +1,171 @@
+"""The reshard plan: which box of which parameter each rank receives from which rank, computed once.
+
+Inputs are data: every parameter's full shape, the dimension FSDP2 shards it on over the W training ranks
+(rank s holds the s-th of W chunks, ``torch.chunk``'s sizes) and the box each generation rank needs
+(``parallel.layout.ShardLayout`` through the ``GenerateView``). A transfer is the intersection of what a
+receiver needs with what a sender holds; what a rank holds itself it copies locally. So every rank receives
+exactly the elements of its generation shard that it does not already hold, each from the one rank that
+holds it: the minimum any layout switch can move. ``print(plan)`` shows the bytes per rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from hybridflow.engine.parallel.layout import Box, ShardLayout
+from hybridflow.engine.parallel.view import GenerateView
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The overlap of two boxes of the same tensor, or None when they do not overlap."""
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return out if all(lo < hi for lo, hi in out) else None
+
+
+def contains(outer: Box, inner: Box) -> bool:
+    """Whether box ``inner`` lies inside box ``outer``."""
+    return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner))
+
+
+def volume(box: Box | None) -> int:
+    """Elements in a box (0 for None)."""
+    if box is None:
+        return 0
+    n = 1
+    for lo, hi in box:
+        n *= hi - lo
+    return n
+
+
+def chunk_box(shape: tuple[int, ...], dim: int | None, world: int, rank: int) -> Box | None:
+    """The box FSDP2 gives ``rank`` of ``world`` (``torch.chunk`` along ``dim``; None: the whole tensor)."""
+    if dim is None or world == 1:
+        return tuple((0, n) for n in shape)
+    size = -(-shape[dim] // world)
+    start, stop = min(rank * size, shape[dim]), min((rank + 1) * size, shape[dim])
+    if start == stop:
+        return None  # FSDP2 pads the split with empty chunks at the end
+    return tuple((start, stop) if d == dim else (0, n) for d, n in enumerate(shape))
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """``box`` of parameter ``param`` (in full-tensor coordinates) goes from rank ``src`` to rank ``dst``."""
+
+    param: int
+    src: int
+    dst: int
+    box: Box
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter of the plan: name, full shape, FSDP2 shard dim (None: not sharded), rollout layout."""
+
+    name: str
+    shape: tuple[int, ...]
+    train_dim: int | None
+    layout: ShardLayout
+
+
+class ReshardPlan:
+    """Every transfer of a train -> generate switch, grouped into buckets of about ``bucket_bytes``.
+
+    ``holdings[rank][param]``: the box of each parameter each training rank holds, for any training view
+    (tensor-parallel shards split again by FSDP2, parameters of other pipeline stages as None). Without it,
+    FSDP2 alone over every rank: each ``ParamSpec.train_dim`` chunked W ways.
+    """
+
+    def __init__(
+        self,
+        params: list[ParamSpec],
+        view: GenerateView,
+        elem_size: int,
+        bucket_bytes: int,
+        holdings: list[list[Box | None]] | None = None,
+        train_view: str | None = None,
+    ) -> None:
+        self.params, self.view, self.elem_size = params, view, elem_size
+        self.holdings = holdings
+        self.train_view = train_view or f"(fsdp={view.world})"
+        self.transfers: list[Transfer] = [t for i in range(len(params)) for t in self._transfers_of(i)]
+        self.buckets = self._buckets(bucket_bytes)
+
+    def held(self, param: int, rank: int) -> Box | None:
+        """The box of ``param`` training rank ``rank`` holds."""
+        if self.holdings is not None:
+            return self.holdings[rank][param]
+        p = self.params[param]
+        return chunk_box(p.shape, p.train_dim, self.view.world, rank)
+
+    def needed(self, param: int, rank: int) -> Box | None:
+        """The box of ``param`` generation rank ``rank`` needs (None: its buffer stays zeros)."""
+        return self.params[param].layout.box(self.view.tp_rank(rank))
+
+    def _transfers_of(self, i: int) -> Iterator[Transfer]:
+        """Each element a rank needs, from one rank that holds it: itself first, else the next ranks.
+
+        Training views hold some parameters on several ranks (the embedding and norms are replicated over
+        the tensor-parallel ranks): a replica's copy of a box already taken is not sent again.
+        """
+        world = self.view.world
+        for dst in range(world):
+            need = self.needed(i, dst)
+            if need is None:
+                continue
+            taken: list[Box] = []
+            for src in sorted(range(world), key=lambda r: (r - dst) % world):
+                held = self.held(i, src)
+                part = None if held is None else intersect(need, held)
+                if part is None:
+                    continue
+                if any(intersect(part, box) is not None for box in taken):
+                    assert any(contains(box, part) for box in taken), f"param {i}: holdings overlap in part"
+                    continue
+                taken.append(part)
+                yield Transfer(i, src, dst, part)
+
+    def _buckets(self, bucket_bytes: int) -> list[list[int]]:
+        """Consecutive parameters, a bucket closed once its generation buffers reach ``bucket_bytes``."""
+        out: list[list[int]] = [[]]
+        size = 0
+        for i, p in enumerate(self.params):
+            out[-1].append(i)
+            size += volume(tuple((0, n) for n in p.layout.local_shape())) * self.elem_size
+            if size >= bucket_bytes and i + 1 < len(self.params):
+                out.append([])
+                size = 0
+        return out
+
+    def bytes_received(self, rank: int) -> int:
+        """Bytes ``rank`` receives from other ranks at every switch (its own part is a local copy)."""
+        return sum(volume(t.box) for t in self.transfers if t.dst == rank and t.src != rank) * self.elem_size
+
+    def bytes_sent(self, rank: int) -> int:
+        """Bytes ``rank`` sends to other ranks at every switch."""
+        return sum(volume(t.box) for t in self.transfers if t.src == rank and t.dst != rank) * self.elem_size
+
+    def generation_bytes(self) -> int:
+        """Bytes of one rank's generation buffers (every parameter's local shape; the same on every rank)."""
+        shapes = (p.layout.local_shape() for p in self.params)
+        return sum(volume(tuple((0, n) for n in s)) for s in shapes) * self.elem_size
+
+    def full_bytes(self) -> int:
+        """Bytes of a whole copy of the parameters in the generation dtype."""
+        return sum(volume(tuple((0, n) for n in p.shape)) for p in self.params) * self.elem_size
+
+    def __str__(self) -> str:
+        gib = 2**30
+        lines = [
+            f"reshard plan: train_view={self.train_view}, generate_view={self.view}, "
+            f"{len(self.params)} parameters in {len(self.buckets)} bucket(s); per rank: generation buffers "
+            f"{self.generation_bytes() / gib:.3f} GiB of a {self.full_bytes() / gib:.3f} GiB copy"
+        ]
+        for rank in range(self.view.world):
+            sources = sorted({t.src for t in self.transfers if t.dst == rank and t.src != rank})
+            lines.append(
+                f"  rank {rank}: receives {self.bytes_received(rank) / gib:.4f} GiB from ranks {sources}, "
+                f"sends {self.bytes_sent(rank) / gib:.4f} GiB"
+            )
+        return "\n".join(lines)

@@ -1,0 +1,219 @@
+"""The hybrid engine's switch at data-parallel size > 1: generation weights refreshed from the FSDP2 shards.
+
+``RolloutShard`` (the hybrid engine, ``actor.hybrid_engine=true``): each rank keeps its generation weights in
+the rollout dtype, its tensor-parallel shard of the policy (``rollout.tensor_model_parallel_size`` = tp) or,
+at tp = 1, a whole replica. They are built empty in the shard's shape (never a whole copy when tp > 1) and
+filled before every generation by the reshard plan (``engine.parallel``): each rank receives exactly the
+boxes of its shard it does not hold, bucket by bucket, cast on the way, into the same tensors every time (the
+rollout runner binds them once; CUDA graphs captured on them stay valid). Between generations ``release()``
+frees their memory (the worker does so with ``rollout.free_cache_engine``): the update then holds no
+generation copy beside its shards, and the next ``sync()`` allocates the same storages again.
+
+``BroadcastReplica`` (the baseline, ``actor.hybrid_engine=false``; HybridFlow's ``use_3d_hybrid=False``): a
+whole copy kept for good and refreshed by the naive switch, a full state dict gathered on rank 0 and
+broadcast tensor by tensor, so that memory and switch time can be put side by side with the hybrid engine.
+
+At world size 1 the hybrid engine needs neither: the rollout engine reads the training module's own
+parameters (a cast buffer at most).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from hybridflow.engine.hybrid.plan import ParamSpec, ReshardPlan
+from hybridflow.engine.hybrid.resharder import Resharder
+from hybridflow.engine.ops.tensors import local_shard
+from hybridflow.engine.parallel.fsdp import full_state_dict
+from hybridflow.engine.parallel.layout import Box, layouts
+from hybridflow.engine.parallel.view import GenerateView
+from hybridflow.engine.rollout.tp import build_shard, meta_model
+from hybridflow.utils.dist import world_size
+from hybridflow.utils.errors import format_bytes
+
+logger = logging.getLogger(__name__)
+
+
+def held_box(param: torch.Tensor) -> Box | None:
+    """The box of the full parameter this rank holds (a DTensor's local shard on any mesh; None: empty)."""
+    if not hasattr(param, "device_mesh"):
+        return tuple((0, n) for n in param.shape)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if any(n == 0 for n in shape):
+        return None  # FSDP2 pads an uneven split with empty shards at the end
+    return tuple((o, o + n) for o, n in zip(offset, shape))
+
+
+def holdings_of(named: dict[str, torch.Tensor], names: list[str]) -> list[list[Box | None]]:
+    """Every rank's held box of each of ``names`` (None where a rank holds none): one all-gather at start."""
+    mine = [held_box(named[n]) if n in named else None for n in names]
+    if world_size() == 1:
+        return [mine]
+    table: list = [None] * world_size()
+    dist.all_gather_object(table, mine)
+    return table
+
+
+
+class _Storages:
+    """Frees and re-allocates the storages of a module's parameters, keeping every tensor object valid."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._released: list[tuple[torch.UntypedStorage, int]] = []  # (storage, bytes) freed by release()
+
+    def release(self) -> int:
+        """Free the parameters' memory until ``restore()``; returns the bytes freed.
+
+        Only the storage goes: every tensor (and every view or alias of it, such as the rollout runner's
+        bindings or a q/k/v group the runner joined into one buffer) stays a valid object, and ``restore()``
+        re-allocates the same storage objects, so nothing has to be bound again.
+        """
+        freed = 0
+        for p in self.module.parameters():
+            storage = p.untyped_storage()
+            if storage.nbytes() == 0:  # tied, a view of a storage freed just now, or released already
+                continue
+            self._released.append((storage, storage.nbytes()))
+            freed += storage.nbytes()
+            storage.resize_(0)
+        return freed
+
+    def restore(self) -> None:
+        """Allocate again what ``release()`` freed (contents undefined until written)."""
+        for storage, nbytes in self._released:
+            storage.resize_(nbytes)
+        self._released = []
+
+
+class RolloutShard:
+    """This rank's generation weights (a tensor-parallel shard, or a whole replica at tp = 1), from the plan."""
+
+    def __init__(
+        self,
+        sharded: nn.Module,
+        view: GenerateView,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        bucket_bytes: int,
+        train_view: str | None = None,
+    ) -> None:
+        """``sharded`` is the HF causal LM of the training view (FSDP2 shards, tensor-parallel or not);
+        ``train_view`` names that view in the logs."""
+        self.view, self.rank = view, rank
+        self.module = build_shard(sharded, view.tp, dtype, device)
+        self.storages = _Storages(self.module)
+        # The whole model's parameters: a pipeline stage holds only its own layers, the generation view all.
+        skeleton = meta_model(sharded)
+        whole = dict(skeleton.named_parameters())
+        ours = dict(sharded.named_parameters())
+        generation = dict(self.module.named_parameters())
+        if whole.keys() != generation.keys() or not ours.keys() <= whole.keys():
+            raise ValueError(
+                f"the rollout shard's parameters differ: {sorted(whole.keys() ^ generation.keys())}, "
+                f"{sorted(ours.keys() - whole.keys())}"
+            )
+        lay = layouts(skeleton, view.tp)
+        self.names = list(whole)
+        specs = [ParamSpec(n, tuple(whole[n].shape), None, lay[n]) for n in self.names]
+        for spec in specs:  # the buffers' shapes are what the plan writes into
+            got = tuple(generation[spec.name].shape)
+            assert got == spec.layout.local_shape(), f"{spec.name}: buffer {got}, layout {spec.layout}"
+        elem = torch.empty((), dtype=dtype).element_size()
+        holdings = holdings_of(ours, self.names)
+        self.plan = ReshardPlan(specs, view, elem, bucket_bytes, holdings, train_view)
+        self.resharder = Resharder(self.plan, rank, device, dtype)
+        self.targets = [generation[n] for n in self.names]
+        logger.info(
+            "HybridEngine initialized: train_view=%s, generate_view=%s, %s; this rank holds %s of generation "
+            "weights (a whole copy: %s) and receives %s at every switch",
+            self.plan.train_view,
+            view,
+            dtype,
+            format_bytes(self.plan.generation_bytes()),
+            format_bytes(self.plan.full_bytes()),
+            format_bytes(self.plan.bytes_received(rank)),
+        )
+
+    def release(self) -> int:
+        """Free the generation weights' memory until the next ``sync()``; returns the bytes freed."""
+        return self.storages.release()
+
+    def switch_line(self) -> str:
+        """What every switch moves, from the plan: the log line of ``ActorWorker``'s switch."""
+        plan = self.plan
+        whole = format_bytes(plan.full_bytes())
+        if self.view.world == 1:  # one rank: its replica (for HF generate) is refreshed by a local copy
+            return (
+                f"Stage switch: nothing received (one rank); {format_bytes(plan.generation_bytes())} copied "
+                f"locally into the rollout's replica (a whole copy is {whole})"
+            )
+        received = [plan.bytes_received(r) for r in range(self.view.world)]
+        most = format_bytes(max(received))
+        amount = most if min(received) == max(received) else f"up to {most}"
+        shard = "a whole replica" if self.view.tp == 1 else f"a 1/{self.view.tp} tensor-parallel shard"
+        return f"Stage switch: {amount} received per rank into {shard} (a whole copy is {whole})"
+
+    @torch.no_grad()
+    def sync(self, sharded: nn.Module) -> int:
+        """Refresh every generation weight from ``sharded``'s shards (all ranks together); bytes received."""
+        self.storages.restore()
+        params = dict(sharded.named_parameters())
+        nothing = torch.empty(0)  # another pipeline stage's parameter: the plan never reads it here
+        sources = [local_shard(params[n]) if n in params else nothing for n in self.names]
+        return self.resharder.run(sources, self.targets)
+
+
+class BroadcastReplica:
+    """The baseline: a whole copy in the rollout dtype, kept, refreshed by a rank-0 state-dict broadcast."""
+
+    def __init__(
+        self,
+        sharded: nn.Module,
+        dtype: torch.dtype,
+        device: torch.device,
+        pp_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """``pp_group``: the other pipeline stages of this rank's replica, when ``sharded`` is one stage."""
+        self.pp_group = pp_group
+        self.module = build_shard(sharded, 1, dtype, device)
+        self.params = dict(self.module.named_parameters())
+        self.world = world_size()
+        logger.info(
+            "HybridEngine off (actor.hybrid_engine=false): every rank keeps a whole %s copy of the policy, "
+            "refreshed by a full state-dict broadcast from rank 0",
+            dtype,
+        )
+
+    def release(self) -> int:
+        """The baseline keeps its copy: nothing is freed."""
+        return 0
+
+    def switch_line(self) -> str:
+        """What every switch moves: the whole state dict, broadcast from rank 0 to each other rank."""
+        whole = format_bytes(sum(p.numel() * p.element_size() for p in self.params.values()))
+        if self.world == 1:
+            return f"Stage switch (actor.hybrid_engine=false): the kept copy is refreshed locally ({whole})"
+        return (
+            f"Stage switch (actor.hybrid_engine=false): {whole} received per rank other than rank 0, a full "
+            f"state-dict broadcast (a whole copy is {whole})"
+        )
+
+    @torch.no_grad()
+    def sync(self, sharded: nn.Module) -> int:
+        """Gather the full state dict (on rank 0's host), broadcast each tensor; returns the bytes received."""
+        state = full_state_dict(sharded, self.pp_group)  # a collective; rank 0 is the one that needs it
+        received = 0
+        for name, target in self.params.items():
+            if self.world == 1 or dist.get_rank() == 0:
+                target.copy_(state[name].to(target.device, non_blocking=True))
+            if self.world > 1:
+                dist.broadcast(target, src=0)
+                received += 0 if dist.get_rank() == 0 else target.numel() * target.element_size()
+        return received

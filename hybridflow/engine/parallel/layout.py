@@ -1,0 +1,150 @@
+"""Tensor-parallel shards of a Llama-family model for the rollout, in Megatron's layout.
+
+Rank t of a rollout group of tp ranks holds: the t-th slice of the attention heads (q rows; k/v rows of its
+KV heads, or, with fewer KV heads than tp, one whole KV head shared by tp / KVH ranks, as vLLM does) and of
+the MLP's intermediate rows (gate/up), the matching columns of o and down (row-parallel: each rank's product
+is a partial sum, all-reduced once per projection), and the t-th slice of the vocabulary of the embedding and
+the LM head (vocabulary-parallel: ceil(V / tp) rows each, the last rank's padded). Norms are replicated. A
+row-parallel bias lives on rank 0 only (zeros elsewhere), so the all-reduce adds it once.
+
+The shard is an ordinary Hugging Face module of the same class whose config has the local sizes (heads / tp,
+intermediate / tp, ceil(vocab / tp)); the rollout runner binds it as it binds any model and adds the
+collectives (``RolloutTP``). ``ShardLayout`` says, per parameter, which box of the full tensor a rank holds:
+the data the reshard plan is computed from.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from hybridflow.engine.parallel.fsdp import FSDP_SHARD_DIM
+from hybridflow.models.families import check_tensor_parallel
+from hybridflow.utils.errors import UserError
+
+# One (start, stop) per dimension of a tensor: the part of a full parameter a rank holds or needs.
+Box = tuple[tuple[int, int], ...]
+
+KINDS = ("replicated", "column", "kv", "row", "vocab", "first")
+_RULES = (  # (name pattern, kind) for the Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3)
+    (r"(^|\.)embed_tokens\.weight$|(^|\.)lm_head\.weight$", "vocab"),
+    (r"\.self_attn\.q_proj\.(weight|bias)$", "column"),
+    (r"\.self_attn\.[kv]_proj\.(weight|bias)$", "kv"),
+    (r"\.self_attn\.o_proj\.weight$|\.mlp\.down_proj\.weight$", "row"),
+    (r"\.self_attn\.o_proj\.bias$|\.mlp\.down_proj\.bias$", "first"),
+    (r"\.mlp\.(gate|up)_proj\.(weight|bias)$", "column"),
+    (r"(norm|layernorm)\.weight$", "replicated"),
+)
+
+
+def _whole(shape: tuple[int, ...]) -> Box:
+    return tuple((0, n) for n in shape)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Which box of a full parameter of ``shape`` each of ``tp`` rollout ranks holds (see the module doc)."""
+
+    kind: str
+    shape: tuple[int, ...]
+    tp: int
+    head_rows: int = 1  # rows of one KV head (kind "kv")
+
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of a rank's buffer (the same on every rank; the last vocabulary slice is padded)."""
+        if self.tp == 1 or self.kind in ("replicated", "first"):
+            return self.shape
+        dim = 1 if self.kind == "row" else 0
+        rows = self.shape[dim]
+        if self.kind == "vocab":
+            part = -(-rows // self.tp)
+        elif self.kind == "kv" and rows // self.head_rows < self.tp:
+            part = self.head_rows  # one whole KV head per rank, shared with others
+        else:
+            part = rows // self.tp
+        return tuple(part if d == dim else n for d, n in enumerate(self.shape))
+
+    def box(self, t: int) -> Box | None:
+        """The box of the full tensor tensor-parallel rank ``t`` holds; None: none (its buffer is zeros)."""
+        if self.tp == 1 or self.kind == "replicated":
+            return _whole(self.shape)
+        if self.kind == "first":
+            return _whole(self.shape) if t == 0 else None
+        dim = 1 if self.kind == "row" else 0
+        part = self.local_shape()[dim]
+        if self.kind == "kv" and self.shape[0] // self.head_rows < self.tp:
+            heads = self.shape[0] // self.head_rows
+            start = (t * heads // self.tp) * self.head_rows  # ranks t.. share KV head t * KVH // tp
+        else:
+            start = t * part
+        stop = min(start + part, self.shape[dim])
+        if start >= stop:  # a vocabulary smaller than (tp - 1) slices: this rank's slice is all padding
+            return None
+        return tuple((start, stop) if d == dim else (0, n) for d, n in enumerate(self.shape))
+
+
+def kind_of(name: str) -> str:
+    """The tensor-parallel kind of a Llama-family parameter, from its name; ValueError when unknown."""
+    for pattern, kind in _RULES:
+        if re.search(pattern, name):
+            return kind
+    raise UserError(
+        f"parameter {name!r} has no tensor-parallel layout for the rollout (Llama-family models only); set "
+        "rollout.tensor_model_parallel_size=1"
+    )
+
+
+def layouts(model: nn.Module, tp: int) -> dict[str, ShardLayout]:
+    """The ``ShardLayout`` of every parameter of ``model`` (names as ``named_parameters`` gives them)."""
+    if tp == 1:  # a whole replica: every parameter whole, whatever the family (no shard rule needed)
+        return {name: ShardLayout("replicated", tuple(p.shape), 1) for name, p in model.named_parameters()}
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return {
+        name: ShardLayout(kind_of(name), tuple(p.shape), tp, head_dim) for name, p in model.named_parameters()
+    }
+
+
+def follow_rollout_shards(model: nn.Module, world: int, tp: int) -> int:
+    """Mark the row-parallel weights (o, down) of ``model`` for FSDP2 to shard on dim 1; returns how many.
+
+    FSDP2 shards dim 0 by default, but a row-parallel rollout shard is a slice of columns: sharded on dim 1,
+    a rank's training shard lies inside its generation shard (``GenerateView``'s ordering), so the switch
+    gathers it from the rank's own tensor-parallel peers only, and at tp = W not at all. FSDP2 shards dim 1
+    only evenly, so a dimension the ranks do not divide keeps dim 0. Call before the engine shards ``model``.
+    """
+    if tp == 1:
+        return 0
+    marked = 0
+    for name, param in model.named_parameters():
+        if kind_of(name) == "row" and param.shape[1] % world == 0:
+            setattr(param, FSDP_SHARD_DIM, 1)
+            marked += 1
+    return marked
+
+
+def check_tp(config: Any, tp: int) -> None:
+    """Raise UserError naming the fields when ``tp`` cannot split this model's heads and MLP (or the family
+    has no shard rules)."""
+    check_tensor_parallel(config, "rollout.tensor_model_parallel_size", tp)
+    if tp == 1:  # nothing to split (and a family without shard rules may lack the fields below)
+        return
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    problems = []
+    if heads % tp:
+        problems.append(f"num_attention_heads={heads}")
+    if kv % tp and tp % kv:
+        problems.append(f"num_key_value_heads={kv} (a multiple of tp, or a divisor of it)")
+    if config.intermediate_size % tp:
+        problems.append(f"intermediate_size={config.intermediate_size}")
+    if problems:
+        raise UserError(
+            f"rollout.tensor_model_parallel_size={tp} does not split this model: {', '.join(problems)}; "
+            "use a tensor-parallel size that divides them"
+        )
+
+

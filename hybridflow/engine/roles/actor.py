@@ -1,0 +1,400 @@
+"""The policy on one rank: response log-probs and the PPO-family update (the reference reuses it, forward-only)."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from hybridflow.algos.aggregation import agg_loss, local_batch_info
+from hybridflow.algos.kl import kl_penalty
+from hybridflow.algos.policy_loss import PolicyLossConfig, get_policy_loss_fn
+from hybridflow.config.schema import ActorConfig, FSDPConfig, OptimConfig
+from hybridflow.engine.ops.packed_attention import use_packed_attention
+from hybridflow.engine.ops.packing import build_scoring_inputs, scatter_to_responses, to_device
+from hybridflow.engine.parallel.pipeline import StageScorer
+from hybridflow.engine.parallel.train_view import TrainView
+from hybridflow.engine.roles.pipelined import (
+    attach_pipeline,
+    gather_pass,
+    micro_loss_fn,
+    packed_inputs,
+    pipeline_stage,
+    policy_head,
+)
+from hybridflow.engine.train.micro_batch import check_batch, micro_batch_indices, restore_order
+from hybridflow.engine.train.scorer import PolicyScorer, decoder_layers
+from hybridflow.engine.train.train_engine import TrainEngine
+from hybridflow.protocol import Batch
+from hybridflow.utils.dist import all_reduce_sum
+from hybridflow.utils.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+SCORING_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+# What the policy loss reads on the device (the scoring keys stay on the host).
+LOSS_KEYS = ("response_mask", "advantages", "old_log_probs", "ref_log_prob", "rollout_is_weights")
+
+
+class ActorEngine:
+    """FSDP2 policy: ``compute_log_prob`` for old/reference log-probs and ``update_policy`` for PPO epochs."""
+
+    def __init__(
+        self,
+        lm: nn.Module,
+        actor: ActorConfig,
+        *,
+        rollout_n: int = 1,
+        use_remove_padding: bool = False,
+        gradient_checkpointing: bool = False,
+        total_steps: int = 1,
+        trainable: bool = True,
+        fsdp: FSDPConfig | None = None,
+        device: torch.device | None = None,
+        fused_head: bool = True,
+        defer_grad_sync: bool | None = None,
+        keep_params_gathered: bool | None = None,
+        view: TrainView | None = None,
+    ) -> None:
+        """``view``: the training view (None: FSDP2 over every rank); the ranks of one model replica must be
+        given the same rows (``train_view.ShareGroup`` joins their shares).
+
+        ``fused_head``: the fused LM-head log-prob (False: the checkpointed reference path).
+
+        ``defer_grad_sync`` / ``keep_params_gathered``: FSDP2 gradient accumulation over the micro-batches of a
+        mini-batch (see ``fsdp.set_accumulation``); None turns them on at world size 1 without parameter
+        offload, where they cost no extra communication and little memory.
+        """
+        self.actor = actor
+        self.rollout_n = rollout_n
+        self.last_log_probs: torch.Tensor | None = None  # an on-policy update's own (B, R), see update_policy
+        self.remove_padding = use_remove_padding
+        self._accumulation = {
+            "defer_grad_sync": defer_grad_sync,
+            "keep_params_gathered": keep_params_gathered,
+        }
+        self.fused_head = fused_head
+        stage = pipeline_stage(lm, view)  # None: one stage
+        if stage is not None:
+            use_remove_padding = self.remove_padding = True  # pipeline stages run packed micro-batches
+        if use_remove_padding:
+            use_packed_attention(lm)
+        if gradient_checkpointing:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        optim: OptimConfig | None = actor.optim if trainable else None
+        root = (
+            PolicyScorer(lm, fused_head=fused_head)
+            if stage is None
+            else StageScorer(lm, stage.index, view.pp)
+        )
+        self.engine = TrainEngine(
+            root,
+            decoder_layers(lm),
+            fsdp or actor.fsdp,
+            optim,
+            actor.grad_clip,
+            total_steps,
+            device,
+            actor.use_torch_compile,
+            view,
+        )
+        self.pipeline = None if stage is None else attach_pipeline(self.engine, lm, stage)
+
+    @property
+    def module(self) -> nn.Module:
+        """The FSDP2-wrapped ``PolicyScorer`` (its ``.lm`` is the Hugging Face model)."""
+        return self.engine.module
+
+    def score(
+        self, mb: Batch, temperature: float, with_entropy: bool, entropy_grad: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, R) log-probs (and entropy) on the device; ``mb`` stays on the host (indices built there)."""
+        B, R = mb["responses"].shape
+        inputs = build_scoring_inputs(
+            mb["input_ids"], mb["attention_mask"], mb["position_ids"], R, self.remove_padding
+        ).to(self.engine.device)
+        logp, ent = self.module(inputs, temperature, with_entropy, entropy_grad)  # (M,), (M,)
+        logp = scatter_to_responses(logp, inputs.scatter_index, B, R)  # (B, R)
+        return logp, (None if ent is None else scatter_to_responses(ent, inputs.scatter_index, B, R))
+
+    def dp_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks (each model replica once, whatever its tp x pp ranks)."""
+        return all_reduce_sum(x, self.engine.dp_group)
+
+    def _device_fields(self, mb: Batch, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """The named fields of a host micro-batch on the device (asynchronous copies)."""
+        return {k: to_device(mb[k], self.engine.device) for k in keys if k in mb}
+
+    def accumulate_grads(self, micro_batch: int, num_micro_batches: int) -> None:
+        """Set FSDP2's gradient sync / resharding for the coming backward (``TrainEngine.accumulate``)."""
+        self.engine.accumulate(micro_batch, num_micro_batches, **self._accumulation)
+
+    @torch.no_grad()
+    def compute_log_prob(
+        self,
+        batch: Batch,
+        temperature: float = 1.0,
+        micro_batch_size: int = 16,
+        use_dynamic_bsz: bool = False,
+        max_token_len: int = 16384,
+        with_entropy: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """Log-probs (B, R) of ``responses`` under the current weights, and entropy when asked (CPU tensors)."""
+        check_batch(batch, SCORING_KEYS)
+        self.engine.onload()
+        self.module.eval()
+        parts = micro_batch_indices(batch, micro_batch_size, use_dynamic_bsz, max_token_len)
+        if self.pipeline is not None:
+            results = self._pipelined_scores(batch, parts, temperature, with_entropy)
+        else:
+            logps, ents = [], []
+            for idx in parts:  # results stay on the device: one copy to the host at the end, not one per part
+                lp, ent = self.score(batch[idx], temperature, with_entropy)
+                logps.append(lp)
+                ents.append(ent)
+            results = [restore_order(logps, parts).cpu()]
+            if with_entropy:
+                results.append(restore_order(ents, parts).cpu())
+        out = {"log_probs": results[0]}
+        if with_entropy:
+            out["entropys"] = results[1]
+        self.engine.offload()
+        return out
+
+    def _pipelined_scores(
+        self, batch: Batch, parts: list[list[int]], temperature: float, with_entropy: bool
+    ) -> list[torch.Tensor]:
+        """Log-probs (and entropy) (B, R) on the host, through the pipeline stages (every stage gets them)."""
+        inputs = packed_inputs(batch, parts)
+        k = 2 if with_entropy else 1
+        head = policy_head(temperature, with_entropy, False, self.fused_head)
+        outs = self.pipeline.forward(inputs, head, k)
+        return gather_pass(self.pipeline, outs, inputs, parts, batch["responses"].shape[1], k)
+
+    def _epoch_order(self, rows: int, epoch: int) -> torch.Tensor:
+        """``actor.shuffle``: a permutation of the rows for this epoch's mini-batches.
+
+        Seeded by the updates done so far (the LR schedule's step count, which checkpoints restore) and the
+        epoch, so a resumed run shuffles as the uninterrupted one did.
+        """
+        done = self.engine.scheduler.last_epoch if self.engine.scheduler is not None else 0
+        generator = torch.Generator().manual_seed(1_000_003 * done + epoch)
+        return torch.randperm(rows, generator=generator)
+
+    def _mini_batches(self, batch: Batch) -> list[Batch]:
+        dp = self.engine.dp_size
+        size = self.actor.ppo_mini_batch_size * self.rollout_n // dp
+        if size < 1:
+            raise UserError(
+                f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} x rollout.n={self.rollout_n} "
+                f"is smaller than the {dp} data-parallel ranks; raise ppo_mini_batch_size"
+            )
+        return batch.split(size)
+
+    def update_policy(self, batch: Batch, temperature: float = 1.0) -> dict[str, float]:
+        """Run ``ppo_epochs`` passes over the mini-batches of ``batch``; returns verl-named actor metrics.
+
+        On-policy (one epoch, one mini-batch) the ratio's denominator is the update's own detached
+        log-probs, so ``old_log_probs`` may be left out of ``batch``; the update then keeps those log-probs,
+        taken before its optimizer step, in ``last_log_probs`` (B, R) on the host, in the batch's order.
+        """
+        keys = (*SCORING_KEYS, "response_mask", "advantages")
+        check_batch(batch, keys + (("ref_log_prob",) if self.actor.use_kl_loss else ()))
+        self.engine.onload()
+        self.module.train()
+        minis = self._mini_batches(batch)
+        # On-policy (one epoch, one mini-batch): the ratio is exactly 1, so ppo_kl is exactly 0 on step 1.
+        on_policy = self.actor.ppo_epochs == 1 and len(minis) == 1
+        keep = "old_log_probs" not in batch
+        if keep and not on_policy:
+            raise UserError(
+                f"the batch has no old_log_probs, which an update of {len(minis)} mini-batches x "
+                f"{self.actor.ppo_epochs} epochs needs; compute them first (only one epoch over one "
+                "mini-batch can do without)"
+            )
+        self.last_log_probs = None
+        history: dict[str, list[float]] = defaultdict(list)
+        for epoch in range(self.actor.ppo_epochs):
+            if self.actor.shuffle and not on_policy:
+                minis = self._mini_batches(batch[self._epoch_order(len(batch), epoch).numpy()])
+            for mini in minis:
+                for key, value in self._update_mini_batch(mini, temperature, on_policy, keep).items():
+                    history[key].append(value)
+        self.engine.lr_step()
+        self.engine.offload()
+        metrics = {key: sum(v) / len(v) for key, v in history.items()}
+        metrics["actor/lr"] = self.engine.lr
+        metrics["actor/skipped_steps"] = self.engine.skipped_steps  # non-finite grad norms so far
+        if self.actor.use_kl_loss:
+            metrics["actor/kl_coef"] = self.actor.kl_loss_coef
+        return metrics
+
+    def backward_micro_batches(
+        self, batch: Batch, parts: list[list[int]], loss: Callable[[Batch, torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Backward of ``loss(micro_batch, log_probs (b, R))`` (at temperature 1, no entropy) over each
+        micro-batch of ``batch``, through the pipeline stages when the view has them (the loss runs on the
+        last); gradients accumulate for one optimizer step."""
+        if self.pipeline is not None:
+            inputs = packed_inputs(batch, parts)
+            R = batch["responses"].shape[1]
+            loss_of = micro_loss_fn(inputs, parts, R, lambda i, outs: loss(batch[parts[i]], outs[0]))
+            self.pipeline.train(inputs, policy_head(1.0, False, False, self.fused_head), 1, loss_of)
+            return
+        for i, idx in enumerate(parts):
+            mb = batch[idx]  # stays on the host: the scoring indices are built there
+            logp, _ = self.score(mb, 1.0, with_entropy=False)  # (b, R)
+            value = loss(mb, logp)
+            self.accumulate_grads(i, len(parts))
+            value.backward()
+
+    def update_sft(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step of negative log-likelihood on the response tokens of ``batch`` (SFT)."""
+        check_batch(batch, (*SCORING_KEYS, "response_mask"))
+        self.engine.onload()
+        self.module.train()
+        a = self.actor
+        dp = self.engine.dp_size
+        counts = {k: int(self.dp_sum(v)) for k, v in local_batch_info(batch["response_mask"]).items()}
+        total = torch.zeros((), dtype=torch.float64, device=self.engine.device)
+        parts = micro_batch_indices(
+            batch, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu
+        )
+
+        def nll(mb: Batch, logp: torch.Tensor) -> torch.Tensor:  # logp (b, R)
+            nonlocal total
+            mask = to_device(mb["response_mask"], self.engine.device)
+            loss = -agg_loss(logp, mask, "token-mean", dp_size=dp, **counts)
+            total += loss.detach().double() / dp  # on the device: no sync per micro-batch
+            return loss
+
+        self.backward_micro_batches(batch, parts, nll)
+        loss_sum = float(self.dp_sum(total.cpu()))  # stages before the last: 0, and their dp groups' own sum
+        if self.pipeline is not None:
+            loss_sum = self.pipeline.from_last(loss_sum)
+        metrics = {"sft/loss": loss_sum, "sft/grad_norm": self.engine.optimizer_step()}
+        self.engine.lr_step()
+        self.engine.offload()
+        metrics["sft/lr"] = self.engine.lr
+        return metrics
+
+    def _loss_config(self, mini: Batch) -> PolicyLossConfig:
+        a = self.actor
+        counts = {k: int(self.dp_sum(v)) for k, v in local_batch_info(mini["response_mask"]).items()}
+        return PolicyLossConfig(
+            loss_mode=a.policy_loss.loss_mode,
+            clip_ratio=a.clip_ratio,
+            clip_ratio_low=a.clip_ratio_low,
+            clip_ratio_high=a.clip_ratio_high,
+            clip_ratio_c=a.clip_ratio_c,
+            loss_agg_mode=a.loss_agg_mode,
+            clip_cov_ratio=a.policy_loss.clip_cov_ratio,
+            clip_cov_lb=a.policy_loss.clip_cov_lb,
+            clip_cov_ub=a.policy_loss.clip_cov_ub,
+            kl_cov_ratio=a.policy_loss.kl_cov_ratio,
+            ppo_kl_coef=a.policy_loss.ppo_kl_coef,
+            dro_beta=a.policy_loss.dro_beta,
+            tau_pos=a.policy_loss.tau_pos,
+            tau_neg=a.policy_loss.tau_neg,
+            rollout_correction=a.policy_loss.rollout_correction,
+            dp_size=self.engine.dp_size,
+            loss_scale_factor=a.loss_scale_factor,
+            **counts,
+        )
+
+    def _micro_loss(
+        self,
+        mb: Batch,
+        logp: torch.Tensor,  # (b, R)
+        ent: torch.Tensor,  # (b, R)
+        on_policy: bool,
+        cfg: PolicyLossConfig,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One micro-batch's loss and its metric contributions (weighted to sum globally)."""
+        a = self.actor
+        agg = dict(
+            dp_size=cfg.dp_size,
+            batch_num_tokens=cfg.batch_num_tokens,
+            global_batch_size=cfg.global_batch_size,
+            loss_scale_factor=cfg.loss_scale_factor,
+        )
+        dev = self._device_fields(mb, LOSS_KEYS)
+        mask = dev["response_mask"]  # (b, R)
+        old = logp.detach() if on_policy else dev["old_log_probs"]
+        weights = dev.get("rollout_is_weights")
+        loss_fn = get_policy_loss_fn(a.policy_loss.loss_mode)
+        pg_loss, pg_metrics = loss_fn(old, logp, dev["advantages"], mask, a.loss_agg_mode, cfg, weights)
+        entropy = agg_loss(ent, mask, a.loss_agg_mode, **agg)
+        loss = pg_loss - a.entropy_coeff * entropy if a.entropy_coeff else pg_loss
+        share = mask.sum() / max(cfg.batch_num_tokens, 1)  # this micro-batch's share of the tokens
+        metrics = {
+            "actor/pg_loss": pg_loss.detach() / cfg.dp_size,
+            "actor/entropy": entropy.detach() / cfg.dp_size,
+        }
+        metrics.update({k: v * share for k, v in pg_metrics.items()})
+        if a.use_kl_loss:
+            kl = agg_loss(kl_penalty(logp, dev["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode, **agg)
+            loss = loss + a.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = kl.detach() / cfg.dp_size
+        return loss, metrics
+
+    def _add_metrics(self, totals: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
+        for key, value in metrics.items():  # float64 sums on the device: one host copy per mini-batch
+            value = torch.as_tensor(value, device=self.engine.device).detach().double()
+            totals[key] = totals[key] + value if key in totals else value
+
+    def _backward_micro_batches(
+        self, mini: Batch, parts: list[list[int]], temperature: float, on_policy: bool, cfg: PolicyLossConfig
+    ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        """Backward of every micro-batch's loss; the metric sums and the detached log-probs (b, R) each."""
+        entropy_grad = self.actor.entropy_coeff != 0  # the entropy is always reported
+        totals: dict[str, torch.Tensor] = {}
+        logps: list[torch.Tensor] = []
+        if self.pipeline is not None:
+            inputs = packed_inputs(mini, parts)
+
+            def loss(i: int, outs: list[torch.Tensor]) -> torch.Tensor:
+                value, metrics = self._micro_loss(mini[parts[i]], outs[0], outs[1], on_policy, cfg)
+                self._add_metrics(totals, metrics)
+                logps.append(outs[0].detach())
+                return value
+
+            head = policy_head(temperature, True, entropy_grad, self.fused_head)
+            self.pipeline.train(
+                inputs, head, 2, micro_loss_fn(inputs, parts, mini["responses"].shape[1], loss)
+            )
+            return totals, logps
+        for i, idx in enumerate(parts):
+            mb = mini[idx]  # stays on the host: the scoring indices are built there
+            logp, ent = self.score(mb, temperature, True, entropy_grad=entropy_grad)  # (b, R) each
+            value, metrics = self._micro_loss(mb, logp, ent, on_policy, cfg)
+            self.accumulate_grads(i, len(parts))
+            value.backward()
+            self._add_metrics(totals, metrics)
+            logps.append(logp.detach())
+        return totals, logps
+
+    def _update_mini_batch(
+        self, mini: Batch, temperature: float, on_policy: bool, keep_log_probs: bool = False
+    ) -> dict[str, float]:
+        a = self.actor
+        cfg = self._loss_config(mini)
+        parts = micro_batch_indices(
+            mini, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu
+        )
+        totals, logps = self._backward_micro_batches(mini, parts, temperature, on_policy, cfg)
+        keys = sorted(totals)  # empty on the stages before the last
+        summed = self.dp_sum(torch.stack([totals[k] for k in keys]).cpu()) if keys else torch.zeros(0)
+        out = dict(zip(keys, summed.tolist()))
+        if self.pipeline is not None:
+            out = self.pipeline.from_last(out)
+        if keep_log_probs:  # before the optimizer step, so these are the weights that generated the batch
+            kept = restore_order(logps, parts) if logps else None
+            if self.pipeline is not None:
+                kept = self.pipeline.tensor_from_last(kept, tuple(mini["responses"].shape), torch.float32)
+            self.last_log_probs = kept.cpu()
+        out["actor/grad_norm"] = self.engine.optimizer_step()
+        return out

@@ -1,0 +1,180 @@
+"""The critic on one rank: values of response states and the clipped value-loss update."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from hybridflow.algos.aggregation import local_batch_info
+from hybridflow.algos.value_loss import compute_value_loss
+from hybridflow.config.schema import CriticConfig
+from hybridflow.engine.ops.packed_attention import use_packed_attention
+from hybridflow.engine.ops.packing import build_scoring_inputs, scatter_to_responses, to_device
+from hybridflow.engine.parallel.pipeline import StageScorer
+from hybridflow.engine.parallel.train_view import TrainView
+from hybridflow.engine.roles.pipelined import (
+    attach_pipeline,
+    gather_pass,
+    micro_loss_fn,
+    packed_inputs,
+    pipeline_stage,
+    value_head,
+)
+from hybridflow.engine.train.micro_batch import check_batch, micro_batch_indices, restore_order
+from hybridflow.engine.train.scorer import ValueScorer, decoder_layers
+from hybridflow.engine.train.train_engine import TrainEngine
+from hybridflow.protocol import Batch
+from hybridflow.utils.dist import all_reduce_sum
+from hybridflow.utils.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+SCORING_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+
+class CriticEngine:
+    """FSDP2 value model: ``compute_values`` before the update, ``update_critic`` over mini-batches and epochs."""
+
+    def __init__(
+        self,
+        value_model: nn.Module,
+        critic: CriticConfig,
+        *,
+        ppo_mini_batch_size: int,
+        rollout_n: int = 1,
+        use_remove_padding: bool = False,
+        gradient_checkpointing: bool = False,
+        total_steps: int = 1,
+        device: torch.device | None = None,
+        view: TrainView | None = None,
+    ) -> None:
+        """``view``: the training view (None: FSDP2 over every rank), as ``ActorEngine`` takes it."""
+        self.critic = critic
+        stage = pipeline_stage(value_model, view, "critic")  # None: one stage
+        if stage is not None:
+            use_remove_padding = True  # pipeline stages run packed micro-batches
+        self.remove_padding = use_remove_padding
+        if use_remove_padding:
+            use_packed_attention(value_model)
+        if gradient_checkpointing:
+            value_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        root = (
+            ValueScorer(value_model)
+            if stage is None
+            else StageScorer(value_model, stage.index, view.pp, "model")
+        )
+        self.engine = TrainEngine(
+            root,
+            decoder_layers(value_model),
+            critic.fsdp,
+            critic.optim,
+            critic.grad_clip,
+            total_steps,
+            device,
+            critic.use_torch_compile,
+            view,
+        )
+        self.pipeline = None if stage is None else attach_pipeline(self.engine, value_model, stage)
+        dp = self.engine.dp_size
+        self.mini_batch_size = ppo_mini_batch_size * rollout_n // dp
+        if self.mini_batch_size < 1:
+            raise UserError(
+                f"critic.ppo_mini_batch_size={ppo_mini_batch_size} x rollout.n={rollout_n} is smaller than the "
+                f"{dp} data-parallel ranks; raise ppo_mini_batch_size"
+            )
+
+    @property
+    def module(self) -> nn.Module:
+        """The FSDP2-wrapped ``ValueScorer``."""
+        return self.engine.module
+
+    def _values(self, mb: Batch) -> torch.Tensor:
+        """(B, R) values on the device; ``mb`` stays on the host, where the scoring indices are built."""
+        B, R = mb["responses"].shape
+        inputs = build_scoring_inputs(
+            mb["input_ids"], mb["attention_mask"], mb["position_ids"], R, self.remove_padding
+        ).to(self.engine.device)
+        return scatter_to_responses(self.module(inputs), inputs.scatter_index, B, R)  # (B, R)
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        """Values (B, R) of the states before each response token (0 where there is no token), on CPU."""
+        check_batch(batch, SCORING_KEYS)
+        self.engine.onload()
+        self.module.eval()
+        c = self.critic
+        parts = micro_batch_indices(
+            batch, c.ppo_micro_batch_size_per_gpu, c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu
+        )
+        if self.pipeline is not None:
+            inputs = packed_inputs(batch, parts)
+            outs = self.pipeline.forward(inputs, value_head, 1)
+            (values,) = gather_pass(self.pipeline, outs, inputs, parts, batch["responses"].shape[1], 1)
+        else:
+            values = restore_order([self._values(batch[idx]).cpu() for idx in parts], parts)
+        self.engine.offload()
+        return values
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        """Clipped value regression onto ``returns`` for ``ppo_epochs`` passes; returns verl-named metrics."""
+        check_batch(batch, (*SCORING_KEYS, "response_mask", "values", "returns"))
+        self.engine.onload()
+        self.module.train()
+        history: dict[str, list[float]] = defaultdict(list)
+        for _ in range(self.critic.ppo_epochs):
+            for mini in batch.split(self.mini_batch_size):
+                for key, value in self._update_mini_batch(mini).items():
+                    history[key].append(value)
+        self.engine.lr_step()
+        self.engine.offload()
+        metrics = {key: sum(v) / len(v) for key, v in history.items()}
+        metrics["critic/lr"] = self.engine.lr
+        metrics["critic/skipped_steps"] = self.engine.skipped_steps  # non-finite grad norms so far
+        return metrics
+
+    def _update_mini_batch(self, mini: Batch) -> dict[str, float]:
+        c = self.critic
+        dp, group = self.engine.dp_size, self.engine.dp_group
+        counts = {
+            k: int(all_reduce_sum(v, group)) for k, v in local_batch_info(mini["response_mask"]).items()
+        }
+        dev = self.engine.device
+        # Summed on the device, copied once per mini-batch: no host sync per micro-batch.
+        totals: dict[str, torch.Tensor] = defaultdict(
+            lambda: torch.zeros((), dtype=torch.float64, device=dev)
+        )
+        parts = micro_batch_indices(
+            mini, c.ppo_micro_batch_size_per_gpu, c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu
+        )
+        tokens = max(counts["batch_num_tokens"], 1)
+
+        def loss(mb: Batch, vpreds: torch.Tensor) -> torch.Tensor:  # vpreds (b, R)
+            share = float(mb["response_mask"].sum()) / tokens  # this micro-batch's token share (host)
+            mask, returns, values = (to_device(mb[k], dev) for k in ("response_mask", "returns", "values"))
+            vf_loss, vf_clipfrac = compute_value_loss(
+                vpreds, returns, values, mask, c.cliprange_value, c.loss_agg_mode, dp_size=dp, **counts
+            )
+            totals["critic/vf_loss"] += vf_loss.detach().double() / dp
+            totals["critic/vf_clipfrac"] += torch.as_tensor(vf_clipfrac, device=dev).detach().double() * share
+            totals["critic/vpred_mean"] += (vpreds.detach() * mask).sum().double() / tokens
+            return vf_loss
+
+        if self.pipeline is not None:
+            inputs = packed_inputs(mini, parts)
+            R = mini["responses"].shape[1]
+            loss_of = micro_loss_fn(inputs, parts, R, lambda i, outs: loss(mini[parts[i]], outs[0]))
+            self.pipeline.train(inputs, value_head, 1, loss_of)
+        for i, idx in enumerate(parts if self.pipeline is None else []):
+            mb = mini[idx]  # stays on the host: the scoring indices are built there
+            vf_loss = loss(mb, self._values(mb))
+            self.engine.accumulate(i, len(parts))
+            vf_loss.backward()
+        host = {key: value.cpu() for key, value in sorted(totals.items())}  # empty before the last stage
+        metrics = {key: float(all_reduce_sum(value, group)) for key, value in host.items()}
+        if self.pipeline is not None:
+            metrics = self.pipeline.from_last(metrics)
+        metrics["critic/grad_norm"] = self.engine.optimizer_step()
+        return metrics

@@ -1,0 +1,133 @@
+"""What the roles share to run a pipeline-parallel training view: the stage split, the heads, the results.
+
+The roles (``ActorEngine``, ``CriticEngine``) build their micro-batches as under any other view; with
+pipeline stages they hand them to ``parallel.pipeline.PipelineRunner`` instead of calling their module once
+per micro-batch, and the last stage's results reach every stage of the replica at the end of a pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hybridflow.engine.ops.lm_head import score_hidden_states
+from hybridflow.engine.ops.packing import ScoringInputs, build_scoring_inputs, scatter_to_responses
+from hybridflow.engine.parallel.pipeline import (
+    Head,
+    PipelineRunner,
+    TiedWeights,
+    check_train_pp,
+    split_stage,
+    ties_head,
+)
+from hybridflow.engine.parallel.train_view import TrainView
+from hybridflow.engine.train.micro_batch import restore_order
+from hybridflow.engine.train.train_engine import TrainEngine
+from hybridflow.protocol import Batch
+from hybridflow.utils.logging import rank as dist_rank
+
+
+@dataclass(frozen=True)
+class Stage:
+    """This rank's pipeline stage, and whether the whole model tied its head (the split hides it)."""
+
+    index: int
+    tied_head: bool
+
+
+def pipeline_stage(model: nn.Module, view: TrainView | None, role: str = "actor") -> Stage | None:
+    """Cut ``model`` down to this rank's stage of ``view`` (in place); None at pp = 1."""
+    if view is None or view.pp == 1:
+        return None
+    check_train_pp(model.config, view.pp, role)
+    stage = Stage(view.coords(dist_rank())[0], ties_head(model))
+    split_stage(model, view.pp, stage.index)
+    return stage
+
+
+def attach_pipeline(engine: TrainEngine, model: nn.Module, stage: Stage) -> PipelineRunner:
+    """The runner of ``engine``'s stage, and the tied head's gradient sum wired into its optimizer step.
+
+    Called once the engine has sharded the stage: the tied weight is FSDP2's parameter from then on.
+    """
+    # collective: every rank builds every pair
+    engine.tied = TiedWeights(model, engine.view, dist_rank(), stage.tied_head)
+    engine.module.stage_group = engine.pp_group  # checkpoints join the stages' parameter shapes over it
+    hidden = (model.config.hidden_size, engine.compute_dtype)
+    return PipelineRunner(engine.module, stage.index, engine.view.pp, engine.pp_group, engine.device, hidden)
+
+
+def policy_head(temperature: float, with_entropy: bool, entropy_grad: bool, fused: bool) -> Head:
+    """The last stage's head of a causal LM: log-probs (M,), and entropy (M,) when asked."""
+
+    def head(model: nn.Module, rows: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logp, ent = score_hidden_states(
+            rows,
+            model.get_output_embeddings(),
+            labels,
+            temperature,
+            with_entropy,
+            entropy_grad=entropy_grad,
+            fused=fused,
+        )
+        return (logp,) if ent is None else (logp, ent)
+
+    return head
+
+
+def value_head(model: nn.Module, rows: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The last stage's head of a value model: one value (M,) per scored position (the labels unused)."""
+    return (model.score(rows).float().squeeze(-1),)
+
+
+def packed_inputs(batch: Batch, parts: Sequence[Sequence[int]]) -> list[ScoringInputs]:
+    """The packed scoring inputs (host tensors) of each micro-batch of ``batch``."""
+    R = batch["responses"].shape[1]
+    out = []
+    for idx in parts:
+        mb = batch[list(idx)]
+        out.append(build_scoring_inputs(mb["input_ids"], mb["attention_mask"], mb["position_ids"], R, True))
+    return out
+
+
+def to_responses(
+    out: torch.Tensor, inputs: ScoringInputs, rows: int, response_length: int
+) -> list[torch.Tensor]:
+    """Each of the head's outputs (k, M) of one micro-batch placed as (rows, R) responses."""
+    index = inputs.scatter_index.to(out.device)
+    return [scatter_to_responses(o, index, rows, response_length) for o in out]
+
+
+def gather_pass(
+    runner: PipelineRunner,
+    outs: list[torch.Tensor] | None,
+    inputs: list[ScoringInputs],
+    parts: Sequence[Sequence[int]],
+    response_length: int,
+    k: int,
+) -> list[torch.Tensor]:
+    """The k per-response results (B, R) of a forward pass in the batch's order, on every stage."""
+    B = sum(len(p) for p in parts)
+    stacked = None
+    if outs is not None:  # the last stage: (k, B, R)
+        per_part = [to_responses(o, x, len(p), response_length) for o, x, p in zip(outs, inputs, parts)]
+        stacked = torch.stack([restore_order([pp[j] for pp in per_part], parts) for j in range(k)])
+    full = runner.tensor_from_last(stacked, (k, B, response_length), torch.float32)
+    return list(full.cpu())
+
+
+def micro_loss_fn(
+    inputs: list[ScoringInputs],
+    parts: Sequence[Sequence[int]],
+    response_length: int,
+    loss: Callable[[int, list[torch.Tensor]], torch.Tensor],
+) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """The last stage's loss of micro-batch i from its head outputs (k, M_i): ``loss(i, [(b, R)] * k)``."""
+
+    def loss_of(i: int, out: torch.Tensor) -> torch.Tensor:
+        return loss(i, to_responses(out, inputs[i], len(parts[i]), response_length))
+
+    return loss_of

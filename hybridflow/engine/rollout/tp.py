@@ -1,0 +1,99 @@
+"""The rollout's tensor-parallel shard of a model (built from ``parallel.layout``'s rules) and the collectives
+of a rollout group.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+from hybridflow.engine.parallel.layout import check_tp
+
+
+def shard_config(config: Any, tp: int) -> Any:
+    """The config of one rollout rank's shard: local heads, intermediate size and vocabulary."""
+    check_tp(config, tp)
+    local = copy.deepcopy(config)
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    local.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    local.num_attention_heads = heads // tp
+    local.num_key_value_heads = max(kv // tp, 1)
+    local.intermediate_size = config.intermediate_size // tp
+    local.vocab_size = -(-config.vocab_size // tp)
+    return local
+
+
+def meta_model(model: nn.Module) -> nn.Module:
+    """The whole model of ``model``'s class and config on the meta device (every layer, no storage): the
+    names and shapes of all parameters, also when ``model`` is one pipeline stage."""
+    with torch.device("meta"):
+        return type(model)(copy.deepcopy(model.config))
+
+
+def build_shard(model: nn.Module, tp: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """An empty module of ``model``'s class in the shape of one rollout rank's shard (never the whole model).
+
+    Built on the meta device and allocated on ``device`` in ``dtype`` without weight init (the reshard fills
+    every weight). Buffers (the rotary frequencies) are the full model's own, in their own dtype (float32,
+    as the trainer computes RoPE).
+    """
+    config = shard_config(model.config, tp) if tp > 1 else copy.deepcopy(model.config)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            shard = type(model)(config)
+    finally:
+        torch.set_default_dtype(default)
+    shard.to_empty(device=device)
+    if getattr(config, "tie_word_embeddings", False):  # to_empty allocates the two apart
+        shard.get_output_embeddings().weight = shard.get_input_embeddings().weight
+    sources = dict(model.named_buffers())
+    for name, _ in list(shard.named_buffers()):
+        module_name, _, attr = name.rpartition(".")
+        owner = shard.get_submodule(module_name) if module_name else shard
+        owner._buffers[attr] = sources[name].detach().to(device).clone()
+    for p in shard.parameters():
+        p.requires_grad_(False)
+    return shard.eval()
+
+
+class RolloutTP:
+    """The collectives of a tensor-parallel rollout rank: the runner calls these around its shard's math.
+
+    Functional collectives (``torch.distributed._functional_collectives``), so the decode step still traces
+    under ``torch.compile`` and the NCCL calls can be captured in CUDA graphs.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, vocab_size: int) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.vocab_size = vocab_size  # the whole vocabulary
+        self.vocab_part = -(-vocab_size // self.size)
+        self.vocab_start = self.rank * self.vocab_part
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum the partial products of a row-parallel projection over the group."""
+        return funcol.all_reduce(x, "sum", self.group)
+
+    def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel lookup: each rank embeds the ids in its slice, zeros elsewhere, then a sum."""
+        local = ids - self.vocab_start  # (b, t)
+        mine = (local >= 0) & (local < self.vocab_part)
+        h = nn.functional.embedding(local.clamp(0, self.vocab_part - 1), weight)  # (b, t, hidden)
+        return self.reduce(h * mine[..., None].to(h.dtype))
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """(b, V / tp) logits of this rank's vocabulary slice -> (b, V), the same on every rank."""
+        parts = funcol.all_gather_tensor(local.contiguous(), 0, self.group)  # (tp * b, V / tp)
+        b = local.shape[0]
+        full = parts.view(self.size, b, self.vocab_part).permute(1, 0, 2).reshape(b, -1)  # (b, tp * V/tp)
+        return full[:, : self.vocab_size]
+

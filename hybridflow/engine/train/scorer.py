@@ -1,0 +1,105 @@
+"""The modules FSDP2 wraps: a causal LM that scores response tokens, and a value model that scores states.
+
+Wrapping the Hugging Face model in our own root module means FSDP2's root hooks gather the embedding, the
+final norm and the LM head before our forward runs, so we can call the decoder and the head separately and
+never materialise logits for prompt tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridflow.engine.ops.lm_head import score_hidden_states
+from hybridflow.engine.ops.packed_attention import (
+    BOUNDS_KWARG,
+    CU_SEQLENS_KWARG,
+    PACKED_IMPLEMENTATIONS,
+    packed_mask_placeholder,
+)
+from hybridflow.engine.ops.packing import ScoringInputs
+from hybridflow.models.value_model import value_head
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The transformer body of a Hugging Face model (``model.model`` for Llama-family models)."""
+    prefix = getattr(model, "base_model_prefix", "model")
+    body = getattr(model, prefix, None)
+    if body is None:
+        raise TypeError(
+            f"{type(model).__name__} has no '{prefix}' body module; it is not a supported HF model"
+        )
+    return body
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated decoder blocks (the modules FSDP2 shards one by one)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise TypeError(f"cannot find the decoder layers of {type(model).__name__} (no _no_split_modules)")
+    return layers
+
+
+def _hidden_rows(body: nn.Module, inputs: ScoringInputs) -> torch.Tensor:
+    extra, mask = {}, inputs.attention_mask
+    if inputs.seq_bounds is not None:
+        extra = {BOUNDS_KWARG: torch.tensor(inputs.seq_bounds)}  # a host tensor: see packed_attention
+        if inputs.cu_seqlens is not None:
+            extra[CU_SEQLENS_KWARG] = inputs.cu_seqlens
+        if getattr(body.config, "_attn_implementation", None) in PACKED_IMPLEMENTATIONS:
+            mask = packed_mask_placeholder(inputs.input_ids.device)  # (else HF builds the block mask itself)
+    out = body(
+        input_ids=inputs.input_ids,
+        attention_mask=mask,
+        position_ids=inputs.position_ids,
+        use_cache=False,
+        **extra,
+    )
+    hidden = out.last_hidden_state  # (b, t, H)
+    # index_select: its backward is an index_add (the rows are distinct), cheaper than advanced indexing's.
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.gather_index)  # (M, H)
+
+
+class PolicyScorer(nn.Module):
+    """Causal LM wrapper: log-probs (and entropy) of the chosen response tokens at ``logits / temperature``."""
+
+    def __init__(self, lm: nn.Module, fused_head: bool = True) -> None:
+        super().__init__()
+        self.lm = lm
+        self.fused_head = fused_head  # False: the activation-checkpointed head (the reference path)
+
+    def forward(
+        self,
+        inputs: ScoringInputs,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        entropy_grad: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return ``(log_probs (M,), entropy (M,) or None)`` in float32 for ``inputs.labels``."""
+        rows = _hidden_rows(decoder_of(self.lm), inputs)  # (M, H)
+        head = self.lm.get_output_embeddings()  # its weight is the gathered one only now, inside forward
+        return score_hidden_states(
+            rows,
+            head,
+            inputs.labels,
+            temperature,
+            with_entropy,
+            entropy_grad=entropy_grad,
+            fused=self.fused_head,
+        )
+
+
+class ValueScorer(nn.Module):
+    """Value model wrapper (backbone + scalar head): one value per scored position."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: ScoringInputs) -> torch.Tensor:
+        """Return the values (M,) in float32 at ``inputs.gather_index``."""
+        rows = _hidden_rows(decoder_of(self.model), inputs)  # (M, H)
+        head = value_head(self.model)  # ``score`` (GPT-2: ``classifier``); TypeError without one
+        # A fresh tensor, not a view: FSDP2 hooks backward on the root's output and warns about views.
+        return head(rows).float().squeeze(-1).clone()  # (M,)
