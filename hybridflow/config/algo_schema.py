@@ -12,18 +12,11 @@ from hybridflow.config.schema_base import option, section
 
 
 @dataclass
-class BypassLossConfig:
-    """What loss_mode=bypass_mode reads (verl's policy_loss.rollout_correction).
+class CorrectionWeights:
+    """The importance weights and the rejection of the rollout/trainer mismatch: the fields the rollout
+    correction (``algorithm.rollout_correction``) and the bypass-mode loss (``policy_loss.rollout_correction``)
+    share."""
 
-    In bypass mode the old policy is the rollout's
-    (``algorithm.rollout_correction.bypass_old_logprob_for_rollout``), so the importance weights and the
-    rejection compare the current policy with the rollout's, inside the loss.
-    """
-
-    loss_type: str = option(
-        "ppo_clip",
-        "ppo_clip: PPO clip on pi/pi_rollout, no IS weights; reinforce: IS-weighted policy gradient.",
-    )
     rollout_is: str | None = option(None, "Importance weights: null (off), token or sequence.")
     rollout_is_threshold: float | str = option(
         2.0,
@@ -35,7 +28,7 @@ class BypassLossConfig:
         "Rejection: null (off) or options, comma-chained (token_k1, seq_mean_k3, ...; docs/algorithms.md).",
     )
     rollout_rs_threshold: float | str | None = option(
-        None, "Rejection threshold(s) as in algorithm.rollout_correction; null = rollout_is_threshold."
+        None, "Upper rejection threshold; null = rollout_is_threshold. 'lower_upper' for k1; one per option."
     )
 
     def __post_init__(self) -> None:
@@ -43,6 +36,21 @@ class BypassLossConfig:
         self.rollout_rs = canonical_rollout_rs(self.rollout_rs)
         if self.rollout_rs is not None and self.rollout_rs_threshold is None:
             self.rollout_rs_threshold = self.rollout_is_threshold
+
+
+@dataclass
+class BypassLossConfig(CorrectionWeights):
+    """What loss_mode=bypass_mode reads (verl's policy_loss.rollout_correction).
+
+    In bypass mode the old policy is the rollout's
+    (``algorithm.rollout_correction.bypass_old_logprob_for_rollout``), so the importance weights and the
+    rejection compare the current policy with the rollout's, inside the loss.
+    """
+
+    loss_type: str = option(
+        "ppo_clip",
+        "ppo_clip: PPO clip on pi/pi_rollout, no IS weights; reinforce: IS-weighted policy gradient.",
+    )
 
 
 @dataclass
@@ -91,22 +99,9 @@ class FilterGroupsConfig:
 
 
 @dataclass
-class RolloutCorrectionConfig:
+class RolloutCorrectionConfig(CorrectionWeights):
     """Importance weighting and rejection for the rollout/trainer mismatch (verl 0.9.1's options)."""
 
-    rollout_is: str | None = option(None, "Importance weights: null (off), token or sequence.")
-    rollout_is_threshold: float | str = option(
-        2.0,
-        "IS threshold: a number truncates the weights (TIS); 'lower_upper' zeroes those outside (IcePop).",
-    )
-    rollout_is_batch_normalize: bool = option(False, "Normalise importance weights to mean 1 over the batch.")
-    rollout_rs: str | None = option(
-        None,
-        "Rejection: null (off) or options, comma-chained (token_k1, seq_mean_k3, ...; docs/algorithms.md).",
-    )
-    rollout_rs_threshold: float | str | None = option(
-        None, "Upper rejection threshold; null = rollout_is_threshold. 'lower_upper' for k1; one per option."
-    )
     rollout_rs_threshold_lower: float | None = option(
         None,
         "Deprecated: lower bound on pi_train/pi_rollout for k1 options; folded into rollout_rs_threshold.",
@@ -128,9 +123,7 @@ class RolloutCorrectionConfig:
         is rewritten as the equal verl spec (``1/upper_1/lower``, bounds on pi_rollout / pi_train) where it
         can be; validation explains the cases where it cannot.
         """
-        self.rollout_rs = canonical_rollout_rs(self.rollout_rs)
-        if self.rollout_rs is not None and self.rollout_rs_threshold is None:
-            self.rollout_rs_threshold = self.rollout_is_threshold
+        super().__post_init__()
         lower, upper = self.rollout_rs_threshold_lower, self.rollout_rs_threshold
         if lower is None or not isinstance(self.rollout_rs, str):
             return

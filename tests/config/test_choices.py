@@ -92,3 +92,11 @@ def test_without_the_trainer_the_error_says_what_makes_registered_names_count(
         "or in the module reward.custom_function.path names (registered names count once hybridflow.trainer "
         "is imported)"
     )
+
+
+def test_the_rejection_options_the_config_accepts_are_the_ones_the_algorithms_run() -> None:
+    """config (L1) may not import algos (L2), so the option names stand in both: they must not drift."""
+    from hybridflow.algos import rollout_correction
+
+    assert choices.ROLLOUT_RS_OPTIONS == rollout_correction.ROLLOUT_RS_OPTIONS
+    assert set(choices.ROLLOUT_RS_ALIASES.items()) <= set(rollout_correction.ROLLOUT_RS_ALIASES.items())

@@ -28,7 +28,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from hybridflow.engine.hybrid.plan import ParamSpec, ReshardPlan
 from hybridflow.engine.hybrid.resharder import Resharder
-from hybridflow.engine.ops.tensors import local_shard
+from hybridflow.engine.ops.tensors import Storages, local_shard
 from hybridflow.engine.parallel.fsdp import full_state_dict
 from hybridflow.engine.parallel.layout import Box, layouts
 from hybridflow.engine.parallel.view import GenerateView
@@ -60,37 +60,6 @@ def holdings_of(named: dict[str, torch.Tensor], names: list[str]) -> list[list[B
 
 
 
-class _Storages:
-    """Frees and re-allocates the storages of a module's parameters, keeping every tensor object valid."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self._released: list[tuple[torch.UntypedStorage, int]] = []  # (storage, bytes) freed by release()
-
-    def release(self) -> int:
-        """Free the parameters' memory until ``restore()``; returns the bytes freed.
-
-        Only the storage goes: every tensor (and every view or alias of it, such as the rollout runner's
-        bindings or a q/k/v group the runner joined into one buffer) stays a valid object, and ``restore()``
-        re-allocates the same storage objects, so nothing has to be bound again.
-        """
-        freed = 0
-        for p in self.module.parameters():
-            storage = p.untyped_storage()
-            if storage.nbytes() == 0:  # tied, a view of a storage freed just now, or released already
-                continue
-            self._released.append((storage, storage.nbytes()))
-            freed += storage.nbytes()
-            storage.resize_(0)
-        return freed
-
-    def restore(self) -> None:
-        """Allocate again what ``release()`` freed (contents undefined until written)."""
-        for storage, nbytes in self._released:
-            storage.resize_(nbytes)
-        self._released = []
-
-
 class RolloutShard:
     """This rank's generation weights (a tensor-parallel shard, or a whole replica at tp = 1), from the plan."""
 
@@ -108,7 +77,7 @@ class RolloutShard:
         ``train_view`` names that view in the logs."""
         self.view, self.rank = view, rank
         self.module = build_shard(sharded, view.tp, dtype, device)
-        self.storages = _Storages(self.module)
+        self.storages = Storages(self.module.parameters())
         # The whole model's parameters: a pipeline stage holds only its own layers, the generation view all.
         skeleton = meta_model(sharded)
         whole = dict(skeleton.named_parameters())

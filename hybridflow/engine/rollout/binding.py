@@ -15,6 +15,7 @@ import logging
 import torch
 from torch import nn
 
+from hybridflow.engine.ops.tensors import Storages
 from hybridflow.engine.parallel.fsdp import reshard_fsdp
 from hybridflow.engine.rollout.blocks import LayerDims, LayerWeights
 from hybridflow.engine.rollout.weights import join_in_place, local_tensor
@@ -138,6 +139,7 @@ class WeightBinding:
         # The module's own inv_freq and attention_scaling carry the rope scaling (llama3, yarn, linear).
         self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32).clone()  # (D/2,)
         self.attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self._storages = Storages(self._buffers)  # release() frees them between generations
         if self.inv_freq.numel() * 2 != self.dims.head_dim:
             raise ValueError(f"rotary dim {self.inv_freq.numel() * 2} != head_dim {self.dims.head_dim}")
 
@@ -153,9 +155,7 @@ class WeightBinding:
             logger.info("model parameters moved since the runner bound them; rebinding")
             self.bind()
             return True
-        for buf in self._buffers:  # released after the last generate: allocate again (views stay valid)
-            if buf.untyped_storage().nbytes() == 0:
-                buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        self._storages.restore()  # released after the last generate: allocate again (views stay valid)
         same_device: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for dst, module, name in self._copies:
             src = local_tensor(getattr(module, name))
@@ -181,16 +181,11 @@ class WeightBinding:
         bound by reference are the module's own and are never touched. Any CUDA graph captured on the
         buffers must be dropped first (the engine captures its graphs per call).
         """
-        freed = 0
-        for buf in self._buffers:
-            storage = buf.untyped_storage()
-            freed += storage.nbytes()
-            storage.resize_(0)
-        return freed
+        return self._storages.release()
 
     def pending_bytes(self) -> int:
         """Bytes the next ``refresh()`` allocates: the cast buffers released since the last one."""
-        return sum(b.numel() * b.element_size() for b in self._buffers if b.untyped_storage().nbytes() == 0)
+        return self._storages.released_bytes()
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every distinct tensor the forward reads (for checks: data pointers, memory)."""
