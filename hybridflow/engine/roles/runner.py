@@ -17,6 +17,7 @@ in the sequential runner). ``make_runner`` picks one when the role is built, so 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -79,7 +80,10 @@ class LogProbs:
 class Values:
     """The value of the state before each response token (the critic)."""
 
-    k: int = 1
+    @property
+    def k(self) -> int:
+        """One output."""
+        return 1
 
     def of_module(self, module: nn.Module, inputs: ScoringInputs) -> list[torch.Tensor]:
         """``ValueScorer``'s values (M,)."""
@@ -117,18 +121,19 @@ class _Collector:
         return value
 
 
-class MicroBatchRunner:
+class MicroBatchRunner(ABC):
     """Forward and backward passes over micro-batches for one role's engine (the module docstring)."""
 
     def __init__(self, engine: TrainEngine) -> None:
         self.engine = engine
 
+    @abstractmethod
     def forward(self, batch: Batch, parts: Parts, outputs: Outputs) -> list[torch.Tensor]:
         """The k results (B, R) of a forward-only pass on the device, in ``batch``'s order, on every rank."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _backward(self, batch: Batch, parts: Parts, outputs: Outputs, step: _Collector) -> None:
-        raise NotImplementedError
+        """Forward and backward of every micro-batch in order, ``step(mb, outputs)`` giving its loss."""
 
     def from_last(self, value: object) -> object:
         """``value`` as the last pipeline stage has it (a small Python object)."""
