@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -14,18 +13,12 @@ from hybridflow.algos.kl import kl_penalty
 from hybridflow.algos.policy_loss import PolicyLossConfig, get_policy_loss_fn
 from hybridflow.config.schema import ActorConfig, FSDPConfig, OptimConfig
 from hybridflow.engine.ops.packed_attention import use_packed_attention
-from hybridflow.engine.ops.packing import build_scoring_inputs, scatter_to_responses, to_device
+from hybridflow.engine.ops.packing import to_device
 from hybridflow.engine.parallel.pipeline import StageScorer
 from hybridflow.engine.parallel.train_view import TrainView
-from hybridflow.engine.roles.pipelined import (
-    attach_pipeline,
-    gather_pass,
-    micro_loss_fn,
-    packed_inputs,
-    pipeline_stage,
-    policy_head,
-)
-from hybridflow.engine.train.micro_batch import check_batch, micro_batch_indices, restore_order
+from hybridflow.engine.roles.pipelined import attach_pipeline, pipeline_stage
+from hybridflow.engine.roles.runner import LogProbs, MicroLoss, make_runner
+from hybridflow.engine.train.micro_batch import check_batch, micro_batch_indices
 from hybridflow.engine.train.scorer import PolicyScorer, decoder_layers
 from hybridflow.engine.train.train_engine import TrainEngine
 from hybridflow.protocol import Batch
@@ -102,23 +95,12 @@ class ActorEngine:
             view,
         )
         self.pipeline = None if stage is None else attach_pipeline(self.engine, lm, stage)
+        self.runner = make_runner(self.engine, self.pipeline, self.remove_padding, **self._accumulation)
 
     @property
     def module(self) -> nn.Module:
         """The FSDP2-wrapped ``PolicyScorer`` (its ``.lm`` is the Hugging Face model)."""
         return self.engine.module
-
-    def score(
-        self, mb: Batch, temperature: float, with_entropy: bool, entropy_grad: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, R) log-probs (and entropy) on the device; ``mb`` stays on the host (indices built there)."""
-        B, R = mb["responses"].shape
-        inputs = build_scoring_inputs(
-            mb["input_ids"], mb["attention_mask"], mb["position_ids"], R, self.remove_padding
-        ).to(self.engine.device)
-        logp, ent = self.module(inputs, temperature, with_entropy, entropy_grad)  # (M,), (M,)
-        logp = scatter_to_responses(logp, inputs.scatter_index, B, R)  # (B, R)
-        return logp, (None if ent is None else scatter_to_responses(ent, inputs.scatter_index, B, R))
 
     def dp_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel ranks (each model replica once, whatever its tp x pp ranks)."""
@@ -127,10 +109,6 @@ class ActorEngine:
     def _device_fields(self, mb: Batch, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """The named fields of a host micro-batch on the device (asynchronous copies)."""
         return {k: to_device(mb[k], self.engine.device) for k in keys if k in mb}
-
-    def accumulate_grads(self, micro_batch: int, num_micro_batches: int) -> None:
-        """Set FSDP2's gradient sync / resharding for the coming backward (``TrainEngine.accumulate``)."""
-        self.engine.accumulate(micro_batch, num_micro_batches, **self._accumulation)
 
     @torch.no_grad()
     def compute_log_prob(
@@ -147,32 +125,13 @@ class ActorEngine:
         self.engine.onload()
         self.module.eval()
         parts = micro_batch_indices(batch, micro_batch_size, use_dynamic_bsz, max_token_len)
-        if self.pipeline is not None:
-            results = self._pipelined_scores(batch, parts, temperature, with_entropy)
-        else:
-            logps, ents = [], []
-            for idx in parts:  # results stay on the device: one copy to the host at the end, not one per part
-                lp, ent = self.score(batch[idx], temperature, with_entropy)
-                logps.append(lp)
-                ents.append(ent)
-            results = [restore_order(logps, parts).cpu()]
-            if with_entropy:
-                results.append(restore_order(ents, parts).cpu())
-        out = {"log_probs": results[0]}
+        outputs = LogProbs(temperature, with_entropy, entropy_grad=False, fused=self.fused_head)
+        results = self.runner.forward(batch, parts, outputs)  # (B, R) each, on the device
+        out = {"log_probs": results[0].cpu()}  # one copy to the host per result, not one per micro-batch
         if with_entropy:
-            out["entropys"] = results[1]
+            out["entropys"] = results[1].cpu()
         self.engine.offload()
         return out
-
-    def _pipelined_scores(
-        self, batch: Batch, parts: list[list[int]], temperature: float, with_entropy: bool
-    ) -> list[torch.Tensor]:
-        """Log-probs (and entropy) (B, R) on the host, through the pipeline stages (every stage gets them)."""
-        inputs = packed_inputs(batch, parts)
-        k = 2 if with_entropy else 1
-        head = policy_head(temperature, with_entropy, False, self.fused_head)
-        outs = self.pipeline.forward(inputs, head, k)
-        return gather_pass(self.pipeline, outs, inputs, parts, batch["responses"].shape[1], k)
 
     def _epoch_order(self, rows: int, epoch: int) -> torch.Tensor:
         """``actor.shuffle``: a permutation of the rows for this epoch's mini-batches.
@@ -233,23 +192,14 @@ class ActorEngine:
         return metrics
 
     def backward_micro_batches(
-        self, batch: Batch, parts: list[list[int]], loss: Callable[[Batch, torch.Tensor], torch.Tensor]
-    ) -> None:
-        """Backward of ``loss(micro_batch, log_probs (b, R))`` (at temperature 1, no entropy) over each
-        micro-batch of ``batch``, through the pipeline stages when the view has them (the loss runs on the
-        last); gradients accumulate for one optimizer step."""
-        if self.pipeline is not None:
-            inputs = packed_inputs(batch, parts)
-            R = batch["responses"].shape[1]
-            loss_of = micro_loss_fn(inputs, parts, R, lambda i, outs: loss(batch[parts[i]], outs[0]))
-            self.pipeline.train(inputs, policy_head(1.0, False, False, self.fused_head), 1, loss_of)
-            return
-        for i, idx in enumerate(parts):
-            mb = batch[idx]  # stays on the host: the scoring indices are built there
-            logp, _ = self.score(mb, 1.0, with_entropy=False)  # (b, R)
-            value = loss(mb, logp)
-            self.accumulate_grads(i, len(parts))
-            value.backward()
+        self, batch: Batch, parts: list[list[int]], loss: MicroLoss, keys: tuple[str, ...] = ()
+    ) -> dict[str, float]:
+        """Backward of ``loss(micro_batch, [log_probs (b, R)])`` (temperature 1, no entropy) over each
+        micro-batch of ``batch``, gradients accumulating for one optimizer step; returns the metric
+        contributions the loss hands back, summed over the micro-batches and the data-parallel ranks, on
+        every pipeline stage (``keys``: names reduced even where this rank has none)."""
+        collected = self.runner.backward(batch, parts, LogProbs(fused=self.fused_head), loss)
+        return self.runner.reduce_sums(collected.sums, keys)
 
     def update_sft(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of negative log-likelihood on the response tokens of ``batch`` (SFT)."""
@@ -259,22 +209,16 @@ class ActorEngine:
         a = self.actor
         dp = self.engine.dp_size
         counts = {k: int(self.dp_sum(v)) for k, v in local_batch_info(batch["response_mask"]).items()}
-        total = torch.zeros((), dtype=torch.float64, device=self.engine.device)
         parts = micro_batch_indices(
             batch, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu
         )
 
-        def nll(mb: Batch, logp: torch.Tensor) -> torch.Tensor:  # logp (b, R)
-            nonlocal total
+        def nll(mb: Batch, outs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             mask = to_device(mb["response_mask"], self.engine.device)
-            loss = -agg_loss(logp, mask, "token-mean", dp_size=dp, **counts)
-            total += loss.detach().double() / dp  # on the device: no sync per micro-batch
-            return loss
+            loss = -agg_loss(outs[0], mask, "token-mean", dp_size=dp, **counts)  # outs[0]: log-probs (b, R)
+            return loss, {"sft/loss": loss.detach().double() / dp}
 
-        self.backward_micro_batches(batch, parts, nll)
-        loss_sum = float(self.dp_sum(total.cpu()))  # stages before the last: 0, and their dp groups' own sum
-        if self.pipeline is not None:
-            loss_sum = self.pipeline.from_last(loss_sum)
+        loss_sum = self.backward_micro_batches(batch, parts, nll, keys=("sft/loss",))["sft/loss"]
         metrics = {"sft/loss": loss_sum, "sft/grad_norm": self.engine.optimizer_step()}
         self.engine.lr_step()
         self.engine.offload()
@@ -341,42 +285,6 @@ class ActorEngine:
             metrics["actor/kl_loss"] = kl.detach() / cfg.dp_size
         return loss, metrics
 
-    def _add_metrics(self, totals: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
-        for key, value in metrics.items():  # float64 sums on the device: one host copy per mini-batch
-            value = torch.as_tensor(value, device=self.engine.device).detach().double()
-            totals[key] = totals[key] + value if key in totals else value
-
-    def _backward_micro_batches(
-        self, mini: Batch, parts: list[list[int]], temperature: float, on_policy: bool, cfg: PolicyLossConfig
-    ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-        """Backward of every micro-batch's loss; the metric sums and the detached log-probs (b, R) each."""
-        entropy_grad = self.actor.entropy_coeff != 0  # the entropy is always reported
-        totals: dict[str, torch.Tensor] = {}
-        logps: list[torch.Tensor] = []
-        if self.pipeline is not None:
-            inputs = packed_inputs(mini, parts)
-
-            def loss(i: int, outs: list[torch.Tensor]) -> torch.Tensor:
-                value, metrics = self._micro_loss(mini[parts[i]], outs[0], outs[1], on_policy, cfg)
-                self._add_metrics(totals, metrics)
-                logps.append(outs[0].detach())
-                return value
-
-            head = policy_head(temperature, True, entropy_grad, self.fused_head)
-            self.pipeline.train(
-                inputs, head, 2, micro_loss_fn(inputs, parts, mini["responses"].shape[1], loss)
-            )
-            return totals, logps
-        for i, idx in enumerate(parts):
-            mb = mini[idx]  # stays on the host: the scoring indices are built there
-            logp, ent = self.score(mb, temperature, True, entropy_grad=entropy_grad)  # (b, R) each
-            value, metrics = self._micro_loss(mb, logp, ent, on_policy, cfg)
-            self.accumulate_grads(i, len(parts))
-            value.backward()
-            self._add_metrics(totals, metrics)
-            logps.append(logp.detach())
-        return totals, logps
-
     def _update_mini_batch(
         self, mini: Batch, temperature: float, on_policy: bool, keep_log_probs: bool = False
     ) -> dict[str, float]:
@@ -385,16 +293,15 @@ class ActorEngine:
         parts = micro_batch_indices(
             mini, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu
         )
-        totals, logps = self._backward_micro_batches(mini, parts, temperature, on_policy, cfg)
-        keys = sorted(totals)  # empty on the stages before the last
-        summed = self.dp_sum(torch.stack([totals[k] for k in keys]).cpu()) if keys else torch.zeros(0)
-        out = dict(zip(keys, summed.tolist()))
-        if self.pipeline is not None:
-            out = self.pipeline.from_last(out)
-        if keep_log_probs:  # before the optimizer step, so these are the weights that generated the batch
-            kept = restore_order(logps, parts) if logps else None
-            if self.pipeline is not None:
-                kept = self.pipeline.tensor_from_last(kept, tuple(mini["responses"].shape), torch.float32)
-            self.last_log_probs = kept.cpu()
+        # the entropy is always reported; its gradient only flows with a coefficient
+        outputs = LogProbs(temperature, True, a.entropy_coeff != 0, self.fused_head)
+
+        def loss(mb: Batch, outs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            return self._micro_loss(mb, outs[0], outs[1], on_policy, cfg)  # log-probs, entropy (b, R)
+
+        collected = self.runner.backward(mini, parts, outputs, loss, keep=keep_log_probs)
+        out = self.runner.reduce_sums(collected.sums)
+        if keep_log_probs:  # taken before the optimizer step: the weights that generated the batch
+            self.last_log_probs = collected.kept
         out["actor/grad_norm"] = self.engine.optimizer_step()
         return out

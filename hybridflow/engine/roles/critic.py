@@ -12,18 +12,12 @@ from hybridflow.algos.aggregation import local_batch_info
 from hybridflow.algos.value_loss import compute_value_loss
 from hybridflow.config.schema import CriticConfig
 from hybridflow.engine.ops.packed_attention import use_packed_attention
-from hybridflow.engine.ops.packing import build_scoring_inputs, scatter_to_responses, to_device
+from hybridflow.engine.ops.packing import to_device
 from hybridflow.engine.parallel.pipeline import StageScorer
 from hybridflow.engine.parallel.train_view import TrainView
-from hybridflow.engine.roles.pipelined import (
-    attach_pipeline,
-    gather_pass,
-    micro_loss_fn,
-    packed_inputs,
-    pipeline_stage,
-    value_head,
-)
-from hybridflow.engine.train.micro_batch import check_batch, micro_batch_indices, restore_order
+from hybridflow.engine.roles.pipelined import attach_pipeline, pipeline_stage
+from hybridflow.engine.roles.runner import Values, make_runner
+from hybridflow.engine.train.micro_batch import check_batch, micro_batch_indices
 from hybridflow.engine.train.scorer import ValueScorer, decoder_layers
 from hybridflow.engine.train.train_engine import TrainEngine
 from hybridflow.protocol import Batch
@@ -78,6 +72,7 @@ class CriticEngine:
             view,
         )
         self.pipeline = None if stage is None else attach_pipeline(self.engine, value_model, stage)
+        self.runner = make_runner(self.engine, self.pipeline, self.remove_padding)
         dp = self.engine.dp_size
         self.mini_batch_size = ppo_mini_batch_size * rollout_n // dp
         if self.mini_batch_size < 1:
@@ -91,14 +86,6 @@ class CriticEngine:
         """The FSDP2-wrapped ``ValueScorer``."""
         return self.engine.module
 
-    def _values(self, mb: Batch) -> torch.Tensor:
-        """(B, R) values on the device; ``mb`` stays on the host, where the scoring indices are built."""
-        B, R = mb["responses"].shape
-        inputs = build_scoring_inputs(
-            mb["input_ids"], mb["attention_mask"], mb["position_ids"], R, self.remove_padding
-        ).to(self.engine.device)
-        return scatter_to_responses(self.module(inputs), inputs.scatter_index, B, R)  # (B, R)
-
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """Values (B, R) of the states before each response token (0 where there is no token), on CPU."""
@@ -109,12 +96,8 @@ class CriticEngine:
         parts = micro_batch_indices(
             batch, c.ppo_micro_batch_size_per_gpu, c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu
         )
-        if self.pipeline is not None:
-            inputs = packed_inputs(batch, parts)
-            outs = self.pipeline.forward(inputs, value_head, 1)
-            (values,) = gather_pass(self.pipeline, outs, inputs, parts, batch["responses"].shape[1], 1)
-        else:
-            values = restore_order([self._values(batch[idx]).cpu() for idx in parts], parts)
+        (values,) = self.runner.forward(batch, parts, Values())  # (B, R) on the device
+        values = values.cpu()
         self.engine.offload()
         return values
 
@@ -142,39 +125,24 @@ class CriticEngine:
             k: int(all_reduce_sum(v, group)) for k, v in local_batch_info(mini["response_mask"]).items()
         }
         dev = self.engine.device
-        # Summed on the device, copied once per mini-batch: no host sync per micro-batch.
-        totals: dict[str, torch.Tensor] = defaultdict(
-            lambda: torch.zeros((), dtype=torch.float64, device=dev)
-        )
         parts = micro_batch_indices(
             mini, c.ppo_micro_batch_size_per_gpu, c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu
         )
         tokens = max(counts["batch_num_tokens"], 1)
 
-        def loss(mb: Batch, vpreds: torch.Tensor) -> torch.Tensor:  # vpreds (b, R)
+        def loss(mb: Batch, outs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            (vpreds,) = outs  # (b, R)
             share = float(mb["response_mask"].sum()) / tokens  # this micro-batch's token share (host)
             mask, returns, values = (to_device(mb[k], dev) for k in ("response_mask", "returns", "values"))
             vf_loss, vf_clipfrac = compute_value_loss(
                 vpreds, returns, values, mask, c.cliprange_value, c.loss_agg_mode, dp_size=dp, **counts
             )
-            totals["critic/vf_loss"] += vf_loss.detach().double() / dp
-            totals["critic/vf_clipfrac"] += torch.as_tensor(vf_clipfrac, device=dev).detach().double() * share
-            totals["critic/vpred_mean"] += (vpreds.detach() * mask).sum().double() / tokens
-            return vf_loss
+            return vf_loss, {  # summed on the device by the runner, copied to the host once per mini-batch
+                "critic/vf_loss": vf_loss.detach().double() / dp,
+                "critic/vf_clipfrac": torch.as_tensor(vf_clipfrac, device=dev).detach().double() * share,
+                "critic/vpred_mean": (vpreds.detach() * mask).sum().double() / tokens,
+            }
 
-        if self.pipeline is not None:
-            inputs = packed_inputs(mini, parts)
-            R = mini["responses"].shape[1]
-            loss_of = micro_loss_fn(inputs, parts, R, lambda i, outs: loss(mini[parts[i]], outs[0]))
-            self.pipeline.train(inputs, value_head, 1, loss_of)
-        for i, idx in enumerate(parts if self.pipeline is None else []):
-            mb = mini[idx]  # stays on the host: the scoring indices are built there
-            vf_loss = loss(mb, self._values(mb))
-            self.engine.accumulate(i, len(parts))
-            vf_loss.backward()
-        host = {key: value.cpu() for key, value in sorted(totals.items())}  # empty before the last stage
-        metrics = {key: float(all_reduce_sum(value, group)) for key, value in host.items()}
-        if self.pipeline is not None:
-            metrics = self.pipeline.from_last(metrics)
+        metrics = self.runner.reduce_sums(self.runner.backward(mini, parts, Values(), loss).sums)
         metrics["critic/grad_norm"] = self.engine.optimizer_step()
         return metrics

@@ -1,13 +1,13 @@
-"""What the roles share to run a pipeline-parallel training view: the stage split, the heads, the results.
+"""What the roles share to run a pipeline-parallel training view: the stage split, the heads, the inputs.
 
 The roles (``ActorEngine``, ``CriticEngine``) build their micro-batches as under any other view; with
-pipeline stages they hand them to ``parallel.pipeline.PipelineRunner`` instead of calling their module once
-per micro-batch, and the last stage's results reach every stage of the replica at the end of a pass.
+pipeline stages their runner (``runner.PipelinedRunner``) hands them to ``parallel.pipeline.PipelineRunner``
+instead of calling their module once per micro-batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +24,6 @@ from hybridflow.engine.parallel.pipeline import (
     ties_head,
 )
 from hybridflow.engine.parallel.train_view import TrainView
-from hybridflow.engine.train.micro_batch import restore_order
 from hybridflow.engine.train.train_engine import TrainEngine
 from hybridflow.protocol import Batch
 from hybridflow.utils.logging import rank as dist_rank
@@ -99,35 +98,3 @@ def to_responses(
     """Each of the head's outputs (k, M) of one micro-batch placed as (rows, R) responses."""
     index = inputs.scatter_index.to(out.device)
     return [scatter_to_responses(o, index, rows, response_length) for o in out]
-
-
-def gather_pass(
-    runner: PipelineRunner,
-    outs: list[torch.Tensor] | None,
-    inputs: list[ScoringInputs],
-    parts: Sequence[Sequence[int]],
-    response_length: int,
-    k: int,
-) -> list[torch.Tensor]:
-    """The k per-response results (B, R) of a forward pass in the batch's order, on every stage."""
-    B = sum(len(p) for p in parts)
-    stacked = None
-    if outs is not None:  # the last stage: (k, B, R)
-        per_part = [to_responses(o, x, len(p), response_length) for o, x, p in zip(outs, inputs, parts)]
-        stacked = torch.stack([restore_order([pp[j] for pp in per_part], parts) for j in range(k)])
-    full = runner.tensor_from_last(stacked, (k, B, response_length), torch.float32)
-    return list(full.cpu())
-
-
-def micro_loss_fn(
-    inputs: list[ScoringInputs],
-    parts: Sequence[Sequence[int]],
-    response_length: int,
-    loss: Callable[[int, list[torch.Tensor]], torch.Tensor],
-) -> Callable[[int, torch.Tensor], torch.Tensor]:
-    """The last stage's loss of micro-batch i from its head outputs (k, M_i): ``loss(i, [(b, R)] * k)``."""
-
-    def loss_of(i: int, out: torch.Tensor) -> torch.Tensor:
-        return loss(i, to_responses(out, inputs[i], len(parts[i]), response_length))
-
-    return loss_of

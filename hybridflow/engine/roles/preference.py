@@ -14,6 +14,7 @@ import torch
 
 from hybridflow.algos.preference import dpo_loss, kto_kl_estimate, kto_loss, sequence_logps
 from hybridflow.config.preference import PreferenceConfig
+from hybridflow.engine.roles.runner import LogProbs
 from hybridflow.engine.train.micro_batch import check_batch, fixed_micro_batches
 from hybridflow.protocol import Batch
 
@@ -82,17 +83,12 @@ def _kto_micro(
 def kto_reference_point(engine: ActorEngine, batch: Batch, micro_rows: int) -> torch.Tensor:
     """z0: the policy/reference KL on the mismatched pairs (odd rows), over all ranks, clamped and detached."""
     kl = batch[list(range(1, len(batch), 2))]
-    total = torch.zeros((), dtype=torch.float64)
     parts = fixed_micro_batches(len(kl), micro_rows)
-    if engine.pipeline is not None:  # every stage gets the last one's log-probs
-        logp = engine._pipelined_scores(kl, parts, 1.0, False)[0]  # (B, R)
-        seq = sequence_logps(logp, kl["response_mask"])
-        total += (seq.double() - kl["ref_seq_logps"].double()).sum()
-    for idx in parts if engine.pipeline is None else []:
-        mb = kl[idx]
-        logp, _ = engine.score(mb, 1.0, with_entropy=False)  # (b, R)
-        seq = sequence_logps(logp, mb["response_mask"].to(logp.device))
-        total += (seq.cpu().double() - mb["ref_seq_logps"].double()).sum()
+    (logp,) = engine.runner.forward(kl, parts, LogProbs(fused=engine.fused_head))  # (B, R), on every stage
+    total = torch.zeros((), dtype=torch.float64)
+    for idx in parts:  # summed per micro-batch, in their order
+        seq = sequence_logps(logp[idx], kl["response_mask"][idx].to(logp.device))  # (b,)
+        total += (seq.cpu().double() - kl["ref_seq_logps"][idx].double()).sum()
     total, count = engine.dp_sum(total), int(engine.dp_sum(torch.tensor(float(len(kl)))))
     return kto_kl_estimate(total.float().view(1) / max(count, 1), torch.zeros(1))
 
@@ -111,23 +107,17 @@ def update_preference(
     parts = [
         [2 * i + j for i in idx for j in (0, 1)] for idx in fixed_micro_batches(len(batch) // 2, micro_pairs)
     ]
-    totals: dict[str, torch.Tensor] = {}
 
-    def micro_loss(mb: Batch, logp: torch.Tensor) -> torch.Tensor:  # logp (b, R)
+    def micro_loss(mb: Batch, outs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logp = outs[0]  # (b, R)
         if kind == "kto":
             loss, sums = _kto_micro(logp, mb, p, pairs, z0.to(logp.device))
         else:
             loss, sums = _dpo_micro(logp, mb, p, pairs, chosen_tokens)
-        for key, value in sums.items():
-            totals[key] = totals.get(key, 0) + value.detach().double().cpu()
         # FSDP averages gradients over the data-parallel ranks; the loss is a global sum already
-        return loss * engine.engine.dp_size
+        return loss * engine.engine.dp_size, sums
 
-    engine.backward_micro_batches(batch, parts, micro_loss)
-    keys = sorted(totals)  # empty on the pipeline stages before the last
-    summed = dict(zip(keys, engine.dp_sum(torch.stack([totals[k] for k in keys])).tolist())) if keys else {}
-    if engine.pipeline is not None:
-        summed = engine.pipeline.from_last(summed)
+    summed = engine.backward_micro_batches(batch, parts, micro_loss)  # on every pipeline stage
     metrics = _finish_metrics(summed, pairs, kind)
     if z0 is not None:
         metrics["kl"] = float(z0)
