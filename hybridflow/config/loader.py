@@ -296,11 +296,18 @@ def _resolve(items: Iterable[_Item], problems: list[Problem]) -> Config:
     if problems:
         raise ConfigError(problems)
     problems.extend(
-        dataclasses.replace(p, given_as=p.given_as or given.get(p.path)) for p in validate_config(cfg)
+        dataclasses.replace(p, given_as=p.given_as or _spelled(p.path, given)) for p in validate_config(cfg)
     )
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def _spelled(path: str, given: dict[str, str]) -> str | None:
+    """How the user spelled the field a problem names, when it differs from the name: a verl key, or for a
+    problem named by a field's long spelling (``actor.tensor_parallel_size``), the key written for it."""
+    spelled = given.get(path) or given.get(aliases.resolve_alias(path)[0])
+    return None if spelled == path else spelled
 
 
 def parse_overrides(overrides: Iterable[str]) -> list[tuple[str, Any]]:
