@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,6 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from hybridflow.engine.ops.packed_attention import BOUNDS_KWARG, CU_SEQLENS_KWARG, packed_mask_placeholder
 from hybridflow.engine.ops.packing import ScoringInputs
-from hybridflow.engine.parallel.train_view import TrainView
 from hybridflow.models.families import check_layer_split
 from hybridflow.utils.errors import UserError
 
@@ -120,12 +120,26 @@ def split_stage(lm: nn.Module, pp: int, stage: int) -> None:
             lm.score = None
 
 
+class StageGrid(Protocol):
+    """What the tied weights need of a training view (``dims.ParallelDims``): its sizes and coordinates."""
+
+    tp: int
+    pp: int
+
+    @property
+    def dp(self) -> int: ...
+
+    def coords(self, rank: int) -> tuple[int, int, int]: ...
+
+
 class TiedWeights:
     """The tied embedding/head weight held by the first and the last stage: their gradients summed."""
 
-    def __init__(self, lm: nn.Module, view: TrainView, rank: int, tied: bool) -> None:
+    def __init__(self, lm: nn.Module, view: StageGrid, rank: int, tied: bool) -> None:
         """``tied``: whether ``lm``'s head was tied to its embedding (``ties_head`` before the split)."""
-        self.param: nn.Parameter | None = None
+        self.embedding: nn.Module | None = (
+            None  # holds the weight (looked up at each use: offload may swap it)
+        )
         self.group = None
         self.counted = True  # whether this copy counts in the grad norm (the first stage's does)
         if view.pp == 1 or not tied:
@@ -138,18 +152,23 @@ class TiedWeights:
                 if (t, d) == (tp_rank, dp_rank):
                     self.group = group
         if stage in (0, view.pp - 1):
-            body = getattr(lm, getattr(lm, "base_model_prefix", "model"))
-            self.param = body.embed_tokens.weight
+            self.embedding = getattr(lm, getattr(lm, "base_model_prefix", "model")).embed_tokens
             self.counted = stage == 0
+
+    @property
+    def param(self) -> nn.Parameter | None:
+        """This stage's copy of the tied weight (None: the stage holds none)."""
+        return None if self.embedding is None else self.embedding.weight
 
     @torch.no_grad()
     def sync_grads(self) -> None:
         """Sum the two copies' gradients (each rank's local shard: both ends shard the weight alike)."""
-        if self.param is None:
+        param = self.param
+        if param is None:
             return
-        if self.param.grad is None:  # no token reached this copy: the other one still waits for a sum
-            self.param.grad = torch.zeros_like(self.param)
-        grad = self.param.grad
+        if param.grad is None:  # no token reached this copy: the other one still waits for a sum
+            param.grad = torch.zeros_like(param)
+        grad = param.grad
         dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=self.group)
 
 

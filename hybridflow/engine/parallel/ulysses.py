@@ -32,7 +32,6 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -44,7 +43,6 @@ from hybridflow.engine.ops.packed_attention import (
     packed_mask,
 )
 from hybridflow.engine.ops.packing import ScoringInputs, to_device
-from hybridflow.engine.parallel.train_view import TrainView
 from hybridflow.models.families import check_layer_split
 from hybridflow.utils.errors import UserError
 
@@ -91,19 +89,6 @@ def check_ulysses(config: Any, sp: int, role: str = "actor") -> None:
             f"{role}.ulysses_sequence_parallel_size={sp} does not split this model's attention: "
             f"{'; '.join(problems)}; use a sequence-parallel size that divides the heads"
         )
-
-
-def group_budgets(section: Any, sp: int) -> Any:
-    """A role section (actor, critic) whose per-GPU token budget is per group: times sp (each rank holds 1/sp)."""
-    if sp == 1:
-        return section
-    return replace(section, ppo_max_token_len_per_gpu=section.ppo_max_token_len_per_gpu * sp)
-
-
-def ulysses_groups(view: TrainView, device: torch.device) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """``(dp_group, sp_group)`` of this rank: a ``(dp, sp)`` mesh, the sp ranks of a group consecutive."""
-    mesh = init_device_mesh(device.type, (view.dp, view.sp), mesh_dim_names=("dp", "sp"))
-    return mesh["dp"].get_group(), mesh["sp"].get_group()
 
 
 def _hf_model(root: nn.Module) -> PreTrainedModel:

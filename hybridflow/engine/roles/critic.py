@@ -11,20 +11,18 @@ from torch import nn
 from hybridflow.algos.aggregation import local_batch_info
 from hybridflow.algos.value_loss import compute_value_loss
 from hybridflow.config.schema import CriticConfig
-from hybridflow.engine.ops.packed_attention import use_packed_attention
 from hybridflow.engine.ops.packing import build_scoring_inputs, scatter_to_responses, to_device
-from hybridflow.engine.parallel.pipeline import StageScorer
-from hybridflow.engine.parallel.train_view import TrainView
+from hybridflow.engine.parallel.dims import ParallelDims
+from hybridflow.engine.parallel.parallelize import parallelize
 from hybridflow.engine.roles.pipelined import (
-    attach_pipeline,
     gather_pass,
     micro_loss_fn,
     packed_inputs,
-    pipeline_stage,
+    pipeline_runner,
     value_head,
 )
 from hybridflow.engine.train.micro_batch import check_batch, micro_batch_indices, restore_order
-from hybridflow.engine.train.scorer import ValueScorer, decoder_layers
+from hybridflow.engine.train.scorer import ValueScorer
 from hybridflow.engine.train.train_engine import TrainEngine
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import all_reduce_sum
@@ -49,35 +47,25 @@ class CriticEngine:
         gradient_checkpointing: bool = False,
         total_steps: int = 1,
         device: torch.device | None = None,
-        view: TrainView | None = None,
+        dims: ParallelDims | None = None,
     ) -> None:
-        """``view``: the training view (None: FSDP2 over every rank), as ``ActorEngine`` takes it."""
+        """``dims``: the training view (None: FSDP2 over every rank), as ``ActorEngine`` takes it."""
         self.critic = critic
-        stage = pipeline_stage(value_model, view, "critic")  # None: one stage
-        if stage is not None:
-            use_remove_padding = True  # pipeline stages run packed micro-batches
-        self.remove_padding = use_remove_padding
-        if use_remove_padding:
-            use_packed_attention(value_model)
-        if gradient_checkpointing:
-            value_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        root = (
-            ValueScorer(value_model)
-            if stage is None
-            else StageScorer(value_model, stage.index, view.pp, "model")
-        )
-        self.engine = TrainEngine(
-            root,
-            decoder_layers(value_model),
+        self.remove_padding = use_remove_padding or (dims is not None and dims.pp > 1)  # stages run packed
+        parallel = parallelize(
+            value_model,
+            dims,
             critic.fsdp,
-            critic.optim,
-            critic.grad_clip,
-            total_steps,
-            device,
-            critic.use_torch_compile,
-            view,
+            trainable=True,
+            root=ValueScorer,
+            stage_attr="model",
+            packed=self.remove_padding,
+            checkpointing=gradient_checkpointing,
+            compile=critic.use_torch_compile,
+            device=device,
         )
-        self.pipeline = None if stage is None else attach_pipeline(self.engine, value_model, stage)
+        self.engine = TrainEngine(parallel, critic.fsdp, critic.optim, critic.grad_clip, total_steps)
+        self.pipeline = pipeline_runner(self.engine, parallel.stage, value_model.config.hidden_size)
         dp = self.engine.dp_size
         self.mini_batch_size = ppo_mini_batch_size * rollout_n // dp
         if self.mini_batch_size < 1:
@@ -90,6 +78,11 @@ class CriticEngine:
     def module(self) -> nn.Module:
         """The FSDP2-wrapped ``ValueScorer``."""
         return self.engine.module
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The training view, with its process groups."""
+        return self.engine.dims
 
     def _values(self, mb: Batch) -> torch.Tensor:
         """(B, R) values on the device; ``mb`` stays on the host, where the scoring indices are built."""
