@@ -278,7 +278,7 @@ def _candidates(cfg: Config, model: torch.nn.Module, world: int, fixed: dict[str
     sps = _divisors(world) if _accepted("actor.ulysses_sequence_parallel_size") else [1]
     out = []
     for tp_t in _divisors(world):
-        for pp in [p for p in pps if world % (tp_t * p) == 0]:
+        for pp in pps:  # sizes that do not fit the world are refused by their ParallelDims (``_splits``)
             for offload in OFFLOADS:
                 for tp_g in _divisors(world):
                     for sp in sps:

@@ -1,8 +1,9 @@
 """What the roles share to run a pipeline-parallel training view: the runner, the heads, the results.
 
-``parallel.parallelize`` cut the model down to this rank's stage; the roles (``ActorEngine``, ``CriticEngine``) build their micro-batches as under any other view; with
-pipeline stages they hand them to ``parallel.pipeline.PipelineRunner`` instead of calling their module once
-per micro-batch, and the last stage's results reach every stage of the replica at the end of a pass.
+``parallel.parallelize`` cut the model down to this rank's stage. The roles (``ActorEngine``,
+``CriticEngine``) build their micro-batches as under any other view; with pipeline stages they hand them to
+``parallel.pipeline.PipelineRunner`` instead of calling their module once per micro-batch, and the last
+stage's results reach every stage of the replica at the end of a pass.
 """
 
 from __future__ import annotations
