@@ -5,13 +5,14 @@ As torchtitan's ``parallelize_llama`` does it, one function applies each dimensi
 
 1. the pipeline split: the model cut down to this rank's stage (``pipeline.split_stage``), whose layers keep
    their names; stages run packed micro-batches;
-2. tensor parallelism: each decoder layer's projections split over the ``tp`` mesh (``tp.apply_tp``);
-3. Ulysses: the attention modules and the scoring root's input and output hooked to the ``sp`` group
+2. the masters' dtype (float32 trained, the compute dtype frozen), cast while the weights are plain tensors:
+   a tensor-parallel weight is a DTensor after the next step, which an in-place cast would not reach;
+3. tensor parallelism: each decoder layer's projections split over the ``tp`` mesh (``tp.apply_tp``);
+4. Ulysses: the attention modules and the scoring root's input and output hooked to the ``sp`` group
    (``ulysses.apply_ulysses``; the model must already run the packed attention);
-4. per-layer ``torch.compile`` (on CUDA by default), in place, so FSDP2 still finds the layers;
-5. mixed precision: the masters cast to their dtype (float32 trained, the compute dtype frozen);
-6. FSDP2 over the view's data-parallel ranks (every rank under FSDP2 alone and Ulysses) with the compute and
-   reduce dtypes (``fsdp.shard_model``).
+5. per-layer ``torch.compile`` (on CUDA by default), in place, so FSDP2 still finds the layers;
+6. FSDP2 over the view's data-parallel ranks (every rank under FSDP2 alone and Ulysses), with mixed
+   precision: the compute and reduce dtypes (``fsdp.shard_model``).
 
 A pipelined view then gets its tied head's gradient pair (``pipeline.TiedWeights``). What comes back
 (``Parallelized``) is what a ``train.TrainEngine`` is built on; a new parallel dimension is a new step here.
@@ -161,13 +162,13 @@ def parallelize(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     layers = decoder_layers(model) if layers is None else layers
     scorer = root(model) if stage is None else StageScorer(model, stage.index, dims.pp, stage_attr)
+    compute = compute_dtype(fsdp.param_dtype, device)
+    cast_parameters(scorer, master_dtype(fsdp.master_dtype, trainable, compute))  # 2. the masters' dtype
     if dims.tp_mesh is not None:
-        apply_tp(layers, dims.tp_mesh)  # 2. tensor parallelism inside the layers
+        apply_tp(layers, dims.tp_mesh)  # 3. tensor parallelism inside the layers
     if dims.sp > 1:
-        apply_ulysses(scorer, layers, dims.sp_group, dims.role)  # 3. sequences split over the sp group
-    compiled = compile_layers(layers, compile, device)  # 4. per-layer compile
-    compute = compute_dtype(fsdp.param_dtype, device)  # 5. mixed precision
-    cast_parameters(scorer, master_dtype(fsdp.master_dtype, trainable, compute))
+        apply_ulysses(scorer, layers, dims.sp_group, dims.role)  # 4. sequences split over the sp group
+    compiled = compile_layers(layers, compile, device)  # 5. per-layer compile
     reduce = to_dtype(fsdp.reduce_dtype)
     module = shard_model(
         scorer, layers, device, compute, reduce, reshard_after_forward(fsdp), dims.fsdp_mesh
