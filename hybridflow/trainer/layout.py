@@ -23,6 +23,7 @@ import torch
 from hybridflow.config import Config, ConfigError, validate_config
 from hybridflow.config.aliases import resolve_alias
 from hybridflow.config.validate import get_path
+from hybridflow.config.views import divisors
 from hybridflow.engine import (
     GRAD_BYTES,
     MASTER_BYTES,
@@ -268,19 +269,15 @@ def estimate_phases(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout
     }  # fmt: skip
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _candidates(cfg: Config, model: torch.nn.Module, world: int, fixed: dict[str, Any]) -> list[Layout]:
     """Every layout the engine accepts for this model and world, simplest first, matching ``fixed``."""
-    pps = _divisors(world) if _accepted("actor.pipeline_parallel_size") else [1]
-    sps = _divisors(world) if _accepted("actor.ulysses_sequence_parallel_size") else [1]
+    pps = divisors(world) if _accepted("actor.pipeline_parallel_size") else [1]
+    sps = divisors(world) if _accepted("actor.ulysses_sequence_parallel_size") else [1]
     out = []
-    for tp_t in _divisors(world):
+    for tp_t in divisors(world):
         for pp in pps:  # sizes that do not fit the world are refused by their ParallelDims (``_splits``)
             for offload in OFFLOADS:
-                for tp_g in _divisors(world):
+                for tp_g in divisors(world):
                     for sp in sps:
                         layout = Layout(world, tp_t, pp, sp, tp_g, *offload)
                         if all(layout.overrides()[k] == v for k, v in fixed.items()):

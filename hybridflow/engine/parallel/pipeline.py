@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from hybridflow.config.parallel import size_key
 from hybridflow.engine.ops.packed_attention import BOUNDS_KWARG, CU_SEQLENS_KWARG, packed_mask_placeholder
 from hybridflow.engine.ops.packing import ScoringInputs
 from hybridflow.models.families import check_layer_split
@@ -65,17 +66,17 @@ def stage_of_param(name: str, num_layers: int, pp: int, tied: bool) -> tuple[int
 
 def check_train_pp(config: object, pp: int, role: str = "actor") -> None:
     """Raise UserError naming the field when ``pp`` stages cannot split this model."""
-    check_layer_split(config, f"{role}.pipeline_parallel_size", pp, "pipeline parallelism")
+    check_layer_split(config, size_key(role, "pp"), pp, "pipeline parallelism")
     layers = config.num_hidden_layers
     if pp > layers:
         raise UserError(
-            f"{role}.pipeline_parallel_size={pp} is more than the model's {layers} decoder layers "
+            f"{size_key(role, 'pp')}={pp} is more than the model's {layers} decoder layers "
             "(num_hidden_layers); use at most one stage per layer"
         )
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if len(kinds) > 1:
         raise UserError(
-            f"{role}.pipeline_parallel_size={pp}: this model mixes attention kinds across layers ({sorted(kinds)}), "
+            f"{size_key(role, 'pp')}={pp}: this model mixes attention kinds across layers ({sorted(kinds)}), "
             "which pipeline stages do not support yet; set pipeline_parallel_size=1"
         )
 

@@ -35,6 +35,7 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
+from hybridflow.config.parallel import size_key
 from hybridflow.engine.ops.packed_attention import (
     BOUNDS_KWARG,
     PACKED_ATTENTION,
@@ -76,7 +77,7 @@ class SequenceShard:
 
 def check_ulysses(config: Any, sp: int, role: str = "actor") -> None:
     """Raise UserError naming the fields when ``sp`` cannot split this model's attention heads."""
-    check_layer_split(config, f"{role}.ulysses_sequence_parallel_size", sp, "sequence parallelism (Ulysses)")
+    check_layer_split(config, size_key(role, "sp"), sp, "sequence parallelism (Ulysses)")
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     problems = []
@@ -86,7 +87,7 @@ def check_ulysses(config: Any, sp: int, role: str = "actor") -> None:
         problems.append(f"num_key_value_heads={kv} neither is a multiple of it nor divides it")
     if problems:
         raise UserError(
-            f"{role}.ulysses_sequence_parallel_size={sp} does not split this model's attention: "
+            f"{size_key(role, 'sp')}={sp} does not split this model's attention: "
             f"{'; '.join(problems)}; use a sequence-parallel size that divides the heads"
         )
 
@@ -108,7 +109,7 @@ def apply_ulysses(
     model, sp = _hf_model(root), dist.get_world_size(group)
     if getattr(model.config, "_attn_implementation", None) != PACKED_ATTENTION:
         path = "critic.model.use_remove_padding" if role == "critic" else "model.use_remove_padding"
-        raise UserError(f"{role}.ulysses_sequence_parallel_size={sp} needs packed sequences; set {path}=true")
+        raise UserError(f"{size_key(role, 'sp')}={sp} needs packed sequences; set {path}=true")
     check_ulysses(model.config, sp, role)
     kv = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
     seq = SequenceGroup(group, sp, dist.get_rank(group), kv_repeat=max(1, sp // kv))
