@@ -169,10 +169,8 @@ def parallelize(
     if dims.sp > 1:
         apply_ulysses(scorer, layers, dims.sp_group, dims.role)  # 4. sequences split over the sp group
     compiled = compile_layers(layers, compile, device)  # 5. per-layer compile
-    reduce = to_dtype(fsdp.reduce_dtype)
-    module = shard_model(
-        scorer, layers, device, compute, reduce, reshard_after_forward(fsdp), dims.fsdp_mesh
-    )  # 6.
+    reduce, reshard = to_dtype(fsdp.reduce_dtype), reshard_after_forward(fsdp)
+    module = shard_model(scorer, layers, device, compute, reduce, reshard, dims.fsdp_mesh)  # 6. FSDP2
     tied = None
     if stage is not None:  # the tied head's two copies (collective: every rank builds every pair)
         tied = TiedWeights(model, dims, dims.rank, stage.tied_head)
