@@ -81,12 +81,12 @@ def measure(rank: int, sp: int, tokens: int, response: int) -> dict[str, float]:
     """This rank's saved bytes and times for one forward and backward at sequence-parallel size ``sp``."""
     from hybridflow.config.schema import ActorConfig
     from hybridflow.engine.ops.packing import build_scoring_inputs
-    from hybridflow.engine.parallel.train_view import TrainView
+    from hybridflow.engine.parallel.dims import ParallelDims
     from hybridflow.engine.roles.actor import ActorEngine
     from hybridflow.models import build_tiny_model
 
     lm = build_tiny_model("llama", **MODEL, seed=1)
-    engine = ActorEngine(lm, ActorConfig(), use_remove_padding=True, view=TrainView(sp, sp=sp))
+    engine = ActorEngine(lm, ActorConfig(), use_remove_padding=True, dims=ParallelDims(sp, sp=sp))
     batch = one_sequence(tokens, response)
     inputs = build_scoring_inputs(
         batch["input_ids"], batch["attention_mask"], batch["position_ids"], response, True

@@ -30,14 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from switch import PLAN_SHAPES, meta_model
 
 from hybridflow.engine.hybrid.memory import unsplit_reason, view_memory
-from hybridflow.engine.parallel.train_view import TrainView
+from hybridflow.engine.parallel.dims import ParallelDims
 
 GB = 1e9
 
 
 def view_row(size: str, model, world: int, tp_t: int, tp_g: int, pp: int = 1) -> str:
     """One table row: the figures of train view (tp_t, pp, dp) -> generate view (tp_g) for ``size``."""
-    train = TrainView(world, tp_t, pp)
+    train = ParallelDims(world, tp_t, pp)
     bad = unsplit_reason(model, tp_t, tp_g)
     if bad:
         return f"| {size} | {train} | (tp={tp_g}) | - | - | - | - | - | {bad.split(': ')[1].split(' (')[0].split(';')[0]} |"

@@ -11,7 +11,8 @@ from typing import Any
 A = "actor_rollout_ref"
 TWO = ["trainer.n_gpus_per_node=2"]  # a view of 2 ranks needs 2 ranks
 
-# (spelling=value, extra overrides, our key, its value): mapped onto hybridflow's keys
+# (spelling=value, extra overrides, our key, its value): mapped onto hybridflow's keys (the parallel sizes
+# are the roles' parallel sections since issue 39)
 MAPPED: list[tuple[str, list[str], str, Any]] = [
     ("actor.fsdp_config.mixed_precision.param_dtype=bf16", [], "actor.fsdp.param_dtype", "bf16"),
     ("actor.fsdp_config.mixed_precision.reduce_dtype=fp32", [], "actor.fsdp.reduce_dtype", "fp32"),
@@ -23,14 +24,14 @@ MAPPED: list[tuple[str, list[str], str, Any]] = [
     ("actor.fsdp_config.param_offload=true", [], "actor.fsdp.param_offload", True),
     ("rollout.tp_size=2", TWO, "rollout.tensor_model_parallel_size", 2),
     (f"{A}.rollout.tp_size=2", TWO, "rollout.tensor_model_parallel_size", 2),
-    ("megatron.tp_size=2", TWO, "actor.tensor_parallel_size", 2),
-    ("megatron.pp_size=2", TWO, "actor.pipeline_parallel_size", 2),
-    ("actor.megatron.tp_size=2", TWO, "actor.tensor_parallel_size", 2),
-    ("actor.megatron.pp_size=2", TWO, "actor.pipeline_parallel_size", 2),
-    (f"{A}.actor.megatron.tp_size=2", TWO, "actor.tensor_parallel_size", 2),
-    (f"{A}.actor.megatron.pp_size=2", TWO, "actor.pipeline_parallel_size", 2),
-    ("critic.megatron.tp_size=2", TWO, "critic.tensor_parallel_size", 2),
-    (f"{A}.ref.megatron.pp_size=2", TWO, "ref.pipeline_parallel_size", 2),
+    ("megatron.tp_size=2", TWO, "actor.parallel.tp", 2),
+    ("megatron.pp_size=2", TWO, "actor.parallel.pp", 2),
+    ("actor.megatron.tp_size=2", TWO, "actor.parallel.tp", 2),
+    ("actor.megatron.pp_size=2", TWO, "actor.parallel.pp", 2),
+    (f"{A}.actor.megatron.tp_size=2", TWO, "actor.parallel.tp", 2),
+    (f"{A}.actor.megatron.pp_size=2", TWO, "actor.parallel.pp", 2),
+    ("critic.megatron.tp_size=2", TWO, "critic.parallel.tp", 2),
+    (f"{A}.ref.megatron.pp_size=2", TWO, "ref.parallel.pp", 2),
 ]
 
 # (spelling=value): accepted, changing nothing, with one notice (the value asks for what hybridflow does)

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hybridflow.config.parallel import flat_aliases
+
 logger = logging.getLogger(__name__)
 
 _ARR = "actor_rollout_ref"
@@ -49,14 +51,14 @@ VERL_ALIASES: dict[str, str] = {
     f"{_ARR}.actor.kl_loss_coef": "actor.kl_loss_coef",
     f"{_ARR}.actor.kl_loss_type": "actor.kl_loss_type",
     f"{_ARR}.actor.grad_clip": "actor.grad_clip",
-    f"{_ARR}.actor.ulysses_sequence_parallel_size": "actor.ulysses_sequence_parallel_size",
-    f"{_ARR}.ref.ulysses_sequence_parallel_size": "ref.ulysses_sequence_parallel_size",
-    f"{_ARR}.actor.megatron.tensor_model_parallel_size": "actor.tensor_parallel_size",
-    f"{_ARR}.actor.megatron.pipeline_model_parallel_size": "actor.pipeline_parallel_size",
-    f"{_ARR}.ref.megatron.tensor_model_parallel_size": "ref.tensor_parallel_size",
-    f"{_ARR}.ref.megatron.pipeline_model_parallel_size": "ref.pipeline_parallel_size",
-    "critic.megatron.tensor_model_parallel_size": "critic.tensor_parallel_size",
-    "critic.megatron.pipeline_model_parallel_size": "critic.pipeline_parallel_size",
+    f"{_ARR}.actor.ulysses_sequence_parallel_size": "actor.parallel.sp",
+    f"{_ARR}.ref.ulysses_sequence_parallel_size": "ref.parallel.sp",
+    f"{_ARR}.actor.megatron.tensor_model_parallel_size": "actor.parallel.tp",
+    f"{_ARR}.actor.megatron.pipeline_model_parallel_size": "actor.parallel.pp",
+    f"{_ARR}.ref.megatron.tensor_model_parallel_size": "ref.parallel.tp",
+    f"{_ARR}.ref.megatron.pipeline_model_parallel_size": "ref.parallel.pp",
+    "critic.megatron.tensor_model_parallel_size": "critic.parallel.tp",
+    "critic.megatron.pipeline_model_parallel_size": "critic.parallel.pp",
     f"{_ARR}.actor.policy_loss.loss_mode": "actor.policy_loss.loss_mode",
     f"{_ARR}.actor.policy_loss.clip_cov_ratio": "actor.policy_loss.clip_cov_ratio",
     f"{_ARR}.actor.policy_loss.clip_cov_lb": "actor.policy_loss.clip_cov_lb",
@@ -168,8 +170,8 @@ def _short_forms() -> dict[str, str]:
     megatron |= {"ref.": "ref", f"{_ARR}.ref.": "ref"}
     for prefix, role in megatron.items():
         for short, long, ours in (
-            ("tp_size", "tensor_model_parallel_size", "tensor_parallel_size"),
-            ("pp_size", "pipeline_model_parallel_size", "pipeline_parallel_size"),
+            ("tp_size", "tensor_model_parallel_size", "parallel.tp"),
+            ("pp_size", "pipeline_model_parallel_size", "parallel.pp"),
         ):
             out[f"{prefix}megatron.{short}"] = f"{role}.{ours}"
             if f"{prefix}megatron.{long}" not in VERL_ALIASES:
@@ -184,11 +186,13 @@ def _short_forms() -> dict[str, str]:
     return out
 
 
-# Short forms of our own keys (the issue tracker and the README write `actor.lr=1e-6`) and the write-ups'
+# Short forms of our own keys (the issue tracker and the README write `actor.lr=1e-6`), the flat spellings
+# of the parallel sections' sizes (`actor.tensor_parallel_size` is `actor.parallel.tp`) and the write-ups'
 # short spellings of verl's keys (`rollout.tp_size`, `megatron.tp_size`, `actor.fsdp_config.*`).
 SHORTHANDS: dict[str, str] = {
     "actor.lr": "actor.optim.lr",
     "critic.lr": "critic.optim.lr",
+    **flat_aliases(),
     **_short_forms(),
 }
 

@@ -285,22 +285,32 @@ def _resolve(items: Iterable[_Item], problems: list[Problem]) -> Config:
     """Lay the items over the defaults, type-check, validate; raise ConfigError listing every problem."""
     tree = Config().to_dict()
     given: dict[str, str] = {}
+    written: dict[str, str] = {}  # every field set -> the key written for it (the last writer's)
     for item in items:
         _apply(tree, item, problems)
         given.pop(item.path, None)  # the last writer of a field decides how the user spelled it
         if item.given_as is not None:
             given[item.path] = item.given_as
+        written[item.path] = item.given_as or item.path
     if problems:
         raise ConfigError(problems)
     cfg = _build(Config, tree, "", given, problems)
     if problems:
         raise ConfigError(problems)
     problems.extend(
-        dataclasses.replace(p, given_as=p.given_as or given.get(p.path)) for p in validate_config(cfg)
+        dataclasses.replace(p, given_as=p.given_as or _spelled(p.path, written)) for p in validate_config(cfg)
     )
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def _spelled(path: str, written: dict[str, str]) -> str | None:
+    """How the user spelled the field a problem names, when it differs from the name: a verl key, or for a
+    problem named by a field's long spelling (``actor.tensor_parallel_size``), the key written for its field
+    (``actor.parallel.tp``)."""
+    spelled = written.get(path) or written.get(aliases.resolve_alias(path)[0])
+    return None if spelled == path else spelled
 
 
 def parse_overrides(overrides: Iterable[str]) -> list[tuple[str, Any]]:

@@ -23,7 +23,16 @@ from hybridflow.config.algo_schema import (  # noqa: F401 (re-exported: the sche
     PolicyLossConfig,
     RolloutCorrectionConfig,
 )
+from hybridflow.config.parallel import ParallelConfig  # noqa: F401 (re-exported)
 from hybridflow.config.preference import PreferenceConfig
+from hybridflow.config.role_schema import (  # noqa: F401 (re-exported: the role sections live here too)
+    ActorConfig,
+    CriticConfig,
+    CriticModelConfig,
+    FSDPConfig,
+    OptimConfig,
+    RefConfig,
+)
 from hybridflow.config.schema_base import option, section
 
 
@@ -148,170 +157,6 @@ class RolloutConfig:
         16384, "Token budget per GPU per forward with dynamic batch size."
     )
     val_kwargs: SamplingConfig = section(SamplingConfig, "Sampling settings used for validation.")
-
-
-@dataclass
-class OptimConfig:
-    """AdamW and its learning-rate schedule."""
-
-    lr: float = option(1e-6, "Peak learning rate.")
-    weight_decay: float = option(0.01, "AdamW decoupled weight decay.")
-    betas: list[float] = option([0.9, 0.999], "AdamW betas [beta1, beta2].")
-    eps: float = option(1e-8, "AdamW epsilon.")
-    lr_scheduler_type: str = option("constant", "Schedule after warm-up: constant or cosine.")
-    lr_warmup_steps: int = option(-1, "Linear warm-up steps; -1 uses lr_warmup_steps_ratio.")
-    lr_warmup_steps_ratio: float = option(
-        0.0, "Warm-up as a fraction of the total steps (when lr_warmup_steps < 0)."
-    )
-    min_lr_ratio: float = option(0.0, "Cosine schedule floor as a fraction of lr.")
-    num_cycles: float = option(0.5, "Number of cosine cycles over training (0.5 = one half-cosine decay).")
-
-
-@dataclass
-class FSDPConfig:
-    """FSDP2 sharding, mixed precision and CPU offload of one role."""
-
-    param_offload: bool = option(False, "Keep parameters on CPU between phases.")
-    optimizer_offload: bool | str = option(
-        False, "Keep optimizer state on CPU between phases; auto: only for a rollout short of room."
-    )
-    pin_memory: bool = option(True, "Offload through pinned (page-locked) host memory: faster DMA copies.")
-    reshard_after_forward: bool | None = option(
-        None, "Free gathered parameters after each layer's forward; null = only when sharded over > 1 rank."
-    )
-    fsdp_size: int = option(-1, "Ranks per FSDP shard group: only -1 (all ranks) for now.")
-    param_dtype: str = option(
-        "auto", "Compute dtype: auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32."
-    )
-    reduce_dtype: str = option("float32", "Dtype of gradient reductions.")
-    master_dtype: str = option("auto", "Master/optimizer dtype; auto = float32 (ref: its compute dtype).")
-
-
-@dataclass
-class ActorConfig:
-    """The policy update: mini-batches, clipping, KL loss, entropy bonus, optimizer."""
-
-    ppo_mini_batch_size: int = option(
-        16, "Prompts per optimizer step (multiplied by rollout.n into samples)."
-    )
-    ppo_micro_batch_size_per_gpu: int = option(
-        8, "Samples per GPU per forward/backward (gradient accumulation)."
-    )
-    use_dynamic_bsz: bool = option(False, "Size micro-batches by tokens (ppo_max_token_len_per_gpu) instead.")
-    ppo_max_token_len_per_gpu: int = option(
-        16384, "Token budget per GPU per micro-batch with dynamic batch size."
-    )
-    ppo_epochs: int = option(1, "Passes over each batch of rollouts.")
-    shuffle: bool = option(False, "Shuffle samples between PPO epochs.")
-    clip_ratio: float = option(0.2, "PPO clip range epsilon.")
-    clip_ratio_low: float | None = option(None, "Lower clip range; null = clip_ratio.")
-    clip_ratio_high: float | None = option(None, "Upper clip range (DAPO clip-higher); null = clip_ratio.")
-    clip_ratio_c: float = option(3.0, "Dual-clip constant c (> 1) for negative advantages.")
-    loss_agg_mode: str = option(
-        "token-mean", "How token losses are aggregated (a true global mean for token-mean)."
-    )
-    loss_scale_factor: float | None = option(
-        None, "Fixed divisor for seq-mean-token-sum-norm; null = max_response_length."
-    )
-    entropy_coeff: float = option(0.0, "Entropy bonus coefficient.")
-    use_kl_loss: bool = option(False, "Add a KL(actor || reference) loss term (GRPO style).")
-    kl_loss_coef: float = option(0.001, "Coefficient of the KL loss.")
-    kl_loss_type: str = option(
-        "low_var_kl", "KL estimator of the KL loss (kl, abs, mse, low_var_kl, ... and '+' variants)."
-    )
-    grad_clip: float = option(1.0, "Gradient-norm clipping threshold.")
-    hybrid_engine: bool = option(
-        True, "Reshard the training shards into the rollout's (false: the baseline, a kept copy broadcast)."
-    )
-    ulysses_sequence_parallel_size: int = option(
-        1, "Ulysses sequence-parallel size: groups of this many ranks split each packed micro-batch's tokens."
-    )
-    use_torch_compile: bool | None = option(
-        None, "torch.compile each decoder layer of the actor and reference; null = on GPU, off on CPU."
-    )
-    tensor_parallel_size: int = option(
-        1,
-        "Training view: decoder layers split over this many ranks, FSDP2 over the rest (verl's megatron.*).",
-    )
-    pipeline_parallel_size: int = option(
-        1,
-        "Pipeline stages of the training view (verl's megatron.pipeline_model_parallel_size).",
-    )
-    policy_loss: PolicyLossConfig = section(PolicyLossConfig, "Policy loss mode and its parameters.")
-    optim: OptimConfig = section(OptimConfig, "Actor optimizer.")
-    fsdp: FSDPConfig = section(FSDPConfig, "Actor FSDP2 settings.")
-
-
-@dataclass
-class CriticModelConfig:
-    """The value model."""
-
-    path: str | None = option(None, "Critic checkpoint (causal LM or saved critic); null = model.path.")
-    enable_gradient_checkpointing: bool = option(False, "Recompute activations in backward to save memory.")
-    use_remove_padding: bool = option(False, "Pack sequences without pad tokens.")
-    override_config: dict[str, Any] = option({}, "Keys set on the critic's HF model config after loading it.")
-
-
-@dataclass
-class CriticConfig:
-    """The critic (value model) used by GAE."""
-
-    enable: bool | None = option(None, "Train a critic; null = only when algorithm.adv_estimator is gae.")
-    model: CriticModelConfig = section(CriticModelConfig, "Critic model.")
-    ppo_mini_batch_size: int | None = option(
-        None, "Prompts per critic optimizer step; null = actor.ppo_mini_batch_size."
-    )
-    ppo_micro_batch_size_per_gpu: int = option(8, "Samples per GPU per critic forward/backward.")
-    use_dynamic_bsz: bool = option(False, "Size micro-batches by tokens (ppo_max_token_len_per_gpu) instead.")
-    ppo_max_token_len_per_gpu: int = option(
-        32768, "Token budget per GPU per micro-batch with dynamic batch size."
-    )
-    ppo_epochs: int = option(1, "Passes over each batch for the critic.")
-    cliprange_value: float = option(0.5, "Value clip range around the old values.")
-    loss_agg_mode: str = option("token-mean", "How token value losses are aggregated.")
-    grad_clip: float = option(1.0, "Gradient-norm clipping threshold.")
-    hybrid_engine: bool = option(
-        True, "Reshard the training shards into the rollout's (false: the baseline, a kept copy broadcast)."
-    )
-    ulysses_sequence_parallel_size: int = option(
-        1, "Ulysses sequence-parallel size: groups of this many ranks split each packed micro-batch's tokens."
-    )
-    use_torch_compile: bool | None = option(
-        None, "torch.compile each decoder layer of the critic; null = on GPU, off on CPU."
-    )
-    tensor_parallel_size: int = option(
-        1,
-        "Tensor-parallel size of the critic's training view (verl's critic.megatron.tensor_model_parallel_size).",
-    )
-    pipeline_parallel_size: int = option(
-        1,
-        "Pipeline stages of the critic's training view (verl's critic.megatron.pipeline_model_parallel_size).",
-    )
-    optim: OptimConfig = section(OptimConfig, "Critic optimizer.", lr=1e-5)
-    fsdp: FSDPConfig = section(FSDPConfig, "Critic FSDP2 settings.")
-
-
-@dataclass
-class RefConfig:
-    """The frozen reference policy."""
-
-    enable: bool | None = option(None, "Keep a reference model; null = when a KL loss or KL reward is on.")
-    log_prob_micro_batch_size_per_gpu: int = option(16, "Sequences per GPU per reference forward.")
-    log_prob_use_dynamic_bsz: bool = option(False, "Size reference micro-batches by tokens instead.")
-    log_prob_max_token_len_per_gpu: int = option(
-        16384, "Token budget per GPU per forward with dynamic batch size."
-    )
-    precompute: bool = option(False, "Compute reference log-probs once for the whole dataset (DPO/KTO).")
-    tensor_parallel_size: int | None = option(
-        None, "Tensor-parallel size of the reference's view; null = actor.tensor_parallel_size."
-    )
-    pipeline_parallel_size: int | None = option(
-        None, "Pipeline stages of the reference's view; null = actor.pipeline_parallel_size."
-    )
-    ulysses_sequence_parallel_size: int | None = option(
-        None, "Ulysses sequence-parallel size of the reference; null = actor.ulysses_sequence_parallel_size."
-    )
-    fsdp: FSDPConfig = section(FSDPConfig, "Reference FSDP2 settings (param_offload keeps it on CPU).")
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 The HybridFlow write-ups and verl's configs use keys hybridflow has no field for: FP8 rollout
 (``rollout.quantization``, ``rollout.kv_cache_dtype``), expert parallelism (``*.expert_model_parallel_size``,
-``*.ep_size``), FSDP1's ``mixed_precision.buffer_dtype``, and ``algorithm.grpo_n``, which is nobody's key.
+``*.ep_size``), FSDP1's ``mixed_precision.buffer_dtype``, and ``algorithm.grpo_n`` and ``critic.hybrid_engine``, which are
+nobody's keys.
 Each is judged here only when it is not one of our own keys, verl's keys or a key inside a free-form mapping
 (``model.override_config.quantization_config`` stays the model's). A value that asks for what hybridflow does
 anyway (``quantization: null``, ``expert_model_parallel_size: 1``) is accepted with a notice; any other
@@ -100,6 +101,10 @@ POINTERS: dict[str, tuple[str, str]] = {
     "grpo_n": (  # algorithm.grpo_n
         "set rollout.n={value} (verl: actor_rollout_ref.rollout.n)",
         "GRPO's group size is the number of responses sampled per prompt, rollout.n",
+    ),
+    "hybrid_engine": (  # critic.hybrid_engine, ref.hybrid_engine (the actor's is actor.hybrid_engine)
+        "remove it (actor.hybrid_engine is the switch, and it is the actor's)",
+        "only the actor generates, so only it switches its weights between a training and a generation layout",
     ),
 }
 

@@ -1,8 +1,8 @@
 """Range, enum and consistency checks of a Config; every problem names the field and the fix.
 
 The checks of one subject live beside this module: batch sizes (``batches``: verl's normalisation, whole
-mini-batches), the rollout dtype (``dtypes``), training views (``views``), Ulysses (``sequence_parallel``)
-and the algorithms (``validate_algos``).
+mini-batches), the rollout dtype (``dtypes``), the roles' parallel sizes against the world (``views``) and
+the algorithms (``validate_algos``).
 """
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ from hybridflow.config.dtypes import check_rollout_dtype
 from hybridflow.config.errors import ConfigError, Problem
 from hybridflow.config.schema import Config, schema_index
 from hybridflow.config.schema_base import get_path
-from hybridflow.config.sequence_parallel import check_sequence_parallel
 from hybridflow.config.validate_algos import (
     check_adv_estimator_inputs,
     check_policy_loss,
     check_rollout_correction,
 )
-from hybridflow.config.views import check_train_views
+from hybridflow.config.views import check_train_views, not_dividing
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +47,9 @@ _RANGES: dict[str, list[str]] = {
         "rollout.max_model_len", "rollout.tensor_model_parallel_size",
         "rollout.log_prob_micro_batch_size_per_gpu", "rollout.log_prob_max_token_len_per_gpu",
         "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_max_token_len_per_gpu",
-        "actor.ppo_epochs", "actor.ulysses_sequence_parallel_size",
-        "actor.tensor_parallel_size", "actor.pipeline_parallel_size", "ref.tensor_parallel_size",
-        "ref.pipeline_parallel_size", "critic.tensor_parallel_size", "critic.pipeline_parallel_size",
-        "ref.ulysses_sequence_parallel_size",
+        "actor.ppo_epochs",
         "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu",
-        "critic.ppo_max_token_len_per_gpu", "critic.ppo_epochs", "critic.ulysses_sequence_parallel_size",
+        "critic.ppo_max_token_len_per_gpu", "critic.ppo_epochs",
         "ref.log_prob_micro_batch_size_per_gpu", "ref.log_prob_max_token_len_per_gpu",
         "reward.model.micro_batch_size_per_gpu", "reward.model.max_length",
         "algorithm.kl_ctrl.horizon",
@@ -198,7 +194,6 @@ def _check_unimplemented(cfg: Config, out: list[Problem]) -> None:
                 "leave it null, or set algorithm.filter_groups.enable=true",
             )
         )
-    check_sequence_parallel(cfg, out)
 
 
 def _check_rollout_tp(cfg: Config, out: list[Problem]) -> None:
@@ -211,14 +206,7 @@ def _check_rollout_tp(cfg: Config, out: list[Problem]) -> None:
     if tp == 1:
         return
     if world % tp:
-        divisors = [d for d in range(1, world + 1) if world % d == 0]
-        out.append(
-            Problem(
-                path,
-                f"{tp} does not divide the {world} ranks (trainer.nnodes x trainer.n_gpus_per_node)",
-                f"use one of {divisors}",
-            )
-        )
+        out.append(not_dividing(path, tp, world))
     if cfg.rollout.engine != "native":
         out.append(
             Problem(path, f"is {tp} with rollout.engine={cfg.rollout.engine}", "use rollout.engine=native")

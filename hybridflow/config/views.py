@@ -1,61 +1,136 @@
-"""Checks of the parallel views a config asks for: the training view of each role and how it fits the world.
+"""How each role's parallel sizes fit the world: the one check of the sizes against the ranks.
 
-What a view needs of the model (heads and MLP rows that tp divides) is checked by the builder once the model
-config is known (``trainer.builder.check_views``); here only what the config alone decides.
+``world_problems`` is the check: tp x pp must divide the ranks, sp must divide them and (for now) come with
+tp = pp = 1, ep must be 1 (issue 42). The config's validation runs it for every role (``check_train_views``),
+the engine's ``ParallelDims`` when it is built, and the rollout's tensor-parallel size uses its
+``not_dividing`` message. Each problem names the field that breaks it (by the long spelling, ``size_key``)
+and a fix that works. What the sizes need of the model (heads, KV heads, layers) is checked once the model
+config is known (``ParallelDims.check_model``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
+from typing import Any
+
 from hybridflow.config.errors import Problem
-from hybridflow.config.schema import Config
+from hybridflow.config.parallel import DIMS, ROLES, own_dims, role_sizes, size_key
+from hybridflow.config.spellings import EP_ISSUE
 
 
-def train_view_sizes(cfg: Config, role: str) -> tuple[int, int]:
-    """``(tensor_parallel_size, pipeline_parallel_size)`` of a role's training view (the reference's null: the actor's)."""
-    section = getattr(cfg, role)
-    tp, pp = section.tensor_parallel_size, section.pipeline_parallel_size
-    if role == "ref":
-        tp = cfg.actor.tensor_parallel_size if tp is None else tp
-        pp = cfg.actor.pipeline_parallel_size if pp is None else pp
-    return tp, pp
-
-
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _view_problems(role: str, tp: int, pp: int, world: int, own: tuple[str, ...]) -> list[Problem]:
-    """The problems of a view whose tp x pp does not divide the world, each under the field that breaks it.
+def ranks_text(world: int) -> str:
+    """'the 4 ranks (trainer.nnodes x trainer.n_gpus_per_node)': where a message names the world."""
+    return f"the {world} rank{'s' if world > 1 else ''} (trainer.nnodes x trainer.n_gpus_per_node)"
+
+
+def not_dividing(
+    path: str, size: int, world: int, times: str = "", left: int | None = None, whole: int | None = None
+) -> Problem:
+    """``path``'s ``size`` (``times``: x the other sizes it multiplies) does not divide the ranks. The fix
+    offers the sizes that do (those dividing ``left`` ranks: what the other sizes leave) or a world of a
+    multiple of ``whole`` ranks (the product of the sizes)."""
+    whole = size if whole is None else whole
+    more = f"or run on a multiple of {whole} ranks (trainer.n_gpus_per_node={whole} on one node)"
+    options = divisors(world if left is None else left)
+    return Problem(
+        path, f"{size}{times} does not divide {ranks_text(world)}", f"use one of {options}, {more}"
+    )
+
+
+def _tp_pp(role: str, tp: int, pp: int, world: int, own: Collection[str]) -> list[Problem]:
+    """tp x pp against the ranks, each problem under the size that breaks it.
 
     A size that alone does not divide the world is that size's problem (pp=2 on one rank is a pipeline
     problem, never a tensor-parallel one); when each divides it but not their product, the pipeline size's,
-    whose fix is then bounded by what the tensor-parallel size leaves. ``own``: the fields the role sets
-    itself (the reference's null ones are the actor's, reported there).
+    whose fix is then bounded by what the tensor-parallel size leaves.
     """
-    sizes = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}
-    bad = [name for name, size in sizes.items() if world % size]
-    if not bad:
-        bad = ["pipeline_parallel_size" if "pipeline_parallel_size" in own else "tensor_parallel_size"]
-    ranks = f"the {world} rank{'s' if world > 1 else ''} (trainer.nnodes x trainer.n_gpus_per_node)"
-    more = f"or run on a multiple of {tp * pp} ranks (trainer.n_gpus_per_node={tp * pp} on one node)"
+    if world % (tp * pp) == 0:
+        return []
+    sizes = {"tp": tp, "pp": pp}
+    bad = [dim for dim, size in sizes.items() if world % size] or ["pp" if "pp" in own else "tp"]
     out = []
-    for name in (b for b in bad if b in own):
-        (other,) = [n for n in sizes if n != name]
+    for dim in (d for d in bad if d in own):
+        other = "pp" if dim == "tp" else "tp"
         left = world // sizes[other] if world % sizes[other] == 0 else world
-        times = f" x {role}.{other}={sizes[other]}" if sizes[other] > 1 else ""
-        message = f"{sizes[name]}{times} does not divide {ranks}"
-        out.append(Problem(f"{role}.{name}", message, f"use one of {_divisors(left)}, {more}"))
+        times = f" x {size_key(role, other)}={sizes[other]}" if sizes[other] > 1 else ""
+        out.append(not_dividing(size_key(role, dim), sizes[dim], world, times, left, tp * pp))
     return out
 
 
-def check_train_views(cfg: Config, out: list[Problem]) -> None:
-    """Each trained or frozen role's tp x pp divides its ranks (the model's own limits: the builder)."""
+def _sp(role: str, sizes: Mapping[str, int], world: int, own: Collection[str]) -> list[Problem]:
+    """sp divides the ranks and, for now, comes with tp = pp = 1 (only the sizes the role sets are its)."""
+    sp, path = sizes["sp"], size_key(role, "sp")
+    out = []
+    if "sp" in own and world % sp:
+        out.append(not_dividing(path, sp, world))
+    for dim in ("tp", "pp"):
+        if sizes[dim] > 1 and ("sp" in own or dim in own):
+            name = size_key(role, dim)
+            out.append(
+                Problem(
+                    path,
+                    f"is {sp} with {name}={sizes[dim]}: sequence parallelism does not compose with "
+                    "tensor- or pipeline-parallel training views yet",
+                    f"set {name}=1 (FSDP2 over every rank), or {path}=1",
+                )
+            )
+    return out
+
+
+def world_problems(
+    role: str, sizes: Mapping[str, int], world: int, own: Collection[str] = DIMS, with_sp: bool = True
+) -> list[Problem]:
+    """Every way a role's sizes do not fit ``world`` ranks (sizes below 1 are the range check's to report).
+
+    ``own``: the sizes the role sets itself (the reference's null ones are the actor's, reported there);
+    ``with_sp``: whether to judge sp (a role the run does not use is judged on tp and pp only).
+    """
+    if any(sizes[d] < 1 for d in DIMS):
+        return []
+    out = _tp_pp(role, sizes["tp"], sizes["pp"], world, own)
+    if with_sp and sizes["sp"] > 1:
+        out += _sp(role, sizes, world, own)
+    if sizes["ep"] > 1 and "ep" in own:
+        out.append(
+            Problem(size_key(role, "ep"), f"is {sizes['ep']}: {EP_ISSUE}", "remove it (or set it to 1)")
+        )
+    return out
+
+
+def _values(cfg: Any, role: str, out: list[Problem]) -> bool:
+    """Each size the role sets is at least 1, and only the reference's may be null; whether all are."""
+    ok = True
+    for dim in own_dims(cfg, role) if role == "ref" else DIMS:
+        value, path = getattr(getattr(cfg, role).parallel, dim), size_key(role, dim)
+        if value is None:
+            out.append(
+                Problem(
+                    path, "is null, which only the reference's sizes may be (the actor's)", f"e.g. {path}=1"
+                )
+            )
+        elif value < 1:
+            out.append(Problem(path, f"must be at least 1, got {value!r}", f"e.g. {path}=1 (the default)"))
+        ok = ok and value is not None and value >= 1
+    return ok
+
+
+def check_train_views(cfg: Any, out: list[Problem]) -> None:
+    """Each role's sizes against the world, and Ulysses' packing, for the roles the run uses."""
+    used = {"actor", *(["ref"] if cfg.use_reference else []), *(["critic"] if cfg.use_critic else [])}
     world = cfg.trainer.world_size
-    for role in ("actor", "ref", "critic"):
-        tp, pp = train_view_sizes(cfg, role)
-        if tp < 1 or pp < 1 or world % (tp * pp) == 0:
-            continue  # fine, or a range problem reported elsewhere
-        own = ("tensor_parallel_size", "pipeline_parallel_size")
-        if role == "ref":
-            own = tuple(name for name in own if getattr(cfg.ref, name) is not None)
-        out.extend(_view_problems(role, tp, pp, world, own))
+    for role in ROLES:
+        if not _values(cfg, role, out):
+            continue
+        sizes, own = role_sizes(cfg, role), own_dims(cfg, role)
+        out.extend(world_problems(role, sizes, world, own, with_sp=role in used))
+        if role in used and "sp" in own and sizes["sp"] > 1:
+            packing = "critic.model.use_remove_padding" if role == "critic" else "model.use_remove_padding"
+            packed = cfg.critic.model.use_remove_padding if role == "critic" else cfg.model.use_remove_padding
+            if not packed:
+                message = f"is {sizes['sp']}, but {packing} is false: Ulysses splits packed sequences"
+                out.append(Problem(size_key(role, "sp"), message, f"set {packing}=true"))

@@ -2,8 +2,9 @@
 
 - ``ops``: what a forward pass computes with: packing, sequences, packed/varlen attention, the LM head and its
   kernels, dtypes, local shards. Imports no other room.
-- ``parallel``: the layouts and how they are applied: the training and generation views, FSDP2, tensor and
-  pipeline parallelism, Ulysses, the shard rules (``layout``). Imports ``ops``.
+- ``parallel``: the layouts and how they are applied: the training view (``dims.ParallelDims``) and
+  ``parallelize`` (pipeline split, tensor parallelism, Ulysses, compile, FSDP2), the generation view, the
+  shard rules (``layout``). Imports ``ops``.
 - ``train``: the training engine (optimizer, schedule, clipping, offload), micro-batches and the scorers.
   Imports ``ops`` and ``parallel``.
 - ``rollout``: the built-in rollout engine and its tensor-parallel shard. Imports ``ops`` and ``parallel``:
@@ -35,19 +36,17 @@ SURFACE: dict[str, str] = {
     "RolloutShard": "hybrid.switch",
     "world_line": "hybrid.world",
     "to_dtype": "ops.dtypes",
+    "decoder_of": "ops.modules",
     "layout_padding": "ops.sequences",
     "pack_prompt_response": "ops.sequences",
     "pad_rows": "ops.sequences",
+    "ParallelDims": "parallel.dims",
     "full_state_dict": "parallel.fsdp",
     "check_tp": "parallel.layout",
     "follow_rollout_shards": "parallel.layout",
-    "check_train_pp": "parallel.pipeline",
+    "default_device": "parallel.parallelize",
     "RolloutGroup": "parallel.rollout_group",
-    "check_train_tp": "parallel.tp",
     "ShareGroup": "parallel.train_view",
-    "TrainView": "parallel.train_view",
-    "check_ulysses": "parallel.ulysses",
-    "group_budgets": "parallel.ulysses",
     "GenerateView": "parallel.view",
     "ActorEngine": "roles.actor",
     "CriticEngine": "roles.critic",
@@ -59,9 +58,7 @@ SURFACE: dict[str, str] = {
     "RolloutTP": "rollout.tp",
     "GenerationOutput": "rollout.types",
     "move_model": "train.offload",
-    "decoder_of": "train.scorer",
     "TrainEngine": "train.train_engine",
-    "default_device": "train.train_engine",
 }
 __all__ = sorted(SURFACE)
 

@@ -79,30 +79,26 @@ def check_data_sources(dataset: RLDataset, cfg: Config, reward_fn: Any) -> None:
 def check_rollout_view(cfg: Config, model: torch.nn.Module | None) -> None:
     """Refuse, before any rank starts, a tensor-parallel size (rollout or training) that cannot split the
     policy's heads and MLP, a sequence-parallel size that cannot split its heads, or more pipeline stages
-    than it has layers."""
-    from hybridflow.config.sequence_parallel import sequence_parallel_size
-    from hybridflow.config.views import train_view_sizes
+    than it has layers: each role's view (``ParallelDims.check_model``). A critic with a model of its own
+    (``critic.model.path``) is checked by its worker, against that model."""
+    from hybridflow.engine import ParallelDims
 
     tp = cfg.rollout.tensor_model_parallel_size
-    roles = [r for r in ("actor", "ref") if train_view_sizes(cfg, r)[0] > 1]
-    used = ("actor", *(("ref",) if cfg.use_reference else ()), *(("critic",) if cfg.use_critic else ()))
-    sp_roles = [r for r in used if sequence_parallel_size(cfg, r) > 1]
-    pp_roles = [r for r in used if train_view_sizes(cfg, r)[1] > 1]
-    if tp == 1 and not roles and not sp_roles and not pp_roles:
+    policy_shaped = ["actor", *(["ref"] if cfg.use_reference else [])]
+    if cfg.use_critic and cfg.critic.model.path is None:
+        policy_shaped.append("critic")  # a value head on the policy's body
+    views = [ParallelDims.of(cfg, role, cfg.trainer.world_size) for role in policy_shaped]
+    if tp == 1 and all(v.world == v.dp for v in views):
         return
-    from hybridflow.engine import check_tp, check_train_pp, check_train_tp, check_ulysses
+    from hybridflow.engine import check_tp
     from hybridflow.models.loader import load_config as load_model_config
 
     m = cfg.model
     config = model.config if model is not None else load_model_config(m.path, m.trust_remote_code)
     if tp > 1:
         check_tp(config, tp)
-    for role in roles:  # the critic starts from the policy's shape too, unless it has a model of its own
-        check_train_tp(config, train_view_sizes(cfg, role)[0], role)
-    for role in sp_roles:
-        check_ulysses(config, sequence_parallel_size(cfg, role), role)
-    for role in pp_roles:  # the critic's own model has the policy's depth unless it comes from elsewhere
-        check_train_pp(config, train_view_sizes(cfg, role)[1], role)
+    for view in views:
+        view.check_model(config)
 
 
 def check_position_limit(cfg: Config, model: torch.nn.Module | None) -> None:

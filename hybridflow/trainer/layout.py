@@ -21,12 +21,14 @@ from typing import Any
 import torch
 
 from hybridflow.config import Config, ConfigError, validate_config
+from hybridflow.config.aliases import resolve_alias
 from hybridflow.config.validate import get_path
+from hybridflow.config.views import divisors
 from hybridflow.engine import (
     GRAD_BYTES,
     MASTER_BYTES,
     MOMENT_BYTES,
-    TrainView,
+    ParallelDims,
     ViewMemory,
     unsplit_reason,
     view_memory,
@@ -36,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 GB = 1e9
 HEADROOM = 0.9  # of a GPU's memory a plan may fill (the CUDA context, the allocator's fragmentation)
+# (the actor's parallel sizes by their long spellings, which a user can paste as they are printed)
 LAYOUT_KEYS = (
     "actor.tensor_parallel_size",
     "actor.pipeline_parallel_size",
@@ -100,7 +103,7 @@ class Layout:
 
     def describe(self) -> str:
         """The two views, sp and offload, as the logs name them."""
-        train = str(TrainView(self.world, self.tp_train, self.pp))
+        train = str(ParallelDims(self.world, self.tp_train, self.pp))
         offload = (
             "params+optimizer" if self.param_offload else "optimizer" if self.optimizer_offload else "none"
         )
@@ -142,9 +145,14 @@ def _accepted(path: str) -> bool:
     cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size = 2, 2, 2
     cfg.actor.ppo_micro_batch_size_per_gpu = 1
     cfg.model.use_remove_padding = True  # what Ulysses needs besides its size
-    section, key = path.rsplit(".", 1)
-    setattr(get_path(cfg, section), key, 2)
+    set_path(cfg, path, 2)
     return not any(p.path == path for p in validate_config(cfg))
+
+
+def set_path(cfg: Config, path: str, value: Any) -> None:
+    """Set the field ``path`` names (a long spelling such as ``actor.tensor_parallel_size`` too)."""
+    section, key = resolve_alias(path)[0].rsplit(".", 1)
+    setattr(get_path(cfg, section), key, value)
 
 
 def meta_model(model_config: Any) -> torch.nn.Module:
@@ -236,7 +244,7 @@ def _activation_bytes(cfg: Config, mc: Any, layout: Layout, backward: bool) -> i
 @functools.lru_cache(maxsize=64)
 def _views(model: torch.nn.Module, world: int, tp_train: int, pp: int, tp_generate: int) -> ViewMemory:
     """The views' figures without the switch's transfers (offload and sp do not change them)."""
-    return view_memory(model, TrainView(world, tp_train, pp), tp_generate, switch=False)
+    return view_memory(model, ParallelDims(world, tp_train, pp), tp_generate, switch=False)
 
 
 def estimate_phases(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout) -> dict[str, int]:
@@ -261,19 +269,15 @@ def estimate_phases(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout
     }  # fmt: skip
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _candidates(cfg: Config, model: torch.nn.Module, world: int, fixed: dict[str, Any]) -> list[Layout]:
     """Every layout the engine accepts for this model and world, simplest first, matching ``fixed``."""
-    pps = _divisors(world) if _accepted("actor.pipeline_parallel_size") else [1]
-    sps = _divisors(world) if _accepted("actor.ulysses_sequence_parallel_size") else [1]
+    pps = divisors(world) if _accepted("actor.pipeline_parallel_size") else [1]
+    sps = divisors(world) if _accepted("actor.ulysses_sequence_parallel_size") else [1]
     out = []
-    for tp_t in _divisors(world):
-        for pp in [p for p in pps if world % (tp_t * p) == 0]:
+    for tp_t in divisors(world):
+        for pp in pps:  # sizes that do not fit the world are refused by their ParallelDims (``_splits``)
             for offload in OFFLOADS:
-                for tp_g in _divisors(world):
+                for tp_g in divisors(world):
                     for sp in sps:
                         layout = Layout(world, tp_t, pp, sp, tp_g, *offload)
                         if all(layout.overrides()[k] == v for k, v in fixed.items()):
@@ -286,13 +290,10 @@ def _candidates(cfg: Config, model: torch.nn.Module, world: int, fixed: dict[str
 
 def _splits(model: torch.nn.Module, layout: Layout) -> bool:
     """Whether the model splits as the layout asks (heads and MLP over tp, layers over pp, heads over sp)."""
-    from hybridflow.engine import check_train_pp, check_ulysses
-
     if unsplit_reason(model, layout.tp_train, layout.tp_generate) is not None:
         return False
-    try:
-        check_train_pp(model.config, layout.pp)
-        check_ulysses(model.config, layout.sp)
+    try:  # the view the actor would build (sizes that do not fit the world are refused here too)
+        ParallelDims(layout.world, layout.tp_train, layout.pp, layout.sp).check_model(model.config)
     except ValueError:
         return False
     return True
@@ -302,8 +303,7 @@ def _valid(cfg: Config, layout: Layout) -> bool:
     """Whether validation accepts the config with the layout (how sp, pp and tp may combine is its to say)."""
     out = copy.deepcopy(cfg)
     for path, value in layout.overrides().items():
-        section, key = path.rsplit(".", 1)
-        setattr(get_path(out, section), key, value)
+        set_path(out, path, value)
     return not validate_config(out)
 
 
@@ -313,7 +313,7 @@ def explicit_layout_keys(cfg: Config, given: set[str] | None = None) -> dict[str
     out = {}
     for path in LAYOUT_KEYS:
         value = get_path(cfg, path)
-        if (given and path in given) or value != get_path(default, path):
+        if (given and resolve_alias(path)[0] in given) or value != get_path(default, path):
             out[path] = value
     return out
 
@@ -359,7 +359,7 @@ def plan_layout(
 def _with_switch(model: torch.nn.Module, layout: Layout) -> Layout:
     """The chosen layout with the bytes its switch moves (from the reshard plan; up to 64 ranks)."""
     if layout.world <= 64:
-        view = TrainView(layout.world, layout.tp_train, layout.pp)
+        view = ParallelDims(layout.world, layout.tp_train, layout.pp)
         layout.views = view_memory(model, view, layout.tp_generate)
     return layout
 
@@ -421,8 +421,7 @@ def apply_layout(cfg: Config, layout: Layout) -> Config:
     """``cfg`` with the layout's keys set, validated (a copy)."""
     out = copy.deepcopy(cfg)
     for path, value in layout.overrides().items():
-        section, key = path.rsplit(".", 1)
-        setattr(get_path(out, section), key, value)
+        set_path(out, path, value)
     problems = validate_config(out)
     if problems:
         raise ConfigError(problems)

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from hybridflow.config.schema import Config
-from hybridflow.config.sequence_parallel import sequence_parallel_size
 from hybridflow.engine import (
     ActorEngine,
     BroadcastReplica,
     GenerateView,
+    ParallelDims,
     RolloutEngine,
     RolloutGroup,
     RolloutShard,
@@ -24,12 +24,9 @@ from hybridflow.engine import (
     SamplingParams,
     ShareGroup,
     TrainEngine,
-    TrainView,
     check_tp,
-    check_train_tp,
     fallback_reason,
     follow_rollout_shards,
-    group_budgets,
     make_rollout,
     pack_prompt_response,
     pad_rows,
@@ -88,34 +85,28 @@ class ActorWorker:
         max_len = r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
         view = GenerateView(world_size(), r.tensor_model_parallel_size)
         native = self._pick_engine(model, view, max_len)
-        self.train_view = TrainView(
-            world_size(),
-            cfg.actor.tensor_parallel_size,
-            cfg.actor.pipeline_parallel_size,
-            "actor",
-            sp=sequence_parallel_size(cfg, "actor"),
-        )
-        if self.train_view.tp > 1:
-            check_train_tp(model.config, self.train_view.tp, "actor")
+        dims = ParallelDims.of(cfg, "actor", world_size(), dist_rank())
+        dims.check_model(model.config)
         if view.tp > 1:
             check_tp(model.config, view.tp)
-            if self.train_view.fsdp_only:  # a tensor-parallel training view has its own row split
+            if dims.fsdp_only:  # a tensor-parallel training view has its own row split
                 follow_rollout_shards(model, view.world, view.tp)  # row-parallel weights sharded on dim 1
         self.engine = ActorEngine(
             model,
-            group_budgets(cfg.actor, self.train_view.sp),  # a token budget per sp group
+            dims.budgets(cfg.actor),  # a token budget per replica
             rollout_n=cfg.rollout.n,
             use_remove_padding=cfg.model.use_remove_padding,
             gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
             total_steps=total_steps,
             trainable=trainable,
-            view=self.train_view,
+            dims=dims,
         )
-        self.shares = ShareGroup(self.train_view, dist_rank(), pad_token_id)  # collective, as below
-        device = self.engine.engine.device
+        self.dims = self.engine.dims  # with its process groups
+        self.shares = ShareGroup(self.dims, dist_rank(), pad_token_id)  # collective, as below
+        device = self.engine.device
         # auto: generate in the training compute dtype on every device (actor.fsdp.param_dtype resolved:
         # bf16 on GPU, float32 on CPU), so the rollout's log-probs match the trainer's recomputation
-        dtype = self.engine.engine.compute_dtype if r.dtype == "auto" else to_dtype(r.dtype)
+        dtype = self.engine.compute_dtype if r.dtype == "auto" else to_dtype(r.dtype)
         self.group = RolloutGroup(view, dist_rank())  # collective: every rank builds every group
         self.weights = self._generation_weights(view, native, dtype, device)
         target = self.weights.module if self.weights is not None else self.hf_model
@@ -170,7 +161,7 @@ class ActorWorker:
         cast = sum(  # the runner's cast buffers: weights whose dtype (or device) is not the rollout's
             p.numel() * dtype.itemsize
             for p in self.hf_model.parameters()
-            if p.dtype != dtype or p.device != self.engine.engine.device
+            if p.dtype != dtype or p.device != self.engine.device
         )
         line = "Stage switch: nothing copied, the rollout reads the training weights in place (one rank)"
         return line + (f"; {format_bytes(cast)} cast to {dtype} into its buffers" if cast else "")
@@ -191,7 +182,7 @@ class ActorWorker:
         weights: both need weights of their own, refreshed from the shards before each generation.
         """
         if not self.cfg.actor.hybrid_engine:
-            return BroadcastReplica(self.hf_model, dtype, device, self.engine.engine.pp_group)
+            return BroadcastReplica(self.hf_model, dtype, device, self.dims.pp_group)
         if view.world == 1 and native:
             logger.info(
                 "HybridEngine initialized: train_view=(fsdp=1), generate_view=%s: the rollout reads the training "
@@ -200,7 +191,7 @@ class ActorWorker:
             )
             return None
         bucket = self.cfg.rollout.update_weights_bucket_megabytes * 2**20
-        return RolloutShard(self.hf_model, view, dist_rank(), dtype, device, bucket, str(self.train_view))
+        return RolloutShard(self.hf_model, view, dist_rank(), dtype, device, bucket, str(self.dims))
 
     def _release_rollout_weights(self) -> int:
         """Free the rollout's own copy of the weights (a replica, or the engine's cast buffers); bytes freed.
@@ -290,7 +281,7 @@ class ActorWorker:
         """
         if self.weights is None:
             return None
-        device = self.engine.engine.device
+        device = self.engine.device
         cuda = device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(device)
@@ -313,7 +304,7 @@ class ActorWorker:
             temperature=r.temperature,
             micro_batch_size=r.log_prob_micro_batch_size_per_gpu,
             use_dynamic_bsz=r.log_prob_use_dynamic_bsz,
-            max_token_len=r.log_prob_max_token_len_per_gpu * self.train_view.sp,
+            max_token_len=self.dims.token_budget(r.log_prob_max_token_len_per_gpu),
             with_entropy=True,
         )
         out = Batch({"old_log_probs": out["log_probs"], "entropys": out["entropys"]})

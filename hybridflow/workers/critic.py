@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from hybridflow.config.schema import Config
-from hybridflow.engine import CriticEngine, ShareGroup, TrainView, check_train_tp, group_budgets
+from hybridflow.engine import CriticEngine, ParallelDims, ShareGroup
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.logging import rank as dist_rank
@@ -17,21 +17,20 @@ class CriticWorker:
     def __init__(self, value_model: nn.Module, cfg: Config, total_steps: int, pad_token_id: int = 0) -> None:
         c = cfg.critic
         init_distributed()
-        sp = c.ulysses_sequence_parallel_size
-        view = TrainView(world_size(), c.tensor_parallel_size, c.pipeline_parallel_size, "critic", sp=sp)
-        if view.tp > 1:
-            check_train_tp(value_model.config, view.tp, "critic")
+        dims = ParallelDims.of(cfg, "critic", world_size(), dist_rank())
+        dims.check_model(value_model.config)
         self.engine = CriticEngine(
             value_model,
-            group_budgets(c, sp),  # a token budget per sp group
+            dims.budgets(c),  # a token budget per replica
             ppo_mini_batch_size=c.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size,
             rollout_n=cfg.rollout.n,
             use_remove_padding=c.model.use_remove_padding,
             gradient_checkpointing=c.model.enable_gradient_checkpointing,
             total_steps=total_steps,
-            view=view,
+            dims=dims,
         )
-        self.shares = ShareGroup(view, dist_rank(), pad_token_id)
+        self.dims = self.engine.dims  # with its process groups
+        self.shares = ShareGroup(self.dims, dist_rank(), pad_token_id)
 
     def compute_values(self, batch: Batch) -> Batch:
         """``values`` (B, R)."""

@@ -5,9 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from hybridflow.config.schema import Config
-from hybridflow.config.sequence_parallel import sequence_parallel_size
-from hybridflow.config.views import train_view_sizes
-from hybridflow.engine import ActorEngine, ShareGroup, TrainView, check_train_tp, group_budgets
+from hybridflow.engine import ActorEngine, ParallelDims, ShareGroup
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.logging import rank as dist_rank
@@ -19,20 +17,19 @@ class ReferenceWorker:
     def __init__(self, model: nn.Module, cfg: Config, pad_token_id: int = 0) -> None:
         self.cfg = cfg
         init_distributed()
-        sp = sequence_parallel_size(cfg, "ref")
-        view = TrainView(world_size(), *train_view_sizes(cfg, "ref"), "ref", sp=sp)
-        if view.tp > 1:
-            check_train_tp(model.config, view.tp, "ref")
+        dims = ParallelDims.of(cfg, "ref", world_size(), dist_rank())
+        dims.check_model(model.config)
         self.engine = ActorEngine(
             model,
-            group_budgets(cfg.actor, view.sp),
+            dims.budgets(cfg.actor),
             rollout_n=cfg.rollout.n,
             use_remove_padding=cfg.model.use_remove_padding,
             trainable=False,
             fsdp=cfg.ref.fsdp,
-            view=view,
+            dims=dims,
         )
-        self.shares = ShareGroup(view, dist_rank(), pad_token_id)
+        self.dims = self.engine.dims  # with its process groups
+        self.shares = ShareGroup(self.dims, dist_rank(), pad_token_id)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """``ref_log_prob`` (B, R) at the rollout temperature."""
@@ -43,6 +40,6 @@ class ReferenceWorker:
             temperature=self.cfg.rollout.temperature,
             micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,
             use_dynamic_bsz=ref.log_prob_use_dynamic_bsz,
-            max_token_len=ref.log_prob_max_token_len_per_gpu * self.engine.engine.view.sp,
+            max_token_len=self.dims.token_budget(ref.log_prob_max_token_len_per_gpu),
         )
         return self.shares.mine(Batch({"ref_log_prob": out["log_probs"]}), rows, width)

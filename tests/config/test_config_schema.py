@@ -72,7 +72,7 @@ VERL_DEFAULTS = {
     "actor.grad_clip": 1.0,
     "actor.use_dynamic_bsz": False,
     "actor.ppo_max_token_len_per_gpu": 16384,
-    "actor.ulysses_sequence_parallel_size": 1,
+    "actor.parallel.sp": 1,  # verl: actor.ulysses_sequence_parallel_size
     "actor.optim.lr": 1e-6,
     "actor.optim.weight_decay": 0.01,
     "actor.optim.betas": [0.9, 0.999],

@@ -363,7 +363,7 @@ def test_sequence_parallel_views_that_cannot_work(overrides: list[str], start: s
 
 def test_sequence_parallelism_with_verl_keys() -> None:
     """verl's keys are aliases; the reference's null follows the actor; the critic's counts only with a critic."""
-    from hybridflow.config.sequence_parallel import sequence_parallel_size
+    from hybridflow.config.parallel import sequence_parallel_size
 
     cfg = load_config(
         overrides=[

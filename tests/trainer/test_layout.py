@@ -7,7 +7,7 @@ import pytest
 from hybridflow.cli.main import main
 from hybridflow.config import load_config
 from hybridflow.engine.hybrid.memory import view_memory
-from hybridflow.engine.parallel.train_view import TrainView
+from hybridflow.engine.parallel.dims import ParallelDims
 from hybridflow.trainer import layout as layout_mod
 from hybridflow.trainer.layout import GB, plan_layout, shape_config
 
@@ -73,8 +73,8 @@ def test_explicit_keys_are_kept_and_pp_and_sp_wait_for_validation() -> None:
 
 def test_the_estimate_is_the_reshard_plans_accounting() -> None:
     model = layout_mod.meta_model(shape_config("qwen2.5-0.5b"))
-    full = view_memory(model, TrainView(4, 2), 2)  # with the plan's transfers
-    quick = view_memory(model, TrainView(4, 2), 2, switch=False)
+    full = view_memory(model, ParallelDims(4, 2), 2)  # with the plan's transfers
+    quick = view_memory(model, ParallelDims(4, 2), 2, switch=False)
     assert (full.held_elements, full.generation_bytes) == (quick.held_elements, quick.generation_bytes)
     assert quick.received_bytes is None and full.received_bytes > 0
     assert full.full_elements == sum(p.numel() for p in model.parameters())

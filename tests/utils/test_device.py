@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybridflow.cli.main import main
-from hybridflow.engine.train.train_engine import default_device
+from hybridflow.engine.parallel.parallelize import default_device
 from hybridflow.utils.device import cuda_in_use, use_device_type
 from hybridflow.utils.dist import default_backend
 

@@ -1,6 +1,6 @@
 """Memory per rank of a training view and its switch into a generation view, from the parameter shapes alone.
 
-The same accounting the engine does: every rank's held box of every parameter (``train_view.train_box``, what
+The same accounting the engine does: every rank's held box of every parameter (``dims.train_box``, what
 the DTensors give), the reshard plan of the two views (``plan.ReshardPlan``) for the generation shard and the
 bytes a switch moves. No weights are needed: the model may live on the meta device, so a 70B shape costs
 nothing to plan. ``benchmarks/views.py`` prints these figures per view; the trainer's automatic layout
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from torch import nn
 
 from hybridflow.engine.hybrid.plan import ParamSpec, ReshardPlan, volume
+from hybridflow.engine.parallel.dims import ParallelDims, train_box
 from hybridflow.engine.parallel.layout import ShardLayout, check_tp, kind_of
 from hybridflow.engine.parallel.pipeline import stage_of_param
 from hybridflow.engine.parallel.tp import check_train_tp
-from hybridflow.engine.parallel.train_view import TrainView, train_box
 from hybridflow.engine.parallel.view import GenerateView
 from hybridflow.models.families import has_shard_rules
 
@@ -58,7 +58,7 @@ def unsplit_reason(model: nn.Module, tp_train: int, tp_generate: int) -> str | N
 
 def view_memory(
     model: nn.Module,
-    view: TrainView,
+    view: ParallelDims,
     tp_generate: int,
     rollout_bytes: int = 2,
     compute_bytes: int = 2,

@@ -5,9 +5,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.config.schema import Config
-from hybridflow.config.sequence_parallel import sequence_parallel_size
-from hybridflow.config.views import train_view_sizes
-from hybridflow.engine.parallel.train_view import TrainView
+from hybridflow.engine.parallel.dims import ParallelDims
 from hybridflow.engine.parallel.view import GenerateView
 
 
@@ -19,8 +17,7 @@ def _device(cfg: Config) -> str:
 
 
 def _train_view(cfg: Config, role: str, world: int) -> str:
-    tp, pp = train_view_sizes(cfg, role)
-    return str(TrainView(world, tp, pp, role, sp=sequence_parallel_size(cfg, role)))
+    return str(ParallelDims.of(cfg, role, world))
 
 
 def world_line(cfg: Config) -> str:

@@ -22,15 +22,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from hybridflow.config.parallel import size_key
 from hybridflow.engine.ops.packed_attention import BOUNDS_KWARG, CU_SEQLENS_KWARG, packed_mask_placeholder
 from hybridflow.engine.ops.packing import ScoringInputs
-from hybridflow.engine.parallel.train_view import TrainView
 from hybridflow.models.families import check_layer_split
 from hybridflow.utils.errors import UserError
 
@@ -65,17 +66,17 @@ def stage_of_param(name: str, num_layers: int, pp: int, tied: bool) -> tuple[int
 
 def check_train_pp(config: object, pp: int, role: str = "actor") -> None:
     """Raise UserError naming the field when ``pp`` stages cannot split this model."""
-    check_layer_split(config, f"{role}.pipeline_parallel_size", pp, "pipeline parallelism")
+    check_layer_split(config, size_key(role, "pp"), pp, "pipeline parallelism")
     layers = config.num_hidden_layers
     if pp > layers:
         raise UserError(
-            f"{role}.pipeline_parallel_size={pp} is more than the model's {layers} decoder layers "
+            f"{size_key(role, 'pp')}={pp} is more than the model's {layers} decoder layers "
             "(num_hidden_layers); use at most one stage per layer"
         )
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if len(kinds) > 1:
         raise UserError(
-            f"{role}.pipeline_parallel_size={pp}: this model mixes attention kinds across layers ({sorted(kinds)}), "
+            f"{size_key(role, 'pp')}={pp}: this model mixes attention kinds across layers ({sorted(kinds)}), "
             "which pipeline stages do not support yet; set pipeline_parallel_size=1"
         )
 
@@ -120,12 +121,26 @@ def split_stage(lm: nn.Module, pp: int, stage: int) -> None:
             lm.score = None
 
 
+class StageGrid(Protocol):
+    """What the tied weights need of a training view (``dims.ParallelDims``): its sizes and coordinates."""
+
+    tp: int
+    pp: int
+
+    @property
+    def dp(self) -> int: ...
+
+    def coords(self, rank: int) -> tuple[int, int, int]: ...
+
+
 class TiedWeights:
     """The tied embedding/head weight held by the first and the last stage: their gradients summed."""
 
-    def __init__(self, lm: nn.Module, view: TrainView, rank: int, tied: bool) -> None:
+    def __init__(self, lm: nn.Module, view: StageGrid, rank: int, tied: bool) -> None:
         """``tied``: whether ``lm``'s head was tied to its embedding (``ties_head`` before the split)."""
-        self.param: nn.Parameter | None = None
+        self.embedding: nn.Module | None = (
+            None  # holds the weight (looked up at each use: offload may swap it)
+        )
         self.group = None
         self.counted = True  # whether this copy counts in the grad norm (the first stage's does)
         if view.pp == 1 or not tied:
@@ -138,18 +153,23 @@ class TiedWeights:
                 if (t, d) == (tp_rank, dp_rank):
                     self.group = group
         if stage in (0, view.pp - 1):
-            body = getattr(lm, getattr(lm, "base_model_prefix", "model"))
-            self.param = body.embed_tokens.weight
+            self.embedding = getattr(lm, getattr(lm, "base_model_prefix", "model")).embed_tokens
             self.counted = stage == 0
+
+    @property
+    def param(self) -> nn.Parameter | None:
+        """This stage's copy of the tied weight (None: the stage holds none)."""
+        return None if self.embedding is None else self.embedding.weight
 
     @torch.no_grad()
     def sync_grads(self) -> None:
         """Sum the two copies' gradients (each rank's local shard: both ends shard the weight alike)."""
-        if self.param is None:
+        param = self.param
+        if param is None:
             return
-        if self.param.grad is None:  # no token reached this copy: the other one still waits for a sum
-            self.param.grad = torch.zeros_like(self.param)
-        grad = self.param.grad
+        if param.grad is None:  # no token reached this copy: the other one still waits for a sum
+            param.grad = torch.zeros_like(param)
+        grad = param.grad
         dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=self.group)
 
 

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from hybridflow.config.parallel import size_key
 from hybridflow.models.families import check_tensor_parallel
 from hybridflow.utils.errors import UserError
 
@@ -36,7 +37,7 @@ def check_train_tp(config: Any, tp: int, role: str = "actor") -> None:
     KV heads must divide by tp, as Megatron requires of its query groups. Families without shard rules
     (GPT-2, mixtures of experts) are refused first, naming the family.
     """
-    check_tensor_parallel(config, f"{role}.tensor_parallel_size", tp)
+    check_tensor_parallel(config, size_key(role, "tp"), tp)
     if tp == 1:  # nothing to split (and a family without shard rules may lack the fields below)
         return
     heads = config.num_attention_heads
@@ -52,7 +53,7 @@ def check_train_tp(config: Any, tp: int, role: str = "actor") -> None:
     ]
     if problems:
         raise UserError(
-            f"{role}.tensor_parallel_size={tp} does not split this model for training: {', '.join(problems)} "
+            f"{size_key(role, 'tp')}={tp} does not split this model for training: {', '.join(problems)} "
             "(each must be a multiple of it); use a tensor-parallel size that divides them"
         )
 

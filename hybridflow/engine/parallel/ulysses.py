@@ -32,10 +32,10 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
+from hybridflow.config.parallel import size_key
 from hybridflow.engine.ops.packed_attention import (
     BOUNDS_KWARG,
     PACKED_ATTENTION,
@@ -44,7 +44,6 @@ from hybridflow.engine.ops.packed_attention import (
     packed_mask,
 )
 from hybridflow.engine.ops.packing import ScoringInputs, to_device
-from hybridflow.engine.parallel.train_view import TrainView
 from hybridflow.models.families import check_layer_split
 from hybridflow.utils.errors import UserError
 
@@ -78,7 +77,7 @@ class SequenceShard:
 
 def check_ulysses(config: Any, sp: int, role: str = "actor") -> None:
     """Raise UserError naming the fields when ``sp`` cannot split this model's attention heads."""
-    check_layer_split(config, f"{role}.ulysses_sequence_parallel_size", sp, "sequence parallelism (Ulysses)")
+    check_layer_split(config, size_key(role, "sp"), sp, "sequence parallelism (Ulysses)")
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     problems = []
@@ -88,22 +87,9 @@ def check_ulysses(config: Any, sp: int, role: str = "actor") -> None:
         problems.append(f"num_key_value_heads={kv} neither is a multiple of it nor divides it")
     if problems:
         raise UserError(
-            f"{role}.ulysses_sequence_parallel_size={sp} does not split this model's attention: "
+            f"{size_key(role, 'sp')}={sp} does not split this model's attention: "
             f"{'; '.join(problems)}; use a sequence-parallel size that divides the heads"
         )
-
-
-def group_budgets(section: Any, sp: int) -> Any:
-    """A role section (actor, critic) whose per-GPU token budget is per group: times sp (each rank holds 1/sp)."""
-    if sp == 1:
-        return section
-    return replace(section, ppo_max_token_len_per_gpu=section.ppo_max_token_len_per_gpu * sp)
-
-
-def ulysses_groups(view: TrainView, device: torch.device) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """``(dp_group, sp_group)`` of this rank: a ``(dp, sp)`` mesh, the sp ranks of a group consecutive."""
-    mesh = init_device_mesh(device.type, (view.dp, view.sp), mesh_dim_names=("dp", "sp"))
-    return mesh["dp"].get_group(), mesh["sp"].get_group()
 
 
 def _hf_model(root: nn.Module) -> PreTrainedModel:
@@ -123,7 +109,7 @@ def apply_ulysses(
     model, sp = _hf_model(root), dist.get_world_size(group)
     if getattr(model.config, "_attn_implementation", None) != PACKED_ATTENTION:
         path = "critic.model.use_remove_padding" if role == "critic" else "model.use_remove_padding"
-        raise UserError(f"{role}.ulysses_sequence_parallel_size={sp} needs packed sequences; set {path}=true")
+        raise UserError(f"{size_key(role, 'sp')}={sp} needs packed sequences; set {path}=true")
     check_ulysses(model.config, sp, role)
     kv = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
     seq = SequenceGroup(group, sp, dist.get_rank(group), kv_repeat=max(1, sp // kv))

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from hybridflow.config.errors import ConfigError
+from hybridflow.config.views import not_dividing
 from hybridflow.utils.errors import UserError
 
 
@@ -24,11 +26,10 @@ class GenerateView:
     tp: int = 1
 
     def __post_init__(self) -> None:
-        if self.tp < 1 or self.world % self.tp:
-            raise UserError(
-                f"rollout.tensor_model_parallel_size={self.tp} must divide the {self.world} ranks "
-                "(trainer.nnodes x trainer.n_gpus_per_node)"
-            )
+        if self.tp < 1:
+            raise UserError(f"rollout.tensor_model_parallel_size must be at least 1, got {self.tp}")
+        if self.world % self.tp:
+            raise ConfigError([not_dividing("rollout.tensor_model_parallel_size", self.tp, self.world)])
 
     @property
     def dp(self) -> int:

@@ -12,14 +12,13 @@ from hybridflow.algos.aggregation import agg_loss, local_batch_info
 from hybridflow.algos.kl import kl_penalty
 from hybridflow.algos.policy_loss import PolicyLossConfig, get_policy_loss_fn
 from hybridflow.config.schema import ActorConfig, FSDPConfig, OptimConfig
-from hybridflow.engine.ops.packed_attention import use_packed_attention
 from hybridflow.engine.ops.packing import to_device
-from hybridflow.engine.parallel.pipeline import StageScorer
-from hybridflow.engine.parallel.train_view import TrainView
-from hybridflow.engine.roles.pipelined import attach_pipeline, pipeline_stage
+from hybridflow.engine.parallel.dims import ParallelDims
+from hybridflow.engine.parallel.parallelize import parallelize
+from hybridflow.engine.roles.pipelined import pipeline_runner
 from hybridflow.engine.roles.runner import LogProbs, MicroLoss, make_runner
 from hybridflow.engine.train.micro_batch import check_batch, micro_batch_indices
-from hybridflow.engine.train.scorer import PolicyScorer, decoder_layers
+from hybridflow.engine.train.scorer import PolicyScorer
 from hybridflow.engine.train.train_engine import TrainEngine
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import all_reduce_sum
@@ -50,9 +49,9 @@ class ActorEngine:
         fused_head: bool = True,
         defer_grad_sync: bool | None = None,
         keep_params_gathered: bool | None = None,
-        view: TrainView | None = None,
+        dims: ParallelDims | None = None,
     ) -> None:
-        """``view``: the training view (None: FSDP2 over every rank); the ranks of one model replica must be
+        """``dims``: the training view (None: FSDP2 over every rank); the ranks of one model replica must be
         given the same rows (``train_view.ShareGroup`` joins their shares).
 
         ``fused_head``: the fused LM-head log-prob (False: the checkpointed reference path).
@@ -64,38 +63,42 @@ class ActorEngine:
         self.actor = actor
         self.rollout_n = rollout_n
         self.last_log_probs: torch.Tensor | None = None  # an on-policy update's own (B, R), see update_policy
-        self.remove_padding = use_remove_padding
         self._accumulation = {
             "defer_grad_sync": defer_grad_sync,
             "keep_params_gathered": keep_params_gathered,
         }
         self.fused_head = fused_head
-        stage = pipeline_stage(lm, view)  # None: one stage
-        if stage is not None:
-            use_remove_padding = self.remove_padding = True  # pipeline stages run packed micro-batches
-        if use_remove_padding:
-            use_packed_attention(lm)
-        if gradient_checkpointing:
-            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        optim: OptimConfig | None = actor.optim if trainable else None
-        root = (
-            PolicyScorer(lm, fused_head=fused_head)
-            if stage is None
-            else StageScorer(lm, stage.index, view.pp)
-        )
-        self.engine = TrainEngine(
-            root,
-            decoder_layers(lm),
+        self.remove_padding = use_remove_padding or (dims is not None and dims.pp > 1)  # stages run packed
+        parallel = parallelize(
+            lm,
+            dims,
             fsdp or actor.fsdp,
-            optim,
-            actor.grad_clip,
-            total_steps,
-            device,
-            actor.use_torch_compile,
-            view,
+            trainable=trainable,
+            root=lambda m: PolicyScorer(m, fused_head=fused_head),
+            packed=self.remove_padding,
+            checkpointing=gradient_checkpointing,
+            compile=actor.use_torch_compile,
+            device=device,
         )
-        self.pipeline = None if stage is None else attach_pipeline(self.engine, lm, stage)
+        optim: OptimConfig | None = actor.optim if trainable else None
+        self.engine = TrainEngine(parallel, fsdp or actor.fsdp, optim, actor.grad_clip, total_steps)
+        self.pipeline = pipeline_runner(self.engine, parallel.stage, lm.config.hidden_size)
         self.runner = make_runner(self.engine, self.pipeline, self.remove_padding, **self._accumulation)
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The training view, with its process groups."""
+        return self.engine.dims
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device."""
+        return self.engine.device
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the module computes in (FSDP2's ``param_dtype``)."""
+        return self.engine.compute_dtype
 
     @property
     def module(self) -> nn.Module:

@@ -11,14 +11,13 @@ from torch import nn
 from hybridflow.algos.aggregation import local_batch_info
 from hybridflow.algos.value_loss import compute_value_loss
 from hybridflow.config.schema import CriticConfig
-from hybridflow.engine.ops.packed_attention import use_packed_attention
 from hybridflow.engine.ops.packing import to_device
-from hybridflow.engine.parallel.pipeline import StageScorer
-from hybridflow.engine.parallel.train_view import TrainView
-from hybridflow.engine.roles.pipelined import attach_pipeline, pipeline_stage
+from hybridflow.engine.parallel.dims import ParallelDims
+from hybridflow.engine.parallel.parallelize import parallelize
+from hybridflow.engine.roles.pipelined import pipeline_runner
 from hybridflow.engine.roles.runner import Values, make_runner
 from hybridflow.engine.train.micro_batch import check_batch, micro_batch_indices
-from hybridflow.engine.train.scorer import ValueScorer, decoder_layers
+from hybridflow.engine.train.scorer import ValueScorer
 from hybridflow.engine.train.train_engine import TrainEngine
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import all_reduce_sum
@@ -43,35 +42,25 @@ class CriticEngine:
         gradient_checkpointing: bool = False,
         total_steps: int = 1,
         device: torch.device | None = None,
-        view: TrainView | None = None,
+        dims: ParallelDims | None = None,
     ) -> None:
-        """``view``: the training view (None: FSDP2 over every rank), as ``ActorEngine`` takes it."""
+        """``dims``: the training view (None: FSDP2 over every rank), as ``ActorEngine`` takes it."""
         self.critic = critic
-        stage = pipeline_stage(value_model, view, "critic")  # None: one stage
-        if stage is not None:
-            use_remove_padding = True  # pipeline stages run packed micro-batches
-        self.remove_padding = use_remove_padding
-        if use_remove_padding:
-            use_packed_attention(value_model)
-        if gradient_checkpointing:
-            value_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        root = (
-            ValueScorer(value_model)
-            if stage is None
-            else StageScorer(value_model, stage.index, view.pp, "model")
-        )
-        self.engine = TrainEngine(
-            root,
-            decoder_layers(value_model),
+        self.remove_padding = use_remove_padding or (dims is not None and dims.pp > 1)  # stages run packed
+        parallel = parallelize(
+            value_model,
+            dims,
             critic.fsdp,
-            critic.optim,
-            critic.grad_clip,
-            total_steps,
-            device,
-            critic.use_torch_compile,
-            view,
+            trainable=True,
+            root=ValueScorer,
+            stage_attr="model",
+            packed=self.remove_padding,
+            checkpointing=gradient_checkpointing,
+            compile=critic.use_torch_compile,
+            device=device,
         )
-        self.pipeline = None if stage is None else attach_pipeline(self.engine, value_model, stage)
+        self.engine = TrainEngine(parallel, critic.fsdp, critic.optim, critic.grad_clip, total_steps)
+        self.pipeline = pipeline_runner(self.engine, parallel.stage, value_model.config.hidden_size)
         self.runner = make_runner(self.engine, self.pipeline, self.remove_padding)
         dp = self.engine.dp_size
         self.mini_batch_size = ppo_mini_batch_size * rollout_n // dp
@@ -85,6 +74,11 @@ class CriticEngine:
     def module(self) -> nn.Module:
         """The FSDP2-wrapped ``ValueScorer``."""
         return self.engine.module
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The training view, with its process groups."""
+        return self.engine.dims
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> torch.Tensor:

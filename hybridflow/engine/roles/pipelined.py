@@ -1,62 +1,33 @@
-"""What the roles share to run a pipeline-parallel training view: the stage split, the heads, the inputs.
+"""What the roles share to run a pipeline-parallel training view: the runner of a stage, the heads, the inputs.
 
-The roles (``ActorEngine``, ``CriticEngine``) build their micro-batches as under any other view; with
-pipeline stages their runner (``runner.PipelinedRunner``) hands them to ``parallel.pipeline.PipelineRunner``
-instead of calling their module once per micro-batch.
+``parallel.parallelize`` cut the model down to this rank's stage. The roles (``ActorEngine``,
+``CriticEngine``) build their micro-batches as under any other view; with pipeline stages their runner
+(``runner.PipelinedRunner``) hands them to ``parallel.pipeline.PipelineRunner`` instead of calling their module
+once per micro-batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from hybridflow.engine.ops.lm_head import score_hidden_states
 from hybridflow.engine.ops.packing import ScoringInputs, build_scoring_inputs, scatter_to_responses
-from hybridflow.engine.parallel.pipeline import (
-    Head,
-    PipelineRunner,
-    TiedWeights,
-    check_train_pp,
-    split_stage,
-    ties_head,
-)
-from hybridflow.engine.parallel.train_view import TrainView
+from hybridflow.engine.parallel.parallelize import Stage
+from hybridflow.engine.parallel.pipeline import Head, PipelineRunner
 from hybridflow.engine.train.train_engine import TrainEngine
 from hybridflow.protocol import Batch
-from hybridflow.utils.logging import rank as dist_rank
 
 
-@dataclass(frozen=True)
-class Stage:
-    """This rank's pipeline stage, and whether the whole model tied its head (the split hides it)."""
-
-    index: int
-    tied_head: bool
-
-
-def pipeline_stage(model: nn.Module, view: TrainView | None, role: str = "actor") -> Stage | None:
-    """Cut ``model`` down to this rank's stage of ``view`` (in place); None at pp = 1."""
-    if view is None or view.pp == 1:
+def pipeline_runner(engine: TrainEngine, stage: Stage | None, hidden_size: int) -> PipelineRunner | None:
+    """The runner of ``engine``'s pipeline stage (None: one stage)."""
+    if stage is None:
         return None
-    check_train_pp(model.config, view.pp, role)
-    stage = Stage(view.coords(dist_rank())[0], ties_head(model))
-    split_stage(model, view.pp, stage.index)
-    return stage
-
-
-def attach_pipeline(engine: TrainEngine, model: nn.Module, stage: Stage) -> PipelineRunner:
-    """The runner of ``engine``'s stage, and the tied head's gradient sum wired into its optimizer step.
-
-    Called once the engine has sharded the stage: the tied weight is FSDP2's parameter from then on.
-    """
-    # collective: every rank builds every pair
-    engine.tied = TiedWeights(model, engine.view, dist_rank(), stage.tied_head)
-    engine.module.stage_group = engine.pp_group  # checkpoints join the stages' parameter shapes over it
-    hidden = (model.config.hidden_size, engine.compute_dtype)
-    return PipelineRunner(engine.module, stage.index, engine.view.pp, engine.pp_group, engine.device, hidden)
+    dims = engine.dims
+    hidden = (hidden_size, engine.compute_dtype)
+    return PipelineRunner(engine.module, stage.index, dims.pp, dims.pp_group, engine.device, hidden)
 
 
 def policy_head(temperature: float, with_entropy: bool, entropy_grad: bool, fused: bool) -> Head:

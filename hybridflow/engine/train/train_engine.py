@@ -1,4 +1,4 @@
-"""One FSDP2-sharded module with its optimizer and LR schedule: stepping, clipping, offload between phases."""
+"""One parallelized module with its optimizer and LR schedule: stepping, clipping, offload between phases."""
 
 from __future__ import annotations
 
@@ -8,58 +8,24 @@ import math
 from collections.abc import Iterator
 
 import torch
-from torch import nn
+import torch.distributed as dist
 
 from hybridflow.config.schema import FSDPConfig, OptimConfig
-from hybridflow.engine.ops.dtypes import to_dtype
 from hybridflow.engine.parallel.fsdp import (
     grad_norm_and_clip,
     optimizer_state_bytes,
     reshard_fsdp,
     set_accumulation,
-    shard_model,
 )
 from hybridflow.engine.parallel.grad_norm import clip_by_global_norm
-from hybridflow.engine.parallel.tp import apply_tp
-from hybridflow.engine.parallel.train_view import TrainView, build_mesh
-from hybridflow.engine.parallel.ulysses import apply_ulysses, ulysses_groups
+from hybridflow.engine.parallel.parallelize import Parallelized
 from hybridflow.engine.train.host_store import HostStore
 from hybridflow.engine.train.offload import choose_pinning, move_model, move_optimizer
 from hybridflow.engine.train.optim import allocate_state, build_lr_scheduler, build_optimizer
-from hybridflow.utils.device import cuda_in_use
-from hybridflow.utils.dist import init_distributed, world_size
+from hybridflow.utils.dist import world_size
 from hybridflow.utils.host import available_host_bytes, ranks_on_host
 
 logger = logging.getLogger(__name__)
-
-
-def default_device() -> torch.device:
-    """This rank's CUDA device when it computes on CUDA (``trainer.device``), else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if cuda_in_use() else torch.device("cpu")
-
-
-def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    """Resolve ``fsdp.param_dtype``: 'auto' is bfloat16 on GPU and float32 on CPU."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return to_dtype(name)
-
-
-def master_dtype(name: str, trainable: bool, compute: torch.dtype) -> torch.dtype:
-    """Resolve ``fsdp.master_dtype``: 'auto' is float32 for a trained module and the compute dtype for a
-    frozen one (the reference). A frozen module in bf16 holds half the bytes and computes the same values:
-    FSDP2 would otherwise round its float32 weights to bf16 on every forward, the same rounding done once."""
-    if name == "auto":
-        return torch.float32 if trainable else compute
-    return to_dtype(name)
-
-
-def cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
-    """Cast the floating-point parameters in place, leaving buffers alone: ``module.to(bf16)`` would round
-    RoPE's ``inv_freq`` to bf16 too, which moves every rotary angle (log-probs differ by ~1e-4)."""
-    for param in module.parameters():
-        if param.is_floating_point() and param.dtype != dtype:
-            param.data = param.data.to(dtype)
 
 
 def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
@@ -71,78 +37,27 @@ def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
     )
 
 
-def reshard_after_forward(fsdp: FSDPConfig) -> bool:
-    """``fsdp.reshard_after_forward``; null is off at world size 1 (the shard is the whole parameter, so
-    freeing the gathered compute-dtype copy only means casting it again in backward: 13% of a 0.5B step
-    on an H200), on otherwise (memory)."""
-    if fsdp.reshard_after_forward is not None:
-        return fsdp.reshard_after_forward
-    init_distributed()
-    return world_size() > 1
-
-
-def compile_layers(layers: list[nn.Module], enabled: bool | None, device: torch.device) -> bool:
-    """``torch.compile`` each decoder layer in place when ``enabled`` (None: on CUDA only); True if done.
-
-    Compiling fuses the RMSNorms, RoPE, SiLU*mul and residual adds between the matmuls: on an H200 (0.5B
-    shape, 16k-token micro-batches) that is about a third of the step. Identical layers share one compiled
-    graph; a new sequence length recompiles once, after which sizes are dynamic. On CPU it only adds
-    compilation time for the small models run there, hence off by default.
-    """
-    if not (device.type == "cuda" if enabled is None else enabled):
-        return False
-    for layer in layers:
-        layer.compile()  # in place: the module keeps its type, so FSDP2 still finds and shards it
-    return True
-
-
 class TrainEngine:
-    """Holds a sharded module and (when trainable) its AdamW and schedule; the roles call into it.
+    """Holds a parallelized module and (when trainable) its AdamW and schedule; the roles call into it.
 
-    ``view``: the training view (``engine.parallel.train_view``); None is FSDP2 over every rank. Under a
-    view with tensor parallelism the layers are split over its ``tp`` mesh first, then FSDP2 shards over
-    ``dp``; ``dp_size`` and ``dp_group`` are what losses and metrics are averaged over.
+    The module comes laid out on its training view (``parallel.parallelize``): the engine keeps the optimizer,
+    the learning-rate schedule, clipping, offload and FSDP2's accumulation switches. ``dims`` is the view;
+    ``dp_size`` and ``dp_group`` are what losses and metrics are averaged over.
     """
 
     def __init__(
         self,
-        module: nn.Module,
-        layers: list[nn.Module],
+        model: Parallelized,
         fsdp: FSDPConfig,
         optim: OptimConfig | None,
         grad_clip: float = 1.0,
         total_steps: int = 1,
-        device: torch.device | None = None,
-        use_torch_compile: bool | None = None,
-        view: TrainView | None = None,
     ) -> None:
-        self.device = device or default_device()
-        init_distributed()
-        self.view = view if view is not None else TrainView(world_size())
-        mesh = None
-        if not self.view.fsdp_only:
-            mesh = build_mesh(self.view, self.device)
-            apply_tp(layers, mesh["tp"])
-        self.dp_group = None if mesh is None else mesh["dp"].get_group()
-        self.pp_group = None if mesh is None else mesh["pp"].get_group()
-        self.sp_group = None  # Ulysses: FSDP2 over every rank, losses averaged across the sp groups
-        if self.view.sp > 1:
-            self.dp_group, self.sp_group = ulysses_groups(self.view, self.device)
-            apply_ulysses(module, layers, self.sp_group, self.view.role)
-        self.compiled = compile_layers(layers, use_torch_compile, self.device)
+        self.module, self.dims, self.device = model.module, model.dims, model.device
+        self.compute_dtype, self.compiled = model.compute_dtype, model.compiled
+        self.tied = model.tied  # a pipeline's tied head (``pipeline.TiedWeights``), else None
         self.fsdp = fsdp
         self.grad_clip = grad_clip
-        self.compute_dtype = compute_dtype(fsdp.param_dtype, self.device)
-        cast_parameters(module, master_dtype(fsdp.master_dtype, optim is not None, self.compute_dtype))
-        self.module = shard_model(
-            module,
-            layers,
-            self.device,
-            self.compute_dtype,
-            to_dtype(fsdp.reduce_dtype),
-            reshard_after_forward(fsdp),
-            None if mesh is None else mesh["dp"],
-        )
         self.optimizer = self.scheduler = None
         if optim is not None:
             self.optimizer = build_optimizer(
@@ -158,7 +73,6 @@ class TrainEngine:
             )
             allocate_state(self.optimizer)  # steady-state memory from the start (see its docstring)
         self.skipped_steps = 0
-        self.tied = None  # a pipeline's tied head (``pipeline.TiedWeights``): set by the role that has one
         self.on_device = True
         self.moments_away = False  # moved to the host for one rollout (optimizer_offload=auto)
         self.pin_memory = fsdp.pin_memory
@@ -171,9 +85,24 @@ class TrainEngine:
         self.offload()
 
     @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel group losses and metrics are summed over (None: every rank)."""
+        return self.dims.dp_group
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The pipeline stages of this rank's replica (None under FSDP2 alone)."""
+        return self.dims.pp_group
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup | None:
+        """This rank's Ulysses group (None at sp = 1)."""
+        return self.dims.sp_group
+
+    @property
     def dp_size(self) -> int:
         """The data-parallel size of the view (the world size under FSDP2 alone)."""
-        return self.view.dp
+        return self.dims.dp
 
     @property
     def lr(self) -> float:
@@ -204,7 +133,7 @@ class TrainEngine:
         """Clip and step; a non-finite gradient norm skips the step (counted). Returns the pre-clip norm."""
         assert self.optimizer is not None, "optimizer_step on a forward-only engine"
         params = [p for p in self.module.parameters() if p.grad is not None]
-        if self.view.fsdp_only:
+        if self.dims.fsdp_only:
             norm = grad_norm_and_clip(params, self.grad_clip)
         else:  # parameters on several meshes (tp x dp layers, dp-only embeddings), or on several stages
             twin = None

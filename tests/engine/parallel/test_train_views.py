@@ -57,17 +57,17 @@ def actor_config() -> ActorConfig:
 def train_in_view(rank: int, world: int, views: list[tuple[str, int, int, bool]]) -> list[dict]:
     """Per (arch, tp, pp, remove_padding): log-probs, one update's metrics, and the updated full weights."""
     from hybridflow.engine.hybrid.switch import held_box
+    from hybridflow.engine.parallel.dims import ParallelDims, train_box
     from hybridflow.engine.parallel.fsdp import full_state_dict
     from hybridflow.engine.parallel.layout import kind_of
     from hybridflow.engine.parallel.pipeline import stage_of_param
-    from hybridflow.engine.parallel.train_view import TrainView, train_box
     from hybridflow.engine.roles.actor import ActorEngine
 
     out = []
     for arch, tp, pp, packed in views:
         lm = build_tiny_model(arch, vocab_size=64, hidden_size=32, num_hidden_layers=4, seed=1)
-        view = TrainView(world, tp, pp)
-        engine = ActorEngine(lm, actor_config(), use_remove_padding=packed, view=view)
+        view = ParallelDims(world, tp, pp)
+        engine = ActorEngine(lm, actor_config(), use_remove_padding=packed, dims=view)
         dp_rank, dp = view.coords(rank)[2], view.dp
         batch = fixed_batch()[list(range(dp_rank * B // dp, (dp_rank + 1) * B // dp))]  # its replica's rows
         logp = engine.compute_log_prob(batch, micro_batch_size=3)["log_probs"]
@@ -99,7 +99,7 @@ def critic_in_view(batch: Batch, view) -> dict:
     cfg.ppo_micro_batch_size_per_gpu = 3
     cfg.optim.lr = 1e-2
     cfg.optim.eps = 1e-3  # as actor_config's: Adam's first step stays linear in rounding-noise gradients
-    engine = CriticEngine(build_value_model(lm, head_seed=1), cfg, ppo_mini_batch_size=B, view=view)
+    engine = CriticEngine(build_value_model(lm, head_seed=1), cfg, ppo_mini_batch_size=B, dims=view)
     batch = batch[list(range(len(batch)))]  # a copy: the actor's batch keeps its fields
     values = engine.compute_values(batch)
     batch["values"] = values
@@ -157,11 +157,11 @@ def save_in_view(rank: int, run_dir: str, tp: int, pp: int) -> torch.Tensor:
     from pathlib import Path
 
     from hybridflow.checkpoint import RoleState, save, write_hf_config
-    from hybridflow.engine.parallel.train_view import TrainView
+    from hybridflow.engine.parallel.dims import ParallelDims
     from hybridflow.engine.roles.actor import ActorEngine
 
     lm = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=4, seed=1)
-    engine = ActorEngine(lm, actor_config(), use_remove_padding=True, view=TrainView(tp * pp, tp, pp))
+    engine = ActorEngine(lm, actor_config(), use_remove_padding=True, dims=ParallelDims(tp * pp, tp, pp))
     batch = fixed_batch()  # one replica: every rank trains on every row
     batch["old_log_probs"] = engine.compute_log_prob(batch)["log_probs"] - 0.05
     engine.update_policy(batch)
@@ -174,11 +174,11 @@ def save_in_view(rank: int, run_dir: str, tp: int, pp: int) -> torch.Tensor:
 def load_in_view(rank: int, ckpt: str, world: int, tp: int, pp: int = 1) -> torch.Tensor:
     """A fresh engine (other initial weights) in another view, loaded from the checkpoint: its log-probs."""
     from hybridflow.checkpoint import RoleState, load
-    from hybridflow.engine.parallel.train_view import TrainView
+    from hybridflow.engine.parallel.dims import ParallelDims
     from hybridflow.engine.roles.actor import ActorEngine
 
     lm = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=4, seed=7)
-    engine = ActorEngine(lm, actor_config(), use_remove_padding=True, view=TrainView(world, tp, pp))
+    engine = ActorEngine(lm, actor_config(), use_remove_padding=True, dims=ParallelDims(world, tp, pp))
     load(ckpt, {"actor": RoleState(engine.module, engine.engine.optimizer, "lm.")})
     return engine.compute_log_prob(fixed_batch())["log_probs"]
 

@@ -66,23 +66,23 @@ def critic_config() -> CriticConfig:
 def run_views(rank: int, world: int, views: list[tuple[str, int, bool]]) -> list[dict]:
     """Per (arch, sp, dynamic + checkpointing): the actor's and the critic's outputs on this group's rows."""
     from hybridflow.engine.hybrid.switch import held_box
+    from hybridflow.engine.parallel.dims import ParallelDims, train_box
     from hybridflow.engine.parallel.fsdp import full_state_dict
     from hybridflow.engine.parallel.layout import kind_of
-    from hybridflow.engine.parallel.train_view import TrainView, train_box
     from hybridflow.engine.roles.actor import ActorEngine
     from hybridflow.engine.roles.critic import CriticEngine
     from hybridflow.models import build_value_model
 
     out = []
     for arch, sp, dynamic in views:
-        view = TrainView(world, sp=sp)
+        view = ParallelDims(world, sp=sp)
         dp_rank, dp = view.coords(rank)[2], view.dp
         rows = list(range(dp_rank * B // dp, (dp_rank + 1) * B // dp))  # the group's rows (ShareGroup's join)
         batch = fixed_batch()[rows]
         lm = build_tiny_model(arch, vocab_size=64, hidden_size=32, num_hidden_layers=2, seed=1)
         critic_lm = build_value_model(lm) if not dynamic else None
         cfg = actor_config(dynamic)
-        actor = ActorEngine(lm, cfg, use_remove_padding=True, gradient_checkpointing=dynamic, view=view)
+        actor = ActorEngine(lm, cfg, use_remove_padding=True, gradient_checkpointing=dynamic, dims=view)
         scored = actor.compute_log_prob(batch, 1.0, 3, dynamic, 24 * sp, with_entropy=True)
         batch["old_log_probs"] = scored["log_probs"] - 0.05
         result = {"rows": rows, **scored, "metrics": actor.update_policy(batch)}
@@ -92,7 +92,7 @@ def run_views(rank: int, world: int, views: list[tuple[str, int, bool]]) -> list
             assert held_box(param) == train_box(kind_of(name), tuple(param.shape), view, rank), name
         if critic_lm is not None:
             critic = CriticEngine(
-                critic_lm, critic_config(), ppo_mini_batch_size=B, use_remove_padding=True, view=view
+                critic_lm, critic_config(), ppo_mini_batch_size=B, use_remove_padding=True, dims=view
             )
             result["values"] = critic.compute_values(batch)
             result["critic"] = critic.update_critic(batch)
@@ -146,7 +146,7 @@ def test_sequence_parallel_equals_sp_1(world: int) -> None:
 
 
 def test_the_view_groups_consecutive_ranks_and_prints_sp() -> None:
-    from hybridflow.engine.parallel.train_view import TrainView
+    from hybridflow.engine.parallel.dims import ParallelDims as TrainView
     from hybridflow.utils.errors import UserError
 
     view = TrainView(4, sp=2)
@@ -187,7 +187,8 @@ def test_each_rank_holds_its_slice_of_the_packed_row() -> None:
 def test_heads_that_sp_does_not_split_are_refused() -> None:
     from types import SimpleNamespace
 
-    from hybridflow.engine.parallel.ulysses import check_ulysses, group_budgets
+    from hybridflow.engine.parallel.dims import group_budgets
+    from hybridflow.engine.parallel.ulysses import check_ulysses
     from hybridflow.utils.errors import UserError
 
     check_ulysses(

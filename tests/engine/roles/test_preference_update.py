@@ -57,8 +57,8 @@ def direct_sequence_logps(lm: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 def update(rank: int, kind: str, loss_type: str, pp: int = 1) -> dict:
     """One preference step in the view of ``pp`` pipeline stages (1: FSDP2 over every rank)."""
+    from hybridflow.engine.parallel.dims import ParallelDims
     from hybridflow.engine.parallel.fsdp import full_state_dict
-    from hybridflow.engine.parallel.train_view import TrainView
     from hybridflow.engine.roles.actor import ActorEngine
     from hybridflow.engine.roles.preference import update_preference
 
@@ -66,8 +66,8 @@ def update(rank: int, kind: str, loss_type: str, pp: int = 1) -> dict:
     cfg = ActorConfig()
     cfg.optim.lr = 1e-2
     lm = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=2, seed=3)
-    view = TrainView(world, 1, pp)
-    engine = ActorEngine(lm, cfg, view=view)
+    view = ParallelDims(world, 1, pp)
+    engine = ActorEngine(lm, cfg, dims=view)
     full = pair_batch()
     dp_rank, dp = view.coords(rank)[2], view.dp  # a replica's ranks (its stages) share its rows
     mine = full[list(range(dp_rank * 2 * PAIRS // dp, (dp_rank + 1) * 2 * PAIRS // dp))]

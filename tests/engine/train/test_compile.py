@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from hybridflow.engine.ops.modules import decoder_layers
 from hybridflow.engine.ops.packed_attention import use_packed_attention
 from hybridflow.engine.ops.packing import build_scoring_inputs
-from hybridflow.engine.train.scorer import PolicyScorer, decoder_layers
+from hybridflow.engine.train.scorer import PolicyScorer
 from hybridflow.models import build_tiny_model
 
 

@@ -36,13 +36,13 @@ def test_stash_copies_into_one_exact_buffer_and_reuses_it() -> None:
 def tiny_engine(vocab: int, seed: int) -> tuple:
     """A CPU ``TrainEngine`` (AdamW, lr 1e-2) over a tiny LM of ``vocab`` tokens, and a batch (2, 12) of ids."""
     from hybridflow.config.schema import FSDPConfig, OptimConfig
+    from hybridflow.engine.parallel.parallelize import parallelize
     from hybridflow.engine.train.train_engine import TrainEngine
     from hybridflow.models import build_tiny_model
 
     model = build_tiny_model("qwen2", vocab_size=vocab, hidden_size=32, num_hidden_layers=2, seed=1)
-    engine = TrainEngine(
-        model, list(model.model.layers), FSDPConfig(), OptimConfig(lr=1e-2), use_torch_compile=False
-    )
+    parallel = parallelize(model, None, FSDPConfig(), trainable=True, compile=False)
+    engine = TrainEngine(parallel, FSDPConfig(), OptimConfig(lr=1e-2))
     return engine, torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(seed))
 
 
@@ -88,8 +88,8 @@ def test_moments_in_the_store_train_as_they_would_in_place() -> None:
 def train_sharded(rank: int, store: bool) -> dict:
     """Three AdamW steps on two ranks whose 65-row embedding splits unevenly (FSDP2 pads its shard),
     the parameters moved to a store and back to fresh memory (as onload does) between the steps."""
-    from hybridflow.engine.parallel.fsdp import _padded, local_bytes
-    from hybridflow.engine.train.offload import move_model, pinned_param_bytes
+    from hybridflow.engine.parallel.fsdp import local_bytes
+    from hybridflow.engine.train.offload import _padded, move_model, pinned_param_bytes
 
     engine, ids = tiny_engine(vocab=65, seed=rank)
     params = list(engine.module.parameters())

@@ -18,6 +18,7 @@ def test_the_pinned_pool_counts_every_rank_on_the_host() -> None:
 def decisions(rank: int) -> dict:
     """``choose_pinning`` for a real (CPU) engine whose parameters and moments are configured to offload."""
     from hybridflow.config.schema import FSDPConfig, OptimConfig
+    from hybridflow.engine.parallel.parallelize import parallelize
     from hybridflow.engine.train.offload import choose_pinning
     from hybridflow.engine.train.train_engine import TrainEngine
     from hybridflow.models import build_tiny_model
@@ -25,12 +26,12 @@ def decisions(rank: int) -> dict:
     messages: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("hybridflow.engine.parallel.fsdp").addHandler(handler)
+    logging.getLogger("hybridflow.engine.train.offload").addHandler(handler)
 
     model = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=2, seed=1)
     n_params = sum(p.numel() for p in model.parameters())
     both = FSDPConfig(param_offload=True, optimizer_offload=True)
-    engine = TrainEngine(model, list(model.model.layers), both, OptimConfig(), use_torch_compile=False)
+    engine = TrainEngine(parallelize(model, None, both, trainable=True, compile=False), both, OptimConfig())
     params, moments = 4 * n_params, 8 * n_params  # float32 parameters, two float32 AdamW moments
 
     def host(pinned: int) -> float:

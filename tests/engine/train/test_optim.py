@@ -126,11 +126,13 @@ def test_cosine_cycles_shape_the_schedule() -> None:
 def engine_lrs(rank: int, num_cycles: float) -> list[float]:
     """The learning rates a CPU TrainEngine steps through with ``optim.num_cycles`` from the config."""
     from hybridflow.config.schema import FSDPConfig, OptimConfig
+    from hybridflow.engine.parallel.parallelize import parallelize
     from hybridflow.engine.train.train_engine import TrainEngine
 
     net = torch.nn.Sequential(torch.nn.Linear(4, 4))
     optim = OptimConfig(lr=1.0, lr_scheduler_type="cosine", num_cycles=num_cycles)
-    engine = TrainEngine(net, [], FSDPConfig(), optim, total_steps=4, use_torch_compile=False)
+    parallel = parallelize(net, None, FSDPConfig(), trainable=True, compile=False, layers=[])
+    engine = TrainEngine(parallel, FSDPConfig(), optim, total_steps=4)
     lrs = []
     for _ in range(3):
         lrs.append(engine.lr)

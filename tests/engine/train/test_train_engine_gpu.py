@@ -19,12 +19,15 @@ STEPS = 3
 def train(rank: int, offload: bool, pin: bool = True) -> dict:
     """``STEPS`` AdamW steps on a tiny LM, offloading parameters and moments between them when asked."""
     from hybridflow.config.schema import FSDPConfig, OptimConfig
+    from hybridflow.engine.parallel.parallelize import parallelize
     from hybridflow.engine.train.train_engine import TrainEngine
     from hybridflow.models import build_tiny_model
 
     model = build_tiny_model("qwen2", vocab_size=128, hidden_size=64, num_hidden_layers=2, seed=1)
     fsdp = FSDPConfig(param_offload=offload, optimizer_offload=offload, pin_memory=pin)
-    engine = TrainEngine(model, list(model.model.layers), fsdp, OptimConfig(lr=1e-2), use_torch_compile=False)
+    engine = TrainEngine(
+        parallelize(model, None, fsdp, trainable=True, compile=False), fsdp, OptimConfig(lr=1e-2)
+    )
     ids = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(0))  # (B, T)
     host: list[bool] = []
     homes: list[bool] = []  # every moment's host copy inside the engine's one exact-size store

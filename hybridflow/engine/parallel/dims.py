@@ -1,0 +1,235 @@
+"""``ParallelDims``: one role's training view, built once from its parallel section and the world.
+
+The W ranks of a role sit on a ``(pp, tp, dp)`` grid with dp innermost: rank r is data-parallel rank
+``r % dp``, tensor-parallel rank ``(r // dp) % tp`` and pipeline stage ``r // (tp * dp)``, which is the
+generation view's ordering (``view.GenerateView``: tensor-parallel rank ``r // dp_g``). So when the rollout's
+tensor-parallel size equals the trainer's, a rank's generation shard is the union of its FSDP peers' training
+shards of the same tensor-parallel shard, and at dp = 1 it is the rank's own training shard: the switch copies
+it in place. Ulysses (sp, with tp = pp = 1 for now) groups sp consecutive ranks inside dp, so its
+all-to-alls stay on a node; FSDP2 then shards over every rank.
+
+A ``ParallelDims`` holds the sizes (checked against the world by the config's one check,
+``config.views.world_problems``), the rank's coordinates, the token budgets of a group, and once ``build()``
+has run (a collective), the named process groups: the one device mesh of the view (``(pp, tp, dp)``, or
+``(dp, sp)`` under Ulysses; none under FSDP2 alone) and the group of each model replica. Printed as the logs
+name the view: ``(fsdp=4)``, ``(fsdp=4, sp=2)``, ``(tp=2, pp=2, dp=1)``. The layout planner builds the same
+object for its candidates, without groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from hybridflow.config.errors import ConfigError, Problem
+from hybridflow.config.parallel import DIMS, role_sizes, size_key
+from hybridflow.config.views import world_problems
+from hybridflow.engine.parallel.layout import Box
+from hybridflow.engine.parallel.pipeline import check_train_pp
+from hybridflow.engine.parallel.tp import check_train_tp
+from hybridflow.engine.parallel.ulysses import check_ulysses
+from hybridflow.utils.device import cuda_in_use
+from hybridflow.utils.dist import init_distributed
+
+
+@dataclass(frozen=True)
+class DimGroups:
+    """A built view's process groups: its device mesh (None under FSDP2 alone) and this rank's replica."""
+
+    mesh: DeviceMesh | None
+    replica: dist.ProcessGroup | None  # the ranks of this rank's model replica (None: the rank alone)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """``world`` ranks training as ``pp`` stages x ``tp`` tensor-parallel ranks x ``dp`` replicas (sp: Ulysses).
+
+    ``role``: the config section the sizes come from (messages name its fields); ``rank``: this rank (None: a
+    plan's view of no rank in particular); ``groups``: set by ``build()``.
+    """
+
+    world: int
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    ep: int = 1
+    role: str = "actor"
+    rank: int | None = None
+    groups: DimGroups | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        low = [size_key(self.role, d) for d in DIMS if getattr(self, d) < 1]
+        if low:
+            raise ConfigError([Problem(k, "must be at least 1", f"e.g. {k}=1 (the default)") for k in low])
+        problems = world_problems(self.role, self.sizes, self.world)
+        if problems:
+            raise ConfigError(problems)
+
+    @classmethod
+    def of(cls, cfg: Any, role: str, world: int, rank: int | None = None) -> ParallelDims:
+        """The view of ``role``'s parallel section (``actor``, ``ref``: null sizes are the actor's, ``critic``)."""
+        return cls(world, role=role, rank=rank, **role_sizes(cfg, role))
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """``{tp, pp, sp, ep}``."""
+        return {d: getattr(self, d) for d in DIMS}
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel size: model replicas, each over tp x pp ranks (or a group of sp ranks)."""
+        return self.world // (self.tp * self.pp * self.sp)
+
+    @property
+    def fsdp_only(self) -> bool:
+        """Whether this is the plain FSDP2 view (no tensor or pipeline parallelism)."""
+        return self.tp == 1 and self.pp == 1
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """``(pp_rank, tp_rank, dp_rank)`` of ``rank``."""
+        if self.sp > 1:  # tp = pp = 1: a group's sp ranks are consecutive (its all-to-alls stay on a node)
+            return 0, 0, rank // self.sp
+        return rank // (self.tp * self.dp), (rank // self.dp) % self.tp, rank % self.dp
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's model replica (its share of the data)."""
+        assert self.rank is not None, "a view of no rank in particular"
+        return self.coords(self.rank)[2]
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage."""
+        assert self.rank is not None, "a view of no rank in particular"
+        return self.coords(self.rank)[0]
+
+    def replica_ranks(self, dp_rank: int) -> list[int]:
+        """The ranks of model replica ``dp_rank`` (every stage and tensor-parallel rank), in rank order."""
+        return [r for r in range(self.world) if self.coords(r)[2] == dp_rank]
+
+    def token_budget(self, per_gpu: int) -> int:
+        """A per-GPU token budget as the budget of one replica's micro-batch (Ulysses: each rank holds 1/sp)."""
+        return per_gpu * self.sp
+
+    def budgets(self, section: Any) -> Any:
+        """A role section (actor, critic) whose ``ppo_max_token_len_per_gpu`` is per replica (``token_budget``)."""
+        return group_budgets(section, self.sp)
+
+    def check_model(self, config: Any) -> None:
+        """Raise UserError naming the field when the sizes cannot split this model (heads, KV heads, layers)."""
+        if self.tp > 1:
+            check_train_tp(config, self.tp, self.role)
+        if self.sp > 1:
+            check_ulysses(config, self.sp, self.role)
+        if self.pp > 1:
+            check_train_pp(config, self.pp, self.role)
+
+    def build(self, device_type: str | None = None) -> ParallelDims:
+        """This rank's view with its process groups (a collective: every rank calls it, in the same order).
+
+        ``device_type``: of the mesh (None: cuda when this process computes on CUDA, else cpu).
+        """
+        if self.groups is not None:
+            return self
+        init_distributed()
+        assert dist.get_world_size() == self.world, (dist.get_world_size(), self.world)
+        device_type = device_type or ("cuda" if cuda_in_use() else "cpu")
+        mesh = None
+        if not self.fsdp_only:
+            mesh = init_device_mesh(
+                device_type, (self.pp, self.tp, self.dp), mesh_dim_names=("pp", "tp", "dp")
+            )
+        elif self.sp > 1:
+            mesh = init_device_mesh(device_type, (self.dp, self.sp), mesh_dim_names=("dp", "sp"))
+        rank = dist.get_rank()
+        replica = None
+        if self.world > self.dp:  # new_group is collective over the world: every rank creates every group
+            for d in range(self.dp):
+                group = dist.new_group(self.replica_ranks(d))
+                replica = group if d == self.coords(rank)[2] else replica
+        return replace(self, rank=rank, groups=DimGroups(mesh, replica))
+
+    def _built(self) -> DimGroups:
+        assert self.groups is not None, "ParallelDims.build() first"
+        return self.groups
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel group losses and metrics are summed over (None: every rank)."""
+        mesh = self._built().mesh
+        return None if mesh is None else mesh["dp"].get_group()
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The stages of this rank's replica (None: no tensor or pipeline parallelism)."""
+        mesh = self._built().mesh
+        return None if self.fsdp_only else mesh["pp"].get_group()
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup | None:
+        """This rank's Ulysses group (None at sp = 1)."""
+        mesh = self._built().mesh
+        return None if self.sp == 1 else mesh["sp"].get_group()
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The tensor-parallel mesh the layers are split over (None: no tensor or pipeline parallelism)."""
+        mesh = self._built().mesh
+        return None if self.fsdp_only else mesh["tp"]
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards over: the data-parallel ranks (None: every rank, FSDP2 alone or Ulysses)."""
+        mesh = self._built().mesh
+        return None if self.fsdp_only else mesh["dp"]
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The ranks of this rank's model replica, which compute on the same rows (None: the rank alone)."""
+        return self._built().replica
+
+    def __str__(self) -> str:
+        if self.fsdp_only:
+            return f"(fsdp={self.world})" if self.sp == 1 else f"(fsdp={self.world}, sp={self.sp})"
+        return f"(tp={self.tp}, pp={self.pp}, dp={self.dp})"
+
+
+def group_budgets(section: Any, sp: int) -> Any:
+    """A role section (actor, critic) whose per-GPU token budget is per group: times sp (each rank holds 1/sp)."""
+    if sp == 1:
+        return section
+    return replace(section, ppo_max_token_len_per_gpu=section.ppo_max_token_len_per_gpu * sp)
+
+
+def _chunk(lo: int, hi: int, parts: int, i: int) -> tuple[int, int]:
+    """Part ``i`` of ``parts`` of the range [lo, hi) as ``torch.chunk`` splits it (empty parts at the end)."""
+    size = -(-(hi - lo) // parts)
+    return min(lo + i * size, hi), min(lo + (i + 1) * size, hi)
+
+
+def train_box(
+    kind: str,
+    shape: tuple[int, ...],
+    view: ParallelDims,
+    rank: int,
+    fsdp_dim: int = 0,
+    stages: tuple[int, ...] | None = None,
+) -> Box | None:
+    """The box of a full parameter ``rank`` holds in ``view``, from the parameter's tensor-parallel ``kind``
+    (``layout.kind_of``) alone: what the DTensors give (a test checks it), for plans of models no machine
+    here can hold. Layers' column (and kv) weights split dim 0 over tp, row weights dim 1; FSDP2 then splits
+    the rank's piece over dp along ``fsdp_dim`` (dim 0, or the dim a layout function marked). ``stages``: the
+    pipeline stages holding the parameter (None: every stage)."""
+    pp_rank, tp_rank, dp_rank = view.coords(rank)
+    if stages is not None and pp_rank not in stages:
+        return None  # another pipeline stage's parameter (``pipeline.stage_of_param``)
+    box = [(0, n) for n in shape]
+    split = {"column": 0, "kv": 0, "row": 1}.get(kind) if view.tp > 1 else None
+    if split is not None:
+        box[split] = _chunk(0, shape[split], view.tp, tp_rank)
+    fsdp_rank, fsdp_size = (rank, view.world) if view.sp > 1 else (dp_rank, view.dp)  # sp: FSDP2 over all
+    box[fsdp_dim] = _chunk(*box[fsdp_dim], fsdp_size, fsdp_rank)
+    return None if any(lo >= hi for lo, hi in box) else tuple(box)
