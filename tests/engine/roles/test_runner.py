@@ -39,12 +39,12 @@ def grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def run_passes(rank: int, world: int, parts: list[list[int]]) -> dict:
     """A forward pass, then one backward over ``parts`` of a loss using both outputs, with the engine's
     runner (world 2: two pipeline stages); what each returned, the loss calls' rows and the gradients."""
-    from hybridflow.engine.parallel.train_view import TrainView
+    from hybridflow.engine.parallel.dims import ParallelDims
     from hybridflow.engine.roles.actor import ActorEngine
     from hybridflow.engine.roles.runner import LogProbs
 
-    view = TrainView(world, 1, world)  # world 1: one stage; world 2: pp = 2
-    engine = ActorEngine(tiny_lm(), actor_config(), use_remove_padding=True, view=view)
+    dims = ParallelDims(world, 1, world)  # world 1: one stage; world 2: pp = 2
+    engine = ActorEngine(tiny_lm(), actor_config(), use_remove_padding=True, dims=dims)
     runner, batch = engine.runner, rows_batch()
     with torch.no_grad():
         forward = runner.forward(batch, parts, LogProbs(TEMPERATURE, with_entropy=True))
