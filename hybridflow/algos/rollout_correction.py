@@ -224,6 +224,45 @@ def _seq_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def _apply_option(
+    option: str,
+    stat: torch.Tensor,  # (B, T): the option's statistic per token (a sequence's repeated over its tokens)
+    seq_stat: torch.Tensor | None,  # (B,) for sequence-level options
+    bound: tuple[float | None, float],
+    response_mask: torch.Tensor,
+    seq_valid: torch.Tensor,
+    metrics: dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """What one rejection option keeps (B, T bool); its metrics go into ``metrics``."""
+    lower, upper = bound
+    is_k1 = lower is not None
+    # k1 bounds are ratio bounds; compare in log space. k2/k3 bounds are on the statistic itself.
+    low_stat = math.log(lower) if is_k1 else 0.0
+    high_stat = math.log(upper) if is_k1 else upper
+    keep = stat <= high_stat
+    if is_k1:
+        keep = keep & (stat >= low_stat)
+    metrics.update(
+        compute_rs_metrics(
+            option,
+            stat,
+            response_mask,
+            seq_valid,
+            level="token" if seq_stat is None else "sequence",
+            per_sequence_values=seq_stat,
+            rollout_rs_threshold=high_stat,
+            rollout_rs_threshold_lower=low_stat,
+            apply_lower_threshold=is_k1,
+        )
+    )
+    rejected = response_mask.bool() & ~keep
+    metrics[f"rollout_rs_{option}_masked_fraction"] = masked_mean(
+        rejected.float(), response_mask.to(stat.dtype)
+    )
+    metrics[f"rollout_rs_{option}_seq_masked_fraction"] = masked_mean(rejected.any(dim=-1).float(), seq_valid)
+    return keep
+
+
 def compute_rollout_rejection_mask(
     log_ratio: torch.Tensor,
     response_mask: torch.Tensor,
@@ -255,38 +294,13 @@ def compute_rollout_rejection_mask(
     metrics: dict[str, torch.Tensor] = {}
     for option in options:
         level_name, estimator = option.rsplit("_", 1)
-        lower, upper = bounds[option]
-        is_k1 = lower is not None
-        # k1 bounds are ratio bounds; compare in log space. k2/k3 bounds are on the statistic itself.
-        low_stat = math.log(lower) if is_k1 else 0.0
-        high_stat = math.log(upper) if is_k1 else upper
         if level_name == "token":
-            stat, seq_stat, level = per_token[estimator], None, "token"
+            stat, seq_stat = per_token[estimator], None
         else:
             seq_stat = reduce[level_name](per_token[estimator])  # (B,)
-            stat, level = seq_stat.unsqueeze(-1).expand_as(log_ratio), "sequence"
-        keep = stat <= high_stat
-        if is_k1:
-            keep = keep & (stat >= low_stat)
+            stat = seq_stat.unsqueeze(-1).expand_as(log_ratio)
+        keep = _apply_option(option, stat, seq_stat, bounds[option], response_mask, seq_valid, metrics)
         keep_all = keep_all & keep
-        metrics.update(
-            compute_rs_metrics(
-                option,
-                stat,
-                response_mask,
-                seq_valid,
-                level=level,
-                per_sequence_values=seq_stat,
-                rollout_rs_threshold=high_stat,
-                rollout_rs_threshold_lower=low_stat,
-                apply_lower_threshold=is_k1,
-            )
-        )
-        rejected = token_valid & ~keep
-        metrics[f"rollout_rs_{option}_masked_fraction"] = masked_mean(rejected.float(), mask)
-        metrics[f"rollout_rs_{option}_seq_masked_fraction"] = masked_mean(
-            rejected.any(dim=-1).float(), seq_valid
-        )
     rejected = token_valid & ~keep_all
     metrics["rollout_rs_masked_fraction"] = masked_mean(rejected.float(), mask)
     metrics["rollout_rs_seq_masked_fraction"] = masked_mean(rejected.any(dim=-1).float(), seq_valid)

@@ -190,15 +190,8 @@ def build_tiny_model(
         )
     config_cls, model_cls = _ARCHS[arch]
     inter = intermediate_size if intermediate_size is not None else 4 * hidden_size
-    sizes = _family_kwargs(
-        arch,
-        hidden_size,
-        num_hidden_layers,
-        num_attention_heads,
-        num_key_value_heads,
-        inter,
-        max_position_embeddings,
-    )
+    heads = (num_attention_heads, num_key_value_heads)
+    sizes = _family_kwargs(arch, hidden_size, num_hidden_layers, *heads, inter, max_position_embeddings)
     tied = arch in ("qwen2", "qwen3", "gpt2") if tie_word_embeddings is None else tie_word_embeddings
     config = config_cls(
         vocab_size=vocab_size if vocab_size is not None else char_vocab_size(),

@@ -67,11 +67,10 @@ def view_memory(
     """The per-rank figures of ``view`` switching into generation groups of ``tp_generate`` ranks.
 
     As the engine lays them out: each pipeline stage holding its own layers (the embedding on the first, the
-    norm and head on the last, a tied head on both), FSDP2 over dp, the layers' projections split over the view's tp (the
-    embedding, norms and head replicated over it), row-parallel weights sharded by FSDP2 on dim 1 when training
-    is FSDP2 alone and the rollout is tensor-parallel (``follow_rollout_shards``). ``switch=False`` leaves
-    out the reshard plan's transfers (``received_bytes`` is then None): at hundreds of ranks they are what
-    takes the time.
+    norm and head on the last, a tied head on both), FSDP2 over dp, the projections split over tp (embedding,
+    norms and head replicated), row-parallel weights sharded by FSDP2 on dim 1 when training is FSDP2 alone
+    and the rollout tensor-parallel (``follow_rollout_shards``). ``switch=False`` leaves out the reshard
+    plan's transfers (``received_bytes`` is then None): at hundreds of ranks they are what takes the time.
     """
     world = view.world
     config = model.config
