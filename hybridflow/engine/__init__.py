@@ -44,7 +44,6 @@ SURFACE: dict[str, str] = {
     "check_train_pp": "parallel.pipeline",
     "RolloutGroup": "parallel.rollout_group",
     "check_train_tp": "parallel.tp",
-    "ShareGroup": "parallel.train_view",
     "TrainView": "parallel.train_view",
     "check_ulysses": "parallel.ulysses",
     "group_budgets": "parallel.ulysses",

@@ -5,10 +5,11 @@ from __future__ import annotations
 from torch import nn
 
 from hybridflow.config.schema import Config
-from hybridflow.engine import CriticEngine, ShareGroup, TrainView, check_train_tp, group_budgets
+from hybridflow.engine import CriticEngine, TrainView, check_train_tp, group_budgets
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.logging import rank as dist_rank
+from hybridflow.workers.dispatch import DataCoord, train_coord
 
 
 class CriticWorker:
@@ -31,13 +32,15 @@ class CriticWorker:
             total_steps=total_steps,
             view=view,
         )
-        self.shares = ShareGroup(view, dist_rank(), pad_token_id)
+
+    def data_coord(self) -> DataCoord:
+        """This rank's model replica in the critic's view: the driver hands its ranks one share of a batch."""
+        return train_coord(self.engine.engine.view, dist_rank())
 
     def compute_values(self, batch: Batch) -> Batch:
         """``values`` (B, R)."""
-        batch, rows, width = self.shares.join(batch)
-        return self.shares.mine(Batch({"values": self.engine.compute_values(batch)}), rows, width)
+        return Batch({"values": self.engine.compute_values(batch)})
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Value-loss update; verl-named metrics."""
-        return self.engine.update_critic(self.shares.join(batch)[0])
+        return self.engine.update_critic(batch)

@@ -7,10 +7,11 @@ from torch import nn
 from hybridflow.config.schema import Config
 from hybridflow.config.sequence_parallel import sequence_parallel_size
 from hybridflow.config.views import train_view_sizes
-from hybridflow.engine import ActorEngine, ShareGroup, TrainView, check_train_tp, group_budgets
+from hybridflow.engine import ActorEngine, TrainView, check_train_tp, group_budgets
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.logging import rank as dist_rank
+from hybridflow.workers.dispatch import DataCoord, train_coord
 
 
 class ReferenceWorker:
@@ -32,12 +33,14 @@ class ReferenceWorker:
             fsdp=cfg.ref.fsdp,
             view=view,
         )
-        self.shares = ShareGroup(view, dist_rank(), pad_token_id)
+
+    def data_coord(self) -> DataCoord:
+        """This rank's model replica in the reference's view: the driver hands its ranks one share of a batch."""
+        return train_coord(self.engine.engine.view, dist_rank())
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """``ref_log_prob`` (B, R) at the rollout temperature."""
         ref = self.cfg.ref
-        batch, rows, width = self.shares.join(batch)
         out = self.engine.compute_log_prob(
             batch,
             temperature=self.cfg.rollout.temperature,
@@ -45,4 +48,4 @@ class ReferenceWorker:
             use_dynamic_bsz=ref.log_prob_use_dynamic_bsz,
             max_token_len=ref.log_prob_max_token_len_per_gpu * self.engine.engine.view.sp,
         )
-        return self.shares.mine(Batch({"ref_log_prob": out["log_probs"]}), rows, width)
+        return Batch({"ref_log_prob": out["log_probs"]})
