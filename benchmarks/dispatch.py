@@ -12,6 +12,11 @@ to ~300 tokens and whose responses end anywhere up to 256 tokens, with the field
 ``--repeats`` times behind a barrier; the table gives rank 0's median wall time per call in milliseconds
 (every rank waits for the others inside a call, so rank 0's time is the call's). The critic keeps FSDP2
 over all four ranks (dp=4) while the actor and the reference have replicas of two ranks (dp=2).
+
+``--dispatch-only`` replaces the engines' passes (``ActorEngine.compute_log_prob`` / ``update_policy``,
+``CriticEngine.compute_values`` / ``update_critic``) with ones that return zeros of the right shapes at once,
+so that what is left of a call is the data's way: the driver's split, whatever the replica's ranks exchange,
+the results' way back and the merge. On a shared machine the full calls vary by more than that costs.
 """
 
 from __future__ import annotations
@@ -86,6 +91,22 @@ def step_batch(samples: int, pad_id: int, vocab: int, seed: int = 0) -> Any:
     return batch
 
 
+def skip_compute() -> None:
+    """The engines' passes return zeros of their outputs' shapes at once (``--dispatch-only``)."""
+    from hybridflow.engine import ActorEngine, CriticEngine
+
+    def zeros(batch: Any) -> torch.Tensor:
+        return torch.zeros(batch["responses"].shape)  # (B, R)
+
+    ActorEngine.compute_log_prob = lambda self, batch, **kw: {
+        "log_probs": zeros(batch),
+        "entropys": zeros(batch),
+    }
+    ActorEngine.update_policy = lambda self, batch, **kw: {"actor/pg_loss": 0.0}
+    CriticEngine.compute_values = lambda self, batch: zeros(batch)
+    CriticEngine.update_critic = lambda self, batch: {"critic/vf_loss": 0.0}
+
+
 def timed(fn: Any, warmup: int, repeats: int) -> float:
     """Median seconds of ``fn()`` over ``repeats`` calls after ``warmup``, each started behind a barrier."""
     import torch.distributed as dist
@@ -114,6 +135,8 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, model_dir: str, ou
     from hybridflow.config import load_config
     from hybridflow.trainer.builder import build_components
 
+    if args.dispatch_only:
+        skip_compute()
     try:
         cfg = load_config(None, overrides(model_dir, args.view, args.samples))
         c = build_components(cfg)
@@ -145,6 +168,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dispatch-only", action="store_true", help="time the data's way alone (see above)")
     args = parser.parse_args()
     from hybridflow.models import build_tiny_model_and_tokenizer
     from hybridflow.utils.dist import free_port
@@ -177,7 +201,10 @@ def main() -> None:
             p.join()
     import hybridflow
 
-    print(f"hybridflow from {Path(hybridflow.__file__).parent}; view {args.view}; {args.samples} samples")
+    what = "dispatch only" if args.dispatch_only else "whole calls"
+    print(
+        f"hybridflow from {Path(hybridflow.__file__).parent}; view {args.view}; {args.samples} samples; {what}"
+    )
     print(f"| call | ms (median of {args.repeats}, rank 0) |")
     print("|---|---|")
     for name, seconds in results[0].items():

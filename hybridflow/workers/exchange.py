@@ -2,13 +2,16 @@
 
 A call on the replicas' shares returns one whole result per replica, from its source rank; every other rank
 returns only its result's meta (``RankWorker.call_share``). Each process runs the driver and needs them all.
-The small parts travel in one all-gather of headers (each Batch's field names, shapes and dtypes, its non-tensor
-fields and meta; any other result, e.g. metrics, whole); the tensors then travel as tensors: one broadcast per
-source rank and dtype of a flat buffer, never pickled.
+Each rank describes its result in a small header (a Batch's field names, shapes and dtypes, its non-tensor
+fields and meta; any other result, e.g. metrics, whole), pickled; the tensors travel as raw bytes, never
+pickled. When every rank sends tensors (dp = W) header and tensors go in one buffer through one all-gather;
+otherwise the headers are all-gathered and each sender's tensors follow in one broadcast, so each replica's
+rows travel once. Either way an all-gather of the byte counts goes first.
 """
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +20,12 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.protocol import Batch
+
+ALIGN = 16  # bytes: each tensor starts at a multiple of this in a packed buffer, so it views as any dtype
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass
@@ -28,6 +37,33 @@ class Header:
     meta: dict[str, Any]
     other: Any = None  # the result itself when it is not a Batch
 
+    def offsets(self) -> list[tuple[int, int]]:
+        """(start, bytes) of each tensor in the packed tensor bytes."""
+        out, start = [], 0
+        for _, dtype, shape in self.specs or []:
+            size = int(np.prod(shape)) * dtype.itemsize
+            out.append((start, size))
+            start += _aligned(size)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """The packed tensors' length in bytes (0: no tensor to send)."""
+        spans = self.offsets()
+        return spans[-1][0] + spans[-1][1] if spans else 0
+
+    def rebuild(self, data: torch.Tensor | None) -> Any:
+        """The result this header describes, its tensors read from the packed bytes ``data``."""
+        if self.specs is None:
+            return self.other
+        tensors = {}
+        for (key, dtype, shape), (start, size) in zip(self.specs, self.offsets()):
+            if data is None:  # nothing was sent: every tensor is empty
+                tensors[key] = torch.empty(shape, dtype=dtype)
+            else:
+                tensors[key] = data[start : start + size].cpu().view(dtype).view(shape)
+        return Batch(tensors, self.non_tensors, self.meta)
+
 
 def _header(result: Any) -> Header:
     if not isinstance(result, Batch):
@@ -38,57 +74,52 @@ def _header(result: Any) -> Header:
 
 def _comm_device() -> torch.device:
     """Where a collective's tensors must be: the GPU under NCCL, the host under gloo."""
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
-def _by_dtype(specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> dict[torch.dtype, list[int]]:
-    """The indices of the specs per dtype, in field order (each dtype travels as one flat buffer)."""
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, (_, dtype, _) in enumerate(specs):
-        groups.setdefault(dtype, []).append(i)
-    return groups
+def _pack(blob: bytes, result: Any, header: Header, tensors_at: int, length: int) -> torch.Tensor:
+    """A buffer of ``length`` bytes: the pickled header ``blob`` first, the result's tensors from ``tensors_at``."""
+    buf = torch.zeros(length, dtype=torch.uint8)  # (length,)
+    if blob:
+        buf[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    for (key, _, _), (start, size) in zip(header.specs or [], header.offsets()):
+        data = result.tensors[key].detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # (size,)
+        buf[tensors_at + start : tensors_at + start + size] = data
+    return buf.to(_comm_device())
 
 
-def _broadcast_tensors(result: Batch | None, header: Header, src: int) -> dict[str, torch.Tensor]:
-    """Send (``result``: rank ``src``'s Batch, on ``src``) or receive (None, elsewhere) its tensors; the
-    received ones, on the host."""
-    device, specs = _comm_device(), header.specs or []
-    out: dict[str, torch.Tensor] = {}
-    for dtype, index in _by_dtype(specs).items():
-        wire = torch.uint8 if dtype == torch.bool else dtype  # collectives take no bool buffers everywhere
-        sizes = [int(np.prod(specs[i][2])) for i in index]
-        if result is not None:
-            parts = [result.tensors[specs[i][0]].reshape(-1).to(device, wire) for i in index]
-            flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()  # (sum of sizes,)
-        else:
-            flat = torch.empty(sum(sizes), dtype=wire, device=device)  # (sum of sizes,)
-        dist.broadcast(flat, src=src)
-        if result is not None:
-            continue
-        for i, part in zip(index, flat.split(sizes)):
-            key, _, shape = specs[i]
-            out[key] = part.view(shape).to("cpu", dtype)
+def _all_gather(buf: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(buf) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, buf)
     return out
 
 
 def share_results(result: Any) -> list[Any]:
     """Every rank's ``result`` (in rank order) on every rank; all ranks of the default group call it together."""
-    headers: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(headers, _header(result))
-    rank = dist.get_rank()
-    out: list[Any] = []
-    for src, header in enumerate(headers):
-        if header.specs is None:
-            out.append(result if src == rank else header.other)
-        elif not header.specs:  # a Batch without tensors (a result's meta): nothing more to send
-            out.append(result if src == rank else Batch(non_tensors=header.non_tensors, meta=header.meta))
-        elif src == rank:
-            _broadcast_tensors(result, header, src)
-            out.append(result)
-        else:
-            out.append(Batch(_broadcast_tensors(None, header, src), header.non_tensors, header.meta))
-    return out
+    rank, device = dist.get_rank(), _comm_device()
+    header = _header(result)
+    blob = pickle.dumps(header)
+    counts = torch.tensor([len(blob), header.nbytes], dtype=torch.int64, device=device)
+    table = [tuple(t.tolist()) for t in _all_gather(counts)]  # (header bytes, tensor bytes) per rank
+    top = max(_aligned(h) for h, _ in table)
+    if all(n > 0 for _, n in table):  # every rank sends tensors: one buffer each, one all-gather
+        bufs = _all_gather(_pack(blob, result, header, top, top + max(n for _, n in table)))
+        headers = [pickle.loads(b[:h].cpu().numpy().tobytes()) for b, (h, _) in zip(bufs, table)]
+        data = [b[top:] for b in bufs]
+    else:  # the headers to all, then each sender's tensors from it alone
+        bufs = _all_gather(_pack(blob, None, Header([], {}, {}), 0, top))
+        headers = [pickle.loads(b[:h].cpu().numpy().tobytes()) for b, (h, _) in zip(bufs, table)]
+        data = []
+        for src, (_, n) in enumerate(table):
+            if n == 0:
+                data.append(None)
+                continue
+            mine = src == rank
+            buf = (
+                _pack(b"", result, header, 0, n) if mine else torch.empty(n, dtype=torch.uint8, device=device)
+            )
+            dist.broadcast(buf, src=src)
+            data.append(buf)
+    return [result if src == rank else h.rebuild(data[src]) for src, h in enumerate(headers)]
