@@ -151,6 +151,7 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, model_dir: str, ou
         "actor.update_actor": lambda: c.actor.update_actor(batch),
         "critic.update_critic": lambda: c.critic.update_critic(batch),
     }
+    calls = {name: fn for name, fn in calls.items() if not args.calls or name in args.calls}
     try:
         result = {name: timed(fn, args.warmup, args.repeats) for name, fn in calls.items()}
     except Exception:
@@ -168,6 +169,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--calls", nargs="*", help="only these calls (e.g. actor.update_actor)")
     parser.add_argument("--dispatch-only", action="store_true", help="time the data's way alone (see above)")
     args = parser.parse_args()
     from hybridflow.models import build_tiny_model_and_tokenizer
