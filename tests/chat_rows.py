@@ -43,7 +43,11 @@ ANSWERS = (
     "Great question!",
     "Of course. Let me explain step by step, starting with the basics.",
 )
-FOLLOW_UPS = ("Can you say more about the second point?", "Thanks! And what about winter?", "Shorter, please.")
+FOLLOW_UPS = (
+    "Can you say more about the second point?",
+    "Thanks! And what about winter?",
+    "Shorter, please.",
+)
 CHINESE_PROMPT = "请用三句话介绍一下长城的历史。"
 CHINESE_ANSWER = "长城始建于春秋战国时期。秦朝把各段城墙连接起来。明朝时大规模重修。"
 

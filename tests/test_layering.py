@@ -105,7 +105,9 @@ def test_engine_rooms_import_only_the_rooms_below() -> None:
         for name, line in _imports(path):
             parts = name.split(".")
             if parts[:2] == ["hybridflow", "engine"] and len(parts) == 2:
-                violations.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports the surface from inside")
+                violations.append(
+                    f"{path.relative_to(PACKAGE.parent)}:{line} imports the surface from inside"
+                )
             elif parts[:2] == ["hybridflow", "engine"] and parts[2] not in {room} | ROOMS[room]:
                 violations.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
     assert not violations, "engine room violations:\n" + "\n".join(violations)

@@ -46,7 +46,6 @@ SURFACE: dict[str, str] = {
     "follow_rollout_shards": "parallel.layout",
     "default_device": "parallel.parallelize",
     "RolloutGroup": "parallel.rollout_group",
-    "ShareGroup": "parallel.train_view",
     "GenerateView": "parallel.view",
     "ActorEngine": "roles.actor",
     "CriticEngine": "roles.critic",

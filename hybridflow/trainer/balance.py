@@ -1,16 +1,26 @@
-"""Token balancing over data-parallel ranks (``trainer.balance_batch``, verl's ``_balance_batch``).
+"""Token balancing over data-parallel replicas (``trainer.balance_batch``, verl's ``_balance_batch``).
 
-Each rank trains on a contiguous share of the step's samples, and the step waits for the slowest rank, so a
-share holding most of the long responses sets the pace. Reordering the samples so that every share holds
-about the same number of tokens (same count of samples each, as the split needs) evens the ranks out. The
-order changes nothing else: advantages group samples by ``uid``, and every later stage keeps rows aligned.
+Each model replica of a role computes on a contiguous share of the step's samples, and the step waits for the
+slowest, so a share holding most of the long responses sets the pace. Reordering the samples so that every
+share holds about the same number of tokens (same count of samples each, as the split needs) evens the
+replicas out. The roles may have different data-parallel sizes (an actor at tp=2 beside an FSDP2 critic):
+balancing over the least common multiple of them (``balance_parts``) makes each role's share a run of
+equally heavy parts. The order changes nothing else: advantages group samples by ``uid``, and every later
+stage keeps rows aligned.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 
 import numpy as np
+
+
+def balance_parts(dp_sizes: Iterable[int]) -> int:
+    """The parts to balance over: the least common multiple of the roles' data-parallel sizes (each divides
+    the world, so this does too)."""
+    return math.lcm(*dp_sizes)
 
 
 def balanced_groups(lengths: Sequence[int], parts: int) -> list[list[int]]:
@@ -29,10 +39,10 @@ def balanced_groups(lengths: Sequence[int], parts: int) -> list[list[int]]:
 
 
 def balance_order(lengths: Sequence[int], parts: int) -> tuple[np.ndarray, dict[str, float]]:
-    """The row order giving rank r the r-th balanced group, and the per-rank token totals before and after.
+    """The row order giving part r the r-th balanced group, and the per-part token totals before and after.
 
-    The metrics use verl's names: ``global_seqlen/{min,max,minmax_diff}`` of the contiguous shares the
-    ranks would have had, ``global_seqlen/balanced_{min,max}`` after, and ``global_seqlen/mean``.
+    The metrics use verl's names: ``global_seqlen/{min,max,minmax_diff}`` of the contiguous parts the
+    replicas would have had, ``global_seqlen/balanced_{min,max}`` after, and ``global_seqlen/mean``.
     """
     groups = balanced_groups(lengths, parts)
     size = len(lengths) // parts

@@ -22,7 +22,7 @@ from hybridflow.data import PromptSampler, collate_prompts
 from hybridflow.engine import layout_padding
 from hybridflow.protocol import Batch
 from hybridflow.rewards import place_on_last_token
-from hybridflow.trainer.balance import balance_order
+from hybridflow.trainer.balance import balance_order, balance_parts
 from hybridflow.trainer.dataflow import Dataflow, Stage
 from hybridflow.trainer.dumps import rollout_records, write_jsonl
 from hybridflow.trainer.loop import TrainingLoop
@@ -227,12 +227,14 @@ class PPOTrainer(TrainingLoop):
             out = self._generate(batch, metrics)
         else:
             out = self._dynamic_sampling(batch, metrics)
-        world = self.cfg.trainer.world_size
-        if not self.cfg.trainer.balance_batch or world == 1:
+        if not self.cfg.trainer.balance_batch:
             return out
-        order, balance = balance_order(out["attention_mask"].sum(-1).tolist(), world)
+        parts = balance_parts(h.dp_size for h in (self.c.actor, self.c.ref, self.c.critic) if h is not None)
+        if parts == 1:
+            return out
+        order, balance = balance_order(out["attention_mask"].sum(-1).tolist(), parts)
         metrics.update(balance)
-        return out[order]  # rank r's contiguous share is now the r-th balanced group
+        return out[order]  # part r is now the r-th balanced group; a role's share is a run of parts
 
     def _dynamic_sampling(self, batch: Batch, metrics: dict[str, float]) -> Batch:
         """DAPO: keep only groups whose scores vary, generating more rounds until the batch is full."""

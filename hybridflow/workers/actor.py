@@ -22,7 +22,6 @@ from hybridflow.engine import (
     RolloutShard,
     RolloutTP,
     SamplingParams,
-    ShareGroup,
     TrainEngine,
     check_tp,
     fallback_reason,
@@ -39,6 +38,7 @@ from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.errors import UserError, format_bytes
 from hybridflow.utils.logging import rank as dist_rank
 from hybridflow.utils.progress import Progress
+from hybridflow.workers.dispatch import DataCoord, generate_coord, train_coord
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,6 @@ class ActorWorker:
             dims=dims,
         )
         self.dims = self.engine.dims  # with its process groups
-        self.shares = ShareGroup(self.dims, dist_rank(), pad_token_id)  # collective, as below
         device = self.engine.device
         # auto: generate in the training compute dtype on every device (actor.fsdp.param_dtype resolved:
         # bf16 on GPU, float32 on CPU), so the rollout's log-probs match the trainer's recomputation
@@ -231,12 +230,23 @@ class ActorWorker:
         """The Hugging Face model inside the FSDP2 wrapper (its parameters are the training weights)."""
         return self.engine.module.lm
 
+    def data_coord(self) -> DataCoord:
+        """This rank's model replica in the training view: the driver hands its ranks one share of a batch."""
+        return train_coord(self.dims, dist_rank())
+
+    def rollout_coord(self) -> DataCoord:
+        """This rank's rollout group: the driver hands its ranks one share of the prompts."""
+        return generate_coord(self.group.view, dist_rank())
+
     def sampling_params(self, *args: Any, **kwargs: Any) -> SamplingParams:
         """``make_sampling_params`` with this worker's config."""
         return make_sampling_params(self.cfg, *args, **kwargs)
 
     def generate(self, prompts: Batch, params: SamplingParams, desc: str = "rollout") -> Batch:
         """Sample ``params.n`` responses per prompt; returns the training-layout batch, samples interleaved.
+
+        Every rank of a rollout group is handed the group's prompts (the same on each) and generates them
+        with the others; each returns the whole group's samples.
 
         Adds ``rollout_log_probs`` (B*n, R), the prompts' non-tensor fields repeated, ``uid`` (the prompt's
         group) and ``finish_reason``; ``meta["rollout_stats"]`` holds the engine's ``GenerationStats``.
@@ -246,13 +256,11 @@ class ActorWorker:
         params = dataclasses.replace(params, seed=self.group.seed(params.seed))
         mask = prompts["attention_mask"].bool()
         ids = [row[m].tolist() for row, m in zip(prompts["input_ids"], mask)]
-        together, mine = self.group.gather(ids)  # a rollout group generates for all its ranks' prompts
         if self.room_donors:
-            self._make_room(together, params)
-        with Progress(desc, total=len(together) * params.n, unit="samples") as bar:
-            outputs = self.rollout.generate(together, params, progress=bar.update)
-        self.group.check_agreement(outputs)
-        outputs = outputs[mine]
+            self._make_room(ids, params)
+        with Progress(desc, total=len(ids) * params.n, unit="samples") as bar:
+            outputs = self.rollout.generate(ids, params, progress=bar.update)
+        self.group.check_agreement(outputs, ids)
         if self.weights is not None and self.cfg.rollout.free_cache_engine:
             self.weights.release()  # the update needs its memory; the next sync() allocates it again
         flat = [s for group in outputs for s in group]
@@ -298,7 +306,6 @@ class ActorWorker:
     def compute_log_prob(self, batch: Batch) -> Batch:
         """Trainer log-probs (``old_log_probs``) and entropies of the responses under the current weights."""
         r = self.cfg.rollout
-        batch, rows, width = self.shares.join(batch)  # a model replica's ranks score the same rows
         out = self.engine.compute_log_prob(
             batch,
             temperature=r.temperature,
@@ -307,8 +314,7 @@ class ActorWorker:
             max_token_len=self.dims.token_budget(r.log_prob_max_token_len_per_gpu),
             with_entropy=True,
         )
-        out = Batch({"old_log_probs": out["log_probs"], "entropys": out["entropys"]})
-        return self.shares.mine(out, rows, width)
+        return Batch({"old_log_probs": out["log_probs"], "entropys": out["entropys"]})
 
     def update_actor(self, batch: Batch) -> Batch:
         """PPO-family update over the batch (mini-batches, epochs); its metrics in ``meta["metrics"]``.
@@ -316,21 +322,18 @@ class ActorWorker:
         Without ``old_log_probs`` in ``batch`` (an on-policy update, see ``ActorEngine.update_policy``) the
         result also carries the update's own log-probs as ``old_log_probs``; otherwise it has no rows.
         """
-        joined, rows, width = self.shares.join(batch)
-        metrics = self.engine.update_policy(joined, temperature=self.cfg.rollout.temperature)
+        metrics = self.engine.update_policy(batch, temperature=self.cfg.rollout.temperature)
         if "old_log_probs" in batch:
             return Batch(meta={"metrics": metrics})
-        own = self.shares.mine(Batch({"old_log_probs": self.engine.last_log_probs}), rows, width)
-        own.meta["metrics"] = metrics
-        return own
+        return Batch({"old_log_probs": self.engine.last_log_probs}, meta={"metrics": metrics})
 
     def update_preference(self, batch: Batch) -> dict[str, float]:
-        """One DPO/IPO/KTO optimizer step over this rank's pairs (``batch.meta["preference_kind"]``)."""
+        """One DPO/IPO/KTO optimizer step over this replica's pairs (``batch.meta["preference_kind"]``); pairs
+        stay adjacent: each share holds whole pairs."""
         micro_pairs = max(1, self.cfg.actor.ppo_micro_batch_size_per_gpu // 2)
         kind = batch.meta["preference_kind"]
-        batch, _, _ = self.shares.join(batch)  # pairs stay adjacent: each share holds whole pairs
         return update_preference(self.engine, batch, self.cfg.preference, kind, micro_pairs)
 
     def update_sft(self, batch: Batch) -> dict[str, float]:
         """Supervised step(s) on the response tokens."""
-        return self.engine.update_sft(self.shares.join(batch)[0])
+        return self.engine.update_sft(batch)

@@ -5,10 +5,11 @@ from __future__ import annotations
 from torch import nn
 
 from hybridflow.config.schema import Config
-from hybridflow.engine import CriticEngine, ParallelDims, ShareGroup
+from hybridflow.engine import CriticEngine, ParallelDims
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.logging import rank as dist_rank
+from hybridflow.workers.dispatch import DataCoord, train_coord
 
 
 class CriticWorker:
@@ -30,13 +31,15 @@ class CriticWorker:
             dims=dims,
         )
         self.dims = self.engine.dims  # with its process groups
-        self.shares = ShareGroup(self.dims, dist_rank(), pad_token_id)
+
+    def data_coord(self) -> DataCoord:
+        """This rank's model replica in the critic's view: the driver hands its ranks one share of a batch."""
+        return train_coord(self.dims, dist_rank())
 
     def compute_values(self, batch: Batch) -> Batch:
         """``values`` (B, R)."""
-        batch, rows, width = self.shares.join(batch)
-        return self.shares.mine(Batch({"values": self.engine.compute_values(batch)}), rows, width)
+        return Batch({"values": self.engine.compute_values(batch)})
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Value-loss update; verl-named metrics."""
-        return self.engine.update_critic(self.shares.join(batch)[0])
+        return self.engine.update_critic(batch)

@@ -2,9 +2,11 @@
 
 A ``WorkerGroup`` runs a ``RankWorker`` method on each of its ranks (``run_each``) with per-rank arguments
 and returns the results in rank order. ``LocalGroup`` is this very process: one rank, or rank r of a world
-started by ``torchrun`` in which every process runs the driver (SPMD; results are exchanged with an
-all-gather). ``RayGroup`` (``hybridflow.workers.ray_group``) drives Ray actors. The handles below turn
-the driver's calls into dispatches: split by data-parallel rank, broadcast, or rank 0.
+started by ``torchrun`` in which every process runs the driver (SPMD). ``RayGroup``
+(``hybridflow.workers.ray_group``) drives Ray actors. The handles below turn the driver's calls into
+dispatches by data-parallel coordinate (``workers.dispatch``): a batch is split into one share per model
+replica of the role, every rank of a replica computes on the same share, and each replica's result comes
+back once; other calls go to every rank alike.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ import torch.distributed as dist
 
 from hybridflow.engine import layout_padding
 from hybridflow.protocol import Batch
-from hybridflow.protocol.batch import Padding
 from hybridflow.utils.dist import raise_together
-from hybridflow.workers.dispatch import Dispatch, merge_batches, split_batch
+from hybridflow.workers.dispatch import SINGLE, DataLayout, merge_batches, split_batch
+from hybridflow.workers.exchange import share_results
 from hybridflow.workers.rank import RankWorker
 
 
@@ -33,6 +35,9 @@ class WorkerGroup(ABC):
     name: str = "main"
     world: int = 1
 
+    def __init__(self) -> None:
+        self.layouts: dict[tuple[str, str], DataLayout] = {}
+
     @abstractmethod
     def run_each(self, method: str, per_rank_args: list[tuple], **kwargs: Any) -> list[Any]:
         """Call ``RankWorker.method(*per_rank_args[r], **kwargs)`` on every rank r; results in rank order."""
@@ -41,22 +46,22 @@ class WorkerGroup(ABC):
         """Broadcast: every rank gets the same arguments."""
         return self.run_each(method, [args] * self.world, **kwargs)
 
-    def dispatch(
-        self, mode: Dispatch, role: str, method: str, batch: Batch, widths: Padding | None = None
-    ) -> Any:
-        """Call ``roles[role].method`` with ``batch`` as ``mode`` says; outputs come back in input order.
+    def layout(self, role: str, view: str = "train") -> DataLayout:
+        """How ``role``'s ranks share data in ``view`` ("train", or the actor's "generate"): asked of the
+        ranks on first use, then kept (the views are fixed for the run)."""
+        key = (role, view)
+        if key not in self.layouts:
+            coords = [SINGLE] if self.world == 1 else self.run_all("data_coord", role, view)
+            self.layouts[key] = DataLayout.of(coords)
+        return self.layouts[key]
 
-        ``widths``: how the fields of split outputs widen when the ranks' shares differ in width.
-        """
-        if mode is Dispatch.SPLIT:
-            chunks, pad = split_batch(batch, self.world)
-            outputs = self.run_each("call", [(role, method, chunk) for chunk in chunks])
-            if isinstance(outputs[0], Batch):
-                return merge_batches(outputs, pad, widths)
-            return outputs[0]  # metrics: already reduced over the ranks
-        if mode is Dispatch.BROADCAST:
-            return self.run_all("call", role, method, batch)[0]
-        return self.run_each("call", [(role, method, batch)] + [None] * (self.world - 1))[0]
+    @abstractmethod
+    def call_shares(
+        self, role: str, method: str, shares: list[Batch], layout: DataLayout, *args: Any
+    ) -> list[Any]:
+        """Call ``roles[role].method(shares[d], *args)`` on every rank of replica d; every rank's result in
+        rank order, where only each replica's source rank returns a whole result (``RankWorker.call_share``:
+        the others return a Batch's meta alone, or None)."""
 
     @abstractmethod
     def barrier(self) -> None:
@@ -76,6 +81,7 @@ class LocalGroup(WorkerGroup):
     """This process as the only rank, or as rank r of a torchrun world where every rank runs the driver."""
 
     def __init__(self, worker: RankWorker, name: str = "main") -> None:
+        super().__init__()
         self.worker = worker
         self.name = name
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -90,6 +96,16 @@ class LocalGroup(WorkerGroup):
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, result)
         return gathered
+
+    def call_shares(
+        self, role: str, method: str, shares: list[Batch], layout: DataLayout, *args: Any
+    ) -> list[Any]:
+        """Every process holds the whole batch and takes its replica's share; the sources' results then
+        reach every process as tensors (``exchange.share_results``), since each runs the driver."""
+        replica = layout.replica_of[self.rank]
+        source = layout.sources[replica] == self.rank
+        result = self.worker.call_share(role, method, shares[replica], source, *args)
+        return [result] if self.world == 1 else share_results(result)
 
     def barrier(self) -> None:
         """Every rank runs the driver under torchrun: line them up."""
@@ -119,13 +135,31 @@ class RoleHandle:
         self.role = role
         self.widths = layout_padding(pad_token_id)
 
+    @property
+    def dp_size(self) -> int:
+        """The role's data-parallel size in its training view: the shares a batch is split into."""
+        return self.group.layout(self.role).dp
+
+    def _call(
+        self, method: str, batch: Batch, *args: Any, view: str = "train"
+    ) -> tuple[list[Any], list[Any], int]:
+        """``method`` on each replica's share of ``batch``: the replicas' results in order, every rank's result
+        (only the meta of a Batch off the replicas' sources) and the count of padding rows."""
+        layout = self.group.layout(self.role, view)
+        shares, pad = split_batch(batch, layout.dp)
+        results = self.group.call_shares(self.role, method, shares, layout, *args)
+        return [results[s] for s in layout.sources], results, pad
+
     def _split(self, method: str, batch: Batch, keys: tuple[str, ...] = SEQ_KEYS) -> Any:
         present = [k for k in keys if k in batch.tensors]
-        return self.group.dispatch(Dispatch.SPLIT, self.role, method, batch.select(present, []), self.widths)
+        pieces, _, pad = self._call(method, batch.select(present, []))
+        if isinstance(pieces[0], Batch):
+            return merge_batches(pieces, pad, self.widths)
+        return pieces[0]  # metrics: already reduced over the ranks
 
 
 class ActorHandle(RoleHandle):
-    """Rollout, log-probs and updates of the actor, each rank on its share of the batch."""
+    """Rollout, log-probs and updates of the actor, each model replica on its share of the batch."""
 
     def __init__(self, group: WorkerGroup, sampling: Any, pad_token_id: int) -> None:
         super().__init__(group, "actor", pad_token_id)
@@ -134,14 +168,14 @@ class ActorHandle(RoleHandle):
     def generate(self, prompts: Batch, params: Any, desc: str = "rollout") -> Batch:
         """``params.n`` samples per prompt, interleaved; ``uid`` numbers the prompts of the whole batch.
 
-        ``meta["rollout_stats"]`` carries rank 0's generation stats when the engine keeps them, and
-        ``meta["reshard"]`` every rank's train -> generate switch when the rollout has weights of its own.
+        Each rollout group generates for its share of the prompts. ``meta["rollout_stats"]`` carries rank
+        0's generation stats when the engine keeps them, and ``meta["reshard"]`` every rank's train ->
+        generate switch when the rollout has weights of its own.
         """
-        chunks, pad = split_batch(prompts, self.group.world)
-        outputs = self.group.run_each("call", [("actor", "generate", c, params, desc) for c in chunks])
-        stats = [o.meta.pop("rollout_stats", None) for o in outputs]  # per rank: they differ, so not merged
-        reshard = [o.meta.pop("reshard", None) for o in outputs]
-        out = merge_batches(outputs, pad * params.n, self.widths)  # each rank pads to its longest prompt
+        pieces, results, pad = self._call("generate", prompts, params, desc, view="generate")
+        stats = [r.meta.pop("rollout_stats", None) for r in results]  # per rank: they differ, so not merged
+        reshard = [r.meta.pop("reshard", None) for r in results]
+        out = merge_batches(pieces, pad * params.n, self.widths)  # each group pads to its longest prompt
         if stats[0] is not None:
             out.meta["rollout_stats"] = stats[0]  # rank 0's, like the memory report
         if reshard[0] is not None:
@@ -157,14 +191,13 @@ class ActorHandle(RoleHandle):
         """One PPO-family update: its metrics (reduced over the ranks), and, when ``batch`` has no
         ``old_log_probs`` (on-policy), the update's own log-probs as ``old_log_probs``, else None."""
         present = [k for k in ACTOR_UPDATE_KEYS if k in batch.tensors]
-        chunks, pad = split_batch(batch.select(present, []), self.group.world)
-        outputs = self.group.run_each("call", [("actor", "update_actor", c) for c in chunks])
-        metrics = outputs[0].meta["metrics"]  # reduced over the ranks: the same on every one
-        if "old_log_probs" not in outputs[0]:
+        pieces, _, pad = self._call("update_actor", batch.select(present, []))
+        metrics = pieces[0].meta["metrics"]  # reduced over the ranks: the same on every one
+        if "old_log_probs" not in pieces[0]:
             return metrics, None
-        for output in outputs:
-            del output.meta["metrics"]
-        return metrics, merge_batches(outputs, pad, self.widths)
+        for piece in pieces:
+            del piece.meta["metrics"]
+        return metrics, merge_batches(pieces, pad, self.widths)
 
     def update_sft(self, batch: Batch) -> dict[str, float]:
         """Supervised step(s) on the response tokens."""

@@ -18,9 +18,11 @@ from hybridflow.checkpoint import RoleState
 from hybridflow.checkpoint.export import save_hf_model, write_hf_config
 from hybridflow.checkpoint.manager import HF_CONFIG, user_errors_together
 from hybridflow.engine import full_state_dict
+from hybridflow.protocol import Batch
 from hybridflow.utils.device import cuda_in_use
 from hybridflow.utils.dist import world_size
 from hybridflow.utils.logging import rank as env_rank
+from hybridflow.workers.dispatch import DataCoord
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,21 @@ class RankWorker:
         self.peaks[f"memory/{role}.{method}_peak_gib"] = peak
         logger.debug("%s.%s: peak %.2f GiB allocated", role, method, peak)
         return out
+
+    def call_share(self, role: str, method: str, share: Batch, source: bool, *args: Any) -> Any:
+        """``call`` on this rank's replica's share of a batch; a rank that is not the replica's ``source``
+        returns only its result's meta (a Batch of no rows: a rollout's statistics, an update's metrics) or
+        None, so that each replica's rows travel back once."""
+        out = self.call(role, method, share, *args)
+        if source:
+            return out
+        return Batch(meta=out.meta) if isinstance(out, Batch) else None
+
+    def data_coord(self, role: str, view: str = "train") -> DataCoord:
+        """Where this rank stands in ``role``'s data: in its training view, or ("generate") in the actor's
+        generation view."""
+        worker = self.roles[role]
+        return worker.rollout_coord() if view == "generate" else worker.data_coord()
 
     def memory_report(self) -> dict[str, float]:
         """The peak memory of each phase since the last report (empty on CPU)."""

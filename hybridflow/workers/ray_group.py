@@ -15,6 +15,7 @@ from typing import Any
 
 from hybridflow.config.schema import Config
 from hybridflow.utils.errors import UserError
+from hybridflow.workers.dispatch import DataLayout
 from hybridflow.workers.group import WorkerError, WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,10 @@ class RankProcess:
         """Call a ``RankWorker`` method."""
         return getattr(self.worker, method)(*args, **kwargs)
 
+    def run_share(self, role: str, method: str, share: Any, source: bool, args: tuple) -> Any:
+        """``RankWorker.call_share``; ``share`` comes as an object reference, which Ray resolves here."""
+        return self.worker.call_share(role, method, share, source, *args)
+
 
 class RayGroup(WorkerGroup):
     """``world`` Ray actors with ``roles``, placed one per bundle of their own placement group."""
@@ -99,6 +104,7 @@ class RayGroup(WorkerGroup):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        super().__init__()
         self.ray, self.name, self.world, self.roles = ray, name, world, roles
         bundle = {"CPU": 1, "GPU": 1} if use_gpu else {"CPU": 1}
         self.pg = placement_group([bundle] * world, strategy="PACK")
@@ -183,6 +189,18 @@ class RayGroup(WorkerGroup):
         }
         first = next(a for a in per_rank_args if a is not None)
         return self._wait(refs, f"{first[0]}.{first[1]}" if method == "call" else method)
+
+    def call_shares(
+        self, role: str, method: str, shares: list[Any], layout: DataLayout, *args: Any
+    ) -> list[Any]:
+        """Each share goes into the object store once and the ranks of its replica all read that copy."""
+        refs = [self.ray.put(share) for share in shares]
+        calls = {}
+        for r, actor in enumerate(self.actors):
+            replica = layout.replica_of[r]
+            source = layout.sources[replica] == r
+            calls[r] = actor.run_share.remote(role, method, refs[replica], source, args)
+        return self._wait(calls, f"{role}.{method}")
 
     def barrier(self) -> None:
         """The driver is one process: nothing to line up."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 from torch import nn
 
 from hybridflow.config.schema import Config
-from hybridflow.engine import ActorEngine, ParallelDims, ShareGroup
+from hybridflow.engine import ActorEngine, ParallelDims
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.logging import rank as dist_rank
+from hybridflow.workers.dispatch import DataCoord, train_coord
 
 
 class ReferenceWorker:
@@ -29,12 +30,14 @@ class ReferenceWorker:
             dims=dims,
         )
         self.dims = self.engine.dims  # with its process groups
-        self.shares = ShareGroup(self.dims, dist_rank(), pad_token_id)
+
+    def data_coord(self) -> DataCoord:
+        """This rank's model replica in the reference's view: the driver hands its ranks one share of a batch."""
+        return train_coord(self.dims, dist_rank())
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """``ref_log_prob`` (B, R) at the rollout temperature."""
         ref = self.cfg.ref
-        batch, rows, width = self.shares.join(batch)
         out = self.engine.compute_log_prob(
             batch,
             temperature=self.cfg.rollout.temperature,
@@ -42,4 +45,4 @@ class ReferenceWorker:
             use_dynamic_bsz=ref.log_prob_use_dynamic_bsz,
             max_token_len=self.dims.token_budget(ref.log_prob_max_token_len_per_gpu),
         )
-        return self.shares.mine(Batch({"ref_log_prob": out["log_probs"]}), rows, width)
+        return Batch({"ref_log_prob": out["log_probs"]})

@@ -8,7 +8,7 @@ import random
 import pytest
 from dist_util import run_world_kept as run_world
 
-from hybridflow.trainer.balance import balance_order, balanced_groups
+from hybridflow.trainer.balance import balance_order, balance_parts, balanced_groups
 
 
 def test_groups_are_equal_sized_cover_every_sample_and_even_out_the_tokens() -> None:
@@ -26,6 +26,20 @@ def test_groups_are_equal_sized_cover_every_sample_and_even_out_the_tokens() -> 
         assert max(sums) - min(sums) <= max(lengths)
         assert metrics["global_seqlen/balanced_max"] < metrics["global_seqlen/max"]
         assert metrics["global_seqlen/mean"] == pytest.approx(sum(lengths) / parts)
+
+
+def test_roles_of_different_data_parallel_sizes_each_get_even_shares() -> None:
+    """An actor at tp=2 on 4 ranks (dp=2) beside an FSDP2 critic (dp=4): balanced over lcm(2, 4) = 4 parts,
+    each role's contiguous shares hold about the same tokens."""
+    assert balance_parts([2, 2, 4]) == 4 and balance_parts([2, 3]) == 6 and balance_parts([1, 1]) == 1
+    rng = random.Random(1)
+    lengths = sorted((rng.randint(1, 1000) for _ in range(64)), reverse=True)
+    order, _ = balance_order(lengths, balance_parts([2, 4]))
+    ordered = [lengths[i] for i in order]
+    for dp in (2, 4):
+        size = len(ordered) // dp
+        sums = [sum(ordered[d * size : (d + 1) * size]) for d in range(dp)]
+        assert max(sums) - min(sums) <= max(lengths), dp
 
 
 def test_one_group_keeps_the_order() -> None:

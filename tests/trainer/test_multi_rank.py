@@ -119,7 +119,9 @@ def test_the_fixture_looks_like_real_data(setup: dict[str, Path]) -> None:
     tok = load_tokenizer(str(setup["model"]))
     ds = RLDataset(load_rows([str(setup["train"])]), tok, max_prompt_length=400)
     lengths = sorted(len(ds[i]["input_ids"]) for i in range(len(ds)))
-    assert lengths[0] < 30 and lengths[-1] > 250  # the text prompts: a few tokens in the chat template and len(set(lengths)) > 10
+    assert (
+        lengths[0] < 30 and lengths[-1] > 250
+    )  # the text prompts: a few tokens in the chat template and len(set(lengths)) > 10
     assert {ds[i]["data_source"] for i in range(len(ds))} == {"chat/tie", "chat/vary"}
 
 

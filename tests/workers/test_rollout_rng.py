@@ -29,10 +29,15 @@ def prompts(rank: int) -> dict[str, torch.Tensor]:
 
 
 def rng_around_generate(rank: int, arch: str, overrides: list[str], cuda: bool = False) -> dict:
-    """The generators' states just before and just after a seeded, sampled ``generate`` (and its tokens)."""
+    """The generators' states just before and just after a seeded, sampled ``generate`` (and its tokens).
+
+    The driver hands every rank of a rollout group the group's prompts (its ranks' shares together); the
+    tokens returned are this rank's share's samples, cut from the group's as the driver's merge does.
+    """
     if not cuda:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from hybridflow.config import load_config
+    from hybridflow.engine import GenerateView
     from hybridflow.models import build_tiny_model
     from hybridflow.protocol import Batch
     from hybridflow.workers.actor import ActorWorker
@@ -45,7 +50,12 @@ def rng_around_generate(rank: int, arch: str, overrides: list[str], cuda: bool =
     before = {"cpu": torch.get_rng_state()}
     if cuda:
         before["cuda"] = torch.cuda.get_rng_state()
-    out = worker.generate(Batch(prompts(rank)), params)
+    view = GenerateView(cfg.trainer.world_size, cfg.rollout.tensor_model_parallel_size)
+    members = view.group_ranks(view.dp_rank(rank))  # the ranks of this rank's rollout group
+    together = Batch.concat([Batch(prompts(r)) for r in members])
+    out = worker.generate(together, params)
+    share = len(out) // len(members)
+    out = out[members.index(rank) * share : (members.index(rank) + 1) * share]
     after = {"cpu": torch.get_rng_state()}
     if cuda:
         after["cuda"] = torch.cuda.get_rng_state()

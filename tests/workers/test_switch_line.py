@@ -30,6 +30,7 @@ def switch_lines(rank: int, arch: str, overrides: list[str]) -> dict:
     """The switch lines (level, text) of two generations, the plan's figures and what the worker reported."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from hybridflow.config import load_config
+    from hybridflow.engine import GenerateView
     from hybridflow.engine.hybrid.switch import RolloutShard
     from hybridflow.models import build_tiny_model
     from hybridflow.protocol import Batch
@@ -51,7 +52,10 @@ def switch_lines(rank: int, arch: str, overrides: list[str]) -> dict:
         model = build_tiny_model(arch, vocab_size=64, hidden_size=32, num_hidden_layers=2, seed=5)
         worker = ActorWorker(model, cfg, total_steps=1, pad_token_id=0)
         params = worker.sampling_params(2, 1.0, 1.0, -1, True, [], 7)
-        received = [worker.generate(Batch(prompts(rank)), params).meta.get("reshard") for _ in range(2)]
+        view = GenerateView(cfg.trainer.world_size, cfg.rollout.tensor_model_parallel_size)
+        # the driver hands every rank of a rollout group the group's prompts: its ranks' shares together
+        together = Batch.concat([Batch(prompts(r)) for r in view.group_ranks(view.dp_rank(rank))])
+        received = [worker.generate(together, params).meta.get("reshard") for _ in range(2)]
     finally:
         log.removeHandler(keep)
         log.setLevel(level)

@@ -59,7 +59,6 @@ def holdings_of(named: dict[str, torch.Tensor], names: list[str]) -> list[list[B
     return table
 
 
-
 class RolloutShard:
     """This rank's generation weights (a tensor-parallel shard, or a whole replica at tp = 1), from the plan."""
 

@@ -10,4 +10,3 @@ from hybridflow.models.loader import resolve_dtype
 def to_dtype(name: str | torch.dtype) -> torch.dtype:
     """Map a dtype name from the config ('bfloat16', 'bf16', 'float32', ...) to a torch dtype."""
     return resolve_dtype(name)
-

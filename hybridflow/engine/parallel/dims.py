@@ -11,7 +11,7 @@ all-to-alls stay on a node; FSDP2 then shards over every rank.
 A ``ParallelDims`` holds the sizes (checked against the world by the config's one check,
 ``config.views.world_problems``), the rank's coordinates, the token budgets of a group, and once ``build()``
 has run (a collective), the named process groups: the one device mesh of the view (``(pp, tp, dp)``, or
-``(dp, sp)`` under Ulysses; none under FSDP2 alone) and the group of each model replica. Printed as the logs
+``(dp, sp)`` under Ulysses; none under FSDP2 alone). Printed as the logs
 name the view: ``(fsdp=4)``, ``(fsdp=4, sp=2)``, ``(tp=2, pp=2, dp=1)``. The layout planner builds the same
 object for its candidates, without groups.
 """
@@ -37,10 +37,12 @@ from hybridflow.utils.dist import init_distributed
 
 @dataclass(frozen=True)
 class DimGroups:
-    """A built view's process groups: its device mesh (None under FSDP2 alone) and this rank's replica."""
+    """A built view's process groups: its device mesh (None under FSDP2 alone).
+
+    A replica's ranks need no group of their own: the driver hands each of them the same share
+    (``workers.dispatch``)."""
 
     mesh: DeviceMesh | None
-    replica: dist.ProcessGroup | None  # the ranks of this rank's model replica (None: the rank alone)
 
 
 @dataclass(frozen=True)
@@ -144,13 +146,7 @@ class ParallelDims:
             )
         elif self.sp > 1:
             mesh = init_device_mesh(device_type, (self.dp, self.sp), mesh_dim_names=("dp", "sp"))
-        rank = dist.get_rank()
-        replica = None
-        if self.world > self.dp:  # new_group is collective over the world: every rank creates every group
-            for d in range(self.dp):
-                group = dist.new_group(self.replica_ranks(d))
-                replica = group if d == self.coords(rank)[2] else replica
-        return replace(self, rank=rank, groups=DimGroups(mesh, replica))
+        return replace(self, rank=dist.get_rank(), groups=DimGroups(mesh))
 
     def _built(self) -> DimGroups:
         assert self.groups is not None, "ParallelDims.build() first"
@@ -185,11 +181,6 @@ class ParallelDims:
         """The mesh FSDP2 shards over: the data-parallel ranks (None: every rank, FSDP2 alone or Ulysses)."""
         mesh = self._built().mesh
         return None if self.fsdp_only else mesh["dp"]
-
-    @property
-    def replica_group(self) -> dist.ProcessGroup | None:
-        """The ranks of this rank's model replica, which compute on the same rows (None: the rank alone)."""
-        return self._built().replica
 
     def __str__(self) -> str:
         if self.fsdp_only:

@@ -146,5 +146,3 @@ def check_tp(config: Any, tp: int) -> None:
             f"rollout.tensor_model_parallel_size={tp} does not split this model: {', '.join(problems)}; "
             "use a tensor-parallel size that divides them"
         )
-
-

@@ -10,7 +10,7 @@ sum of their gradients after every backward (``TiedWeights``), and the global gr
 Every stage runs the packed layout (remove-padding): each micro-batch is one row of tokens, padded to the
 pass's longest micro-batch, since ``torch.distributed.pipelining`` sends fixed-shape activations and the
 stage's buffers are sized once per pass. The padding is one extra sequence, attended only by itself and
-never scored. Every rank of a model replica holds the same rows (``train_view.ShareGroup``), so each stage
+never scored. Every rank of a model replica holds the same rows (the driver's share of it), so each stage
 builds the same micro-batches and knows their shapes: the stages are given those shapes (no shape inference
 round trip). A forward-only pass (old and reference log-probs, values) runs GPipe's fill-drain; an update
 runs 1F1B, each micro-batch's loss computed on the last stage by the caller's function, summed (never

@@ -1,9 +1,9 @@
-"""A rank's place in the generation view: the rollout group it generates with, its seed, its prompts.
+"""A rank's place in the generation view: the rollout group it generates with and its sampling seed.
 
-Every rank is handed its own share of the prompts by the driver. The tp ranks of a rollout group generate
-together for the union of their shares (gathered inside the group, in tensor-parallel order), from one
-sampling stream per group (seeded from the group's index, so groups differ and a group's ranks agree), then
-each rank keeps the samples of its own share: the driver's split and merge stay the same for any tp.
+The driver splits the prompts by the generation view's data-parallel size and hands every rank of a rollout
+group the group's share (``workers.dispatch``). The tp ranks of the group generate it together from one
+sampling stream per group (seeded from the group's index, so groups differ and a group's ranks agree), and
+one of them returns the samples.
 """
 
 from __future__ import annotations
@@ -34,25 +34,23 @@ class RolloutGroup:
             return seed
         return seed + GROUP_SEED_STRIDE * self.dp_rank
 
-    def gather(self, prompts: list[list[int]]) -> tuple[list[list[int]], slice]:
-        """The group's prompts (every rank's share, in tensor-parallel order) and this rank's slice of them."""
-        if self.group is None:
-            return prompts, slice(0, len(prompts))
-        shares: list[Any] = [None] * self.view.tp
-        dist.all_gather_object(shares, prompts, group=self.group)
-        start = sum(len(s) for s in shares[: self.tp_rank])
-        return [p for share in shares for p in share], slice(start, start + len(prompts))
-
-    def check_agreement(self, outputs: Any) -> None:
-        """Raise when the ranks of the group did not sample the same tokens (their collectives would part)."""
+    def check_agreement(self, outputs: Any, prompts: Any = None) -> None:
+        """Raise when the ranks of the group were not handed the same ``prompts`` (a dispatch bug) or did not
+        sample the same tokens (their collectives would part)."""
         if self.group is None:
             return
-        digest = hashlib.sha1(pickle.dumps(outputs)).hexdigest()
+        mine = tuple(hashlib.sha1(pickle.dumps(x)).hexdigest() for x in (prompts, outputs))
         digests: list[Any] = [None] * self.view.tp
-        dist.all_gather_object(digests, digest, group=self.group)
-        if len(set(digests)) > 1:
+        dist.all_gather_object(digests, mine, group=self.group)
+        ranks = self.view.group_ranks(self.dp_rank)
+        if len({d[0] for d in digests}) > 1:
             raise RuntimeError(
-                f"the ranks {self.view.group_ranks(self.dp_rank)} of rollout group {self.dp_rank} generated "
+                f"the ranks {ranks} of rollout group {self.dp_rank} were handed different prompts; every rank "
+                "of a group must be given the group's share (the driver's dispatch by data-parallel coordinate)"
+            )
+        if len({d[1] for d in digests}) > 1:
+            raise RuntimeError(
+                f"the ranks {ranks} of rollout group {self.dp_rank} generated "
                 "different tokens from the same prompts and seed; their logits differ (a bug in the "
                 "tensor-parallel rollout: please report it with the model and config)"
             )

@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism: the sp ranks of a data-parallel group split each packed micro-batch's tokens.
 
 DeepSpeed-Ulysses as verl applies it, on the packed (remove-padding) layout. Every rank of a group holds the
-whole micro-batch on the host (``train_view.ShareGroup`` joins the group's data shares, as it does for a
+whole micro-batch on the host (the driver hands every rank of the group the same share, as it does for a
 tensor-parallel replica), pads its one packed row of S tokens to a multiple of sp and keeps the slice of
 S/sp tokens that is its own. The embedding, the norms, the MLPs, RoPE (each token keeps its true position id:
 the rank slices the group's packed position ids, so the rotation is exact) and the LM head then run on that

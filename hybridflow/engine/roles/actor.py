@@ -52,7 +52,7 @@ class ActorEngine:
         dims: ParallelDims | None = None,
     ) -> None:
         """``dims``: the training view (None: FSDP2 over every rank); the ranks of one model replica must be
-        given the same rows (``train_view.ShareGroup`` joins their shares).
+        given the same rows (the driver hands them one share, ``workers.dispatch``).
 
         ``fused_head``: the fused LM-head log-prob (False: the checkpointed reference path).
 

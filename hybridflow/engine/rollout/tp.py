@@ -96,4 +96,3 @@ class RolloutTP:
         b = local.shape[0]
         full = parts.view(self.size, b, self.vocab_part).permute(1, 0, 2).reshape(b, -1)  # (b, tp * V/tp)
         return full[:, : self.vocab_size]
-

@@ -12,4 +12,3 @@ class GenerationOutput:
     token_ids: list[int]
     logprobs: list[float]  # log-prob of each sampled token, see sampling.sample for the exact distribution
     finish_reason: str  # "eos", "stop" or "length"
-

@@ -22,7 +22,6 @@ logger = logging.getLogger(__name__)
 _ALIGN = 256  # bytes: each home starts on a DMA-friendly boundary (and any dtype's element size divides it)
 
 
-
 def _pin(flat: torch.Tensor) -> bool:
     """Page-lock ``flat`` for DMA copies; False (with a warning) when the driver refuses."""
     code = int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 0))

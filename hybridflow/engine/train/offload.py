@@ -134,4 +134,3 @@ def _host_sync(device: torch.device | str) -> None:
     """
     if torch.device(device).type == "cpu" and torch.cuda.is_initialized():
         torch.cuda.synchronize()
-

@@ -92,8 +92,13 @@ def built_groups(rank: int) -> dict:
     q = dict(frozen.module.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
     return {
         "rank": tp.rank,
-        "tp": [ranks(tp.dp_group), ranks(tp.pp_group), ranks(tp.replica_group), tp.tp_mesh.mesh.tolist()],
-        "sp": [ranks(sp.dp_group), ranks(sp.sp_group), ranks(sp.replica_group), sp.fsdp_mesh],
+        "tp": [
+            ranks(tp.dp_group),
+            ranks(tp.pp_group),
+            tp.replica_ranks(tp.dp_rank),
+            tp.tp_mesh.mesh.tolist(),
+        ],
+        "sp": [ranks(sp.dp_group), ranks(sp.sp_group), sp.replica_ranks(sp.dp_rank), sp.fsdp_mesh],
         "masters": sorted({str(p.dtype) for p in frozen.module.parameters()}),
         "q": (tuple(q.shape), tuple(q.to_local().shape)),
         "compute": str(frozen.compute_dtype),

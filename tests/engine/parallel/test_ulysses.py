@@ -77,7 +77,9 @@ def run_views(rank: int, world: int, views: list[tuple[str, int, bool]]) -> list
     for arch, sp, dynamic in views:
         view = ParallelDims(world, sp=sp)
         dp_rank, dp = view.coords(rank)[2], view.dp
-        rows = list(range(dp_rank * B // dp, (dp_rank + 1) * B // dp))  # the group's rows (ShareGroup's join)
+        rows = list(
+            range(dp_rank * B // dp, (dp_rank + 1) * B // dp)
+        )  # the group's rows (the driver's share)
         batch = fixed_batch()[rows]
         lm = build_tiny_model(arch, vocab_size=64, hidden_size=32, num_hidden_layers=2, seed=1)
         critic_lm = build_value_model(lm) if not dynamic else None
