@@ -37,18 +37,13 @@ from hybridflow.algos.rollout_metrics import (
 from hybridflow.utils.torch_functional import masked_mean, masked_sum
 
 ROLLOUT_IS_MODES: list[str] = ["token", "sequence"]
+# Each option aggregates a KL estimator k1/k2/k3 per token or over a sequence (its sum, mean or max); k1 is
+# signed, so its max says nothing and is not an option. config.choices lists the same names for validation
+# (a test keeps the two equal).
 ROLLOUT_RS_OPTIONS: list[str] = [
-    "token_k1",
-    "token_k2",
-    "token_k3",
-    "seq_sum_k1",
-    "seq_sum_k2",
-    "seq_sum_k3",
-    "seq_mean_k1",
-    "seq_mean_k2",
-    "seq_mean_k3",
-    "seq_max_k2",
-    "seq_max_k3",
+    *(f"token_k{k}" for k in (1, 2, 3)),
+    *(f"seq_{agg}_k{k}" for agg in ("sum", "mean") for k in (1, 2, 3)),
+    *(f"seq_max_k{k}" for k in (2, 3)),
 ]
 SUPPORTED_ROLLOUT_RS_OPTIONS: set[str] = set(ROLLOUT_RS_OPTIONS)
 TOKEN_LEVEL_ROLLOUT_RS_OPTIONS: set[str] = {"token_k1", "token_k2", "token_k3"}

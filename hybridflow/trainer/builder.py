@@ -280,36 +280,8 @@ def build_preference_components(
     logger.info("%s", world_line(cfg))  # the run's first line: world size and every role's rank layout
     model, tokenizer = _policy(cfg, model, tokenizer)
     check_position_limit(cfg, model)
-    p, d = cfg.preference, cfg.data
-    if rows is None:
-        if not d.train_files:
-            raise UserError(
-                f"data.train_files is not set: {kind} trains on preference rows; point it to a file"
-            )
-        rows = load_rows(d.train_files)
-    source = ", ".join(map(str, d.train_files or ["built-in pairs"]))
-    common = dict(truncation=p.truncation, prompt_key=d.prompt_key, source=source)
-    train = (
-        PreferenceDataset(
-            rows,
-            tokenizer,
-            d.max_prompt_length,
-            d.max_response_length,
-            chosen_key=p.chosen_key,
-            rejected_key=p.rejected_key,
-            **common,
-        )
-        if kind == "dpo"
-        else KTODataset(
-            rows,
-            tokenizer,
-            d.max_prompt_length,
-            d.max_response_length,
-            completion_key=p.completion_key,
-            label_key=p.label_key,
-            **common,
-        )
-    )
+    d = cfg.data
+    train = _preference_dataset(cfg, kind, tokenizer, rows)
     if d.train_batch_size % cfg.trainer.world_size:
         raise UserError(
             f"data.train_batch_size={d.train_batch_size} pairs do not split over {cfg.trainer.world_size} ranks; "
@@ -327,3 +299,25 @@ def build_preference_components(
     return Components(
         tokenizer, pad_id_of(tokenizer), eos, actor, ref, None, train, val, scorer, steps, groups
     )
+
+
+def _preference_dataset(
+    cfg: Config, kind: str, tokenizer: Any, rows: list[dict[str, Any]] | None
+) -> PreferenceDataset | KTODataset:
+    """DPO pairs or KTO examples from ``rows`` (None: ``data.train_files``)."""
+    p, d = cfg.preference, cfg.data
+    if rows is None:
+        if not d.train_files:
+            raise UserError(
+                f"data.train_files is not set: {kind} trains on preference rows; point it to a file"
+            )
+        rows = load_rows(d.train_files)
+    source = ", ".join(map(str, d.train_files or ["built-in pairs"]))
+    common = dict(truncation=p.truncation, prompt_key=d.prompt_key, source=source)
+    if kind == "dpo":
+        keys = dict(chosen_key=p.chosen_key, rejected_key=p.rejected_key)
+        return PreferenceDataset(
+            rows, tokenizer, d.max_prompt_length, d.max_response_length, **keys, **common
+        )
+    keys = dict(completion_key=p.completion_key, label_key=p.label_key)
+    return KTODataset(rows, tokenizer, d.max_prompt_length, d.max_response_length, **keys, **common)

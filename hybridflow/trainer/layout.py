@@ -80,6 +80,11 @@ class Layout:
     reason: str = ""
     params: int = 0
 
+    def dims(self, with_sp: bool = True) -> ParallelDims:
+        """The actor's training view of this layout (the one place the planner builds it); without sp for the
+        memory views, which Ulysses does not change."""
+        return ParallelDims(self.world, self.tp_train, self.pp, self.sp if with_sp else 1)
+
     @property
     def peak(self) -> int:
         """The largest phase's bytes per GPU."""
@@ -103,7 +108,7 @@ class Layout:
 
     def describe(self) -> str:
         """The two views, sp and offload, as the logs name them."""
-        train = str(ParallelDims(self.world, self.tp_train, self.pp))
+        train = str(self.dims(with_sp=False))  # sp is named on its own below
         offload = (
             "params+optimizer" if self.param_offload else "optimizer" if self.optimizer_offload else "none"
         )
@@ -242,14 +247,14 @@ def _activation_bytes(cfg: Config, mc: Any, layout: Layout, backward: bool) -> i
 
 
 @functools.lru_cache(maxsize=64)
-def _views(model: torch.nn.Module, world: int, tp_train: int, pp: int, tp_generate: int) -> ViewMemory:
-    """The views' figures without the switch's transfers (offload and sp do not change them)."""
-    return view_memory(model, ParallelDims(world, tp_train, pp), tp_generate, switch=False)
+def _views(model: torch.nn.Module, dims: ParallelDims, tp_generate: int) -> ViewMemory:
+    """The views' figures without the switch's transfers (offload does not change them)."""
+    return view_memory(model, dims, tp_generate, switch=False)
 
 
 def estimate_phases(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout) -> dict[str, int]:
     """Bytes per GPU of each phase of a step under ``layout`` (the actor; a colocated reference added)."""
-    v = _views(model, layout.world, layout.tp_train, layout.pp, layout.tp_generate)
+    v = _views(model, layout.dims(with_sp=False), layout.tp_generate)  # sp: no change
     layout.views, layout.params = v, v.full_elements
     held = v.held_elements
     masters, moments, grads = held * MASTER_BYTES, held * MOMENT_BYTES, held * GRAD_BYTES
@@ -293,7 +298,7 @@ def _splits(model: torch.nn.Module, layout: Layout) -> bool:
     if unsplit_reason(model, layout.tp_train, layout.tp_generate) is not None:
         return False
     try:  # the view the actor would build (sizes that do not fit the world are refused here too)
-        ParallelDims(layout.world, layout.tp_train, layout.pp, layout.sp).check_model(model.config)
+        layout.dims().check_model(model.config)
     except ValueError:
         return False
     return True
@@ -359,8 +364,7 @@ def plan_layout(
 def _with_switch(model: torch.nn.Module, layout: Layout) -> Layout:
     """The chosen layout with the bytes its switch moves (from the reshard plan; up to 64 ranks)."""
     if layout.world <= 64:
-        view = ParallelDims(layout.world, layout.tp_train, layout.pp)
-        layout.views = view_memory(model, view, layout.tp_generate)
+        layout.views = view_memory(model, layout.dims(with_sp=False), layout.tp_generate)
     return layout
 
 

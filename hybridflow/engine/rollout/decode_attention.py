@@ -318,6 +318,17 @@ def _check_inputs(
         _check_new_token(new, batch, kv_heads, dim)
 
 
+def _partials(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, tuple, tuple]:
+    """The split kernel's partial outputs and log-sum-exps, with their strides; one split writes ``out``
+    (B, H, 1, D) itself and leaves the LSE untouched."""
+    if splits == 1:
+        return out, out, (out.stride(0), out.stride(1), 0, out.stride(3)), (0, 0)
+    batch, heads, _, dim = out.shape
+    part = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=out.device)  # (B, H, S, D)
+    lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=out.device)  # (B, H, S)
+    return part, lse, part.stride(), lse.stride()[:2]
+
+
 def decode_attention_triton(
     q: torch.Tensor,  # (B, H, 1, D)
     k_cache: torch.Tensor,  # (S >= B, KVH, L, D)
@@ -349,14 +360,7 @@ def decode_attention_triton(
     splits, split_len = split_layout(batch, kv_heads, length, block_n, num_splits, q.device)
     out = torch.empty((batch, heads, 1, dim), dtype=q.dtype, device=q.device)  # (B, H, 1, D)
     direct = splits == 1
-    if direct:
-        part, lse = out, out  # the split kernel writes the output itself; LSE is not touched
-        part_strides = (out.stride(0), out.stride(1), 0, out.stride(3))
-        lse_strides = (0, 0)
-    else:
-        part = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=q.device)
-        lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
-        part_strides, lse_strides = part.stride(), lse.stride()[:2]
+    part, lse, part_strides, lse_strides = _partials(out, splits)
     block_d = max(16, triton.next_power_of_2(dim))  # tl.dot needs every dimension >= 16
     group = heads // kv_heads
     k_new, v_new, cos, sin = new if new is not None else (q, q, q, q)  # unread placeholders when not fused
