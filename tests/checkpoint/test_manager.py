@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from batches import Draw, rollout_batch
 from dist_util import run_world_kept as run_world
 
 from hybridflow.checkpoint import CheckpointError, RoleState, load, read_meta, save
@@ -14,28 +15,18 @@ from hybridflow.config.schema import ActorConfig
 from hybridflow.models import build_tiny_model
 from hybridflow.protocol import Batch
 
-P, R, B = 5, 4, 8
+R, B = 4, 8  # response length, samples
 
 
 def fixed_batch() -> Batch:
     """Prompts and responses of varied lengths, with advantages and old log-probs for an update."""
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, 60, (B, P + R), generator=g)
-    mask = torch.ones(B, P + R, dtype=torch.long)
-    for b, (pad, resp) in enumerate([(0, 4), (2, 3), (1, 1), (0, 2), (3, 4), (1, 3), (0, 4), (2, 2)]):
-        mask[b, :pad] = 0
-        mask[b, P + resp :] = 0
-    ids = ids * mask
-    return Batch(
-        {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-            "responses": ids[:, -R:],
-            "response_mask": mask[:, -R:].float(),
-            "advantages": torch.randn(B, R, generator=g),
-            "old_log_probs": -torch.rand(B, R, generator=g) - 3.0,
-        }
+    return rollout_batch(
+        [5, 3, 4, 5, 2, 4, 5, 3],  # prompt lengths (left-padded to 5)
+        [4, 3, 1, 2, 4, 3, 4, 2],  # response lengths
+        R,
+        seed=3,
+        advantages=Draw(),  # N(0, 1) on every column, past the responses' ends too
+        old_log_probs=Draw(-4.0, -3.0),
     )
 
 

@@ -13,21 +13,15 @@ import os
 
 import pytest
 import torch
+from batches import prompt_batch
 from dist_util import run_world_kept as run_world
 
+from hybridflow.protocol import Batch
 
-def prompts() -> dict[str, torch.Tensor]:
+
+def prompts() -> Batch:
     """Four left-padded prompts of 3-6 tokens."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 60, (4, 6), generator=g)
-    mask = torch.ones(4, 6, dtype=torch.long)
-    for row, pad in enumerate([0, 1, 3, 2]):
-        mask[row, :pad] = 0
-    return {
-        "input_ids": ids * mask,
-        "attention_mask": mask,
-        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-    }
+    return prompt_batch([6, 5, 3, 4], seed=0)
 
 
 def generate_with(rank: int, overrides: list[str], cpu: bool = False) -> dict:
@@ -36,14 +30,13 @@ def generate_with(rank: int, overrides: list[str], cpu: bool = False) -> dict:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from hybridflow.config import load_config
     from hybridflow.models import build_tiny_model
-    from hybridflow.protocol import Batch
     from hybridflow.workers.actor import ActorWorker
 
     cfg = load_config(None, ["data.max_response_length=8", "rollout.ignore_eos=true", *overrides])
     model = build_tiny_model("qwen2", vocab_size=64, hidden_size=64, num_hidden_layers=2, seed=5)
     worker = ActorWorker(model, cfg, total_steps=1, pad_token_id=0)
     params = worker.sampling_params(1, 0.0, 1.0, -1, False, [], None)
-    out = worker.generate(Batch(prompts()), params)
+    out = worker.generate(prompts(), params)
     return {
         "responses": out["responses"],
         "rollout_device": str(worker.rollout.device) if hasattr(worker.rollout, "device") else None,
@@ -82,7 +75,6 @@ def cast_buffer_bytes(rank: int) -> dict:
     from hybridflow.config import load_config
     from hybridflow.engine.rollout.engine import RolloutEngine
     from hybridflow.models import build_tiny_model
-    from hybridflow.protocol import Batch
     from hybridflow.workers.actor import ActorWorker
 
     def held(engine: RolloutEngine) -> int:
@@ -99,7 +91,7 @@ def cast_buffer_bytes(rank: int) -> dict:
     worker = ActorWorker(model, cfg, total_steps=1, pad_token_id=0)
     at_build = held(worker.rollout)
     params = worker.sampling_params(1, 0.0, 1.0, -1, False, [], None)
-    out = worker.generate(Batch(prompts()), params)
+    out = worker.generate(prompts(), params)
     rows = [row[m.bool()].tolist() for row, m in zip(prompts()["input_ids"], prompts()["attention_mask"])]
     want = [g[0].token_ids for g in plain.generate(rows, params)]
     return {
@@ -124,7 +116,6 @@ def rollout_slots_short_of_room(rank: int) -> dict:
     ``actor.fsdp.optimizer_offload=auto``; where the AdamW moments are after each."""
     from hybridflow.config import load_config
     from hybridflow.models import build_tiny_model
-    from hybridflow.protocol import Batch
     from hybridflow.workers.actor import ActorWorker
 
     overrides = ["data.max_response_length=32", "rollout.ignore_eos=true", "rollout.enforce_eager=true"]
@@ -148,7 +139,7 @@ def rollout_slots_short_of_room(rank: int) -> dict:
             per_slot, used, total, _ = rollout._kv_budget(max_len, rollout.runner.pending_bytes())
             rollout.gpu_memory_utilization = (used + 16 * per_slot) / total
             assert rollout.memory_shortfall(rows, params) > 0
-        out = worker.generate(Batch(prompts()), params)
+        out = worker.generate(prompts(), params)
         return {"slots": out.meta["rollout_stats"]["slots"], "moments": moments_device()}
 
     roomy = run(auto=True, short_of_room=False)
@@ -174,7 +165,6 @@ def room_from_actor_and_critic(rank: int) -> dict:
     from hybridflow.config import load_config
     from hybridflow.engine.parallel.fsdp import optimizer_state_bytes
     from hybridflow.models import build_tiny_model
-    from hybridflow.protocol import Batch
     from hybridflow.workers.build import build_roles
 
     auto = ["actor.fsdp.optimizer_offload=auto", "critic.fsdp.optimizer_offload=auto"]
@@ -200,7 +190,7 @@ def room_from_actor_and_critic(rank: int) -> dict:
         max_len = rollout._check_prompts(rows, params)
         per_slot, used, total, _ = rollout._kv_budget(max_len, rollout.runner.pending_bytes())
         rollout.gpu_memory_utilization = (used + 32 * per_slot - nbytes) / total
-        out = worker.generate(Batch(prompts()), params)
+        out = worker.generate(prompts(), params)
         got = {"slots": out.meta["rollout_stats"]["slots"], "actor": where(actor), "critic": where(critic)}
         actor.onload(), critic.onload()
         return got

@@ -9,23 +9,15 @@ import os
 
 import pytest
 import torch
+from batches import prompt_batch
 from dist_util import run_world_kept
 
+from hybridflow.protocol import Batch
 
-def prompts(rank: int) -> dict[str, torch.Tensor]:
+
+def prompts(rank: int) -> Batch:
     """Five left-padded prompts of 2-11 tokens (a different share on each rank)."""
-    g = torch.Generator().manual_seed(10 + rank)
-    lengths = [11, 2, 7, 4, 9]
-    width = max(lengths)
-    ids = torch.randint(3, 60, (len(lengths), width), generator=g)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        mask[row, width - n :] = 1
-    return {
-        "input_ids": ids * mask,
-        "attention_mask": mask,
-        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-    }
+    return prompt_batch([11, 2, 7, 4, 9], seed=10 + rank)
 
 
 def rng_around_generate(rank: int, arch: str, overrides: list[str], cuda: bool = False) -> dict:
@@ -39,7 +31,6 @@ def rng_around_generate(rank: int, arch: str, overrides: list[str], cuda: bool =
     from hybridflow.config import load_config
     from hybridflow.engine import GenerateView
     from hybridflow.models import build_tiny_model
-    from hybridflow.protocol import Batch
     from hybridflow.workers.actor import ActorWorker
 
     cfg = load_config(None, ["data.max_response_length=6", "rollout.ignore_eos=true", *overrides])
@@ -52,7 +43,7 @@ def rng_around_generate(rank: int, arch: str, overrides: list[str], cuda: bool =
         before["cuda"] = torch.cuda.get_rng_state()
     view = GenerateView(cfg.trainer.world_size, cfg.rollout.tensor_model_parallel_size)
     members = view.group_ranks(view.dp_rank(rank))  # the ranks of this rank's rollout group
-    together = Batch.concat([Batch(prompts(r)) for r in members])
+    together = Batch.concat([prompts(r) for r in members])
     out = worker.generate(together, params)
     share = len(out) // len(members)
     out = out[members.index(rank) * share : (members.index(rank) + 1) * share]

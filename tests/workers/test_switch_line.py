@@ -7,23 +7,15 @@ import logging
 import os
 
 import pytest
-import torch
+from batches import prompt_batch
 from dist_util import run_world_kept
 
+from hybridflow.protocol import Batch
 
-def prompts(rank: int) -> dict[str, torch.Tensor]:
+
+def prompts(rank: int) -> Batch:
     """Four left-padded prompts of 3-9 tokens (a different share on each rank)."""
-    g = torch.Generator().manual_seed(rank)
-    lengths = [9, 3, 6, 4]
-    ids = torch.randint(3, 60, (4, 9), generator=g)
-    mask = torch.zeros(4, 9, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        mask[row, 9 - n :] = 1
-    return {
-        "input_ids": ids * mask,
-        "attention_mask": mask,
-        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-    }
+    return prompt_batch([9, 3, 6, 4], seed=rank)
 
 
 def switch_lines(rank: int, arch: str, overrides: list[str]) -> dict:
@@ -33,7 +25,6 @@ def switch_lines(rank: int, arch: str, overrides: list[str]) -> dict:
     from hybridflow.engine import GenerateView
     from hybridflow.engine.hybrid.switch import RolloutShard
     from hybridflow.models import build_tiny_model
-    from hybridflow.protocol import Batch
     from hybridflow.workers.actor import ActorWorker
 
     lines: list[tuple[int, str]] = []
@@ -54,7 +45,7 @@ def switch_lines(rank: int, arch: str, overrides: list[str]) -> dict:
         params = worker.sampling_params(2, 1.0, 1.0, -1, True, [], 7)
         view = GenerateView(cfg.trainer.world_size, cfg.rollout.tensor_model_parallel_size)
         # the driver hands every rank of a rollout group the group's prompts: its ranks' shares together
-        together = Batch.concat([Batch(prompts(r)) for r in view.group_ranks(view.dp_rank(rank))])
+        together = Batch.concat([prompts(r) for r in view.group_ranks(view.dp_rank(rank))])
         received = [worker.generate(together, params).meta.get("reshard") for _ in range(2)]
     finally:
         log.removeHandler(keep)

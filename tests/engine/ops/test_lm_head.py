@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batches import rollout_batch
 from torch import nn
 
 from hybridflow.engine.ops.lm_head import checkpointed_log_probs, linear_log_probs, score_hidden_states
@@ -156,12 +157,9 @@ def test_policy_scorer_gradients_match_the_checkpointed_head_on_a_tied_model() -
     from hybridflow.engine.train.scorer import PolicyScorer
     from hybridflow.models import build_tiny_model
 
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(1, 64, (3, 10), generator=g)
-    mask = torch.ones(3, 10, dtype=torch.long)
-    mask[1, :2] = 0  # a left-padded prompt
-    mask[2, 8:] = 0  # a short response
-    inputs = build_scoring_inputs(ids * mask, mask, (mask.cumsum(-1) - 1).clamp(min=0), 4, True)
+    # A left-padded prompt (row 1) and a short response (row 2).
+    b = rollout_batch([6, 4, 6], [4, 4, 2], 4, seed=5, tokens=(1, 64))
+    inputs = build_scoring_inputs(b["input_ids"], b["attention_mask"], b["position_ids"], 4, True)
     grads_by_head = {}
     for fused in (True, False):
         lm = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=2, seed=1)

@@ -8,38 +8,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batches import NORMAL, rollout_batch
 from dist_util import run_world
 
 from hybridflow.config.schema import ActorConfig, CriticConfig
 from hybridflow.models import build_tiny_model
 from hybridflow.protocol import Batch
 
-P, R, B = 7, 6, 8  # prompt width, response width, samples
-LENGTHS = [(0, 6), (3, 2), (1, 0), (5, 4), (0, 6), (2, 1), (6, 3), (1, 5)]  # (left pad, response length)
+R, B = 6, 8  # response width, samples
+PROMPT_LENGTHS = [7, 4, 6, 2, 7, 5, 1, 6]  # left-padded to 7
+RESPONSE_LENGTHS = [6, 2, 0, 4, 6, 1, 3, 5]
 
 
 def fixed_batch(seed: int = 0) -> Batch:
     """Left-padded prompts and right-padded responses of different lengths, one response fully masked."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 60, (B, P + R), generator=g)
-    mask = torch.ones(B, P + R, dtype=torch.long)
-    for b, (pad, length) in enumerate(LENGTHS):
-        mask[b, :pad] = 0
-        mask[b, P + length :] = 0
-    ids = ids * mask
-    response_mask = mask[:, -R:].float()
-    return Batch(
-        {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-            "responses": ids[:, -R:],
-            "response_mask": response_mask,
-            "advantages": torch.randn(B, R, generator=g) * response_mask,
-            "values": torch.randn(B, R, generator=g) * response_mask,
-            "returns": torch.randn(B, R, generator=g) * response_mask,
-        }
-    )
+    fields = {"advantages": NORMAL, "values": NORMAL, "returns": NORMAL}
+    return rollout_batch(PROMPT_LENGTHS, RESPONSE_LENGTHS, R, seed, **fields)
 
 
 def actor_config(dynamic: bool) -> ActorConfig:

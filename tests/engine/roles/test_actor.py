@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batches import NORMAL, Draw, rollout_batch
 from dist_util import run_world_kept as run_world
 
 from hybridflow.config.schema import ActorConfig
@@ -11,30 +12,14 @@ from hybridflow.models import build_tiny_model
 from hybridflow.protocol import Batch
 
 P, R, B = 6, 5, 8  # prompt length, response length, samples
+PROMPT_LENGTHS = [6, 4, 5, 3, 6, 2, 5, 6]
+RESPONSE_LENGTHS = [5, 3, 0, 2, 5, 1, 4, 5]  # row 2: fully masked response; row 0: fills the context
 
 
 def make_batch(seed: int = 0) -> Batch:
     """Left-padded prompts + right-padded responses, with a fully masked response and a full-length row."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 60, (B, P + R), generator=g)
-    mask = torch.ones(B, P + R, dtype=torch.long)
-    prompt_pad = [0, 2, 1, 3, 0, 4, 1, 0]
-    response_len = [5, 3, 0, 2, 5, 1, 4, 5]  # row 2: fully masked response; row 0: fills the context
-    for b in range(B):
-        mask[b, : prompt_pad[b]] = 0
-        mask[b, P + response_len[b] :] = 0
-    ids = ids * mask
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    return Batch(
-        {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "position_ids": position_ids,
-            "responses": ids[:, -R:],
-            "response_mask": mask[:, -R:].float(),
-            "advantages": torch.randn(B, R, generator=g) * mask[:, -R:],
-            "ref_log_prob": -torch.rand(B, R, generator=g) * 3,
-        }
+    return rollout_batch(
+        PROMPT_LENGTHS, RESPONSE_LENGTHS, R, seed, advantages=NORMAL, ref_log_prob=Draw(-3.0, 0.0)
     )
 
 

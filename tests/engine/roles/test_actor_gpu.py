@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batches import NORMAL, Draw, rollout_batch
 from dist_util import run_world
 
 from hybridflow.config.schema import ActorConfig
@@ -39,29 +40,19 @@ def tiny_lm(attn: str = "sdpa") -> torch.nn.Module:
     )
 
 
+PROMPT_LENGTHS = [48, 41, 18, 46, 48, 33, 1, 43]
+RESPONSE_LENGTHS = [32, 17, 0, 1, 32, 9, 25, 30]
+
+
 def make_batch(seed: int = 0, shift: int = 0) -> Batch:
     """Left-padded prompts of varied length + right-padded responses (one empty, one filling the context).
 
     ``shift`` rolls the lengths over the rows: the same tokens per batch, new sequence bounds.
     """
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, VOCAB, (B, P + R), generator=g)
-    prompt_pad = torch.tensor([0, 7, 30, 2, 0, 15, 47, 5]).roll(shift)
-    response_len = torch.tensor([32, 17, 0, 1, 32, 9, 25, 30]).roll(2 * shift)
-    cols = torch.arange(P + R)[None]  # (1, T)
-    mask = ((cols >= prompt_pad[:, None]) & (cols < P + response_len[:, None])).long()  # (B, T)
-    ids = ids * mask
-    response_mask = mask[:, -R:].float()  # (B, R)
-    return Batch(
-        {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-            "responses": ids[:, -R:],
-            "response_mask": response_mask,
-            "advantages": torch.randn(B, R, generator=g) * response_mask,
-            "ref_log_prob": -torch.rand(B, R, generator=g) * 3,
-        }
+    prompts = torch.tensor(PROMPT_LENGTHS).roll(shift).tolist()
+    responses = torch.tensor(RESPONSE_LENGTHS).roll(2 * shift).tolist()
+    return rollout_batch(
+        prompts, responses, R, seed, tokens=(1, VOCAB), advantages=NORMAL, ref_log_prob=Draw(-3.0, 0.0)
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batches import NORMAL, draw_fields
 from dist_util import run_world_kept as run_world
 from test_actor import B, R, make_batch
 
@@ -24,10 +25,7 @@ def critic_config() -> CriticConfig:
 
 
 def with_targets(batch):
-    g = torch.Generator().manual_seed(5)
-    batch["values"] = torch.randn(B, R, generator=g) * batch["response_mask"]
-    batch["returns"] = torch.randn(B, R, generator=g) * batch["response_mask"]
-    return batch
+    return draw_fields(batch, 5, values=NORMAL, returns=NORMAL)
 
 
 def train(rank: int, world: int, remove_padding: bool) -> dict:

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from batches import Draw, rollout_batch
 from dist_util import run_world_kept as run_world
 
 from hybridflow.algos.preference import dpo_loss, kto_kl_estimate, kto_loss
@@ -15,30 +16,20 @@ from hybridflow.config.schema import ActorConfig
 from hybridflow.models import build_tiny_model
 from hybridflow.protocol import Batch
 
-P, R, PAIRS = 4, 4, 4  # prompt length, response length, pairs
+R, PAIRS = 4, 4  # response length, pairs
 
 
 def pair_batch() -> Batch:
     """4 pairs as 8 adjacent rows ([c0, r0, c1, r1, ...]), varied lengths, with reference values."""
-    g = torch.Generator().manual_seed(5)
-    rows = 2 * PAIRS
-    ids = torch.randint(3, 60, (rows, P + R), generator=g)
-    mask = torch.ones(rows, P + R, dtype=torch.long)
-    for b, (pad, resp) in enumerate([(0, 4), (1, 3), (2, 2), (0, 4), (1, 1), (0, 3), (3, 4), (1, 2)]):
-        mask[b, :pad] = 0
-        mask[b, P + resp :] = 0
-    ids = ids * mask
-    return Batch(
-        {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-            "responses": ids[:, -R:],
-            "response_mask": mask[:, -R:].float(),
-            "ref_seq_logps": -torch.rand(rows, generator=g) * 4 - 10,
-            "labels": torch.tensor([True, False, False, False, True, False, False, False]),
-        }
+    batch = rollout_batch(
+        [4, 3, 2, 4, 3, 4, 1, 3],  # prompt lengths (left-padded to 4)
+        [4, 3, 2, 4, 1, 3, 4, 2],  # response lengths
+        R,
+        seed=5,
+        ref_seq_logps=Draw(-14.0, -10.0, per_row=True),
     )
+    batch["labels"] = torch.tensor([True, False, False, False, True, False, False, False])
+    return batch
 
 
 @torch.no_grad()

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from batches import grouped_batch
 from dist_util import run_world_kept as run_world
 
 from hybridflow.engine.rollout.blocks import KSplits
@@ -123,28 +124,12 @@ def rollout_then_score(rank: int, temperature: float) -> float:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from hybridflow.config.schema import ActorConfig
     from hybridflow.engine.roles.actor import ActorEngine
-    from hybridflow.protocol import Batch
 
     actor = ActorEngine(lively_model(), ActorConfig(), use_remove_padding=True, trainable=False)
     rollout = RolloutEngine(actor.module.lm)
     params = SamplingParams(n=2, max_new_tokens=6, temperature=temperature, seed=0, eos_token_ids=[9])
     outs = [s for g in rollout.generate(PROMPTS, params) for s in g]
-    P, R = max(map(len, PROMPTS)), 6
-    rows = [p for p in PROMPTS for _ in range(2)]
-    ids = torch.zeros(len(outs), P + R, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, (p, o) in enumerate(zip(rows, outs)):
-        ids[i, P - len(p) : P] = torch.tensor(p)
-        ids[i, P : P + len(o.token_ids)] = torch.tensor(o.token_ids)
-        mask[i, P - len(p) : P + len(o.token_ids)] = 1
-    batch = Batch(
-        {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-            "responses": ids[:, P:],
-        }
-    )
+    batch = grouped_batch(PROMPTS, [o.token_ids for o in outs], 6)  # each prompt's 2 samples in a row
     recomputed = actor.compute_log_prob(batch, temperature=temperature)["log_probs"]
     worst = 0.0
     for i, o in enumerate(outs):
