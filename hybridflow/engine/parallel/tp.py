@@ -8,7 +8,9 @@ the LM head stay replicated across ``tp`` (FSDP2 still shards them over ``dp``):
 a whole vocabulary row per token, and at the model sizes tp is for, the head is a small part of the layers'
 memory (``benchmarks/views.py`` counts it). Gradients of replicated weights need no extra reduction: their
 inputs are the same on every tensor-parallel rank after each row-parallel all-reduce, and DTensor's backward
-of a column-parallel input sums the partial input gradients.
+of a column-parallel input sums the partial input gradients. The exception is Qwen3's per-head q/k norms,
+which see only the rank's heads: the plan makes them replicated DTensors so that DTensor sums their
+gradients over tp (``_HEAD_NORMS``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from hybridflow.config.parallel import size_key
 from hybridflow.models.families import check_tensor_parallel
@@ -28,10 +35,16 @@ logger = logging.getLogger(__name__)
 
 _COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROW = ("self_attn.o_proj", "mlp.down_proj")
+# Qwen3's RMSNorms over each head's q and k. They run on the rank's own heads, so as plain tensors each tp
+# rank's weight gradient would be the sum over its heads only and the copies would drift apart. As replicated
+# DTensors whose input is sharded on the heads dim of (b, s, heads, head_dim), the gradient is a partial sum
+# that DTensor reduces over tp (FSDP2 redistributes it before its reduce-scatter over dp). SequenceParallel
+# is torch's style for exactly that (a module with replicated weights on a sharded input), here on dim 2.
+_HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 
 
 def check_train_tp(config: Any, tp: int, role: str = "actor") -> None:
-    """Raise ValueError naming the fields when ``tp`` cannot split this model's layers for training.
+    """Raise UserError naming the fields when ``tp`` cannot split this model's layers for training.
 
     Unlike the rollout, training cannot share a KV head between ranks (its gradient would be split), so the
     KV heads must divide by tp, as Megatron requires of its query groups. Families without shard rules
@@ -59,7 +72,7 @@ def check_train_tp(config: Any, tp: int, role: str = "actor") -> None:
 
 
 def _plan(layer: nn.Module) -> dict[str, Any]:
-    """The layer's tensor-parallel plan, for the projections it has (Llama family: all seven)."""
+    """The layer's tensor-parallel plan: the Llama family's seven projections, and Qwen3's q/k norms."""
     names = {name for name, _ in layer.named_modules()}
     missing = [n for n in (*_COLUMN, *_ROW) if n not in names]
     if missing:
@@ -69,6 +82,9 @@ def _plan(layer: nn.Module) -> dict[str, Any]:
         )
     plan: dict[str, Any] = {name: ColwiseParallel() for name in _COLUMN}
     plan.update({name: RowwiseParallel() for name in _ROW})
+    plan.update(
+        {n: SequenceParallel(sequence_dim=2, use_local_output=True) for n in _HEAD_NORMS if n in names}
+    )
     return plan
 
 
