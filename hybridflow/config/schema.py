@@ -254,6 +254,11 @@ class TrainerConfig:
     ray_address: str | None = option(None, "Ray cluster to join; null starts a local Ray instance.")
     placement: str = option("colocated", "Role placement: colocated (share devices) or split.")
     nccl_timeout: int = option(600, "Timeout of collectives in seconds.")
+    auto_layout: bool = option(
+        True,
+        "Plan the layout keys you did not set (the actor's parallel sizes and offload, the rollout's tp) from "
+        "the model and the GPU memory, as hybridflow plan prints it; false keeps them as configured.",
+    )
     seed: int = option(42, "Seed of data order, sampling and initialisation.")
 
     @property
