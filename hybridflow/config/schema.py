@@ -256,8 +256,7 @@ class TrainerConfig:
     nccl_timeout: int = option(600, "Timeout of collectives in seconds.")
     auto_layout: bool = option(
         True,
-        "Plan the layout keys you did not set (the actor's parallel sizes and offload, the rollout's tp) from "
-        "the model and the GPU memory, as hybridflow plan prints it; false keeps them as configured.",
+        "Plan the layout keys you did not set (parallel sizes, offload), as hybridflow plan; false: off.",
     )
     seed: int = option(42, "Seed of data order, sampling and initialisation.")
 
