@@ -163,10 +163,13 @@ def test_hybridflow_train_on_cpu_plans_and_runs_the_config_it_ran_before(
 def test_the_notebook_api_plans_through_the_same_function_and_key(tiny: Path) -> None:
     common = dict(model_name=str(tiny), max_steps=1, per_device_train_batch_size=2)
     planned = hybridflow.RLTrainer(**common)
-    assert planned.layout is not None and "planned keys: " not in planned.layout.line()
-    assert planned.layout.kept == {}  # nothing set: every layout key planned
+    assert planned.layout is not None and planned.layout.kept == {}  # nothing set: every layout key planned
     off = hybridflow.RLTrainer(**common, overrides=["trainer.auto_layout=false"])
     assert off.layout is None and off.cfg.trainer.auto_layout is False
+    off.cfg.trainer.auto_layout = True
+    assert off.cfg.to_dict() == planned.cfg.to_dict()  # on CPU the plan is the defaults
+    kept = hybridflow.RLTrainer(**common, overrides=["actor.fsdp.optimizer_offload=false"])
+    assert kept.layout is not None and kept.layout.kept == {"actor.fsdp.optimizer_offload": False}
 
 
 def test_user_keys_are_the_files_and_the_overrides_paths() -> None:
