@@ -47,8 +47,8 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_clocks import ClockSampler, machine_line
-from train_mfu import PEAK_FLOPS, SHAPES, build_model, cap_gpu_memory, count_params, gpu_memory_gb
+from gpu_clocks import ClockSampler, cap_gpu_memory, gpu_memory_gb, machine_line
+from train_mfu import PEAK_FLOPS, SHAPES, build_model, count_params
 
 from hybridflow.config import load_config
 from hybridflow.data import RLDataset

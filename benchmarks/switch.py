@@ -38,8 +38,8 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_clocks import ClockSampler, machine_line
-from train_mfu import SHAPES, cap_gpu_memory, gpu_memory_gb, model_config
+from gpu_clocks import ClockSampler, cap_gpu_memory, gpu_memory_gb, machine_line
+from train_mfu import SHAPES, model_config
 
 from hybridflow.engine.hybrid.plan import ParamSpec, ReshardPlan
 from hybridflow.engine.parallel.layout import ShardLayout, check_tp, kind_of

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import statistics
 import subprocess
@@ -122,34 +121,6 @@ def build_model(size: str, attn: str, device: torch.device, seed: int = 0) -> to
     torch.manual_seed(seed)
     with device:  # init on the GPU: random init of 0.5B parameters on the host takes tens of seconds
         return Qwen2ForCausalLM(config)
-
-
-def gpu_memory_gb(text: str) -> float:
-    """``--gpu-memory-gb``: a number of GiB above 0 (argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected GiB of GPU memory above 0, e.g. 80; got {text!r}")
-    return value
-
-
-def cap_gpu_memory(gib: float | None) -> None:
-    """Let this process allocate at most ``gib`` GiB of the GPU (a smaller GPU measured on a bigger one).
-
-    Call it before anything is allocated on the GPU: the caching allocator refuses any allocation past the
-    cap with an out-of-memory error, as the smaller GPU would.
-    """
-    if gib is None:
-        return
-    if not torch.cuda.is_available():
-        sys.exit("error: --gpu-memory-gb caps a GPU's memory, and there is no GPU here")
-    total = torch.cuda.get_device_properties(0).total_memory
-    if gib * 2**30 > total:
-        sys.exit(f"error: --gpu-memory-gb {gib:g} is more than this GPU's {total / 2**30:.1f} GiB")
-    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total)
-    log.info("GPU memory capped at %.1f GiB of %.1f GiB", gib, total / 2**30)
 
 
 def count_params(model: torch.nn.Module) -> tuple[int, int]:

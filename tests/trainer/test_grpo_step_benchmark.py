@@ -74,7 +74,7 @@ def test_the_gpu_memory_cap_takes_gib_above_0_and_needs_a_gpu(monkeypatch: pytes
     import argparse
 
     monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    from train_mfu import cap_gpu_memory, gpu_memory_gb
+    from gpu_clocks import cap_gpu_memory, gpu_memory_gb
 
     assert gpu_memory_gb("80") == 80.0 and gpu_memory_gb("23.5") == 23.5
     for bad in ("0", "-8", "nan", "inf", "eighty"):
