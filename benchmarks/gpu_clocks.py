@@ -3,15 +3,19 @@
 Step times of the same code differ between machine starts of the shared H200 (RESULTS.md), so the GRPO step
 benchmark samples ``nvidia-smi`` every 200 ms *during* its timed steps (a snapshot taken afterwards sees an
 idle GPU) and reports the spread next to the figures. Without CUDA or ``nvidia-smi`` it records the host only.
+``cap_gpu_memory`` (``--gpu-memory-gb``) lets a benchmark allocate only part of the GPU, as a smaller one would.
 """
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 import platform
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 
 import torch
@@ -147,3 +151,30 @@ def machine_line(info: dict[str, str]) -> str:
             f"{info['clock_reasons']} ({info['samples']} samples while timed); "
         )
     return f"machine: {gpu}host {info['host_cpu']}, {info['host_cores']} cores"
+
+
+def gpu_memory_gb(text: str) -> float:
+    """``--gpu-memory-gb``: a number of GiB above 0 (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected GiB of GPU memory above 0, e.g. 80; got {text!r}")
+    return value
+
+
+def cap_gpu_memory(gib: float | None) -> None:
+    """Let this process allocate at most ``gib`` GiB of the GPU (a smaller GPU measured on a bigger one).
+
+    Call it before anything is allocated on the GPU: the caching allocator refuses any allocation past the
+    cap with an out-of-memory error, as the smaller GPU would.
+    """
+    if gib is None:
+        return
+    if not torch.cuda.is_available():
+        sys.exit("error: --gpu-memory-gb caps a GPU's memory, and there is no GPU here")
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if gib * 2**30 > total:
+        sys.exit(f"error: --gpu-memory-gb {gib:g} is more than this GPU's {total / 2**30:.1f} GiB")
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total)

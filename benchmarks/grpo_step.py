@@ -1,8 +1,14 @@
-"""A GRPO step through the real trainer (``PPOTrainer.step``) on a Qwen2.5-shaped model (GPU; not a test).
+"""A GRPO step through the real trainer (``PPOTrainer.step``) on a Qwen2.5- or Qwen2-7B-shaped model (GPU;
+not a test).
 
     python benchmarks/grpo_step.py --workload W1 --model-size 0.5b
     python benchmarks/grpo_step.py --workload W2 --model-size 0.5b --profile-dir $OUT/prof
     python benchmarks/grpo_step.py --workload W2 --model-size 1.5b --steps 2 --warmup 1
+    python benchmarks/grpo_step.py --workload W2 --model-size 7b --gpu-memory-gb 80   # an 80 GiB GPU's share
+
+``--model-size`` takes the shapes of ``train_mfu.SHAPES`` (7b: Qwen2-7B, untied embeddings). ``--gpu-memory-gb``
+caps the memory this process may allocate on the GPU (``torch.cuda.set_per_process_memory_fraction``, set
+before anything is allocated), so a smaller GPU is measured on a bigger one.
 
 Workloads (issue 7; random weights, bf16 compute with fp32 masters, fixed lengths with ``ignore_eos``):
   W1: 8 prompts x 8 samples, 128-token prompts, 512 new tokens, one PPO epoch, one mini-batch, no reference.
@@ -41,8 +47,8 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_clocks import ClockSampler, machine_line
-from train_mfu import PEAK_FLOPS, build_model, count_params
+from gpu_clocks import ClockSampler, cap_gpu_memory, gpu_memory_gb, machine_line
+from train_mfu import PEAK_FLOPS, SHAPES, build_model, count_params
 
 from hybridflow.config import load_config
 from hybridflow.data import RLDataset
@@ -130,7 +136,8 @@ def decode_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """(bf16 weight bytes one decode step streams, bf16 KV-cache bytes per token in context)."""
     cfg = model.config
     weights = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * 2
-    weights += cfg.vocab_size * cfg.hidden_size * 2  # the (tied) LM head is read every step
+    if cfg.tie_word_embeddings:  # the tied LM head is read every step (an untied one is counted above)
+        weights += cfg.vocab_size * cfg.hidden_size * 2
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     return weights, 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2  # K and V
 
@@ -214,7 +221,10 @@ def run_step(trainer: PPOTrainer, number: int, label: str) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="W1")
-    p.add_argument("--model-size", choices=["tiny", "0.5b", "1.5b"], default="0.5b")
+    p.add_argument("--model-size", choices=sorted(SHAPES), default="0.5b")
+    p.add_argument(
+        "--gpu-memory-gb", type=gpu_memory_gb, help="cap this process's GPU memory at this many GiB (e.g. 80)"
+    )
     p.add_argument(
         "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
@@ -232,6 +242,7 @@ def main() -> None:
         if value is not None and value < least:
             p.error(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
     logging.basicConfig(level=logging.WARNING)
+    cap_gpu_memory(args.gpu_memory_gb)  # before anything is allocated on the GPU
     w = dict(WORKLOADS[args.workload])
     for key in ("prompts", "prompt_len", "new_tokens"):
         if getattr(args, key) is not None:
@@ -257,6 +268,8 @@ def main() -> None:
         runs = [run_step(trainer, args.warmup + i + 1, "timed") for i in range(args.steps)]
     summary = summarize(runs, bytes_, w, n_params)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    if args.gpu_memory_gb is not None:
+        gpu += f" capped at {args.gpu_memory_gb:g} GiB"
     print(f"{args.workload} {args.model_size} on {gpu}, torch {torch.__version__}, N = {n_params / 1e9:.3f}B, "
           f"median of {args.steps} steps after {args.warmup} warm-up")  # fmt: skip
     print_table(summary)

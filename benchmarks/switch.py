@@ -1,7 +1,12 @@
 """The hybrid engine's switch between training and generation, against the baseline (GPU; not a test).
 
     python benchmarks/switch.py --model-size 0.5b 1.5b          # one GPU: time and memory, then the plan table
+    python benchmarks/switch.py --model-size 7b --gpu-memory-gb 80      # Qwen2-7B within an 80 GiB share
     python benchmarks/switch.py --plan-only --model-size 0.5b 1.5b 7b   # the plan table alone (any machine)
+
+The shapes are ``train_mfu.SHAPES`` (7b: Qwen2-7B, untied embeddings). ``--gpu-memory-gb`` caps the memory
+this process may allocate on the GPU (``torch.cuda.set_per_process_memory_fraction``, before anything is
+allocated), so a smaller GPU is measured on a bigger one.
 
 On one GPU (world size 1, tp = 1) the actor is built as the trainer builds it (FSDP2, float32 masters, bf16
 compute and rollout) and each switch runs ``--warmup`` times untimed, then ``--steps`` times (medians):
@@ -33,34 +38,22 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_clocks import ClockSampler, machine_line
-from train_mfu import SHAPES
+from gpu_clocks import ClockSampler, cap_gpu_memory, gpu_memory_gb, machine_line
+from train_mfu import SHAPES, model_config
 
 from hybridflow.engine.hybrid.plan import ParamSpec, ReshardPlan
 from hybridflow.engine.parallel.layout import ShardLayout, check_tp, kind_of
 from hybridflow.engine.parallel.view import GenerateView
 
 GB = 1e9
-PLAN_SHAPES = dict(  # untied Qwen2.5-7B, for the plan table only (no weights are made)
-    SHAPES,
-    **{
-        "7b": dict(
-            hidden_size=3584,
-            num_hidden_layers=28,
-            num_attention_heads=28,
-            num_key_value_heads=4,
-            intermediate_size=18944,
-            vocab_size=152064,
-        )
-    },
-)
+PLAN_SHAPES = SHAPES  # (the name views.py imports)
 
 
 def meta_model(size: str) -> torch.nn.Module:
     """A Qwen2ForCausalLM of the shape on the meta device (shapes only)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
-    config = Qwen2Config(**PLAN_SHAPES[size], tie_word_embeddings=size != "7b")
+    config = model_config(size)
     with torch.device("meta"):
         return Qwen2ForCausalLM(config)
 
@@ -174,10 +167,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--plan-only", action="store_true", help="the plan table alone (no GPU needed)")
+    p.add_argument(
+        "--gpu-memory-gb", type=gpu_memory_gb, help="cap this process's GPU memory at this many GiB (e.g. 80)"
+    )
     args = p.parse_args()
+    if args.plan_only and args.gpu_memory_gb is not None:
+        p.error("--gpu-memory-gb caps the GPU the timing runs on; --plan-only runs nothing on a GPU")
     if not args.plan_only:
         if not torch.cuda.is_available():
             sys.exit("error: the switch timing needs a GPU; --plan-only prints the plan table anywhere")
+        cap_gpu_memory(args.gpu_memory_gb)  # before anything is allocated on the GPU
         print(
             "| model | switch | train->gen ms | ms per GB | gen->train ms | copy kept GB | peak above training GB | weights GB |"
         )

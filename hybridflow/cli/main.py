@@ -54,20 +54,37 @@ def build_parser() -> argparse.ArgumentParser:
         description="RL post-training for LLMs on the HybridFlow design.",
     )
     parser.add_argument("--version", action="version", version=f"hybridflow {hybridflow.__version__}")
-    parser.add_argument(
-        "--log-level",
-        default="INFO",
-        type=str.upper,
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="Console log level (default INFO).",
-    )
+    add_log_level(parser, "INFO")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         module = importlib.import_module(name)
         sub = subparsers.add_parser(module.NAME, help=module.HELP, description=module.HELP)
         module.add_arguments(sub)
         sub.set_defaults(run=module.run)
+        for leaf in _leaves(
+            sub
+        ):  # `hybridflow train run.yaml --log-level DEBUG` as well as before the command
+            add_log_level(leaf, argparse.SUPPRESS)
     return parser
+
+
+def add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
+    """``--log-level``; a command's own copy defaults to SUPPRESS, leaving the top-level value unless given."""
+    parser.add_argument(
+        "--log-level",
+        default=default,
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="Console log level (default INFO).",
+    )
+
+
+def _leaves(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The parsers that read a command's arguments: ``parser``, or its actions' (``config show``)."""
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not actions:
+        return [parser]
+    return [leaf for a in actions for sub in dict.fromkeys(a.choices.values()) for leaf in _leaves(sub)]
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybridflow.config import Config
 
 NAME = "train"
 HELP = "Train with PPO/GRPO and friends (no config and no model.path=...: the built-in CPU demo)."
@@ -28,10 +32,25 @@ def run(args: argparse.Namespace) -> int:
 
         print(format_table(run_demo(overrides)))
         return 0
-    from hybridflow.config import load_config
     from hybridflow.trainer.jobs import rl_job
 
-    cfg = load_config(path, overrides)
+    cfg = planned_config(path, overrides)
     history = rl_job(cfg)
     print(f"done: {len(history)} steps; metrics in {cfg.trainer.run_dir()}/metrics.jsonl")
     return 0
+
+
+def planned_config(path: str | None, overrides: list[str], gpu_bytes: int | None = -1) -> Config:
+    """The run's config with the automatic layout in the keys the file and overrides leave unset, logged.
+
+    ``gpu_bytes``: one GPU's memory to plan for (default -1: this machine's; the notebook API plans the same way).
+    """
+    from hybridflow.config import load_config
+    from hybridflow.config.loader import _read_yaml
+    from hybridflow.trainer.autoplan import log_plan, plan_run, user_keys
+
+    cfg = load_config(path, overrides)
+    given = user_keys(_read_yaml(path) if path is not None else {}, overrides)
+    cfg, layout = plan_run(cfg, given, gpu_bytes)
+    log_plan(cfg, layout)
+    return cfg

@@ -254,6 +254,10 @@ class TrainerConfig:
     ray_address: str | None = option(None, "Ray cluster to join; null starts a local Ray instance.")
     placement: str = option("colocated", "Role placement: colocated (share devices) or split.")
     nccl_timeout: int = option(600, "Timeout of collectives in seconds.")
+    auto_layout: bool = option(
+        True,
+        "Plan the layout keys you did not set (parallel sizes, offload), as hybridflow plan; false: off.",
+    )
     seed: int = option(42, "Seed of data order, sampling and initialisation.")
 
     @property

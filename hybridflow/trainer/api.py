@@ -10,7 +10,8 @@ The HybridFlow write-ups' call runs as written::
 Keywords map onto config keys (``trainer.keywords``), the reward function's shape is recognised at
 construction (``rewards.shapes``), datasets come in any of ``data.user_rows``' forms, and with
 ``use_3d_hybrid=True`` (the hybrid engine) the layout is planned from the model and the GPUs unless the config
-sets it (``trainer.layout``). ``use_3d_hybrid=False`` runs the baseline (``actor.hybrid_engine=false``).
+sets it (``trainer.autoplan``, as ``hybridflow train`` does; ``trainer.auto_layout=false`` turns it off).
+``use_3d_hybrid=False`` runs the baseline (``actor.hybrid_engine=false``).
 Lengths come from the model and the data unless set (``trainer.lengths``); every ``train()`` gets a run
 directory of its own and resumes only when asked (``trainer.notebook_runs``).
 """
@@ -31,6 +32,7 @@ from hybridflow.data import RLDataset
 from hybridflow.data.user_rows import as_rows
 from hybridflow.rewards.shapes import RewardShape, recognise_reward
 from hybridflow.trainer import lengths
+from hybridflow.trainer.autoplan import log_plan, plan_run, user_keys
 from hybridflow.trainer.builder import build_components, load_policy
 from hybridflow.trainer.jobs import rl_job
 from hybridflow.trainer.keywords import (
@@ -41,7 +43,7 @@ from hybridflow.trainer.keywords import (
     keyword_overrides,
     keyword_paths,
 )
-from hybridflow.trainer.layout import Layout, apply_layout, gpu_memory_bytes, plan_layout
+from hybridflow.trainer.layout import Layout
 from hybridflow.trainer.notebook_runs import Resume, run_dir_settings
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.logging import setup_console_logging
@@ -108,30 +110,19 @@ class Setup:
 
     def layout_keys(self) -> set[str]:
         """The keys the user set, which the automatic layout keeps."""
-        return set(given_overrides(self.overrides)) | set(file_values(self.file))
+        return user_keys(self.file, self.overrides)
 
 
 def plan(setup: Setup, cfg: Config, plan_it: bool = True) -> tuple[Config, Layout | None]:
-    """``cfg`` with the automatic layout applied when the hybrid engine is on (keys the user set are kept)."""
-    if not (plan_it and cfg.actor.hybrid_engine):
+    """``cfg`` with the automatic layout applied (``trainer.autoplan``: keys the user set are kept)."""
+    if not plan_it:
         return cfg, None
-    from hybridflow.models.loader import load_config as load_model_config
-
-    model_config = load_model_config(cfg.model.path, cfg.model.trust_remote_code)
-    gpu = gpu_memory_bytes() if cfg.trainer.device != "cpu" else None
-    layout = plan_layout(cfg, model_config, gpu, given=setup.layout_keys())
-    return apply_layout(cfg, layout), layout
+    return plan_run(cfg, setup.layout_keys())
 
 
 def log_layout(cfg: Config, layout: Layout | None) -> None:
-    """The layout line (a warning when nothing fits), or the baseline's."""
-    if layout is None:
-        if not cfg.actor.hybrid_engine:
-            logger.info(
-                "use_3d_hybrid=False: the baseline (every rank keeps a whole copy, no layout planned)"
-            )
-        return
-    (logger.info if layout.fits else logger.warning)("%s", layout.line())
+    """The layout line with the planned keys (a warning when nothing fits), or why none was planned."""
+    log_plan(cfg, layout)
 
 
 def build_config(

@@ -79,6 +79,7 @@ class Layout:
     views: ViewMemory | None = None
     reason: str = ""
     params: int = 0
+    kept: dict[str, Any] = field(default_factory=dict)  # the layout keys the config set (not planned)
 
     def dims(self, with_sp: bool = True) -> ParallelDims:
         """The actor's training view of this layout (the one place the planner builds it); without sp for the

@@ -1,0 +1,183 @@
+"""``hybridflow train`` plans the layout as the notebook API does (``trainer.autoplan``): the keys the user did
+not set take the planned values, one log line names them, a key the user set wins (even when the plan says it
+does not fit), ``trainer.auto_layout=false`` plans nothing, and a CPU run is the same as without the plan."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import hybridflow
+from hybridflow.cli.main import main
+from hybridflow.cli.train_cmd import planned_config
+from hybridflow.config import load_config
+from hybridflow.models import build_tiny_model_and_tokenizer
+from hybridflow.trainer import jobs
+from hybridflow.trainer.autoplan import user_keys
+from hybridflow.trainer.layout import MODEL_SHAPES
+
+GB80 = 80 * 10**9
+# The 7B shape on 4 GPUs of 80 GB, 256 prompts x 8 samples: whole rollout replicas leave too little room for
+# the KV cache, so the plan picks rollout tensor-parallel groups (test_layout's case)
+WIDE = [
+    "trainer.n_gpus_per_node=4",
+    "data.train_batch_size=256",
+    "rollout.n=8",
+    "data.max_prompt_length=512",
+    "data.max_response_length=1024",
+    "model.enable_gradient_checkpointing=true",
+]
+ROLLOUT_TP = "rollout.tensor_model_parallel_size"
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    """main() installs a stderr handler; take it away afterwards (and let caplog see the records)."""
+    root = logging.getLogger("hybridflow")
+    handlers, level, propagate = list(root.handlers), root.level, root.propagate
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    root.propagate = propagate
+
+
+@pytest.fixture(scope="module")
+def shape_7b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model directory holding only the 7B shape's config.json (the plan reads no weights)."""
+    out = tmp_path_factory.mktemp("qwen2_7b")
+    shape = dict(MODEL_SHAPES["qwen2.5-7b"], architectures=["Qwen2ForCausalLM"])
+    (out / "config.json").write_text(json.dumps(shape))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny") / "m"
+    build_tiny_model_and_tokenizer(out_dir=out, hidden_size=32, num_hidden_layers=1)
+    return out
+
+
+def _planned_line(caplog: pytest.LogCaptureFixture) -> logging.LogRecord:
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("auto layout")]
+    return record
+
+
+def test_the_unset_keys_take_the_planned_values_and_one_line_names_them(
+    shape_7b: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "hybridflow")
+    cfg = planned_config(None, [f"model.path={shape_7b}", *WIDE], GB80)
+    tp = cfg.rollout.tensor_model_parallel_size
+    assert (
+        tp > 1
+        and load_config(None, [f"model.path={shape_7b}", *WIDE]).rollout.tensor_model_parallel_size == 1
+    )
+    record = _planned_line(caplog)
+    planned = record.getMessage().split("; planned keys: ")[1].split()
+    assert record.levelno == logging.INFO and f"{ROLLOUT_TP}={tp}" in planned
+    assert len(planned) == 6 and "actor.fsdp.optimizer_offload=false" in planned  # every key, as overrides
+
+
+@pytest.mark.parametrize(
+    ("spelling", "in_file"),
+    [
+        (f"{ROLLOUT_TP}=1", False),
+        ("actor_rollout_ref.rollout.tensor_model_parallel_size=1", False),  # verl's key
+        ("rollout={tensor_model_parallel_size: 1}", False),  # a mapping counts key by key
+        (f"{ROLLOUT_TP}=1", True),  # in the YAML file
+    ],
+)
+def test_a_key_the_user_set_wins_even_at_its_default_value(
+    spelling: str, in_file: bool, shape_7b: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "hybridflow")
+    overrides = [f"model.path={shape_7b}", *WIDE]
+    path = None
+    if in_file:
+        path = tmp_path / "run.yaml"
+        path.write_text("rollout:\n  tensor_model_parallel_size: 1\n")
+        path = str(path)
+    else:
+        overrides.append(spelling)
+    cfg = planned_config(path, overrides, GB80)
+    assert cfg.rollout.tensor_model_parallel_size == 1  # 1 is the default: what counts is that it was set
+    message = _planned_line(caplog).getMessage()
+    assert f"kept from the config: {ROLLOUT_TP}=1" in message
+    assert ROLLOUT_TP not in message.split("; planned keys: ")[1]
+
+
+def test_a_user_set_layout_that_does_not_fit_runs_as_set_with_a_warning(
+    shape_7b: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "hybridflow")
+    overrides = [f"model.path={shape_7b}", *WIDE, "actor.tensor_parallel_size=1", f"{ROLLOUT_TP}=1"]
+    cfg = planned_config(None, overrides, 24 * 10**9)
+    assert (cfg.actor.tensor_parallel_size, cfg.rollout.tensor_model_parallel_size) == (1, 1)
+    record = _planned_line(caplog)
+    message = record.getMessage()
+    assert (
+        record.levelno == logging.WARNING and "no layout fits" in message and " GB" in message
+    )  # the estimate
+    assert f"runs as configured (actor.tensor_parallel_size, {ROLLOUT_TP} as set)" in message
+
+
+def test_auto_layout_false_leaves_the_layout_keys_as_configured(
+    shape_7b: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "hybridflow")
+    overrides = [f"model.path={shape_7b}", *WIDE, "trainer.auto_layout=false"]
+    assert planned_config(None, overrides, GB80).to_dict() == load_config(None, overrides).to_dict()
+    assert not [r for r in caplog.records if r.getMessage().startswith("auto layout")]
+    assert "trainer.auto_layout=false: the layout as configured" in caplog.text
+
+
+def test_auto_layout_takes_only_a_boolean(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "show", "trainer.auto_layout=sometimes"]) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error: ")]
+    assert "trainer.auto_layout" in line
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_hybridflow_train_on_cpu_plans_and_runs_the_config_it_ran_before(
+    ranks: int, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The CLI logs the plan; on CPU it is the plain layout, so the run's config is the one without a plan."""
+    ran = []
+    monkeypatch.setattr(jobs, "rl_job", lambda cfg: ran.append(cfg) or [])  # the config the run gets
+    caplog.set_level(logging.INFO, "hybridflow")
+    overrides = [f"model.path={tiny}", "trainer.device=cpu", f"trainer.n_gpus_per_node={ranks}"]
+    overrides += [f"trainer.default_local_dir={tmp_path}", "data.train_batch_size=4", "rollout.n=2"]
+    overrides += ["actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=1"]
+    assert main(["train", *overrides[:2], "--log-level", "info", *overrides[2:]]) == 0
+    assert main(["train", *overrides, "trainer.auto_layout=false"]) == 0
+    planned, unplanned = ran
+    assert "without a GPU: nothing to fit, the plain layout; planned keys: " in caplog.text
+    unplanned.trainer.auto_layout = True
+    assert planned.to_dict() == unplanned.to_dict() == load_config(None, overrides).to_dict()
+
+
+def test_the_notebook_api_plans_through_the_same_function_and_key(tiny: Path) -> None:
+    common = dict(model_name=str(tiny), max_steps=1, per_device_train_batch_size=2)
+    planned = hybridflow.RLTrainer(**common)
+    assert planned.layout is not None and planned.layout.kept == {}  # nothing set: every layout key planned
+    off = hybridflow.RLTrainer(**common, overrides=["trainer.auto_layout=false"])
+    assert off.layout is None and off.cfg.trainer.auto_layout is False
+    off.cfg.trainer.auto_layout = True
+    assert off.cfg.to_dict() == planned.cfg.to_dict()  # on CPU the plan is the defaults
+    kept = hybridflow.RLTrainer(**common, overrides=["actor.fsdp.optimizer_offload=false"])
+    assert kept.layout is not None and kept.layout.kept == {"actor.fsdp.optimizer_offload": False}
+
+
+def test_user_keys_are_the_files_and_the_overrides_paths() -> None:
+    file = {"actor_rollout_ref": {"rollout": {"tensor_model_parallel_size": 2}}, "trainer": {"seed": 1}}
+    overrides = ["actor.fsdp={param_offload: true}", "++rollout.n=4"]
+    assert user_keys(file, overrides) == {
+        ROLLOUT_TP,
+        "trainer.seed",
+        "actor.fsdp.param_offload",
+        "rollout.n",
+    }
