@@ -6,7 +6,7 @@ not a test).
     python benchmarks/grpo_step.py --workload W2 --model-size 1.5b --steps 2 --warmup 1
     python benchmarks/grpo_step.py --workload W2 --model-size 7b --gpu-memory-gb 80   # an 80 GiB GPU's share
 
-``--model-size`` takes the shapes of ``train_mfu.SHAPES`` (7b: Qwen2-7B, untied embeddings). ``--gpu-memory-gb``
+``--model-size`` takes the shapes of ``shapes.SHAPES`` (7b: Qwen2-7B, untied embeddings). ``--gpu-memory-gb``
 caps the memory this process may allocate on the GPU (``torch.cuda.set_per_process_memory_fraction``, set
 before anything is allocated), so a smaller GPU is measured on a bigger one.
 
@@ -48,7 +48,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_clocks import ClockSampler, cap_gpu_memory, gpu_memory_gb, machine_line
-from train_mfu import PEAK_FLOPS, SHAPES, build_model, count_params
+from shapes import PEAK_FLOPS, SHAPES, build_model, count_params
 
 from hybridflow.config import load_config
 from hybridflow.data import RLDataset

@@ -27,7 +27,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from grpo_step import WORKLOADS, hash_reward, prompt_rows, trainer_config, word_tokenizer
-from train_mfu import build_model
+from shapes import build_model
 
 from hybridflow.data import RLDataset
 from hybridflow.trainer.builder import build_components

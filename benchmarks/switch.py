@@ -4,7 +4,7 @@
     python benchmarks/switch.py --model-size 7b --gpu-memory-gb 80      # Qwen2-7B within an 80 GiB share
     python benchmarks/switch.py --plan-only --model-size 0.5b 1.5b 7b   # the plan table alone (any machine)
 
-The shapes are ``train_mfu.SHAPES`` (7b: Qwen2-7B, untied embeddings). ``--gpu-memory-gb`` caps the memory
+The shapes are ``shapes.SHAPES`` (7b: Qwen2-7B, untied embeddings). ``--gpu-memory-gb`` caps the memory
 this process may allocate on the GPU (``torch.cuda.set_per_process_memory_fraction``, before anything is
 allocated), so a smaller GPU is measured on a bigger one.
 
@@ -39,7 +39,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_clocks import ClockSampler, cap_gpu_memory, gpu_memory_gb, machine_line
-from train_mfu import SHAPES, model_config
+from shapes import SHAPES, model_config
 
 from hybridflow.engine.hybrid.plan import ParamSpec, ReshardPlan
 from hybridflow.engine.parallel.layout import ShardLayout, check_tp, kind_of
@@ -92,7 +92,7 @@ def plan_rows(size: str) -> list[str]:
 
 def build_actor(size: str, hybrid: bool):
     """The actor as the trainer builds it at world size 1 (FSDP2, float32 masters, bf16 rollout)."""
-    from train_mfu import build_model
+    from shapes import build_model
 
     from hybridflow.config import load_config
     from hybridflow.workers.actor import ActorWorker

@@ -50,7 +50,7 @@ def test_the_7b_shape_builds_untied_and_its_decode_bytes_count_the_head_once(
 
     monkeypatch.syspath_prepend(str(SCRIPT.parent))
     import grpo_step
-    from train_mfu import build_model, count_params
+    from shapes import build_model, count_params
 
     model = build_model("7b", "sdpa", torch.device("meta"))
     c = model.config
