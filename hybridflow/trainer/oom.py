@@ -20,7 +20,7 @@ from hybridflow.config.validate import get_path
 from hybridflow.trainer.layout import GB, LAYOUT_KEYS, Layout, estimate_phases, meta_model
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.peers import post_user_error, posted_user_error
-from hybridflow.workers.oom import DeviceOutOfMemory, Phase, out_of_memory
+from hybridflow.workers.oom import DeviceOutOfMemory, Phase, fix_keys, out_of_memory
 
 logger = logging.getLogger(__name__)
 
@@ -59,22 +59,29 @@ def plan_estimate(cfg: Config, phase: Phase) -> str:
     )
 
 
+def completed(error: DeviceOutOfMemory, cfg: Config) -> DeviceOutOfMemory:
+    """``error`` with the plan's estimate and the run's values of the keys its fix names."""
+    error.estimate = plan_estimate(cfg, error.phase)
+    for key in fix_keys(error.phase):
+        with contextlib.suppress(AttributeError):  # a key of another section's spelling: named without it
+            error.values[key] = get_path(cfg, key)
+    return error
+
+
 @contextlib.contextmanager
-def out_of_memory_errors(cfg: Config, role: str = "actor", method: str = "update_sft") -> Iterator[None]:
+def out_of_memory_errors(cfg: Config, role: str = "driver", method: str = "step") -> Iterator[None]:
     """Stop an out-of-memory error in a phase with its one line (a ``UserError``) on every rank.
 
-    An OOM that did not come through a rank's phase call (the single-process SFT job calls its actor
-    directly) is taken as ``role.method``.
+    An OOM that did not come through a rank's phase call is taken as ``role.method``: the driver's own
+    work by default, the actor's SFT update in the single-process SFT job (which calls its actor directly).
     """
     try:
         yield
     except DeviceOutOfMemory as exc:
-        exc.estimate = plan_estimate(cfg, exc.phase)
-        post_user_error(str(exc))
+        post_user_error(str(completed(exc, cfg)))
         raise
     except torch.OutOfMemoryError as exc:
-        error = out_of_memory(exc, role, method)
-        error.estimate = plan_estimate(cfg, error.phase)
+        error = completed(out_of_memory(exc, role, method), cfg)
         post_user_error(str(error))
         raise error from exc
     except Exception as exc:

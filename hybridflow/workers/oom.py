@@ -70,6 +70,8 @@ PHASES: dict[tuple[str, str], Phase] = {
     ),
     ("actor", "update_sft"): Phase("SFT update", None, _UPDATE),
     ("actor", "update_preference"): Phase("preference (DPO/KTO) update", None, _UPDATE),
+    # the driver's own work on the device between the roles' phases (rewards, advantages, metrics)
+    ("driver", "step"): Phase("driver", None, "lower data.train_batch_size or rollout.n"),
 }
 _UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _ASKED = re.compile(r"Tried to allocate ([\d.]+) ?(TiB|GiB|MiB|KiB|bytes|B)\b")
@@ -101,6 +103,7 @@ class DeviceOutOfMemory(UserError):
         super().__init__(role, method, requested, free_total, where, estimate)
         self.role, self.method, self.requested = role, method, requested
         self.free_total, self.where, self.estimate = free_total, where, estimate
+        self.values: dict[str, object] = {}  # the run's values of the keys the fix names (set by the driver)
 
     @property
     def phase(self) -> Phase:
@@ -117,10 +120,18 @@ class DeviceOutOfMemory(UserError):
         estimate = self.estimate or (
             "the layout planner has no estimate for this phase" if phase.estimate is None else "no estimate"
         )
+        fix = phase.fix
+        for key, value in self.values.items():  # "lower actor.ppo_micro_batch_size_per_gpu (now 8)"
+            fix = re.sub(rf"\b{re.escape(key)}(?![=\w.])", f"{key} (now {value})", fix, count=1)
         return (
             f"out of device memory in the {phase.name} phase ({self.role}.{self.method}{self.where}): it asked "
-            f"for {asked}{memory}; {estimate}. To make it fit, {phase.fix}"
+            f"for {asked}{memory}; {estimate}. To make it fit, {fix}"
         )
+
+
+def fix_keys(phase: Phase) -> list[str]:
+    """The config keys ``phase``'s fix says to change by a value of the user's choice (not ``key=value``)."""
+    return re.findall(r"\b([a-z_]+(?:\.[a-z_]+)+)\b(?![=\w.])", phase.fix)
 
 
 def free_and_total() -> tuple[int, int] | None:

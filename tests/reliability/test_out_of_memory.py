@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,14 +22,16 @@ import torch
 from reliability_util import train_argv
 
 from hybridflow.cli.main import main
-from hybridflow.config import load_config
+from hybridflow.config import Config, load_config
+from hybridflow.config.validate import get_path
 from hybridflow.models import build_tiny_model_and_tokenizer
 from hybridflow.models.loader import load_config as load_model_config
 from hybridflow.trainer.layout import estimate_phases, meta_model
 from hybridflow.trainer.oom import gigabytes, run_layout
+from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.workers.actor import ActorWorker
 from hybridflow.workers.critic import CriticWorker
-from hybridflow.workers.oom import DeviceOutOfMemory, requested_bytes
+from hybridflow.workers.oom import PHASES, DeviceOutOfMemory, fix_keys, phase_of, requested_bytes
 from hybridflow.workers.reference import ReferenceWorker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,7 +49,7 @@ RL_STEP = (
     "actor.ppo_micro_batch_size_per_gpu=4",
     "critic.ppo_micro_batch_size_per_gpu=4",
 )
-# phase -> (the worker class and method that raise, the role.method the line names, a key it names).
+# phase -> (the class and method that raise, the role.method the line names, a key it names).
 RL_PHASES = {
     "generate": (ActorWorker, "generate", "actor.generate", "rollout.gpu_memory_utilization"),
     "old_log_prob": (
@@ -60,6 +63,7 @@ RL_PHASES = {
         CriticWorker, "update_critic", "critic.update_critic", "critic.model.enable_gradient_checkpointing"
     ),
     "update_actor": (ActorWorker, "update_actor", "actor.update_actor", "model.enable_gradient_checkpointing"),
+    "driver": (PPOTrainer, "_advantages", "driver.step", "data.train_batch_size"),  # between the phases
 }  # fmt: skip
 ESTIMATED = {"generate": "generate", "old_log_prob": "log_prob", "ref": "log_prob", "update_actor": "update_actor"}
 
@@ -105,6 +109,14 @@ def test_the_bytes_asked_for_are_read_from_the_message() -> None:
     assert isinstance(again, DeviceOutOfMemory) and str(again) == str(error), str(again)
 
 
+def test_every_key_a_fix_names_is_a_config_key() -> None:
+    for phase in PHASES.values():
+        keys = re.findall(r"\b([a-z_]+(?:\.[a-z_]+)+)", phase.fix)
+        assert keys, phase
+        for key in keys:
+            get_path(Config(), key)  # raises AttributeError for a key the schema does not have
+
+
 @pytest.mark.parametrize("phase", RL_PHASES)
 def test_an_oom_in_each_phase_of_an_rl_step_is_one_line(
     phase: str,
@@ -119,6 +131,9 @@ def test_an_oom_in_each_phase_of_an_rl_step_is_one_line(
     line = one_line(main(argv), capsys.readouterr().err)
     assert "out of device memory" in line and f"({named})" in line, line
     assert "asked for 2.0 GiB" in line and key in line, line
+    first = fix_keys(phase_of(*named.split(".")))[0]  # its value in this run comes with it
+    value = get_path(load_config(None, [a for a in argv if "=" in a]), first)
+    assert f"{first} (now {value})" in line, line
     if phase in ESTIMATED:
         assert planned(argv, ESTIMATED[phase]) in line, line
     else:
@@ -222,3 +237,70 @@ def test_an_oom_on_one_of_two_torchrun_ranks_is_the_same_line_on_both(
     assert lines[0] == lines[1], lines
     assert f"(actor.update_actor on rank {failing} of 2)" in lines[0] and "asked for 2.0 GiB" in lines[0]
     assert "peer" not in lines[0], lines[0]
+
+
+# A sitecustomize module for the Ray driver and its rank actors: with HYBRIDFLOW_TEST_OOM=RANK, that rank's
+# actor update raises CUDA's out-of-memory error (patched once hybridflow.workers.actor is imported).
+OOM_SITE = """
+import importlib.abc, importlib.util, os, sys
+
+MESSAGE = os.environ.get("HYBRIDFLOW_TEST_OOM_MESSAGE", "")
+
+
+class _Hook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "hybridflow.workers.actor" or not os.environ.get("HYBRIDFLOW_TEST_OOM"):
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            real = module.ActorWorker.update_actor
+
+            def update_actor(self, batch):
+                import torch
+                import torch.distributed as dist
+
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                if str(rank) == os.environ["HYBRIDFLOW_TEST_OOM"]:
+                    raise torch.OutOfMemoryError(MESSAGE)
+                return real(self, batch)
+
+            module.ActorWorker.update_actor = update_actor
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _Hook())
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_an_oom_on_one_ray_rank_is_one_line(model_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(OOM_SITE)
+    drop = ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(site), str(REPO), env.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+        HYBRIDFLOW_TEST_OOM="1",
+        HYBRIDFLOW_TEST_OOM_MESSAGE=MESSAGE,
+    )
+    argv = train_argv(
+        model_dir, tmp_path / "run", "trainer.total_training_steps=1", "trainer.n_gpus_per_node=2",
+        "actor.ppo_micro_batch_size_per_gpu=4", "trainer.backend=ray", "trainer.nccl_timeout=120",
+    )  # fmt: skip
+    code = "import sys; from hybridflow.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    done = subprocess.run(
+        [sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=600
+    )
+    line = one_line(done.returncode, done.stderr)
+    assert "(actor.update_actor on rank 1 of 2)" in line and "asked for 2.0 GiB" in line, line
+    assert planned(argv, "update_actor") in line, line
