@@ -5,6 +5,8 @@ which raises an error of the communication library (gloo's "Connection closed by
 communicator, a timeout). That is not a bug of the surviving rank: ``peer_failure`` turns it into one line
 naming the rank that died when it can tell (ranks on this host whose process is gone, from the table
 ``record_peers`` keeps at start), the collective that broke and the code that called it, and where to look.
+A rank that stops with a user error it alone hit (out of device memory in a phase) leaves its message in
+the group's store first (``post_user_error``): the others then raise that message (``posted_user_error``).
 """
 
 from __future__ import annotations

@@ -65,7 +65,12 @@ RL_PHASES = {
     "update_actor": (ActorWorker, "update_actor", "actor.update_actor", "model.enable_gradient_checkpointing"),
     "driver": (PPOTrainer, "_advantages", "driver.step", "data.train_batch_size"),  # between the phases
 }  # fmt: skip
-ESTIMATED = {"generate": "generate", "old_log_prob": "log_prob", "ref": "log_prob", "update_actor": "update_actor"}
+ESTIMATED = {
+    "generate": "generate",
+    "old_log_prob": "log_prob",
+    "ref": "log_prob",
+    "update_actor": "update_actor",
+}
 
 
 def raise_oom(*args: object, **kwargs: object) -> None:
@@ -140,6 +145,23 @@ def test_an_oom_in_each_phase_of_an_rl_step_is_one_line(
         assert "the layout planner has no estimate for this phase" in line, line
 
 
+@pytest.mark.gpu
+def test_a_real_cuda_oom_in_the_update_is_one_line_with_the_free_memory(
+    model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def too_big(*args: object, **kwargs: object) -> None:  # 4 PiB: CUDA's own error, with its message
+        torch.empty(2**50, dtype=torch.float32, device="cuda")
+
+    monkeypatch.setattr(ActorWorker, "update_actor", too_big)
+    argv = train_argv(model_dir, tmp_path / "run", "trainer.total_training_steps=1", "trainer.device=cuda")
+    line = one_line(main(argv), capsys.readouterr().err)
+    assert "(actor.update_actor)" in line and "asked for 4096.0 TiB" in line and " free of " in line, line
+    assert planned(argv, "update_actor") in line, line
+
+
 def preference_argv(command: str, model_dir: Path, tmp_path: Path) -> list[str]:
     def prompt(i: int) -> list[dict[str, str]]:
         return [{"role": "user", "content": f"What is {i} plus {i + 3}?" + " Show the sum." * (i % 2)}]
@@ -181,7 +203,9 @@ def test_an_oom_in_the_sft_dpo_and_kto_updates_is_one_line(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setattr(ActorWorker, method, raise_oom)
-    argv = sft_argv(model_dir, tmp_path) if command == "sft" else preference_argv(command, model_dir, tmp_path)
+    argv = (
+        sft_argv(model_dir, tmp_path) if command == "sft" else preference_argv(command, model_dir, tmp_path)
+    )
     line = one_line(main(argv), capsys.readouterr().err)
     assert f"(actor.{method})" in line and "asked for 2.0 GiB" in line, line
     assert "the layout planner has no estimate for this phase" in line, line
