@@ -28,6 +28,7 @@ from hybridflow.trainer.builder import (
 )
 from hybridflow.trainer.dumps import write_jsonl
 from hybridflow.trainer.loop import TrainingLoop
+from hybridflow.trainer.oom import out_of_memory_errors
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.trainer.preference import PreferenceTrainer
 from hybridflow.trainer.sft import encode_pairs, run_sft
@@ -94,16 +95,17 @@ def sft_job(
     actor = ActorWorker(model, cfg, steps, pad)
     with staged_dir(out_dir) as staged:  # everything goes beside out_dir, renamed into place at the end
         tracker = Tracker(staged, steps, loggers=cfg.trainer.logger, plot_every=0, **run_names(cfg))
-        history = run_sft(
-            actor,
-            prompts,
-            responses,
-            steps,
-            cfg.data.train_batch_size,
-            pad,
-            cfg.trainer.seed,
-            on_step=tracker.log,
-        )
+        with out_of_memory_errors(cfg, "actor", "update_sft"):  # SFT calls its actor directly
+            history = run_sft(
+                actor,
+                prompts,
+                responses,
+                steps,
+                cfg.data.train_batch_size,
+                pad,
+                cfg.trainer.seed,
+                on_step=tracker.log,
+            )
         tracker.close()
         save_hf_model(actor, tokenizer, base, staged)
         save_config(cfg, staged / "sft_config.yaml")
@@ -133,7 +135,8 @@ def run_loop(trainer: TrainingLoop, run_dir: Path, close: bool) -> list[dict[str
         **run_names(cfg),
     ) as tracker:
         trainer.tracker = tracker
-        history = trainer.fit()
+        with out_of_memory_errors(cfg):  # one line naming the phase, on every rank
+            history = trainer.fit()
     components.groups[0].run_all("save_hf_model", str(run_dir / "final_model"))
     if close:
         components.close()

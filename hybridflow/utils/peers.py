@@ -5,6 +5,8 @@ which raises an error of the communication library (gloo's "Connection closed by
 communicator, a timeout). That is not a bug of the surviving rank: ``peer_failure`` turns it into one line
 naming the rank that died when it can tell (ranks on this host whose process is gone, from the table
 ``record_peers`` keeps at start), the collective that broke and the code that called it, and where to look.
+A rank that stops with a user error it alone hit (out of device memory in a phase) leaves its message in
+the group's store first (``post_user_error``): the others then raise that message (``posted_user_error``).
 """
 
 from __future__ import annotations
@@ -154,3 +156,48 @@ def peer_failure(exc: BaseException) -> str | None:
         f"{me} stops because {what}. Look at the other ranks' output for the first error (a rank that "
         "printed none was killed from outside, e.g. out of memory: see dmesg or the launcher's log)"
     )
+
+
+# Where a rank that stops with a user error leaves its message for the others (the default group's store).
+_POSTED = "hybridflow/user_error"
+
+
+def _store() -> dist.Store | None:
+    """The default group's key-value store (the rendezvous's), or None outside a multi-rank world."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def post_user_error(message: str) -> None:
+    """Leave this rank's user error for the other ranks: they are, or soon will be, waiting for this rank in
+    a collective that breaks when it exits, and then raise the same message (``posted_user_error``).
+
+    The message lives in the default group's store: torchrun's agent holds it, so it outlives any rank.
+    Started without torchrun (``MASTER_ADDR``/``MASTER_PORT`` by hand) rank 0 holds the store, and when rank
+    0 is the one that stops, the others find the store gone and report the broken collective instead.
+    """
+    store = _store()
+    if store is None:
+        return
+    try:
+        store.set(_POSTED, message)
+    except RuntimeError:  # the store is gone (its host rank died): the others report the broken collective
+        logger.debug("could not leave the error for the other ranks", exc_info=True)
+
+
+def posted_user_error(exc: BaseException) -> str | None:
+    """The user error another rank left (``post_user_error``) when ``exc`` is the collective its stop broke;
+    None otherwise."""
+    store = _store()
+    if store is None or _broken(exc) is None:
+        return None
+    try:
+        if not store.check([_POSTED]):
+            return None
+        message = store.get(_POSTED).decode()
+    except RuntimeError:  # the store went with the rank that hosted it
+        return None
+    return message

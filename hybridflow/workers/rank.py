@@ -23,6 +23,7 @@ from hybridflow.utils.device import cuda_in_use
 from hybridflow.utils.dist import world_size
 from hybridflow.utils.logging import rank as env_rank
 from hybridflow.workers.dispatch import DataCoord
+from hybridflow.workers.oom import out_of_memory
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,18 @@ class RankWorker:
         return self.eos_token_ids
 
     def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``roles[role].method(*args, **kwargs)`` on this rank, noting the phase's peak device memory."""
+        """Run ``roles[role].method(*args, **kwargs)`` on this rank, noting the phase's peak device memory.
+
+        Every phase the driver asks of a rank comes through here: an out-of-memory error in one becomes the
+        ``DeviceOutOfMemory`` user error naming the phase (``workers.oom``).
+        """
+        try:
+            return self._call(role, method, *args, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            where = f" on rank {env_rank()} of {world_size()}" if world_size() > 1 else ""
+            raise out_of_memory(exc, role, method, where) from exc
+
+    def _call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
         if not cuda_in_use():
             return getattr(self.roles[role], method)(*args, **kwargs)
         torch.cuda.reset_peak_memory_stats()
