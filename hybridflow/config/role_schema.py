@@ -38,6 +38,12 @@ class FSDPConfig:
     optimizer_offload: bool | str = option(
         False, "Keep optimizer state on CPU between phases; auto: only for a rollout short of room."
     )
+    optimizer_step_on_cpu: bool = option(
+        False,
+        "Keep the float32 masters and AdamW moments in host memory and step them there with the fused CPU "
+        "AdamW: the device holds only compute-dtype weights and gradients, which are streamed to the host "
+        "and back each step (DeepSpeed's offload_optimizer device=cpu). Not with optimizer_offload.",
+    )
     pin_memory: bool = option(True, "Offload through pinned (page-locked) host memory: faster DMA copies.")
     reshard_after_forward: bool | None = option(
         None, "Free gathered parameters after each layer's forward; null = only when sharded over > 1 rank."
