@@ -86,6 +86,11 @@ def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The Euclidean distance between two sets of weights."""
+    return sum((a[k] - b[k]).double().square().sum().item() for k in a) ** 0.5
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_cpu_step_trains_as_the_resident_adamw_in_float32(world: int) -> None:
     for got in run_world(world, train_both, world, "auto"):
@@ -111,13 +116,10 @@ def test_cpu_step_with_bf16_compute_tracks_resident_mixed_precision() -> None:
     assert got["dtypes_True"] == ["torch.bfloat16"] and got["dtypes_False"] == ["torch.float32"]
     assert got["device_is_rounded_master"]
 
-    def distance(a: dict, b: dict) -> float:
-        return sum((a[k] - b[k]).double().square().sum().item() for k in a) ** 0.5
-
-    moved = distance(resident["start"], resident["end"])
-    apart = distance(resident["end"], cpu["end"])
+    moved = _distance(resident["start"], resident["end"])
+    apart = _distance(resident["end"], cpu["end"])
     assert apart < 0.02 * moved
-    assert distance(fp32[False]["end"], resident["end"]) > 3 * apart
+    assert _distance(fp32[False]["end"], resident["end"]) > 3 * apart
 
 
 def save_stop_resume(rank: int, world: int, folder: str) -> dict:
@@ -134,7 +136,6 @@ def save_stop_resume(rank: int, world: int, folder: str) -> dict:
     _update(first, rank, world, slice(0, 4), seed=0)
     save_sharded(folder, first.module, first.engine.optimizer)
     schedule = first.engine.scheduler.state_dict()
-    first.engine.optimizer.master(next(first.module.parameters())).add_(1.0)  # the saved copy must not alias
 
     torch.manual_seed(0)
     resumed = _engine(True, "bfloat16")
@@ -197,12 +198,16 @@ def test_the_engine_refuses_the_cpu_step_with_moment_offload_too() -> None:
 
 def gpu_step(rank: int) -> dict:
     """On CUDA: pinned staging, bf16 device shards and gradients, the side-stream copies; against resident."""
-    engines = {cpu_step: _engine(cpu_step, "auto") for cpu_step in (False, True)}
-    out = {}
+    engines, out = {}, {}
+    for cpu_step in (False, True):  # the device bytes each engine holds once built (AdamW state included)
+        before = torch.cuda.memory_allocated()
+        engines[cpu_step] = _engine(cpu_step, "auto")
+        out[f"bytes_{cpu_step}"] = torch.cuda.memory_allocated() - before
     for cpu_step, engine in engines.items():
+        start = {k: v.cpu() for k, v in _masters(engine).items()}
         _update(engine, rank, 1, slice(0, 6))
         torch.cuda.synchronize()
-        out[cpu_step] = {k: v.cpu() for k, v in _masters(engine).items()}
+        out[cpu_step] = {"start": start, "end": {k: v.cpu() for k, v in _masters(engine).items()}}
     opt = engines[True].engine.optimizer
     out["pinned"] = opt.staging.pin and opt.staging.flat.is_pinned()
     out["device_dtypes"] = {str(p.dtype) for p in engines[True].module.parameters()}
@@ -214,5 +219,9 @@ def gpu_step(rank: int) -> dict:
 def test_cpu_step_on_cuda_streams_bf16_weights_through_pinned_memory() -> None:
     (got,) = run_world(1, gpu_step)
     assert got["pinned"] and got["device_dtypes"] == {"torch.bfloat16"} and got["master_device"] == {"cpu"}
-    scale = max(v.abs().max().item() for v in got[False].values())
-    assert max((got[False][k] - got[True][k]).abs().max().item() for k in got[False]) < 0.05 * scale
+    # bf16 shards (2 bytes a parameter) against float32 shards and two moments (12): under half even with
+    # the allocator's 512-byte rounding of the tiny model's small tensors
+    assert got["bytes_True"] < 0.5 * got["bytes_False"]
+    assert _worst(got[False]["start"], got[True]["start"]) == 0.0
+    moved = _distance(got[False]["start"], got[False]["end"])
+    assert _distance(got[False]["end"], got[True]["end"]) < 0.02 * moved  # as on CPU in bf16 (see there)
