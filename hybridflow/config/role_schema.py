@@ -40,9 +40,7 @@ class FSDPConfig:
     )
     optimizer_step_on_cpu: bool = option(
         False,
-        "Keep the float32 masters and AdamW moments in host memory and step them there with the fused CPU "
-        "AdamW: the device holds only compute-dtype weights and gradients, which are streamed to the host "
-        "and back each step (DeepSpeed's offload_optimizer device=cpu). Not with optimizer_offload.",
+        "Step AdamW on the CPU: fp32 masters and moments on the host, only compute-dtype weights/grads on device.",
     )
     pin_memory: bool = option(True, "Offload through pinned (page-locked) host memory: faster DMA copies.")
     reshard_after_forward: bool | None = option(
