@@ -42,6 +42,17 @@ from hybridflow.utils.host import ranks_on_host
 
 logger = logging.getLogger(__name__)
 
+# torch.optim.AdamW's own param-group keys with the values of the kernel this step runs, so that a checkpoint
+# of these groups has the keys a resident AdamW's loader asks for.
+_ADAMW_FLAGS = {
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": True,
+    "decoupled_weight_decay": True,
+}
 BUCKET_BYTES = 64 * 2**20  # compute-dtype bytes per bucket: small enough to overlap, big enough to be cheap
 
 
@@ -128,7 +139,9 @@ class HostAdamW(torch.optim.Optimizer):
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters; nothing to optimise")
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        super().__init__(
+            params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, **_ADAMW_FLAGS}
+        )
         self.masters: dict[nn.Parameter, torch.Tensor] = {}
         for p in params:  # (shard,) host copies in the masters' dtype, before the device shards are cast
             master = local_shard(p).to("cpu", copy=True)
@@ -236,8 +249,10 @@ class HostAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Copy a ``state_dict()`` into the host state in place (torch's own would move it to the device).
 
-        A state without masters (saved by a resident AdamW) takes them from the device weights, which the
-        checkpoint loader has filled first: exact when the compute dtype is the masters', rounded otherwise.
+        A state without masters (a resident AdamW's) takes them from the device weights, loaded first:
+        exact when the compute dtype is the masters', rounded otherwise. (The checkpoint loader, which asks
+        for every key of ``state_dict()``, does not get this far with such a checkpoint: it reports it as
+        damaged.)
         """
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved_groups) or any(
