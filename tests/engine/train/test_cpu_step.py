@@ -143,6 +143,9 @@ def save_stop_resume(rank: int, world: int, folder: str) -> dict:
     load_sharded(folder, resumed.module, resumed.engine.optimizer, with_optim=True)
     resumed.engine.scheduler.load_state_dict(schedule)
     _update(resumed, rank, world, slice(0, 4), seed=1)
+    resident = _engine(False, "bfloat16")  # a resident AdamW resumes from it too, from the saved bf16 weights
+    load_sharded(folder, resident.module, resident.engine.optimizer, with_optim=True)
+    saved = {n: p.detach().to_local().float() for n, p in first.module.named_parameters()}
     a, b = straight.engine, resumed.engine
     return {
         "masters": _worst(_masters(straight), _masters(resumed)),
@@ -156,6 +159,8 @@ def save_stop_resume(rank: int, world: int, folder: str) -> dict:
             for k in ("exp_avg", "exp_avg_sq")
         ),
         "steps": {int(s["step"]) for s in b.optimizer.state.values()},
+        "resident_from_saved": _worst(_masters(resident), saved),
+        "resident_steps": {int(s["step"]) for s in resident.engine.optimizer.state.values()},
         "lr": (a.lr, b.lr),
     }
 
@@ -164,6 +169,7 @@ def test_a_resumed_cpu_step_run_equals_one_that_did_not_stop(tmp_path) -> None:
     for got in run_world(2, save_stop_resume, 2, str(tmp_path / "shards")):
         assert got["masters"] == 0.0 and got["weights"] == 0.0 and got["moments"] == 0.0
         assert got["steps"] == {4} and got["lr"][0] == got["lr"][1]
+        assert got["resident_from_saved"] == 0.0 and got["resident_steps"] == {2}
 
 
 def test_cpu_step_refuses_a_moment_offload_and_the_reference() -> None:
