@@ -38,6 +38,10 @@ class FSDPConfig:
     optimizer_offload: bool | str = option(
         False, "Keep optimizer state on CPU between phases; auto: only for a rollout short of room."
     )
+    optimizer_step_on_cpu: bool = option(
+        False,
+        "Step AdamW on the CPU: fp32 masters and moments on the host, only compute-dtype weights/grads on device.",
+    )
     pin_memory: bool = option(True, "Offload through pinned (page-locked) host memory: faster DMA copies.")
     reshard_after_forward: bool | None = option(
         None, "Free gathered parameters after each layer's forward; null = only when sharded over > 1 rank."

@@ -223,6 +223,7 @@ def _check_rollout_tp(cfg: Config, out: list[Problem]) -> None:
 
 def _check_offload(cfg: Config, out: list[Problem]) -> None:
     """``optimizer_offload`` is true, false, or auto (the trained roles on the rollout's GPUs)."""
+    _check_cpu_step(cfg, out)
     for role in ("actor", "critic", "ref"):
         path = f"{role}.fsdp.optimizer_offload"
         value = get_path(cfg, path)
@@ -239,6 +240,26 @@ def _check_offload(cfg: Config, out: list[Problem]) -> None:
                 "use true or false (auto makes room for the rollout, and a split critic has GPUs of its own)"
             )
             out.append(Problem(path, "auto with trainer.placement=split", fix))
+
+
+def _check_cpu_step(cfg: Config, out: list[Problem]) -> None:
+    """``optimizer_step_on_cpu`` only where there is an optimizer, and not with ``optimizer_offload``."""
+    if cfg.ref.fsdp.optimizer_step_on_cpu:
+        fix = (
+            "set ref.fsdp.optimizer_step_on_cpu=false (ref.fsdp.param_offload keeps its weights on the host)"
+        )
+        out.append(Problem("ref.fsdp.optimizer_step_on_cpu", "is true: the reference has no optimizer", fix))
+    for role in ("actor", "critic"):
+        fsdp = get_path(cfg, f"{role}.fsdp")
+        if fsdp.optimizer_step_on_cpu and fsdp.optimizer_offload is not False:
+            out.append(
+                Problem(
+                    f"{role}.fsdp.optimizer_offload",
+                    f"is {str(fsdp.optimizer_offload).lower()} with {role}.fsdp.optimizer_step_on_cpu=true: the "
+                    "moments already live on the host, there is nothing to offload",
+                    f"set {role}.fsdp.optimizer_offload=false (or {role}.fsdp.optimizer_step_on_cpu=false)",
+                )
+            )
 
 
 def _check_rollout(cfg: Config, out: list[Problem]) -> None:

@@ -40,7 +40,7 @@ def _unpin(flat: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(flat.data_ptr())
 
 
-def _home(like: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+def host_home(like: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
     """A host tensor of ``like``'s kind whose data is ``view``: for a DTensor, the same spec over ``view``.
 
     The wrapper comes from ``empty_like`` (its own local shard is never touched, so never faulted in) and
@@ -101,7 +101,7 @@ class HostStore:
             flat[o : o + size].view(dtype).view(shape)
             for o, size, (shape, dtype) in zip(offsets, sizes, layout)
         ]
-        self.homes = [_home(t, v) for t, v in zip(tensors, views)]
+        self.homes = [host_home(t, v) for t, v in zip(tensors, views)]
         self.flat, self._layout = flat, layout
         logger.debug("host store: %.2f GiB for %d tensors (pinned: %s)", total / 2**30, len(views), self.pin)
 

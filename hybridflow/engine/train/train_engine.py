@@ -19,10 +19,12 @@ from hybridflow.engine.parallel.fsdp import (
 )
 from hybridflow.engine.parallel.grad_norm import clip_by_global_norm
 from hybridflow.engine.parallel.parallelize import Parallelized
+from hybridflow.engine.train.cpu_step import clip_grad_shards, host_adamw
 from hybridflow.engine.train.host_store import HostStore
 from hybridflow.engine.train.offload import choose_pinning, move_model, move_optimizer
 from hybridflow.engine.train.optim import allocate_state, build_lr_scheduler, build_optimizer
 from hybridflow.utils.dist import world_size
+from hybridflow.utils.errors import UserError
 from hybridflow.utils.host import available_host_bytes, ranks_on_host
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,15 @@ def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
         if optim.lr_warmup_steps >= 0
         else int(optim.lr_warmup_steps_ratio * total_steps)
     )
+
+
+def check_cpu_step(fsdp: FSDPConfig) -> None:
+    """Refuse ``optimizer_step_on_cpu`` with ``optimizer_offload``: its moments already live on the host."""
+    if fsdp.optimizer_offload is not False:
+        raise UserError(
+            f"fsdp.optimizer_offload={fsdp.optimizer_offload} with fsdp.optimizer_step_on_cpu=true: the CPU "
+            "step keeps the moments on the host already; set optimizer_offload=false"
+        )
 
 
 class TrainEngine:
@@ -59,10 +70,9 @@ class TrainEngine:
         self.fsdp = fsdp
         self.grad_clip = grad_clip
         self.optimizer = self.scheduler = None
+        self.cpu_step = fsdp.optimizer_step_on_cpu and optim is not None
         if optim is not None:
-            self.optimizer = build_optimizer(
-                self.module.parameters(), optim.lr, optim.weight_decay, tuple(optim.betas), optim.eps
-            )
+            self.optimizer = self._build_optimizer(optim)
             self.scheduler = build_lr_scheduler(
                 self.optimizer,
                 optim.lr_scheduler_type,
@@ -83,6 +93,17 @@ class TrainEngine:
         # The host homes of the offloaded shards and moments, allocated at the first offload.
         self.param_store, self.moment_store = HostStore(self.pin_memory), HostStore(self.pin_memory)
         self.offload()
+
+    def _build_optimizer(self, optim: OptimConfig) -> torch.optim.Optimizer:
+        """The resident AdamW, or with ``fsdp.optimizer_step_on_cpu`` the host one (``cpu_step.HostAdamW``)."""
+        if not self.cpu_step:
+            return build_optimizer(
+                self.module.parameters(), optim.lr, optim.weight_decay, tuple(optim.betas), optim.eps
+            )
+        check_cpu_step(self.fsdp)
+        # The masters and moments go to the host, the device shards are cast to the compute dtype.
+        pin = self.fsdp.pin_memory and self.device.type == "cuda"
+        return host_adamw(self.module, optim, self.compute_dtype, pin)
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
@@ -133,7 +154,9 @@ class TrainEngine:
         """Clip and step; a non-finite gradient norm skips the step (counted). Returns the pre-clip norm."""
         assert self.optimizer is not None, "optimizer_step on a forward-only engine"
         params = [p for p in self.module.parameters() if p.grad is not None]
-        if self.dims.fsdp_only:
+        if self.dims.fsdp_only and self.cpu_step:  # compute-dtype gradients: a float32 norm
+            norm = clip_grad_shards(params, self.grad_clip)
+        elif self.dims.fsdp_only:
             norm = grad_norm_and_clip(params, self.grad_clip)
         else:  # parameters on several meshes (tp x dp layers, dp-only embeddings), or on several stages
             twin = None
@@ -186,8 +209,8 @@ class TrainEngine:
         wave of decoding costs far more than moving the moments out and back (0.18 s for a 0.5B actor on an
         H200). Nothing to move: returns 0.
         """
-        if self.optimizer is None or self.moments_away or self.device.type == "cpu":
-            return 0
+        if self.optimizer is None or self.moments_away or self.device.type == "cpu" or self.cpu_step:
+            return 0  # (the CPU step's moments never leave the host)
         if self._offloads_moments and not self.on_device:
             return 0  # already on the host between phases
         freed = optimizer_state_bytes(self.optimizer)
