@@ -112,6 +112,21 @@ def save_sharded(path: str | os.PathLike, module: nn.Module, optimizer: torch.op
     return with_optim
 
 
+def _check_masters(path: str | os.PathLike, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse to resume an optimizer that keeps float32 masters on the host (``fsdp.optimizer_step_on_cpu``)
+    from a checkpoint whose optimizer kept none (a resident one): its masters would have to come from the
+    compute-dtype weights, rounded."""
+    if not getattr(optimizer, "masters", None) or not (Path(path) / ".metadata").is_file():
+        return  # a resident optimizer reads either kind; a missing .metadata is reported by _dcp_load
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if not any(key.startswith("optim.") and key.endswith(".master") for key in saved):
+        raise CheckpointError(
+            f"{path} was saved by a run without the optimizer step on the CPU (its optimizer state has no "
+            "float32 masters); resume it with actor.fsdp.optimizer_step_on_cpu=false (and "
+            "critic.fsdp.optimizer_step_on_cpu=false), then turn it on in a run that starts from its weights"
+        )
+
+
 def load_sharded(
     path: str | os.PathLike,
     module: nn.Module,
@@ -123,6 +138,7 @@ def load_sharded(
         raise CheckpointError(f"{path} is missing from the checkpoint")
     state: dict[str, Any] = {"model": get_model_state_dict(module)}
     if optimizer is not None and with_optim:
+        _check_masters(path, optimizer)
         state["optim"] = get_optimizer_state_dict(module, optimizer)
     _dcp_load(state, path)
     set_model_state_dict(module, state["model"], options=StateDictOptions(strict=True))

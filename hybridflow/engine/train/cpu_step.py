@@ -250,9 +250,8 @@ class HostAdamW(torch.optim.Optimizer):
         """Copy a ``state_dict()`` into the host state in place (torch's own would move it to the device).
 
         A state without masters (a resident AdamW's) takes them from the device weights, loaded first:
-        exact when the compute dtype is the masters', rounded otherwise. (The checkpoint loader, which asks
-        for every key of ``state_dict()``, does not get this far with such a checkpoint: it reports it as
-        damaged.)
+        exact when the compute dtype is the masters', rounded otherwise. (The checkpoint loader refuses such a
+        checkpoint before this: ``checkpoint.sharded._check_masters``.)
         """
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved_groups) or any(

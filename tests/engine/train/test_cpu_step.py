@@ -125,7 +125,7 @@ def test_cpu_step_with_bf16_compute_tracks_resident_mixed_precision() -> None:
 
 def save_stop_resume(rank: int, world: int, folder: str) -> dict:
     """Two updates in one run; one update, a checkpoint, a new process state, the second update."""
-    from hybridflow.checkpoint.sharded import load_sharded, save_sharded
+    from hybridflow.checkpoint.sharded import CheckpointError, load_sharded, save_sharded
 
     torch.manual_seed(0)
     straight = _engine(True, "bfloat16")
@@ -146,6 +146,16 @@ def save_stop_resume(rank: int, world: int, folder: str) -> dict:
     resident = _engine(False, "bfloat16")  # a resident AdamW resumes from it too, from the saved bf16 weights
     load_sharded(folder, resident.module, resident.engine.optimizer, with_optim=True)
     saved = {n: p.detach().to_local().float() for n, p in first.module.named_parameters()}
+    resident_from_saved = _worst(_masters(resident), saved)
+    resident_steps = {int(s["step"]) for s in resident.engine.optimizer.state.values()}
+    _update(resident, rank, world, slice(0, 4), seed=1)  # a resident run's checkpoint: no masters in it
+    save_sharded(folder + "-resident", resident.module, resident.engine.optimizer)
+    fresh = _engine(True, "bfloat16")
+    try:
+        load_sharded(folder + "-resident", fresh.module, fresh.engine.optimizer, with_optim=True)
+        refusal = ""
+    except CheckpointError as e:
+        refusal = str(e)
     a, b = straight.engine, resumed.engine
     return {
         "masters": _worst(_masters(straight), _masters(resumed)),
@@ -159,8 +169,9 @@ def save_stop_resume(rank: int, world: int, folder: str) -> dict:
             for k in ("exp_avg", "exp_avg_sq")
         ),
         "steps": {int(s["step"]) for s in b.optimizer.state.values()},
-        "resident_from_saved": _worst(_masters(resident), saved),
-        "resident_steps": {int(s["step"]) for s in resident.engine.optimizer.state.values()},
+        "resident_from_saved": resident_from_saved,
+        "resident_steps": resident_steps,
+        "refusal": refusal,
         "lr": (a.lr, b.lr),
     }
 
@@ -170,6 +181,9 @@ def test_a_resumed_cpu_step_run_equals_one_that_did_not_stop(tmp_path) -> None:
         assert got["masters"] == 0.0 and got["weights"] == 0.0 and got["moments"] == 0.0
         assert got["steps"] == {4} and got["lr"][0] == got["lr"][1]
         assert got["resident_from_saved"] == 0.0 and got["resident_steps"] == {2}
+        # a resident run's checkpoint has no float32 masters: refused, naming the key that resumes it
+        assert "without the optimizer step on the CPU" in got["refusal"]
+        assert "actor.fsdp.optimizer_step_on_cpu=false" in got["refusal"]
 
 
 def test_cpu_step_refuses_a_moment_offload_and_the_reference() -> None:
