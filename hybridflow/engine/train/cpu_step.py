@@ -71,8 +71,18 @@ def cast_sharded(module: nn.Module, dtype: torch.dtype) -> None:
     module._apply(lambda t: t.to(dtype) if id(t) in ids else t)
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
-            for group in sub._get_fsdp_state()._fsdp_param_groups:
+            for group in _param_groups(sub):
                 group._init_mp_dtypes()  # what its lazy init does: orig dtype = the shards' dtype
+
+
+def _param_groups(module: FSDPModule) -> list[Any]:
+    """An FSDP2 module's parameter groups: a list in torch >= 2.12, one group (or None) before (2.11)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 @torch.no_grad()
