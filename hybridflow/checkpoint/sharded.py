@@ -96,6 +96,27 @@ def check_shapes(saved: dict[str, list[int]], current: dict[str, list[int]], wha
     raise CheckpointError(f"{what} does not match this model: " + "; ".join(lines))
 
 
+def _model_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The module's sharded state dict; under the CPU optimizer step, its trained weights are the float32 host
+    masters (``HostAdamW.model_state``), so every checkpoint holds float32 weights whatever the run kept on
+    the device."""
+    state = get_model_state_dict(module)
+    return optimizer.model_state(state) if hasattr(optimizer, "model_state") else state
+
+
+def _set_weights(module: nn.Module, optimizer: torch.optim.Optimizer | None, model: dict[str, Any]) -> None:
+    """Load the read weights into ``module``; host masters were read in place and are cast into their device
+    weights by the optimizer (no host-to-device DTensor copies through the state-dict API)."""
+    masters = getattr(optimizer, "masters", None)
+    if not masters:
+        set_model_state_dict(module, model, options=StateDictOptions(strict=True))
+        return
+    optimizer.masters_to_weights()
+    held = {id(m) for m in masters.values()}
+    rest = {name: t for name, t in model.items() if id(t) not in held}  # frozen weights, buffers
+    set_model_state_dict(module, rest, options=StateDictOptions(strict=False))
+
+
 def save_sharded(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
     """Write ``module``'s (and ``optimizer``'s) sharded state under ``path``; all ranks call it together.
 
@@ -104,27 +125,12 @@ def save_sharded(path: str | os.PathLike, module: nn.Module, optimizer: torch.op
     AdamW's state when they build it, so a trained role's state (zero moments at step 0 before its first
     update) is written from the start.
     """
-    state: dict[str, Any] = {"model": get_model_state_dict(module)}
+    state: dict[str, Any] = {"model": _model_state(module, optimizer)}
     with_optim = optimizer is not None and bool(optimizer.state)
     if with_optim:
         state["optim"] = get_optimizer_state_dict(module, optimizer)
     dcp.save(state, checkpoint_id=str(path))
     return with_optim
-
-
-def _check_masters(path: str | os.PathLike, optimizer: torch.optim.Optimizer) -> None:
-    """Refuse to resume an optimizer that keeps float32 masters on the host (``fsdp.optimizer_step_on_cpu``)
-    from a checkpoint whose optimizer kept none (a resident one): its masters would have to come from the
-    compute-dtype weights, rounded."""
-    if not getattr(optimizer, "masters", None) or not (Path(path) / ".metadata").is_file():
-        return  # a resident optimizer reads either kind; a missing .metadata is reported by _dcp_load
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    if not any(key.startswith("optim.") and key.endswith(".master") for key in saved):
-        raise CheckpointError(
-            f"{path} was saved by a run without the optimizer step on the CPU (its optimizer state has no "
-            "float32 masters); resume it with actor.fsdp.optimizer_step_on_cpu=false (and "
-            "critic.fsdp.optimizer_step_on_cpu=false), then turn it on in a run that starts from its weights"
-        )
 
 
 def load_sharded(
@@ -136,12 +142,11 @@ def load_sharded(
     """Read the state ``save_sharded`` wrote into ``module`` (and ``optimizer``), resharding as needed."""
     if not Path(path).is_dir():
         raise CheckpointError(f"{path} is missing from the checkpoint")
-    state: dict[str, Any] = {"model": get_model_state_dict(module)}
+    state: dict[str, Any] = {"model": _model_state(module, optimizer)}
     if optimizer is not None and with_optim:
-        _check_masters(path, optimizer)
         state["optim"] = get_optimizer_state_dict(module, optimizer)
-    _dcp_load(state, path)
-    set_model_state_dict(module, state["model"], options=StateDictOptions(strict=True))
+    _dcp_load(state, path)  # fails naming the folder when a requested tensor is not in it
+    _set_weights(module, optimizer, state["model"])
     if "optim" in state:
         set_optimizer_state_dict(module, optimizer, state["optim"])
     elif optimizer is not None and optimizer.state:

@@ -164,8 +164,8 @@ class HostAdamW(torch.optim.Optimizer):
         rounded = any(m.dtype != compute_dtype and m.is_floating_point() for m in self.masters.values())
         if rounded:  # say it once at start: nothing the user saves later is silently rounded
             logger.warning(
-                "fsdp.optimizer_step_on_cpu: the float32 masters live in the optimizer state; HF exports and "
-                "the checkpoint's model weights hold the %s device weights (the masters rounded)",
+                "fsdp.optimizer_step_on_cpu: the float32 masters live on the host; checkpoints hold them, but an "
+                "HF export written during training holds the %s device weights (the masters rounded)",
                 str(compute_dtype).removeprefix("torch."),
             )
         cast_sharded(module, compute_dtype)
@@ -253,22 +253,24 @@ class HostAdamW(torch.optim.Optimizer):
             maximize=False,
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state dict, each parameter's entry with its ``master`` added."""
-        out = super().state_dict()
-        params = [p for group in self.param_groups for p in group["params"]]
-        out["state"] = {
-            index: {**entry, "master": self.masters[params[index]]} for index, entry in out["state"].items()
-        }
-        return out
+    def model_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (the module's sharded state dict) with each trained parameter's entry its float32 host
+        master: a checkpoint holds the masters as the model's weights, as a resident run's does, so either
+        kind of run resumes from the other's checkpoint and an export from it is not rounded."""
+        by_storage = {_storage(p): m for p, m in self.masters.items()}
+        return {name: by_storage.get(_storage(t), t) for name, t in state.items()}
+
+    @torch.no_grad()
+    def masters_to_weights(self) -> None:
+        """Copy every master into its device weights (cast to the compute dtype): after loading masters."""
+        for p in self.masters:
+            local_shard(p).copy_(self.master(p))
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Copy a ``state_dict()`` into the host state in place (torch's own would move it to the device).
 
-        A state without masters (a resident AdamW's) takes them from the device weights, loaded first:
-        exact when the compute dtype is the masters', rounded otherwise. (The checkpoint loader refuses such a
-        checkpoint before this: ``checkpoint.sharded._check_masters``.)
+        The masters are not in it: the checkpoint's model weights are (``model_state``).
         """
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved_groups) or any(
@@ -279,26 +281,19 @@ class HostAdamW(torch.optim.Optimizer):
         for group, saved in zip(groups, saved_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
             by_index.update(zip(saved["params"], group["params"]))
-        loaded = set()
         for index, entry in state_dict["state"].items():
             p = by_index[index]
             for key, value in entry.items():
-                target = self.masters[p] if key == "master" else self.state[p].get(key)
+                target = self.state[p].get(key)
                 if isinstance(value, torch.Tensor) and isinstance(target, torch.Tensor):
                     local_shard(target).copy_(local_shard(value))
                 else:
                     self.state[p][key] = value
-            loaded.update([p] if "master" in entry else [])
-        missing = [p for p in self.masters if p not in loaded]
-        for p in missing:
-            self.master(p).copy_(local_shard(p))
-        if missing and self.compute_dtype != self.master(missing[0]).dtype:
-            logger.warning(
-                "the checkpoint has no float32 masters for %d parameter(s) (saved without "
-                "fsdp.optimizer_step_on_cpu): they start from the weights rounded to %s",
-                len(missing),
-                self.compute_dtype,
-            )
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The address of a tensor's (local shard's) storage: how a state dict's entry finds its parameter."""
+    return local_shard(t).untyped_storage().data_ptr()
 
 
 def host_adamw(module: nn.Module, optim: Any, compute_dtype: torch.dtype, pin: bool) -> HostAdamW:
