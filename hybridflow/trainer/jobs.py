@@ -68,7 +68,9 @@ def save_hf_model(actor: ActorWorker, tokenizer: Any, base: torch.nn.Module | No
     ``base`` is a module of the same architecture to receive the weights; None builds one from the config.
     """
     with actor.engine.engine.onloaded():  # NCCL gathers offloaded shards only from the device
-        state = full_state_dict(actor.engine.module, actor.engine.engine.pp_group)
+        state = full_state_dict(
+            actor.engine.module, actor.engine.engine.pp_group, actor.engine.engine.optimizer
+        )
     return write_hf_model(state, actor.hf_model.config, tokenizer, out_dir, prefix="lm.", base=base)
 
 

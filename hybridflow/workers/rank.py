@@ -110,7 +110,7 @@ class RankWorker:
         device)."""
         engine = self.roles["actor"].engine
         with engine.engine.onloaded():
-            return full_state_dict(engine.module, engine.engine.pp_group)
+            return full_state_dict(engine.module, engine.engine.pp_group, engine.engine.optimizer)
 
     def save_checkpoint(self, tmp: str, save_hf: bool) -> dict[str, Any]:
         """Write this rank's shards (all ranks together) and, on rank 0, the export configs; returns meta."""

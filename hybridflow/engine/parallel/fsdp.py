@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -11,7 +12,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from hybridflow.engine.ops.tensors import local_shard
 from hybridflow.utils.dist import init_distributed
@@ -118,13 +119,24 @@ def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(local_shard(t).numel() * local_shard(t).element_size() for t in tensors)
 
 
-def full_state_dict(model: nn.Module, pp_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+def full_state_dict(
+    model: nn.Module, pp_group: dist.ProcessGroup | None = None, optimizer: Any = None
+) -> dict[str, torch.Tensor]:
     """The unsharded state dict on rank 0's host (a collective; for export, the baseline switch and tests).
 
     ``pp_group``: the ranks holding the other pipeline stages of this rank's model replica, when the model
     is one stage of a pipeline. Each stage gathers its own parameters, and rank 0 receives the others'.
+    ``optimizer``: one that keeps float32 host masters (the CPU optimizer step) gives them in place of the
+    compute-dtype device weights.
     """
-    if pp_group is None or dist.get_world_size(pp_group) == 1:
+    single_stage = pp_group is None or dist.get_world_size(pp_group) == 1
+    if single_stage and hasattr(optimizer, "model_state"):
+        return _full_masters(model, optimizer)
+    if hasattr(optimizer, "model_state"):
+        logger.warning(
+            "an export of pipeline stages holds the device weights (the CPU step's masters rounded)"
+        )
+    if single_stage:
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     # cpu_offload gathers onto global rank 0 only, which holds no other stage: each stage gathers in place.
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -138,6 +150,26 @@ def full_state_dict(model: nn.Module, pp_group: dist.ProcessGroup | None = None)
     for part in stages:
         merged.update(part)  # a tied head's weight comes from two stages: the same values
     return merged
+
+
+def _full_masters(model: nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
+    """The unsharded state with the host masters for the trained weights, on rank 0's host: one tensor at a
+    time through the mesh's device (a collective), so the device never holds more than one full tensor."""
+    state = optimizer.model_state(get_model_state_dict(model))  # sharded; masters are host DTensors
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if isinstance(t, DTensor):
+            mesh = t.device_mesh
+            device = (
+                torch.device(mesh.device_type, torch.cuda.current_device())
+                if mesh.device_type == "cuda"
+                else None
+            )
+            local = t.to_local() if device is None else t.to_local().to(device)
+            t = DTensor.from_local(local, mesh, t.placements, shape=t.shape, stride=t.stride()).full_tensor()
+        if dist.get_rank() == 0:
+            out[name] = t.detach().cpu()
+    return out
 
 
 def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:

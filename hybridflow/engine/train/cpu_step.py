@@ -161,13 +161,6 @@ class HostAdamW(torch.optim.Optimizer):
                 "exp_avg": host_home(p, torch.zeros_like(master)),
                 "exp_avg_sq": host_home(p, torch.zeros_like(master)),
             }
-        rounded = any(m.dtype != compute_dtype and m.is_floating_point() for m in self.masters.values())
-        if rounded:  # say it once at start: nothing the user saves later is silently rounded
-            logger.warning(
-                "fsdp.optimizer_step_on_cpu: the float32 masters live on the host; checkpoints hold them, but an "
-                "HF export written during training holds the %s device weights (the masters rounded)",
-                str(compute_dtype).removeprefix("torch."),
-            )
         cast_sharded(module, compute_dtype)
         self.compute_dtype = compute_dtype
         # One compute-dtype host buffer per shard: gradients arrive in it, new weights leave from it.

@@ -126,6 +126,7 @@ def test_cpu_step_with_bf16_compute_tracks_resident_mixed_precision() -> None:
 def save_stop_resume(rank: int, world: int, folder: str) -> dict:
     """Two updates in one run; one update, a checkpoint, a new process state, the second update."""
     from hybridflow.checkpoint.sharded import load_sharded, save_sharded
+    from hybridflow.engine import full_state_dict
 
     torch.manual_seed(0)
     straight = _engine(True, "bfloat16")
@@ -157,6 +158,14 @@ def save_stop_resume(rank: int, world: int, folder: str) -> dict:
         for p, q in zip(fresh.module.parameters(), resident.module.parameters())
     )
     steps_from_resident = {int(s["step"]) for s in fresh.engine.optimizer.state.values()}
+    # an HF export of the CPU-step run is its float32 masters, as the resident run's is its weights
+    exported = full_state_dict(fresh.module, None, fresh.engine.optimizer)
+    expected = full_state_dict(resident.module)
+    export = (
+        sorted({str(t.dtype) for t in exported.values()}),
+        max(((exported[k] - v).abs().max().item() for k, v in expected.items()), default=None),
+        len(exported) == len(expected),
+    )
     a, b = straight.engine, resumed.engine
     return {
         "masters": _worst(_masters(straight), _masters(resumed)),
@@ -173,6 +182,8 @@ def save_stop_resume(rank: int, world: int, folder: str) -> dict:
         "resident_from_saved": resident_from_saved,
         "resident_steps": resident_steps,
         "from_resident": (from_resident, weights_from_resident, steps_from_resident),
+        "export": export,
+        "rank": rank,
         "lr": (a.lr, b.lr),
     }
 
@@ -184,6 +195,10 @@ def test_a_resumed_cpu_step_run_equals_one_that_did_not_stop(tmp_path) -> None:
         assert got["resident_from_saved"] == 0.0 and got["resident_steps"] == {2}
         # a resident run's checkpoint: its float32 weights become the masters, the device weights their cast
         assert got["from_resident"] == (0.0, 0.0, {4})
+        if got["rank"] == 0:  # the full export lands on rank 0 only
+            assert got["export"] == (["torch.float32"], 0.0, True)
+        else:
+            assert got["export"] == ([], None, True)
 
 
 def test_cpu_step_refuses_a_moment_offload_and_the_reference() -> None:
