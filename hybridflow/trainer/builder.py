@@ -215,7 +215,7 @@ def build_components(
     tokenizer. ``step_wise``: no datasets (the step-wise API's caller brings the prompts of each step), and
     ``trainer.total_training_steps`` (else 1, for a schedule that does not depend on it) for the schedulers.
     """
-    logger.info("%s", world_line(cfg))  # the run's first line: world size and every role's rank layout
+    logger.info("%s", world_line(cfg))  # first after the layout plan's line: the world, every role's layout
     model, tokenizer = _policy(cfg, model, tokenizer)
     check_rollout_view(cfg, model)
     check_position_limit(cfg, model)
@@ -277,7 +277,7 @@ def build_preference_components(
 
     ``rows`` replaces ``data.train_files`` (the built-in DPO demo builds its pairs itself).
     """
-    logger.info("%s", world_line(cfg))  # the run's first line: world size and every role's rank layout
+    logger.info("%s", world_line(cfg))  # first after the layout plan's line: the world, every role's layout
     model, tokenizer = _policy(cfg, model, tokenizer)
     check_position_limit(cfg, model)
     d = cfg.data

@@ -183,7 +183,9 @@ def test_one_grpo_step_on_two_ranks_for_the_families_outside_the_built_in_engine
         ]
         assert [len(w) for w in warned] == [1, 0], (name, warned)  # one per run: rank 0 says it
         infos = [m for lvl, m in ranks[0][i]["messages"] if lvl == logging.INFO]
-        assert infos[0].startswith("world: 2 ranks (1 node x 2, cpu/gloo, local backend)")
+        # hybridflow train plans the layout first (one line: the plan, or why none), then the run's world line
+        assert infos[0].startswith("auto layout: " if hybrid else "use_3d_hybrid=False: the baseline")
+        assert infos[1].startswith("world: 2 ranks (1 node x 2, cpu/gloo, local backend)")
         (switch,) = [m for m in infos if m.startswith("Stage switch")]
         if hybrid:  # each rank receives the half of the replica the other rank's FSDP2 shard holds
             assert "received per rank into a whole replica" in switch
