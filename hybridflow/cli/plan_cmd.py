@@ -16,7 +16,10 @@ if TYPE_CHECKING:
     from hybridflow.config import ConfigError
 
 NAME = "plan"
-HELP = "Print the automatic 3D layout and the memory per GPU of each phase, without starting a run."
+HELP = (
+    "Print the automatic 3D layout, the memory per GPU of each phase and the candidates it rejected, without "
+    "starting a run."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,11 +90,17 @@ def _with_flag(exc: ConfigError, gpus: int) -> ConfigError:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Plan and print: the one-line choice, then the phases' memory per GPU."""
+    """Plan and print: the one-line choice, the phases' memory per GPU, the keys, then every candidate scored."""
     from hybridflow.cli.config_cmd import split_file_and_overrides
     from hybridflow.config import ConfigError, load_config
     from hybridflow.trainer.keywords import given_overrides
-    from hybridflow.trainer.layout import MODEL_SHAPES, gpu_memory_bytes, plan_layout, shape_config
+    from hybridflow.trainer.layout import (
+        MODEL_SHAPES,
+        candidates_table,
+        gpu_memory_bytes,
+        plan_layout,
+        shape_config,
+    )
     from hybridflow.utils.errors import UserError
 
     gpus = None if args.gpus is None else gpu_count(args.gpus)
@@ -121,4 +130,6 @@ def run(args: argparse.Namespace) -> int:
     print(layout.line())
     print(layout.table())
     print("config keys: " + " ".join(f"{k}={str(v).lower()}" for k, v in layout.overrides().items()))
+    print("\ncandidates (memory per GPU and step time are estimates; the fastest that fits is chosen):")
+    print(candidates_table(layout))
     return 0
