@@ -418,10 +418,10 @@ def _short_of(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout, usab
             continue
         wider = copy.deepcopy(cfg)
         wider.trainer.nnodes, wider.trainer.n_gpus_per_node = 1, world
+        # the widest rollout group of up to 8 GPUs that splits the model's heads
+        tp_g = next((t for t in (8, 4, 2, 1) if t <= world and unsplit_reason(model, 1, t) is None), 1)
         for offload, name in (((True, True, False), "offload"), ((False, False, True), "the CPU step")):
-            trial = Layout(world, 1, 1, 1, min(world, 8), *offload, True, usable=usable)
-            if unsplit_reason(model, 1, trial.tp_generate) is not None:
-                continue
+            trial = Layout(world, 1, 1, 1, tp_g, *offload, True, usable=usable)
             trial.phases = estimate_phases(wider, mc, model, trial)
             if trial.fits:
                 return (
