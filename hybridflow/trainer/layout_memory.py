@@ -8,7 +8,7 @@ step's estimated time (``trainer.step_time``). A layout's levers left at None ta
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -16,8 +16,8 @@ from hybridflow.config import Config
 from hybridflow.engine import GRAD_BYTES, MASTER_BYTES, MOMENT_BYTES, ParallelDims, ViewMemory, view_memory
 from hybridflow.trainer.step_time import Levers, Work, step_seconds
 
-if TYPE_CHECKING:
-    from hybridflow.trainer.layout import Layout
+# ``layout`` arguments are ``trainer.layout.Layout`` (not imported: that module imports this one)
+Layout = Any
 
 
 def _kv_bytes(cfg: Config, mc: Any, layout: Layout, rollout_bytes: int) -> int:
