@@ -2,7 +2,9 @@
 
 Nothing is started and no weights are read: the model's shape comes from ``model.path``'s config.json (or
 ``--model-shape``), the GPUs from ``trainer.n_gpus_per_node`` x ``trainer.nnodes`` (or ``--gpus``) and their
-memory from this machine's first GPU (or ``--gpu-memory-gb``). Layout keys set in the config are kept.
+memory from this machine's first GPU (or ``--gpu-memory-gb``); the host memory that offload and the CPU step
+must fit from ``--host-memory-gb`` (or this machine's, when planning for its GPU). Layout keys set in the
+config are kept.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ HELP = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``[CONFIG] [key=value ...]``, ``--gpus``, ``--gpu-memory-gb`` and ``--model-shape``.
+    """``[CONFIG] [key=value ...]``, ``--gpus``, ``--gpu-memory-gb``, ``--host-memory-gb``, ``--model-shape``.
 
     The numbers are read as text and checked in ``run``, so that a bad one is a one-line error (exit 2).
     """
@@ -35,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--gpu-memory-gb", metavar="GB", help="Memory of one GPU in GB (default: this machine's)."
+    )
+    parser.add_argument(
+        "--host-memory-gb",
+        metavar="GB",
+        help="Host memory of one node in GB, which offload and the CPU step must fit (default: this machine's "
+        "when planning for its GPU, else not checked).",
     )
     parser.add_argument(
         "--model-shape",
@@ -55,8 +63,8 @@ def gpu_count(text: str) -> int:
     return value
 
 
-def gpu_memory(text: str) -> int:
-    """``--gpu-memory-gb``: a finite number of GB above 0, in bytes."""
+def gpu_memory(text: str, option: str = "--gpu-memory-gb") -> int:
+    """``--gpu-memory-gb`` (or ``option``): a finite number of GB above 0, in bytes."""
     from hybridflow.utils.errors import UserError
 
     try:
@@ -68,8 +76,8 @@ def gpu_memory(text: str) -> int:
         shown = text
     if not (math.isfinite(value) and value > 0):
         raise UserError(
-            f"--gpu-memory-gb: expected the memory of one GPU in GB, a number greater than 0, got {shown}; "
-            "e.g. --gpu-memory-gb 80"
+            f"{option}: expected the memory of one {'GPU' if option == '--gpu-memory-gb' else 'node'} in GB, "
+            f"a number greater than 0, got {shown}; e.g. {option} 80"
         )
     return int(value * 1e9)
 
@@ -98,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         MODEL_SHAPES,
         candidates_table,
         gpu_memory_bytes,
+        host_memory_bytes,
         plan_layout,
         shape_config,
     )
@@ -105,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
     gpus = None if args.gpus is None else gpu_count(args.gpus)
     gpu = None if args.gpu_memory_gb is None else gpu_memory(args.gpu_memory_gb)
+    host = None if args.host_memory_gb is None else gpu_memory(args.host_memory_gb, "--host-memory-gb")
     config, overrides = split_file_and_overrides(list(args.args))
     if gpus is not None:
         overrides += ["trainer.nnodes=1", f"trainer.n_gpus_per_node={gpus}"]
@@ -123,10 +133,11 @@ def run(args: argparse.Namespace) -> int:
             f"no model to plan for: set model.path=DIR (its config.json is enough) or --model-shape (one of "
             f"{', '.join(MODEL_SHAPES)})"
         )
-    gpu = gpu if gpu is not None else gpu_memory_bytes()
+    if gpu is None:  # this machine's GPU: and its host memory, unless given
+        gpu, host = gpu_memory_bytes(), host if host is not None else host_memory_bytes()
     if gpu is None:
         raise UserError("no GPU here to read the memory of: pass --gpu-memory-gb, e.g. --gpu-memory-gb 80")
-    layout = plan_layout(cfg, model_config, gpu, given=set(given_overrides(overrides)))
+    layout = plan_layout(cfg, model_config, gpu, given=set(given_overrides(overrides)), host_memory=host)
     print(layout.line())
     print(layout.table())
     print("config keys: " + " ".join(f"{k}={str(v).lower()}" for k, v in layout.overrides().items()))

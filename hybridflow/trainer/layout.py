@@ -32,12 +32,13 @@ from hybridflow.engine import (
     unsplit_reason,
     view_memory,
 )
-from hybridflow.trainer.layout_memory import estimate_phases, estimate_seconds
+from hybridflow.trainer.layout_memory import estimate_phases, estimate_seconds, host_bytes
 
 logger = logging.getLogger(__name__)
 
 GB = 1e9
 HEADROOM = 0.9  # of a GPU's memory a plan may fill (the CUDA context, the allocator's fragmentation)
+HOST_HEADROOM = 0.8  # of a node's host memory offload and the CPU step may fill (the processes, page cache)
 # (the actor's parallel sizes by their long spellings, which a user can paste as they are printed)
 LAYOUT_KEYS = (
     "actor.tensor_parallel_size",
@@ -96,6 +97,8 @@ class Layout:
     considered: list[Layout] = field(default_factory=list)  # the chosen layout's: every candidate scored
     phases: dict[str, int] = field(default_factory=dict)
     usable: int | None = None
+    host: int = 0  # host bytes of one node the offload or the CPU step holds
+    host_usable: int | None = None  # None: the host's memory is not checked
     views: ViewMemory | None = None
     reason: str = ""
     params: int = 0
@@ -113,8 +116,14 @@ class Layout:
 
     @property
     def fits(self) -> bool:
-        """Whether every phase fits in the usable memory (always, without a GPU to plan for)."""
-        return self.usable is None or self.peak <= self.usable
+        """Whether every phase fits in the usable memory (always, without a GPU to plan for), and what the
+        layout keeps on the host in the host's (where it is checked)."""
+        return (self.usable is None or self.peak <= self.usable) and self.host_fits
+
+    @property
+    def host_fits(self) -> bool:
+        """Whether the host memory the layout holds fits the node's usable host memory (or is not checked)."""
+        return self.host_usable is None or self.host <= self.host_usable
 
     def overrides(self) -> dict[str, Any]:
         """The config keys of this layout (a lever left at None, the config's value, is not among them)."""
@@ -159,6 +168,8 @@ class Layout:
         """Why this candidate was or was not chosen: chosen, does not fit (by how much), or slower."""
         if self is chosen:
             return "chosen" if self.fits else "nearest, does not fit"
+        if not self.host_fits:
+            return f"does not fit: the host needs {self.host / GB:.0f} of {self.host_usable / GB:.0f} GB per node"
         if not self.fits:
             name = self.peak_phase()
             return f"does not fit: {name} needs {self.phases[name] / GB:.1f} of {self.usable / GB:.1f} GB"
@@ -313,10 +324,15 @@ def explicit_layout_keys(cfg: Config, given: set[str] | None = None) -> dict[str
 
 
 def plan_layout(
-    cfg: Config, model_config: Any, gpu_bytes: int | None, given: set[str] | None = None
+    cfg: Config,
+    model_config: Any,
+    gpu_bytes: int | None,
+    given: set[str] | None = None,
+    host_memory: int | None = None,
 ) -> Layout:
     """The fastest layout (by ``trainer.step_time``'s estimate) whose every phase fits ``gpu_bytes`` per GPU
-    (None: no GPU, the plain layout); where none fits, the one of the smallest peak, saying by how much."""
+    (None: no GPU, the plain layout) and whose offload fits ``host_memory`` bytes per node (None: not checked);
+    where none fits, the one of the smallest peak, saying by how much."""
     world = cfg.trainer.world_size
     fixed = explicit_layout_keys(cfg, given)
     model = meta_model(model_config)
@@ -328,9 +344,11 @@ def plan_layout(
         layout.reason = "the keys set in the config leave no layout to choose"
         return layout
     usable = None if gpu_bytes is None else int(gpu_bytes * HEADROOM)
+    host_usable = None if gpu_bytes is None or host_memory is None else int(host_memory * HOST_HEADROOM)
     for layout in candidates:
-        layout.usable = usable
+        layout.usable, layout.host_usable = usable, host_usable
         layout.phases = estimate_phases(cfg, model_config, model, layout)
+        layout.host = host_bytes(cfg, layout)
         layout.seconds = estimate_seconds(cfg, model_config, layout)
     first = candidates[0]
     fitting = [x for x in candidates if x.fits]
@@ -339,7 +357,7 @@ def plan_layout(
         best.reason = _why(best, first, fixed, gpu_bytes)
         best.considered = candidates
         return _with_switch(model, best)
-    best = min(candidates, key=lambda x: x.peak)
+    best = min(candidates, key=lambda x: (not x.host_fits, x.peak))
     best.reason = (
         _why(best, first, fixed, gpu_bytes) + "; " + _short_of(cfg, model_config, model, best, usable)
     )
@@ -373,6 +391,11 @@ def _why(layout: Layout, first: Layout, fixed: dict[str, Any], gpu_bytes: int | 
         return f"{size} on {layout.world} rank(s) without a GPU: nothing to fit, the plain layout{kept}"
     gpus = f"{layout.world} GPU(s) of {gpu_bytes / GB:.0f} GB"
     step = f"; estimated step {layout.seconds:.1f} s (an estimate from benchmarks/RESULTS.md rates)"
+    if not layout.host_fits:
+        return (
+            f"{size} on {gpus}: no layout fits, this one fits the GPU ({_phase_over(layout)}) but its host memory "
+            f"does not ({layout.host / GB:.0f} of {layout.host_usable / GB:.0f} GB per node){kept}"
+        )
     if not layout.fits:
         short = (layout.peak - layout.usable) / GB
         return (
@@ -398,13 +421,15 @@ def _why(layout: Layout, first: Layout, fixed: dict[str, Any], gpu_bytes: int | 
 def candidates_table(layout: Layout, limit: int = 40) -> str:
     """The candidates the plan scored: peak phase, GB per GPU, estimated step, verdict (fastest fitting first,
     then the nearest that do not fit); ``limit`` rows at most."""
-    rows = ["| candidate | peak phase | GB per GPU | est. step s | verdict |", "|---|---|---|---|---|"]
+    rows = ["| candidate | peak phase | GB per GPU | host GB per node | est. step s | verdict |"]
+    rows.append("|---|---|---|---|---|---|")
     ranked = sorted(layout.considered, key=lambda x: (not x.fits, x.seconds if x.fits else x.peak))
     ranked = [layout] + [x for x in ranked if x is not layout]
     for x in ranked[:limit]:
         name = x.peak_phase()
         rows.append(
-            f"| {x.describe()} | {name} | {x.phases[name] / GB:.2f} | {x.seconds:.1f} | {x.verdict(layout)} |"
+            f"| {x.describe()} | {name} | {x.phases[name] / GB:.2f} | {x.host / GB:.0f} | {x.seconds:.1f} "
+            f"| {x.verdict(layout)} |"
         )
     if len(ranked) > limit:
         rows.append(f"({len(ranked) - limit} more candidates not shown)")
@@ -429,6 +454,16 @@ def _short_of(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout, usab
                     f"rollout tp={trial.tp_generate})"
                 )
     return "it does not fit on up to 512 such GPUs"
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's host memory (physical pages), or None where the OS does not say."""
+    import os
+
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def gpu_memory_bytes() -> int | None:

@@ -162,3 +162,18 @@ def estimate_seconds(cfg: Config, mc: Any, layout: Layout) -> float:
         bool(layout.value(cfg, "model.enable_gradient_checkpointing")),
     )  # fmt: skip
     return step_seconds(work, levers)
+
+
+# Host bytes per held parameter element: parameter offload keeps the float32 masters (4), optimizer offload
+# the AdamW moments (8); the CPU step the masters, the moments and the pinned compute-dtype staging of the
+# gradients and the weights (4 + 8 + 2 + 2; engine/train/cpu_step.py).
+HOST_BYTES = {"param_offload": 4, "optimizer_offload": 8, "cpu_step": 16}
+
+
+def host_bytes(cfg: Config, layout: Layout) -> int:
+    """Host memory of one node the layout's offload or CPU step holds (its GPUs' shares together)."""
+    per_element = HOST_BYTES["param_offload"] * bool(layout.param_offload)
+    per_element += HOST_BYTES["optimizer_offload"] * bool(layout.optimizer_offload)
+    per_element += HOST_BYTES["cpu_step"] * bool(layout.value(cfg, "actor.fsdp.optimizer_step_on_cpu"))
+    gpus = min(cfg.trainer.n_gpus_per_node, layout.world)
+    return per_element * layout.views.held_elements * gpus

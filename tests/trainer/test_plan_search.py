@@ -25,10 +25,12 @@ OPT = "actor.fsdp.optimizer_step_on_cpu"
 CKPT = "model.enable_gradient_checkpointing"
 
 
-def _plan(shape: str, gpus: int, gb: float | None, extra: tuple[str, ...] = ()):
+def _plan(shape: str, gpus: int, gb: float | None, extra: tuple[str, ...] = (), host_gb: float | None = None):
     cfg = load_config(None, [*ISSUE, f"trainer.n_gpus_per_node={gpus}", *extra])
     given = {e.split("=")[0] for e in extra}
-    return cfg, plan_layout(cfg, shape_config(shape), None if gb is None else int(gb * 1e9), given=given)
+    host = None if host_gb is None else int(host_gb * 1e9)
+    gpu = None if gb is None else int(gb * 1e9)
+    return cfg, plan_layout(cfg, shape_config(shape), gpu, given=given, host_memory=host)
 
 
 # (shape, GPUs, GB per GPU or None for a CPU run) -> whether a layout fits
@@ -108,7 +110,7 @@ def test_hybridflow_plan_prints_the_candidates_and_why_each_was_rejected(capsys)
     assert main(argv) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| train_view=")]
-    assert "| candidate | peak phase | GB per GPU | est. step s | verdict |" in out
+    assert "| candidate | peak phase | GB per GPU | host GB per node | est. step s | verdict |" in out
     assert rows[0].endswith("| chosen |") and "offload=cpu-step" in rows[0]
     assert any("| does not fit: update_actor needs 173.1 of 126.9 GB |" in r for r in rows)
     assert any("| slower: " in r for r in rows)
@@ -152,3 +154,19 @@ def test_hybridflow_train_applies_the_planned_levers(tmp_path: Path) -> None:
     assert planned.actor.fsdp.optimizer_step_on_cpu is True and cfg.actor.fsdp.optimizer_step_on_cpu is False
     kept, layout = plan_run(cfg, {OPT}, 141 * 10**9)  # set by the user (at its default): not changed
     assert kept.actor.fsdp.optimizer_step_on_cpu is False and not layout.fits
+
+
+def test_offload_and_the_cpu_step_must_fit_the_hosts_memory(capsys) -> None:
+    """The CPU step keeps 16 bytes per parameter on the host (122 GB for the 7B shape): a 64 GB host refuses it."""
+    _, roomy = _plan("qwen2.5-7b", 1, 141, host_gb=256)
+    assert roomy.fits and roomy.cpu_step and roomy.host / GB == pytest.approx(16 * 7.6156, rel=1e-3)
+    _, small = _plan("qwen2.5-7b", 1, 141, host_gb=64)
+    assert not small.fits and not small.cpu_step and small.host_fits  # the nearest that the host can hold
+    cpu_step = [x for x in small.considered if x.cpu_step]
+    assert cpu_step and all(
+        x.verdict(small) == "does not fit: the host needs 122 of 51 GB per node" for x in cpu_step
+    )
+    argv = ["plan", "--model-shape", "qwen2.5-7b", "--gpus", "1", "--gpu-memory-gb", "141", *ISSUE]
+    assert main([*argv, "--host-memory-gb", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "| does not fit: the host needs 122 of 51 GB per node |" in out and "no layout fits" in out
