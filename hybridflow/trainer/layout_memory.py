@@ -165,9 +165,9 @@ def estimate_seconds(cfg: Config, mc: Any, layout: Layout) -> float:
 
 
 # Host bytes per held parameter element: parameter offload keeps the float32 masters (4), optimizer offload
-# the AdamW moments (8); the CPU step the masters, the moments and the pinned compute-dtype staging of the
-# gradients and the weights (4 + 8 + 2 + 2; engine/train/cpu_step.py).
-HOST_BYTES = {"param_offload": 4, "optimizer_offload": 8, "cpu_step": 16}
+# the AdamW moments (8); the CPU step the masters, the moments and one pinned compute-dtype staging buffer
+# that carries the gradients down and the new weights up (4 + 8 + 2; engine/train/cpu_step.py).
+HOST_BYTES = {"param_offload": 4, "optimizer_offload": 8, "cpu_step": 14}
 
 
 def host_bytes(cfg: Config, layout: Layout) -> int:

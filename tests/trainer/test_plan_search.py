@@ -157,16 +157,16 @@ def test_hybridflow_train_applies_the_planned_levers(tmp_path: Path) -> None:
 
 
 def test_offload_and_the_cpu_step_must_fit_the_hosts_memory(capsys) -> None:
-    """The CPU step keeps 16 bytes per parameter on the host (122 GB for the 7B shape): a 64 GB host refuses it."""
+    """The CPU step keeps 14 bytes per parameter on the host (107 GB for the 7B shape): a 64 GB host refuses it."""
     _, roomy = _plan("qwen2.5-7b", 1, 141, host_gb=256)
-    assert roomy.fits and roomy.cpu_step and roomy.host / GB == pytest.approx(16 * 7.6156, rel=1e-3)
+    assert roomy.fits and roomy.cpu_step and roomy.host / GB == pytest.approx(14 * 7.6156, rel=1e-3)
     _, small = _plan("qwen2.5-7b", 1, 141, host_gb=64)
     assert not small.fits and not small.cpu_step and small.host_fits  # the nearest that the host can hold
     cpu_step = [x for x in small.considered if x.cpu_step]
     assert cpu_step and all(
-        x.verdict(small) == "does not fit: the host needs 122 of 51 GB per node" for x in cpu_step
+        x.verdict(small) == "does not fit: the host needs 107 of 51 GB per node" for x in cpu_step
     )
     argv = ["plan", "--model-shape", "qwen2.5-7b", "--gpus", "1", "--gpu-memory-gb", "141", *ISSUE]
     assert main([*argv, "--host-memory-gb", "64"]) == 0
     out = capsys.readouterr().out
-    assert "| does not fit: the host needs 122 of 51 GB per node |" in out and "no layout fits" in out
+    assert "| does not fit: the host needs 107 of 51 GB per node |" in out and "no layout fits" in out
