@@ -186,10 +186,15 @@ class Layout:
             switch = (
                 "" if v.received_bytes is None else f", {v.received_bytes / GB:.3f} GB received per switch"
             )
+            state = "fp32 masters, grads, AdamW moments" + (
+                ", on the host with the CPU step" if self.cpu_step else ""
+            )
             rows.append(
-                f"\nper GPU: training state {v.state_bytes() / GB:.2f} GB (fp32 masters, grads, AdamW moments), "
+                f"\nper GPU: training state {v.state_bytes() / GB:.2f} GB ({state}), "
                 f"generation weights {v.generation_bytes / GB:.2f} GB{switch}"
             )
+        if self.host:
+            rows.append(f"host memory per node (offload, CPU step): {self.host / GB:.1f} GB")
         return "\n".join(rows)
 
 
@@ -256,7 +261,8 @@ def _candidates(cfg: Config, model: torch.nn.Module, world: int, fixed: dict[str
                                 layout.dynamic = cfg.actor.use_dynamic_bsz
                                 if all(layout.overrides()[k] == v for k, v in fixed.items()):
                                     out.append(layout)
-    out = [x for x in out if _valid(cfg, x)]
+    scratch = copy.deepcopy(cfg)  # every candidate sets every layout key: one copy serves them all
+    out = [x for x in out if _valid(cfg, x, scratch)]
     return sorted(out, key=lambda x: _simplicity(cfg, x))
 
 
@@ -304,9 +310,12 @@ def _splits(model: torch.nn.Module, layout: Layout) -> bool:
     return True
 
 
-def _valid(cfg: Config, layout: Layout) -> bool:
-    """Whether validation accepts the config with the layout (how sp, pp and tp may combine is its to say)."""
-    out = copy.deepcopy(cfg)
+def _valid(cfg: Config, layout: Layout, scratch: Config | None = None) -> bool:
+    """Whether validation accepts the config with the layout (how sp, pp and tp may combine is its to say).
+
+    ``scratch``: a copy of ``cfg`` to set the keys in (its layout keys are overwritten), instead of a new one.
+    """
+    out = copy.deepcopy(cfg) if scratch is None else scratch
     for path, value in layout.overrides().items():
         set_path(out, path, value)
     return not validate_config(out)
