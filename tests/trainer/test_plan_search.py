@@ -170,3 +170,20 @@ def test_offload_and_the_cpu_step_must_fit_the_hosts_memory(capsys) -> None:
     assert main([*argv, "--host-memory-gb", "64"]) == 0
     out = capsys.readouterr().out
     assert "| does not fit: the host needs 107 of 51 GB per node |" in out and "no layout fits" in out
+
+
+def test_with_dynamic_micro_batches_the_token_budget_is_the_lever() -> None:
+    """``actor.use_dynamic_bsz=true``: halves of ``ppo_max_token_len_per_gpu`` down to one whole sample (768)."""
+    cfg, plan = _plan("qwen2.5-7b", 1, 80, ("actor.use_dynamic_bsz=true",))
+    budgets = {x.token_budget for x in plan.considered}
+    assert budgets == {16384, 8192, 4096, 2048} and {x.micro for x in plan.considered} == {8}
+    assert (
+        plan.fits and f"token_budget={plan.token_budget}" in plan.line() and "micro_batch=" not in plan.line()
+    )
+    small = [x for x in plan.considered if x.token_budget == 2048 and x.describe().endswith("2048")]
+    big = {x.describe().replace("2048", "16384"): x for x in plan.considered if x.token_budget == 16384}
+    assert small
+    for x in small:  # a smaller budget: fewer activations, more micro-batches (slower)
+        twin = big[x.describe().replace("2048", "16384")]
+        assert x.phases["update_actor"] < twin.phases["update_actor"] and x.seconds > twin.seconds
+    assert apply_layout(cfg, plan).actor.ppo_max_token_len_per_gpu == plan.token_budget
