@@ -2,7 +2,9 @@
 
 Nothing is started and no weights are read: the model's shape comes from ``model.path``'s config.json (or
 ``--model-shape``), the GPUs from ``trainer.n_gpus_per_node`` x ``trainer.nnodes`` (or ``--gpus``) and their
-memory from this machine's first GPU (or ``--gpu-memory-gb``). Layout keys set in the config are kept.
+memory from this machine's first GPU (or ``--gpu-memory-gb``); the host memory that offload and the CPU step
+must fit from ``--host-memory-gb`` (or this machine's, when planning for its GPU). Layout keys set in the
+config are kept.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ if TYPE_CHECKING:
     from hybridflow.config import ConfigError
 
 NAME = "plan"
-HELP = "Print the automatic 3D layout and the memory per GPU of each phase, without starting a run."
+HELP = (
+    "Print the automatic 3D layout, the memory per GPU of each phase and the candidates it rejected, without "
+    "starting a run."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``[CONFIG] [key=value ...]``, ``--gpus``, ``--gpu-memory-gb`` and ``--model-shape``.
+    """``[CONFIG] [key=value ...]``, ``--gpus``, ``--gpu-memory-gb``, ``--host-memory-gb``, ``--model-shape``.
 
     The numbers are read as text and checked in ``run``, so that a bad one is a one-line error (exit 2).
     """
@@ -32,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--gpu-memory-gb", metavar="GB", help="Memory of one GPU in GB (default: this machine's)."
+    )
+    parser.add_argument(
+        "--host-memory-gb",
+        metavar="GB",
+        help="Host memory of one node in GB, which offload and the CPU step must fit (default: this machine's "
+        "when planning for its GPU, else not checked).",
     )
     parser.add_argument(
         "--model-shape",
@@ -52,8 +63,8 @@ def gpu_count(text: str) -> int:
     return value
 
 
-def gpu_memory(text: str) -> int:
-    """``--gpu-memory-gb``: a finite number of GB above 0, in bytes."""
+def gpu_memory(text: str, option: str = "--gpu-memory-gb") -> int:
+    """``--gpu-memory-gb`` (or ``option``): a finite number of GB above 0, in bytes."""
     from hybridflow.utils.errors import UserError
 
     try:
@@ -65,8 +76,8 @@ def gpu_memory(text: str) -> int:
         shown = text
     if not (math.isfinite(value) and value > 0):
         raise UserError(
-            f"--gpu-memory-gb: expected the memory of one GPU in GB, a number greater than 0, got {shown}; "
-            "e.g. --gpu-memory-gb 80"
+            f"{option}: expected the memory of one {'GPU' if option == '--gpu-memory-gb' else 'node'} in GB, "
+            f"a number greater than 0, got {shown}; e.g. {option} 80"
         )
     return int(value * 1e9)
 
@@ -87,15 +98,23 @@ def _with_flag(exc: ConfigError, gpus: int) -> ConfigError:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Plan and print: the one-line choice, then the phases' memory per GPU."""
+    """Plan and print: the one-line choice, the phases' memory per GPU, the keys, then every candidate scored."""
     from hybridflow.cli.config_cmd import split_file_and_overrides
     from hybridflow.config import ConfigError, load_config
     from hybridflow.trainer.keywords import given_overrides
-    from hybridflow.trainer.layout import MODEL_SHAPES, gpu_memory_bytes, plan_layout, shape_config
+    from hybridflow.trainer.layout import (
+        MODEL_SHAPES,
+        candidates_table,
+        gpu_memory_bytes,
+        host_memory_bytes,
+        plan_layout,
+        shape_config,
+    )
     from hybridflow.utils.errors import UserError
 
     gpus = None if args.gpus is None else gpu_count(args.gpus)
     gpu = None if args.gpu_memory_gb is None else gpu_memory(args.gpu_memory_gb)
+    host = None if args.host_memory_gb is None else gpu_memory(args.host_memory_gb, "--host-memory-gb")
     config, overrides = split_file_and_overrides(list(args.args))
     if gpus is not None:
         overrides += ["trainer.nnodes=1", f"trainer.n_gpus_per_node={gpus}"]
@@ -114,11 +133,14 @@ def run(args: argparse.Namespace) -> int:
             f"no model to plan for: set model.path=DIR (its config.json is enough) or --model-shape (one of "
             f"{', '.join(MODEL_SHAPES)})"
         )
-    gpu = gpu if gpu is not None else gpu_memory_bytes()
+    if gpu is None:  # this machine's GPU: and its host memory, unless given
+        gpu, host = gpu_memory_bytes(), host if host is not None else host_memory_bytes()
     if gpu is None:
         raise UserError("no GPU here to read the memory of: pass --gpu-memory-gb, e.g. --gpu-memory-gb 80")
-    layout = plan_layout(cfg, model_config, gpu, given=set(given_overrides(overrides)))
+    layout = plan_layout(cfg, model_config, gpu, given=set(given_overrides(overrides)), host_memory=host)
     print(layout.line())
     print(layout.table())
     print("config keys: " + " ".join(f"{k}={str(v).lower()}" for k, v in layout.overrides().items()))
+    print("\ncandidates (memory per GPU and step time are estimates; the fastest that fits is chosen):")
+    print(candidates_table(layout))
     return 0

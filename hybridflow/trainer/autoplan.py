@@ -23,6 +23,7 @@ from hybridflow.trainer.layout import (
     apply_layout,
     explicit_layout_keys,
     gpu_memory_bytes,
+    host_memory_bytes,
     plan_layout,
 )
 
@@ -45,16 +46,19 @@ def user_keys(file: Mapping[str, Any], overrides: list[str]) -> set[str]:
 def plan_run(cfg: Config, given: set[str], gpu_bytes: int | None = THIS_GPU) -> tuple[Config, Layout | None]:
     """``cfg`` with the planned layout in the layout keys not in ``given``, and the plan (None: not planned).
 
-    ``gpu_bytes``: the memory of one GPU to plan for (default: this machine's first GPU, None on CPU).
+    ``gpu_bytes``: the memory of one GPU to plan for (default: this machine's first GPU, None on CPU; with
+    it, this machine's host memory bounds what offload and the CPU step may keep there).
     """
     if not (cfg.trainer.auto_layout and cfg.actor.hybrid_engine) or cfg.model.path is None:
         return cfg, None
     from hybridflow.models.loader import load_config as load_model_config
 
     model_config = load_model_config(cfg.model.path, cfg.model.trust_remote_code)
+    host = None
     if gpu_bytes == THIS_GPU:
         gpu_bytes = gpu_memory_bytes() if cfg.trainer.device != "cpu" else None
-    layout = plan_layout(cfg, model_config, gpu_bytes, given=given)
+        host = host_memory_bytes()
+    layout = plan_layout(cfg, model_config, gpu_bytes, given=given, host_memory=host)
     layout.kept = explicit_layout_keys(cfg, given)
     return apply_layout(cfg, layout), layout
 

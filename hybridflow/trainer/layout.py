@@ -1,13 +1,15 @@
-"""The automatic 3D layout: training and generation views picked from the model's size and the GPUs.
+"""The automatic 3D layout: training and generation views and the memory levers, from the model and the GPUs.
 
-``plan_layout(cfg, model_config, gpu_bytes)`` tries every layout the engine accepts today (training tp, and
-pp and Ulysses sp once validation accepts them; generation tp; no offload, optimizer offload, parameter and
-optimizer offload), estimates each phase's memory per GPU from the engine's own accounting
-(``engine.hybrid.memory``: held boxes, the reshard plan's generation shard) plus activations and the KV
-cache, and keeps the first that fits, simplest first: FSDP2 alone before tensor parallelism, no offload before
-offload, smaller rollout groups before larger ones. Keys set in the config are kept as they are (the plan
-only fills the others). ``Layout.line()`` is the one-line log of the choice and why; ``Layout.table()`` the
-memory per GPU of each phase (``hybridflow plan``).
+``plan_layout(cfg, model_config, gpu_bytes)`` scores every layout the engine accepts: training tp, pp and
+Ulysses sp (as validation accepts them), generation tp, no offload / optimizer offload / parameter and
+optimizer offload / the optimizer step on the CPU, gradient checkpointing off or on, and the update's
+micro-batch (or token budget) at the config's value and halves of it. For each it estimates every phase's
+memory per GPU (``trainer.layout_memory``: the engine's own accounting plus activations and the KV cache) and
+the step time (``trainer.step_time``, from the rates measured in benchmarks/RESULTS.md), and keeps the fastest
+that fits; where none fits, the one of the smallest peak and its shortfall. Keys set in the config are kept
+as they are (the plan only fills the others). ``Layout.line()`` is the one-line log of the choice and why;
+``Layout.table()`` the memory per GPU of each phase and ``candidates_table`` every candidate scored and its
+verdict (``hybridflow plan``).
 """
 
 from __future__ import annotations
@@ -25,19 +27,18 @@ from hybridflow.config.aliases import resolve_alias
 from hybridflow.config.validate import get_path
 from hybridflow.config.views import divisors
 from hybridflow.engine import (
-    GRAD_BYTES,
-    MASTER_BYTES,
-    MOMENT_BYTES,
     ParallelDims,
     ViewMemory,
     unsplit_reason,
     view_memory,
 )
+from hybridflow.trainer.layout_memory import estimate_phases, estimate_seconds, host_bytes
 
 logger = logging.getLogger(__name__)
 
 GB = 1e9
 HEADROOM = 0.9  # of a GPU's memory a plan may fill (the CUDA context, the allocator's fragmentation)
+HOST_HEADROOM = 0.8  # of a node's host memory offload and the CPU step may fill (the processes, page cache)
 # (the actor's parallel sizes by their long spellings, which a user can paste as they are printed)
 LAYOUT_KEYS = (
     "actor.tensor_parallel_size",
@@ -46,8 +47,20 @@ LAYOUT_KEYS = (
     "rollout.tensor_model_parallel_size",
     "actor.fsdp.param_offload",
     "actor.fsdp.optimizer_offload",
+    "actor.fsdp.optimizer_step_on_cpu",
+    "model.enable_gradient_checkpointing",
+    "actor.ppo_micro_batch_size_per_gpu",
+    "actor.ppo_max_token_len_per_gpu",
 )
-OFFLOADS = ((False, False), (False, True), (True, True))  # (param_offload, optimizer_offload)
+# (param_offload, optimizer_offload, optimizer_step_on_cpu), simplest first; the CPU step moves the optimizer
+# itself to the host, so it takes no optimizer offload (validation refuses the two together)
+_FIELDS = dict(
+    zip(LAYOUT_KEYS, (
+        "tp_train", "pp", "sp", "tp_generate", "param_offload", "optimizer_offload", "cpu_step",
+        "checkpointing", "micro", "token_budget",
+    ))
+)  # fmt: skip
+OFFLOADS = ((False, False, False), (False, True, False), (True, True, False), (False, False, True))
 # Model shapes ``hybridflow plan --model-shape`` knows (the HF config fields that size the memory).
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
@@ -74,8 +87,18 @@ class Layout:
     tp_generate: int = 1
     param_offload: bool = False
     optimizer_offload: bool = False
+    # The levers below: None is the config's own value (a Layout built from a run's keys, ``trainer.oom``).
+    cpu_step: bool | None = None  # actor.fsdp.optimizer_step_on_cpu
+    checkpointing: bool | None = None  # model.enable_gradient_checkpointing
+    micro: int | None = None  # actor.ppo_micro_batch_size_per_gpu (fixed micro-batches)
+    token_budget: int | None = None  # actor.ppo_max_token_len_per_gpu (dynamic micro-batches)
+    dynamic: bool = False  # whether the run sizes micro-batches by tokens (which of the two levers applies)
+    seconds: float | None = None  # the estimated step time (``trainer.step_time``)
+    considered: list[Layout] = field(default_factory=list)  # the chosen layout's: every candidate scored
     phases: dict[str, int] = field(default_factory=dict)
     usable: int | None = None
+    host: int = 0  # host bytes of one node the offload or the CPU step holds
+    host_usable: int | None = None  # None: the host's memory is not checked
     views: ViewMemory | None = None
     reason: str = ""
     params: int = 0
@@ -93,34 +116,64 @@ class Layout:
 
     @property
     def fits(self) -> bool:
-        """Whether every phase fits in the usable memory (always, without a GPU to plan for)."""
-        return self.usable is None or self.peak <= self.usable
+        """Whether every phase fits in the usable memory (always, without a GPU to plan for), and what the
+        layout keeps on the host in the host's (where it is checked)."""
+        return (self.usable is None or self.peak <= self.usable) and self.host_fits
+
+    @property
+    def host_fits(self) -> bool:
+        """Whether the host memory the layout holds fits the node's usable host memory (or is not checked)."""
+        return self.host_usable is None or self.host <= self.host_usable
 
     def overrides(self) -> dict[str, Any]:
-        """The config keys of this layout."""
-        return {
-            "actor.tensor_parallel_size": self.tp_train,
-            "actor.pipeline_parallel_size": self.pp,
-            "actor.ulysses_sequence_parallel_size": self.sp,
-            "rollout.tensor_model_parallel_size": self.tp_generate,
-            "actor.fsdp.param_offload": self.param_offload,
-            "actor.fsdp.optimizer_offload": self.optimizer_offload,
-        }
+        """The config keys of this layout (a lever left at None, the config's value, is not among them)."""
+        out = {path: getattr(self, name) for path, name in _FIELDS.items()}
+        return {k: v for k, v in out.items() if v is not None}
 
     def describe(self) -> str:
         """The two views, sp and offload, as the logs name them."""
         train = str(self.dims(with_sp=False))  # sp is named on its own below
         offload = (
-            "params+optimizer" if self.param_offload else "optimizer" if self.optimizer_offload else "none"
+            "params+optimizer" if self.param_offload else "optimizer" if self.optimizer_offload
+            else "cpu-step" if self.cpu_step else "none"
+        )  # fmt: skip
+        levers = "".join(
+            f", {name}={value}"
+            for name, value in (
+                ("checkpointing", {True: "on", False: "off"}.get(self.checkpointing)),
+                ("micro_batch", None if self.dynamic else self.micro),
+                ("token_budget", self.token_budget if self.dynamic else None),
+            )
+            if value is not None
         )
         return (
             f"train_view={train}, generate_view=(tp={self.tp_generate}, dp={self.world // self.tp_generate}), "
-            f"sp={self.sp}, offload={offload}"
+            f"sp={self.sp}, offload={offload}{levers}"
         )
 
     def line(self) -> str:
         """The one-line log of the choice and why."""
         return f"auto layout: {self.describe()}: {self.reason}"
+
+    def value(self, cfg: Config, path: str) -> Any:
+        """The layout's value of a layout key, or the config's where the layout leaves it (None)."""
+        value = getattr(self, _FIELDS[path])
+        return get_path(cfg, path) if value is None else value
+
+    def peak_phase(self) -> str:
+        """The phase that needs the most memory per GPU."""
+        return max(self.phases, key=self.phases.get)
+
+    def verdict(self, chosen: Layout) -> str:
+        """Why this candidate was or was not chosen: chosen, does not fit (by how much), or slower."""
+        if self is chosen:
+            return "chosen" if self.fits else "nearest, does not fit"
+        if not self.host_fits:
+            return f"does not fit: the host needs {self.host / GB:.0f} of {self.host_usable / GB:.0f} GB per node"
+        if not self.fits:
+            name = self.peak_phase()
+            return f"does not fit: {name} needs {self.phases[name] / GB:.1f} of {self.usable / GB:.1f} GB"
+        return f"slower: {self.seconds:.1f} s"
 
     def table(self) -> str:
         """The memory per GPU of each phase, and the views' own figures."""
@@ -133,10 +186,15 @@ class Layout:
             switch = (
                 "" if v.received_bytes is None else f", {v.received_bytes / GB:.3f} GB received per switch"
             )
+            state = "fp32 masters, grads, AdamW moments" + (
+                ", on the host with the CPU step" if self.cpu_step else ""
+            )
             rows.append(
-                f"\nper GPU: training state {v.state_bytes() / GB:.2f} GB (fp32 masters, grads, AdamW moments), "
+                f"\nper GPU: training state {v.state_bytes() / GB:.2f} GB ({state}), "
                 f"generation weights {v.generation_bytes / GB:.2f} GB{switch}"
             )
+        if self.host:
+            rows.append(f"host memory per node (offload, CPU step): {self.host / GB:.1f} GB")
         return "\n".join(rows)
 
 
@@ -184,114 +242,61 @@ def shape_config(name: str) -> Any:
     return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
 
 
-def _kv_bytes(cfg: Config, mc: Any, layout: Layout, rollout_bytes: int) -> int:
-    """The rollout's KV cache per GPU: its group's share of the samples, each of the context length."""
-    d, r = cfg.data, cfg.rollout
-    heads = mc.num_attention_heads
-    kv = getattr(mc, "num_key_value_heads", None) or heads
-    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
-    local_kv = max(1, kv // layout.tp_generate)
-    per_token = mc.num_hidden_layers * 2 * local_kv * head_dim * rollout_bytes
-    groups = layout.world // layout.tp_generate
-    slots = min(r.max_num_seqs, -(-d.train_batch_size * r.n // groups))
-    context = r.max_model_len or d.max_prompt_length + d.max_response_length
-    return slots * context * per_token + slots * mc.vocab_size * 4 // layout.tp_generate
-
-
-# Fitted on one H200 (benchmarks/plan_check.py, Qwen2.5-0.5B and 1.5B shapes, GRPO workloads W1 and W2, bf16
-# with remove-padding and dynamic micro-batches): what the update's backward really keeps of the bf16 tensors a
-# decoder layer could save, and the bytes per LM-head (embedding) parameter its buffers take during the update
-# (growing with the micro-batch up to HEAD_FULL_TOKENS). Checked on held-out runs: a 32k-token budget (1.5B)
-# within 7%; fixed micro-batches of 4 samples (0.5B) were overestimated by 30% before the head's growth term.
-SAVED_SHARE = 0.57
-HEAD_BYTES_PER_PARAM = 41
-HEAD_FULL_TOKENS = 8192
-
-
-def _micro_tokens(samples: int, length: int, dynamic: bool, budget: int, micro: int) -> int:
-    """Tokens of one micro-batch: ``micro`` samples, or, by a token budget, the samples split evenly."""
-    if not dynamic:
-        return micro * length
-    total = max(samples, 1) * length
-    return -(-total // -(-total // budget))
-
-
-def _activation_bytes(cfg: Config, mc: Any, layout: Layout, backward: bool) -> int:
-    """One micro-batch's activations per GPU: a backward's saved tensors and head buffers, or a forward's MLP."""
-    a, r, d = cfg.actor, cfg.rollout, cfg.data
-    length = d.max_prompt_length + d.max_response_length
-    dp = layout.world // (layout.tp_train * layout.pp)
-    if backward:  # the update's micro-batch of one mini-batch
-        samples = -(-a.ppo_mini_batch_size * r.n // dp)
-        tokens = _micro_tokens(
-            samples, length, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu, a.ppo_micro_batch_size_per_gpu
-        )
-    else:  # the old-log-prob (and reference) pass over the whole batch
-        samples = -(-d.train_batch_size * r.n // dp)
-        budget, micro = r.log_prob_max_token_len_per_gpu, r.log_prob_micro_batch_size_per_gpu
-        tokens = _micro_tokens(samples, length, r.log_prob_use_dynamic_bsz, budget, micro)
-    tokens //= layout.sp
-    h, tp = mc.hidden_size, layout.tp_train
-    i = getattr(mc, "intermediate_size", None) or getattr(mc, "n_inner", None) or 4 * h  # GPT-2: n_inner
-    if not backward:  # no graph kept: the MLP's gate, up and product of one layer at a time
-        return tokens * 2 * 3 * i // tp
-    kv_dim = (getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads) * (
-        h // mc.num_attention_heads
-    )
-    layer = int(SAVED_SHARE * tokens * 2 * (6 * h + 2 * kv_dim + 4 * i)) // tp  # one layer's saved tensors
-    layers = -(-mc.num_hidden_layers // layout.pp)
-    saved = tokens * 2 * h * layers + layer if cfg.model.enable_gradient_checkpointing else layer * layers
-    # 1F1B: the first stage holds the saved tensors of up to pp micro-batches at once
-    saved *= min(layout.pp, -(-samples * length // max(tokens * layout.sp, 1)))
-    head = HEAD_BYTES_PER_PARAM * mc.vocab_size * h * min(tokens, HEAD_FULL_TOKENS) // HEAD_FULL_TOKENS // tp
-    return saved + head
-
-
-@functools.lru_cache(maxsize=64)
-def _views(model: torch.nn.Module, dims: ParallelDims, tp_generate: int) -> ViewMemory:
-    """The views' figures without the switch's transfers (offload does not change them)."""
-    return view_memory(model, dims, tp_generate, switch=False)
-
-
-def estimate_phases(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout) -> dict[str, int]:
-    """Bytes per GPU of each phase of a step under ``layout`` (the actor; a colocated reference added)."""
-    v = _views(model, layout.dims(with_sp=False), layout.tp_generate)  # sp: no change
-    layout.views, layout.params = v, v.full_elements
-    held = v.held_elements
-    masters, moments, grads = held * MASTER_BYTES, held * MOMENT_BYTES, held * GRAD_BYTES
-    ref = held * 2 if cfg.use_reference and not cfg.ref.fsdp.param_offload else 0
-    # At one rank FSDP2 keeps the bf16 layers gathered through the micro-batches; above, two layers at once.
-    gathered = held * 2 if layout.world == 1 else 2 * v.layer_bytes
-    if layout.world == 1:
-        generation = held * 2  # the rollout reads a bf16 cast of the masters
-    else:
-        generation = v.generation_bytes
-    resident = (0 if layout.param_offload else masters) + (0 if layout.optimizer_offload else moments)
-    return {
-        "generate": resident + ref + generation + _kv_bytes(cfg, mc, layout, 2),
-        "log_prob": masters + (0 if layout.optimizer_offload else moments) + ref + gathered
-        + _activation_bytes(cfg, mc, layout, backward=False),
-        "update_actor": masters + moments + grads + ref + gathered + _activation_bytes(cfg, mc, layout, True),
-    }  # fmt: skip
-
-
 def _candidates(cfg: Config, model: torch.nn.Module, world: int, fixed: dict[str, Any]) -> list[Layout]:
     """Every layout the engine accepts for this model and world, simplest first, matching ``fixed``."""
     pps = divisors(world) if _accepted("actor.pipeline_parallel_size") else [1]
     sps = divisors(world) if _accepted("actor.ulysses_sequence_parallel_size") else [1]
+    checkpointing = _unique([cfg.model.enable_gradient_checkpointing, True])
     out = []
     for tp_t in divisors(world):
         for pp in pps:  # sizes that do not fit the world are refused by their ParallelDims (``_splits``)
-            for offload in OFFLOADS:
-                for tp_g in divisors(world):
-                    for sp in sps:
-                        layout = Layout(world, tp_t, pp, sp, tp_g, *offload)
-                        if all(layout.overrides()[k] == v for k, v in fixed.items()):
-                            out.append(layout)
-    out = [x for x in out if _splits(model, x) and _valid(cfg, x)]
-    return sorted(
-        out, key=lambda x: (x.tp_train * x.pp, x.param_offload + x.optimizer_offload, x.tp_generate, x.sp)
+            for tp_g in divisors(world):
+                for sp in sps:
+                    if not _splits(model, Layout(world, tp_t, pp, sp, tp_g)):
+                        continue
+                    for offload in OFFLOADS:
+                        for ckpt in checkpointing:
+                            for micro, budget in _micro_levers(cfg, world // (tp_t * pp)):
+                                layout = Layout(world, tp_t, pp, sp, tp_g, *offload, ckpt, micro, budget)
+                                layout.dynamic = cfg.actor.use_dynamic_bsz
+                                if all(layout.overrides()[k] == v for k, v in fixed.items()):
+                                    out.append(layout)
+    scratch = copy.deepcopy(cfg)  # every candidate sets every layout key: one copy serves them all
+    out = [x for x in out if _valid(cfg, x, scratch)]
+    return sorted(out, key=lambda x: _simplicity(cfg, x))
+
+
+def _unique(values: list[Any]) -> list[Any]:
+    return list(dict.fromkeys(values))
+
+
+def _micro_levers(cfg: Config, dp: int) -> list[tuple[int, int]]:
+    """(micro-batch, token budget) pairs to try: the config's, then halves of the one the run sizes by."""
+    a, d = cfg.actor, cfg.data
+    micro, budget = a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu
+    out = [(micro, budget)]
+    if a.use_dynamic_bsz:  # halves down to one whole sample
+        length = d.max_prompt_length + d.max_response_length
+        while budget // 2 >= length and len(out) < 4:
+            budget //= 2
+            out.append((micro, budget))
+    else:  # halves that still divide this GPU's share of a mini-batch
+        share = -(-a.ppo_mini_batch_size * cfg.rollout.n // max(dp, 1))
+        while micro > 1 and len(out) < 4:
+            micro //= 2
+            if share % micro == 0:
+                out.append((micro, budget))
+    return out
+
+
+def _simplicity(cfg: Config, x: Layout) -> tuple:
+    """Simplest first: fewer model-parallel ranks, no offload, the config's own levers, smaller groups."""
+    offload = OFFLOADS.index((x.param_offload, x.optimizer_offload, x.cpu_step))
+    own = (x.checkpointing != cfg.model.enable_gradient_checkpointing) + (
+        (x.micro, x.token_budget)
+        != (cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.ppo_max_token_len_per_gpu)
     )
+    return (x.tp_train * x.pp, offload, own, -(x.micro or 0), -(x.token_budget or 0), x.tp_generate, x.sp)
 
 
 def _splits(model: torch.nn.Module, layout: Layout) -> bool:
@@ -305,9 +310,12 @@ def _splits(model: torch.nn.Module, layout: Layout) -> bool:
     return True
 
 
-def _valid(cfg: Config, layout: Layout) -> bool:
-    """Whether validation accepts the config with the layout (how sp, pp and tp may combine is its to say)."""
-    out = copy.deepcopy(cfg)
+def _valid(cfg: Config, layout: Layout, scratch: Config | None = None) -> bool:
+    """Whether validation accepts the config with the layout (how sp, pp and tp may combine is its to say).
+
+    ``scratch``: a copy of ``cfg`` to set the keys in (its layout keys are overwritten), instead of a new one.
+    """
+    out = copy.deepcopy(cfg) if scratch is None else scratch
     for path, value in layout.overrides().items():
         set_path(out, path, value)
     return not validate_config(out)
@@ -325,9 +333,15 @@ def explicit_layout_keys(cfg: Config, given: set[str] | None = None) -> dict[str
 
 
 def plan_layout(
-    cfg: Config, model_config: Any, gpu_bytes: int | None, given: set[str] | None = None
+    cfg: Config,
+    model_config: Any,
+    gpu_bytes: int | None,
+    given: set[str] | None = None,
+    host_memory: int | None = None,
 ) -> Layout:
-    """The simplest layout whose every phase fits ``gpu_bytes`` per GPU (None: no GPU, the default layout)."""
+    """The fastest layout (by ``trainer.step_time``'s estimate) whose every phase fits ``gpu_bytes`` per GPU
+    (None: no GPU, the plain layout) and whose offload fits ``host_memory`` bytes per node (None: not checked);
+    where none fits, the one of the smallest peak, saying by how much."""
     world = cfg.trainer.world_size
     fixed = explicit_layout_keys(cfg, given)
     model = meta_model(model_config)
@@ -339,26 +353,29 @@ def plan_layout(
         layout.reason = "the keys set in the config leave no layout to choose"
         return layout
     usable = None if gpu_bytes is None else int(gpu_bytes * HEADROOM)
-    first = None
+    host_usable = None if gpu_bytes is None or host_memory is None else int(host_memory * HOST_HEADROOM)
     for layout in candidates:
-        layout.usable = usable
+        layout.usable, layout.host_usable = usable, host_usable
         layout.phases = estimate_phases(cfg, model_config, model, layout)
-        first = first or layout
-        if layout.fits:
-            layout.reason = _why(layout, first, fixed, gpu_bytes)
-            return _with_switch(model, layout)
-    best = min(candidates, key=lambda x: x.peak)
+        layout.host = host_bytes(cfg, layout)
+        layout.seconds = estimate_seconds(cfg, model_config, layout)
+    first = candidates[0]
+    fitting = [x for x in candidates if x.fits]
+    if gpu_bytes is None or fitting:  # stable: among equal estimates the simplest
+        best = first if gpu_bytes is None else min(fitting, key=lambda x: x.seconds)
+        best.reason = _why(best, first, fixed, gpu_bytes)
+        best.considered = candidates
+        return _with_switch(model, best)
+    best = min(candidates, key=lambda x: (not x.host_fits, x.peak))
     best.reason = (
         _why(best, first, fixed, gpu_bytes) + "; " + _short_of(cfg, model_config, model, best, usable)
     )
-    if (
-        max(best.phases, key=best.phases.get) == "update_actor"
-        and not cfg.model.enable_gradient_checkpointing
-    ):
+    if best.peak_phase() == "update_actor" and not best.value(cfg, "model.enable_gradient_checkpointing"):
         best.reason += (
             "; model.enable_gradient_checkpointing=true (or a smaller actor.ppo_micro_batch_size_per_gpu) "
             "would cut the update's activations"
         )
+    best.considered = candidates
     return _with_switch(model, best)
 
 
@@ -369,34 +386,63 @@ def _with_switch(model: torch.nn.Module, layout: Layout) -> Layout:
     return layout
 
 
-_FIELDS = dict(
-    zip(LAYOUT_KEYS, ("tp_train", "pp", "sp", "tp_generate", "param_offload", "optimizer_offload"))
-)
-
-
 def _phase_over(layout: Layout) -> str:
     name = max(layout.phases, key=layout.phases.get)
     return f"{name} needs {layout.phases[name] / GB:.1f} GB"
 
 
 def _why(layout: Layout, first: Layout, fixed: dict[str, Any], gpu_bytes: int | None) -> str:
-    """Why this layout: the model and GPUs, what did not fit before it, what the config fixed."""
+    """Why this layout: the model and GPUs, what did not fit or was slower, the estimate, what the config fixed."""
     n = layout.params
     size = f"{n / 1e9:.2f}B parameters" if n >= 1e8 else f"{n / 1e6:.2f}M parameters"
     kept = f"; kept from the config: {', '.join(f'{k}={v}' for k, v in fixed.items())}" if fixed else ""
     if gpu_bytes is None:
         return f"{size} on {layout.world} rank(s) without a GPU: nothing to fit, the plain layout{kept}"
     gpus = f"{layout.world} GPU(s) of {gpu_bytes / GB:.0f} GB"
-    if not layout.fits:
+    step = f"; estimated step {layout.seconds:.1f} s (an estimate from benchmarks/RESULTS.md rates)"
+    if not layout.host_fits:
         return (
-            f"{size} on {gpus}: no layout fits, the smallest peak is this one ({_phase_over(layout)}){kept}"
+            f"{size} on {gpus}: no layout fits, this one fits the GPU ({_phase_over(layout)}) but its host memory "
+            f"does not ({layout.host / GB:.0f} of {layout.host_usable / GB:.0f} GB per node){kept}"
+        )
+    if not layout.fits:
+        short = (layout.peak - layout.usable) / GB
+        return (
+            f"{size} on {gpus}: no layout fits, the smallest peak is this one ({_phase_over(layout)} of "
+            f"{layout.usable / GB:.1f}, {short:.1f} GB short){kept}"
         )
     if layout is first:
-        return f"{size} on {gpus}: the simplest layout fits ({_phase_over(layout)} of {layout.usable / GB:.1f}){kept}"
+        return (
+            f"{size} on {gpus}: the simplest layout fits ({_phase_over(layout)} of {layout.usable / GB:.1f})"
+            f"{step}{kept}"
+        )
+    if first.fits:
+        return (
+            f"{size} on {gpus}: the fastest that fits ({_phase_over(layout)} of {layout.usable / GB:.1f}); "
+            f"the simplest, {first.describe()}, fits too but is slower ({first.seconds:.1f} s){step}{kept}"
+        )
     return (
         f"{size} on {gpus}: {first.describe()} does not fit ({_phase_over(first)} of {first.usable / GB:.1f}); "
-        f"this one does ({_phase_over(layout)}){kept}"
+        f"this one does ({_phase_over(layout)}) and is the fastest that fits{step}{kept}"
     )
+
+
+def candidates_table(layout: Layout, limit: int = 40) -> str:
+    """The candidates the plan scored: peak phase, GB per GPU, estimated step, verdict (fastest fitting first,
+    then the nearest that do not fit); ``limit`` rows at most."""
+    rows = ["| candidate | peak phase | GB per GPU | host GB per node | est. step s | verdict |"]
+    rows.append("|---|---|---|---|---|---|")
+    ranked = sorted(layout.considered, key=lambda x: (not x.fits, x.seconds if x.fits else x.peak))
+    ranked = [layout] + [x for x in ranked if x is not layout]
+    for x in ranked[:limit]:
+        name = x.peak_phase()
+        rows.append(
+            f"| {x.describe()} | {name} | {x.phases[name] / GB:.2f} | {x.host / GB:.0f} | {x.seconds:.1f} "
+            f"| {x.verdict(layout)} |"
+        )
+    if len(ranked) > limit:
+        rows.append(f"({len(ranked) - limit} more candidates not shown)")
+    return "\n".join(rows)
 
 
 def _short_of(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout, usable: int | None) -> str:
@@ -406,13 +452,27 @@ def _short_of(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout, usab
             continue
         wider = copy.deepcopy(cfg)
         wider.trainer.nnodes, wider.trainer.n_gpus_per_node = 1, world
-        trial = Layout(world, 1, 1, 1, min(world, 8), True, True, usable=usable)
-        if unsplit_reason(model, 1, trial.tp_generate) is not None:
-            continue
-        trial.phases = estimate_phases(wider, mc, model, trial)
-        if trial.fits:
-            return f"it would fit on about {world} such GPUs (FSDP2 over all, offload, rollout tp={trial.tp_generate})"
+        # the widest rollout group of up to 8 GPUs that splits the model's heads
+        tp_g = next((t for t in (8, 4, 2, 1) if t <= world and unsplit_reason(model, 1, t) is None), 1)
+        for offload, name in (((True, True, False), "offload"), ((False, False, True), "the CPU step")):
+            trial = Layout(world, 1, 1, 1, tp_g, *offload, True, usable=usable)
+            trial.phases = estimate_phases(wider, mc, model, trial)
+            if trial.fits:
+                return (
+                    f"it would fit on about {world} such GPUs (FSDP2 over all, {name}, checkpointing, "
+                    f"rollout tp={trial.tp_generate})"
+                )
     return "it does not fit on up to 512 such GPUs"
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's host memory (physical pages), or None where the OS does not say."""
+    import os
+
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def gpu_memory_bytes() -> int | None:

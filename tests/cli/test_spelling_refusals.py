@@ -105,6 +105,14 @@ PLAN = [
     (["--gpu-memory-gb", "nan"], "error: --gpu-memory-gb: expected the memory of one GPU in GB"),
     (["--gpu-memory-gb", "inf"], "error: --gpu-memory-gb: expected the memory of one GPU in GB"),
     (["--gpu-memory-gb", "eighty"], "error: --gpu-memory-gb: expected the memory of one GPU in GB"),
+    (
+        ["--gpu-memory-gb", "80", "--host-memory-gb", "0"],
+        "error: --host-memory-gb: expected the memory of one node",
+    ),
+    (
+        ["--gpu-memory-gb", "80", "--host-memory-gb", "lots"],
+        "error: --host-memory-gb: expected the memory of one node",
+    ),
     (["--gpus", "0", "--gpu-memory-gb", "80"], "error: --gpus: must be at least 1, got 0"),
     (["--gpus", "-8", "--gpu-memory-gb", "80"], "error: --gpus: must be at least 1, got -8"),
     (["--gpus", "two", "--gpu-memory-gb", "80"], "error: --gpus: expected a whole number of GPUs, got 'two'"),

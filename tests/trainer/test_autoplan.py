@@ -18,7 +18,7 @@ from hybridflow.config import load_config
 from hybridflow.models import build_tiny_model_and_tokenizer
 from hybridflow.trainer import jobs
 from hybridflow.trainer.autoplan import user_keys
-from hybridflow.trainer.layout import MODEL_SHAPES
+from hybridflow.trainer.layout import LAYOUT_KEYS, MODEL_SHAPES
 
 GB80 = 80 * 10**9
 # The 7B shape on 4 GPUs of 80 GB, 256 prompts x 8 samples: whole rollout replicas leave too little room for
@@ -79,7 +79,8 @@ def test_the_unset_keys_take_the_planned_values_and_one_line_names_them(
     record = _planned_line(caplog)
     planned = record.getMessage().split("; planned keys: ")[1].split()
     assert record.levelno == logging.INFO and f"{ROLLOUT_TP}={tp}" in planned
-    assert len(planned) == 6 and "actor.fsdp.optimizer_offload=false" in planned  # every key, as overrides
+    # every key but model.enable_gradient_checkpointing (WIDE sets it: kept), as overrides
+    assert len(planned) == len(LAYOUT_KEYS) - 1 and "actor.fsdp.optimizer_offload=false" in planned
 
 
 @pytest.mark.parametrize(
@@ -122,7 +123,10 @@ def test_a_user_set_layout_that_does_not_fit_runs_as_set_with_a_warning(
     assert (
         record.levelno == logging.WARNING and "no layout fits" in message and " GB" in message
     )  # the estimate
-    assert f"runs as configured (actor.tensor_parallel_size, {ROLLOUT_TP} as set)" in message
+    kept = (
+        f"actor.tensor_parallel_size, {ROLLOUT_TP}, model.enable_gradient_checkpointing"  # WIDE sets the last
+    )
+    assert f"runs as configured ({kept} as set)" in message
 
 
 def test_auto_layout_false_leaves_the_layout_keys_as_configured(
@@ -155,7 +159,8 @@ def test_hybridflow_train_on_cpu_plans_and_runs_the_config_it_ran_before(
     assert main(["train", *overrides[:2], "--log-level", "info", *overrides[2:]]) == 0
     assert main(["train", *overrides, "trainer.auto_layout=false"]) == 0
     planned, unplanned = ran
-    assert "without a GPU: nothing to fit, the plain layout; planned keys: " in caplog.text
+    kept = "kept from the config: actor.ppo_micro_batch_size_per_gpu=1"  # a layout key since issue 40
+    assert f"without a GPU: nothing to fit, the plain layout; {kept}; planned keys: " in caplog.text
     unplanned.trainer.auto_layout = True
     assert planned.to_dict() == unplanned.to_dict() == load_config(None, overrides).to_dict()
 
@@ -163,13 +168,17 @@ def test_hybridflow_train_on_cpu_plans_and_runs_the_config_it_ran_before(
 def test_the_notebook_api_plans_through_the_same_function_and_key(tiny: Path) -> None:
     common = dict(model_name=str(tiny), max_steps=1, per_device_train_batch_size=2)
     planned = hybridflow.RLTrainer(**common)
-    assert planned.layout is not None and planned.layout.kept == {}  # nothing set: every layout key planned
+    # per_device_train_batch_size sets the micro-batch (a layout key): kept, every other layout key planned
+    assert planned.layout is not None and planned.layout.kept == {"actor.ppo_micro_batch_size_per_gpu": 2}
     off = hybridflow.RLTrainer(**common, overrides=["trainer.auto_layout=false"])
     assert off.layout is None and off.cfg.trainer.auto_layout is False
     off.cfg.trainer.auto_layout = True
     assert off.cfg.to_dict() == planned.cfg.to_dict()  # on CPU the plan is the defaults
     kept = hybridflow.RLTrainer(**common, overrides=["actor.fsdp.optimizer_offload=false"])
-    assert kept.layout is not None and kept.layout.kept == {"actor.fsdp.optimizer_offload": False}
+    assert kept.layout is not None and kept.layout.kept == {
+        "actor.fsdp.optimizer_offload": False,
+        "actor.ppo_micro_batch_size_per_gpu": 2,
+    }
 
 
 def test_user_keys_are_the_files_and_the_overrides_paths() -> None:

@@ -1,0 +1,179 @@
+"""The memory per GPU and the step time the planner (``trainer.layout``) estimates for one layout.
+
+``estimate_phases`` is each phase's bytes per GPU from the engine's own accounting (``engine.hybrid.memory``:
+held boxes, the reshard plan's generation shard) plus activations and the KV cache; ``estimate_seconds`` the
+step's estimated time (``trainer.step_time``). A layout's levers left at None take the config's values.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from hybridflow.config import Config
+from hybridflow.engine import GRAD_BYTES, MASTER_BYTES, MOMENT_BYTES, ParallelDims, ViewMemory, view_memory
+from hybridflow.trainer.step_time import Levers, Work, step_seconds
+
+# ``layout`` arguments are ``trainer.layout.Layout`` (not imported: that module imports this one)
+Layout = Any
+
+
+def _kv_bytes(cfg: Config, mc: Any, layout: Layout, rollout_bytes: int) -> int:
+    """The rollout's KV cache per GPU: its group's share of the samples, each of the context length."""
+    d, r = cfg.data, cfg.rollout
+    heads = mc.num_attention_heads
+    kv = getattr(mc, "num_key_value_heads", None) or heads
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
+    local_kv = max(1, kv // layout.tp_generate)
+    per_token = mc.num_hidden_layers * 2 * local_kv * head_dim * rollout_bytes
+    groups = layout.world // layout.tp_generate
+    slots = min(r.max_num_seqs, -(-d.train_batch_size * r.n // groups))
+    context = r.max_model_len or d.max_prompt_length + d.max_response_length
+    return slots * context * per_token + slots * mc.vocab_size * 4 // layout.tp_generate
+
+
+# Fitted on one H200 (benchmarks/plan_check.py, Qwen2.5-0.5B and 1.5B shapes, GRPO workloads W1 and W2, bf16
+# with remove-padding and dynamic micro-batches): what the update's backward really keeps of the bf16 tensors a
+# decoder layer could save, and the bytes per LM-head (embedding) parameter its buffers take during the update
+# (growing with the micro-batch up to HEAD_FULL_TOKENS). Checked on held-out runs: a 32k-token budget (1.5B)
+# within 7%; fixed micro-batches of 4 samples (0.5B) were overestimated by 30% before the head's growth term.
+SAVED_SHARE = 0.57
+HEAD_BYTES_PER_PARAM = 41
+HEAD_FULL_TOKENS = 8192
+
+
+def _micro_tokens(samples: int, length: int, dynamic: bool, budget: int, micro: int) -> int:
+    """Tokens of one micro-batch: ``micro`` samples, or, by a token budget, the samples split evenly."""
+    if not dynamic:
+        return micro * length
+    total = max(samples, 1) * length
+    return -(-total // -(-total // budget))
+
+
+def update_micro(cfg: Config, layout: Layout) -> tuple[int, int]:
+    """The update's micro-batches per GPU per step and the tokens of one, under the layout's levers."""
+    a, r, d = cfg.actor, cfg.rollout, cfg.data
+    length = d.max_prompt_length + d.max_response_length
+    dp = layout.world // (layout.tp_train * layout.pp)
+    samples = -(-a.ppo_mini_batch_size * r.n // dp)  # one mini-batch's share of this GPU
+    budget = layout.value(cfg, "actor.ppo_max_token_len_per_gpu")
+    micro = layout.value(cfg, "actor.ppo_micro_batch_size_per_gpu")
+    tokens = _micro_tokens(samples, length, a.use_dynamic_bsz, budget, micro)
+    minis = -(-d.train_batch_size // a.ppo_mini_batch_size) * a.ppo_epochs
+    return minis * -(-samples * length // max(tokens, 1)), tokens
+
+
+def _activation_bytes(cfg: Config, mc: Any, layout: Layout, backward: bool) -> int:
+    """One micro-batch's activations per GPU: a backward's saved tensors and head buffers, or a forward's MLP."""
+    a, r, d = cfg.actor, cfg.rollout, cfg.data
+    length = d.max_prompt_length + d.max_response_length
+    dp = layout.world // (layout.tp_train * layout.pp)
+    if backward:  # the update's micro-batch of one mini-batch
+        samples = -(-a.ppo_mini_batch_size * r.n // dp)
+        tokens = update_micro(cfg, layout)[1]
+    else:  # the old-log-prob (and reference) pass over the whole batch
+        samples = -(-d.train_batch_size * r.n // dp)
+        budget, micro = r.log_prob_max_token_len_per_gpu, r.log_prob_micro_batch_size_per_gpu
+        tokens = _micro_tokens(samples, length, r.log_prob_use_dynamic_bsz, budget, micro)
+    tokens //= layout.sp
+    h, tp = mc.hidden_size, layout.tp_train
+    i = getattr(mc, "intermediate_size", None) or getattr(mc, "n_inner", None) or 4 * h  # GPT-2: n_inner
+    if not backward:  # no graph kept: the MLP's gate, up and product of one layer at a time
+        return tokens * 2 * 3 * i // tp
+    kv_dim = (getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads) * (
+        h // mc.num_attention_heads
+    )
+    layer = int(SAVED_SHARE * tokens * 2 * (6 * h + 2 * kv_dim + 4 * i)) // tp  # one layer's saved tensors
+    layers = -(-mc.num_hidden_layers // layout.pp)
+    # Checkpointing per decoder layer keeps only each layer's bf16 input (tokens x hidden x 2 bytes) through
+    # the forward, and rebuilds one layer's saved tensors at a time in the backward: layers x input + one layer.
+    # Without it every layer keeps its saved tensors: layers x layer.
+    if layout.value(cfg, "model.enable_gradient_checkpointing"):
+        saved = tokens * 2 * h * layers + layer
+    else:
+        saved = layer * layers
+    # 1F1B: the first stage holds the saved tensors of up to pp micro-batches at once
+    saved *= min(layout.pp, -(-samples * length // max(tokens * layout.sp, 1)))
+    head = HEAD_BYTES_PER_PARAM * mc.vocab_size * h * min(tokens, HEAD_FULL_TOKENS) // HEAD_FULL_TOKENS // tp
+    return saved + head
+
+
+@functools.lru_cache(maxsize=64)
+def _views(model: torch.nn.Module, dims: ParallelDims, tp_generate: int) -> ViewMemory:
+    """The views' figures without the switch's transfers (offload does not change them)."""
+    return view_memory(model, dims, tp_generate, switch=False)
+
+
+def estimate_phases(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout) -> dict[str, int]:
+    """Bytes per GPU of each phase of a step under ``layout`` (the actor; a colocated reference added)."""
+    v = _views(model, layout.dims(with_sp=False), layout.tp_generate)  # sp: no change
+    layout.views, layout.params = v, v.full_elements
+    held = v.held_elements
+    masters, moments, grads = held * MASTER_BYTES, held * MOMENT_BYTES, held * GRAD_BYTES
+    ref = held * 2 if cfg.use_reference and not cfg.ref.fsdp.param_offload else 0
+    # At one rank FSDP2 keeps the bf16 layers gathered through the micro-batches; above, two layers at once.
+    gathered = held * 2 if layout.world == 1 else 2 * v.layer_bytes
+    if layout.world == 1:
+        generation = held * 2  # the rollout reads a bf16 cast of the masters
+    else:
+        generation = v.generation_bytes
+    if layout.value(cfg, "actor.fsdp.optimizer_step_on_cpu"):
+        # The device holds the compute-dtype (bf16) shards and their gradients; the float32 masters and the
+        # moments are on the host. At one rank those shards are the compute weights and the rollout's.
+        weights, grads = held * 2, held * 2
+        gathered, generation = (0, 0) if layout.world == 1 else (gathered, generation)
+        return {
+            "generate": weights + ref + generation + _kv_bytes(cfg, mc, layout, 2),
+            "log_prob": weights + ref + gathered + _activation_bytes(cfg, mc, layout, backward=False),
+            "update_actor": weights + grads + ref + gathered + _activation_bytes(cfg, mc, layout, True),
+        }
+    resident = (0 if layout.param_offload else masters) + (0 if layout.optimizer_offload else moments)
+    return {
+        "generate": resident + ref + generation + _kv_bytes(cfg, mc, layout, 2),
+        "log_prob": masters + (0 if layout.optimizer_offload else moments) + ref + gathered
+        + _activation_bytes(cfg, mc, layout, backward=False),
+        "update_actor": masters + moments + grads + ref + gathered + _activation_bytes(cfg, mc, layout, True),
+    }  # fmt: skip
+
+
+def estimate_seconds(cfg: Config, mc: Any, layout: Layout) -> float:
+    """The layout's estimated step time (``trainer.step_time``; after ``estimate_phases``, which sizes it)."""
+    d, r = cfg.data, cfg.rollout
+    context = d.max_prompt_length + d.max_response_length
+    heads = mc.num_attention_heads
+    kv = getattr(mc, "num_key_value_heads", None) or heads
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
+    samples = -(-d.train_batch_size * r.n // (layout.world // layout.tp_generate))  # one generation group's
+    slots = max(1, min(r.max_num_seqs, samples))
+    micro_batches, micro_tokens = update_micro(cfg, layout)
+    work = Work(
+        params=layout.params, held=layout.views.held_elements, layers=mc.num_hidden_layers,
+        hidden=mc.hidden_size, world=layout.world, gpus_per_node=cfg.trainer.n_gpus_per_node,
+        tokens=d.train_batch_size * r.n * context, response=d.max_response_length, waves=-(-samples // slots),
+        slots=slots, kv_bytes_per_token=mc.num_hidden_layers * 2 * max(1, kv // layout.tp_generate) * head_dim * 2,
+        context=context, log_prob_passes=1 + bool(cfg.use_reference),
+        micro_batches=micro_batches, micro_tokens=micro_tokens,
+    )  # fmt: skip
+    levers = Levers(
+        layout.tp_train, layout.tp_generate, layout.param_offload, layout.optimizer_offload,
+        bool(layout.value(cfg, "actor.fsdp.optimizer_step_on_cpu")),
+        bool(layout.value(cfg, "model.enable_gradient_checkpointing")),
+    )  # fmt: skip
+    return step_seconds(work, levers)
+
+
+# Host bytes per held parameter element: parameter offload keeps the float32 masters (4), optimizer offload
+# the AdamW moments (8); the CPU step the masters, the moments and one pinned compute-dtype staging buffer
+# that carries the gradients down and the new weights up (4 + 8 + 2; engine/train/cpu_step.py).
+HOST_BYTES = {"param_offload": 4, "optimizer_offload": 8, "cpu_step": 14}
+
+
+def host_bytes(cfg: Config, layout: Layout) -> int:
+    """Host memory of one node the layout's offload or CPU step holds (its GPUs' shares together)."""
+    per_element = HOST_BYTES["param_offload"] * bool(layout.param_offload)
+    per_element += HOST_BYTES["optimizer_offload"] * bool(layout.optimizer_offload)
+    per_element += HOST_BYTES["cpu_step"] * bool(layout.value(cfg, "actor.fsdp.optimizer_step_on_cpu"))
+    gpus = min(cfg.trainer.n_gpus_per_node, layout.world)
+    return per_element * layout.views.held_elements * gpus
