@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,6 +25,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         if "ray" in item.keywords and not has_ray:
             item.add_marker(pytest.mark.skip(reason="needs Ray: pip install 'hybridflow[ray]'"))
+
+
+@pytest.fixture
+def restore_cli_logging() -> Iterator[None]:
+    """The CLI's main() installs a stderr handler bound to a test's captured stream: take it away afterwards
+    (and restore the level and propagation caplog relies on)."""
+    root = logging.getLogger("hybridflow")
+    handlers, level, propagate = list(root.handlers), root.level, root.propagate
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    root.propagate = propagate
 
 
 @pytest.fixture(autouse=True)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import cli_cases
@@ -21,15 +19,7 @@ from hybridflow.config import Config
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    """main() installs a stderr handler bound to this test's captured stream; take it away afterwards."""
-    root = logging.getLogger("hybridflow")
-    handlers, level, propagate = list(root.handlers), root.level, root.propagate
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    root.propagate = propagate
+pytestmark = pytest.mark.usefixtures("restore_cli_logging")
 
 
 @pytest.fixture

@@ -4,8 +4,6 @@ option is still one ``error:`` line naming it (exit status 2, no traceback; bad-
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import cli_cases
@@ -27,15 +25,7 @@ COMMANDS = {
 OVERRIDES = ["rollout.n=4", "actor_rollout_ref.actor.optim.lr=2e-6", "data.train_batch_size=8"]
 
 
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    """main() installs a stderr handler bound to this test's captured stream; take it away afterwards."""
-    root = logging.getLogger("hybridflow")
-    handlers, level, propagate = list(root.handlers), root.level, root.propagate
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    root.propagate = propagate
+pytestmark = pytest.mark.usefixtures("restore_cli_logging")
 
 
 def _placements(options: list[list[str]]) -> dict[str, list[str]]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,15 +33,7 @@ WIDE = [
 ROLLOUT_TP = "rollout.tensor_model_parallel_size"
 
 
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    """main() installs a stderr handler; take it away afterwards (and let caplog see the records)."""
-    root = logging.getLogger("hybridflow")
-    handlers, level, propagate = list(root.handlers), root.level, root.propagate
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    root.propagate = propagate
+pytestmark = pytest.mark.usefixtures("restore_cli_logging")
 
 
 @pytest.fixture(scope="module")
