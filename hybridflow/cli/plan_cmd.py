@@ -2,7 +2,7 @@
 
 Nothing is started and no weights are read: the model's shape comes from ``model.path``'s config.json (or
 ``--model-shape``), the GPUs from ``trainer.n_gpus_per_node`` x ``trainer.nnodes`` (or ``--gpus``) and their
-memory from this machine's first GPU (or ``--gpu-memory-gb``); the host memory that offload and the CPU step
+memory from this machine's first GPU (at most ``trainer.gpu_memory_gb``) or ``--gpu-memory-gb``; the host memory that offload and the CPU step
 must fit from ``--host-memory-gb`` (or this machine's, when planning for its GPU). Layout keys set in the
 config are kept.
 """
@@ -133,8 +133,11 @@ def run(args: argparse.Namespace) -> int:
             f"no model to plan for: set model.path=DIR (its config.json is enough) or --model-shape (one of "
             f"{', '.join(MODEL_SHAPES)})"
         )
-    if gpu is None:  # this machine's GPU: and its host memory, unless given
-        gpu, host = gpu_memory_bytes(), host if host is not None else host_memory_bytes()
+    cap = cfg.trainer.gpu_memory_gb
+    if gpu is None and gpu_memory_bytes() is not None:  # this machine's GPU (capped) and host, unless given
+        gpu, host = gpu_memory_bytes(cap), host if host is not None else host_memory_bytes()
+    if gpu is None and cap is not None:  # no GPU here: the run's cap stands for its GPU's size
+        gpu = int(cap * 1e9)
     if gpu is None:
         raise UserError("no GPU here to read the memory of: pass --gpu-memory-gb, e.g. --gpu-memory-gb 80")
     layout = plan_layout(cfg, model_config, gpu, given=set(given_overrides(overrides)), host_memory=host)

@@ -47,7 +47,8 @@ def plan_run(cfg: Config, given: set[str], gpu_bytes: int | None = THIS_GPU) -> 
     """``cfg`` with the planned layout in the layout keys not in ``given``, and the plan (None: not planned).
 
     ``gpu_bytes``: the memory of one GPU to plan for (default: this machine's first GPU, None on CPU; with
-    it, this machine's host memory bounds what offload and the CPU step may keep there).
+    it, this machine's host memory bounds what offload and the CPU step may keep there), at most
+    ``trainer.gpu_memory_gb``.
     """
     if not (cfg.trainer.auto_layout and cfg.actor.hybrid_engine) or cfg.model.path is None:
         return cfg, None
@@ -58,6 +59,8 @@ def plan_run(cfg: Config, given: set[str], gpu_bytes: int | None = THIS_GPU) -> 
     if gpu_bytes == THIS_GPU:
         gpu_bytes = gpu_memory_bytes() if cfg.trainer.device != "cpu" else None
         host = host_memory_bytes()
+    if gpu_bytes is not None and cfg.trainer.gpu_memory_gb is not None:  # the run uses only this share
+        gpu_bytes = min(gpu_bytes, int(cfg.trainer.gpu_memory_gb * 1e9))
     layout = plan_layout(cfg, model_config, gpu_bytes, given=given, host_memory=host)
     layout.kept = explicit_layout_keys(cfg, given)
     return apply_layout(cfg, layout), layout

@@ -35,7 +35,7 @@ from hybridflow.trainer.sft import encode_pairs, run_sft
 from hybridflow.trainer.summary import write_summary
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.trainer.validation import validate
-from hybridflow.utils.device import cuda_in_use, use_device_type
+from hybridflow.utils.device import cap_gpu_memory, cuda_in_use, use_device_type
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.logging import rank as env_rank
 from hybridflow.utils.seed import set_seed
@@ -58,6 +58,7 @@ def start_job(cfg: Config, single_process: str | None = None) -> None:
             "without torchrun (train, dpo and kto run on several ranks)"
         )
     use_device_type(cfg.trainer.device)
+    cap_gpu_memory(cfg.trainer.gpu_memory_gb)  # before anything is allocated on the GPU
     check_start(cfg, os.environ, cuda_in_use())  # the rollout dtype on this device; VERL_* variables
     set_seed(cfg.trainer.seed)
 

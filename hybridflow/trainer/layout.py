@@ -475,11 +475,13 @@ def host_memory_bytes() -> int | None:
         return None
 
 
-def gpu_memory_bytes() -> int | None:
-    """This machine's GPU memory (the first device), or None without CUDA."""
+def gpu_memory_bytes(cap_gb: float | None = None) -> int | None:
+    """This machine's GPU memory (the first device), at most ``cap_gb`` GB (``trainer.gpu_memory_gb``); None
+    without CUDA."""
     if not torch.cuda.is_available():
         return None
-    return int(torch.cuda.get_device_properties(0).total_memory)
+    total = int(torch.cuda.get_device_properties(0).total_memory)
+    return total if cap_gb is None else min(total, int(cap_gb * 1e9))
 
 
 def apply_layout(cfg: Config, layout: Layout) -> Config:

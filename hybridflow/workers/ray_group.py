@@ -74,13 +74,14 @@ class RankProcess:
             MASTER_ADDR=master[0],
             MASTER_PORT=str(master[1]),
         )
-        from hybridflow.utils.device import use_device_type
+        from hybridflow.utils.device import cap_gpu_memory, use_device_type
         from hybridflow.utils.dist import init_distributed
         from hybridflow.utils.logging import setup_console_logging
         from hybridflow.workers.build import build_rank_worker
 
         setup_console_logging("INFO" if self.rank == 0 else "WARNING")
         use_device_type(cfg.trainer.device)
+        cap_gpu_memory(cfg.trainer.gpu_memory_gb)
         init_distributed(timeout_s=cfg.trainer.nccl_timeout)
         self.worker = build_rank_worker(cfg, total_steps, roles, self.group)
         return os.getpid(), list(self.worker.roles)

@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 import hybridflow
 from hybridflow.cli.main import main
@@ -181,3 +182,29 @@ def test_user_keys_are_the_files_and_the_overrides_paths() -> None:
         "actor.fsdp.param_offload",
         "rollout.n",
     }
+
+
+def test_gpu_memory_gb_plans_for_that_share_of_the_gpu(
+    shape_7b: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``trainer.gpu_memory_gb=80`` on a 141 GB GPU plans as for an 80 GB one (the run caps itself there)."""
+    caplog.set_level(logging.INFO, "hybridflow")
+    overrides = [f"model.path={shape_7b}", *WIDE]
+    whole = planned_config(None, overrides, 141 * 10**9)
+    assert "of 141 GB" in _planned_line(caplog).getMessage()
+    caplog.clear()
+    capped = planned_config(None, [*overrides, "trainer.gpu_memory_gb=80"], 141 * 10**9)
+    assert "of 80 GB" in _planned_line(caplog).getMessage()
+    caplog.clear()
+    at_80 = planned_config(None, overrides, GB80)
+    assert capped.rollout.tensor_model_parallel_size == at_80.rollout.tensor_model_parallel_size
+    assert capped.rollout.tensor_model_parallel_size > whole.rollout.tensor_model_parallel_size
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a visible GPU")
+def test_plan_command_plans_for_the_runs_gpu_memory_gb(
+    shape_7b: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No GPU here: the run's cap stands for the size of the GPU it will run on."""
+    assert main(["plan", f"model.path={shape_7b}", *WIDE, "trainer.gpu_memory_gb=24"]) == 0
+    assert "GPU(s) of 24 GB" in capsys.readouterr().out

@@ -25,6 +25,7 @@ from hybridflow.engine.rollout.support import fallback_reason
 from hybridflow.engine.rollout.tp import RolloutTP
 from hybridflow.engine.rollout.types import GenerationOutput
 from hybridflow.models.families import fallback_notice
+from hybridflow.utils.device import gpu_memory_limit
 from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -191,7 +192,7 @@ class RolloutEngine:
         per_slot = KVCache.bytes_per_token(
             runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype
         )
-        total = torch.cuda.get_device_properties(self.device).total_memory
+        total = gpu_memory_limit(self.device)  # the whole GPU, or trainer.gpu_memory_gb's share
         # What the cache cannot have: memory allocated now, less a cache kept from the last call (reused).
         kept = self._kept_cache.nbytes() if self._kept_cache is not None else 0
         used = torch.cuda.memory_allocated(self.device) - kept + pending
