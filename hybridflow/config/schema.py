@@ -224,7 +224,8 @@ class TrainerConfig:
         None, "Run directory; null = runs/{project_name}/{experiment_name}."
     )
     save_freq: int = option(
-        -1, "Save a checkpoint every this many steps (and at the end); -1 = only at the end."
+        -1,
+        "Save a checkpoint every this many steps and at the end; -1 = only at the end; 0 = never.",
     )
     save_hf: bool = option(False, "Also export a Hugging Face model directory at every save.")
     max_ckpt_to_keep: int | None = option(None, "Keep only the newest checkpoints; null keeps all.")
@@ -257,6 +258,10 @@ class TrainerConfig:
     auto_layout: bool = option(
         True,
         "Plan the layout keys you did not set (parallel sizes, offload), as hybridflow plan; false: off.",
+    )
+    gpu_memory_gb: float | None = option(
+        None,
+        "Use at most this many GB of each GPU and plan for it (a smaller GPU on a bigger one); null = all.",
     )
     seed: int = option(42, "Seed of data order, sampling and initialisation.")
 

@@ -73,7 +73,7 @@ _RANGES: dict[str, list[str]] = {
         "actor.policy_loss.clip_cov_ratio", "actor.policy_loss.kl_cov_ratio", "algorithm.kl_ctrl.target_kl",
         "actor.policy_loss.dro_beta", "actor.policy_loss.tau_pos", "actor.policy_loss.tau_neg",
         "algorithm.rollout_correction.rollout_token_veto_threshold",
-        "preference.beta",
+        "preference.beta", "trainer.gpu_memory_gb",
     ],
     ">1": ["actor.clip_ratio_c"],
     ">=-1": ["rollout.top_k", "rollout.val_kwargs.top_k"],
@@ -353,12 +353,12 @@ def _check_trainer(cfg: Config, out: list[Problem]) -> None:
         out.append(
             Problem("trainer.resume", "is empty", "use auto, disable, or a checkpoint directory (or null)")
         )
-    if t.save_freq == 0 or t.save_freq < -1:
+    if t.save_freq < -1:
         out.append(
             Problem(
                 "trainer.save_freq",
                 f"is {t.save_freq}",
-                "use a positive step count, or -1 to save only at the end",
+                "use a positive step count, -1 to save only at the end, or 0 to save no checkpoint",
             )
         )
     if cfg.reward.model.enable and not cfg.reward.model.path:

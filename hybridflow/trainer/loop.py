@@ -70,7 +70,7 @@ class TrainingLoop:
                 start = time.perf_counter()
                 metrics.update(self.validate())
                 metrics["timing_s/testing"] = time.perf_counter() - start  # verl's name
-            if last or (t.save_freq > 0 and self.global_step % t.save_freq == 0):
+            if (last and t.save_freq != 0) or (t.save_freq > 0 and self.global_step % t.save_freq == 0):
                 with Progress(f"save global_step_{self.global_step}") as bar:
                     save_checkpoint(self, metrics)
                 metrics["timing_s/save_checkpoint"] = bar.close()  # closed already: its duration

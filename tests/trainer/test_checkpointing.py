@@ -126,6 +126,23 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path: Path, model_
     assert read_meta(resumed / "global_step_6")["global_step"] == 6
 
 
+def test_save_freq_zero_saves_no_checkpoint_but_the_final_model(tmp_path: Path, model_dir: Path) -> None:
+    """``trainer.save_freq=0``: no checkpoint at all (a 7B CPU-step checkpoint is 91 GB), the HF export still."""
+    run_dir = tmp_path / "job" / "run"
+    run_dir.parent.mkdir()
+    assert main(argv(model_dir, run_dir, "trainer.total_training_steps=2", "trainer.save_freq=0")) == 0
+    assert (
+        not list(run_dir.glob("*global_step_*"))
+        and not (run_dir / "latest_checkpointed_iteration.txt").exists()
+    )
+    assert (run_dir / "final_model" / "config.json").exists()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all("timing_s/save_checkpoint" not in r for r in rows)
+    assert "timing_s/update_actor" in rows[-1]  # the timings are there: only the save's is missing
+    args = argv(model_dir, run_dir, "trainer.save_freq=-2")
+    assert main(args) == 2  # below -1: refused, naming 0 among the fixes
+
+
 def test_a_kill_during_a_save_resumes_from_the_previous_checkpoint(
     tmp_path: Path, model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
