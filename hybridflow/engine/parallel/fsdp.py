@@ -74,6 +74,14 @@ def shard_model(
     return root
 
 
+def set_reshard_after_forward(module: nn.Module, reshard: bool) -> None:
+    """Whether each FSDP2 layer of ``module`` frees its gathered parameters after its forward (the root,
+    holding the embeddings and the head, stays gathered as ``shard_model`` made it)."""
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule) and sub is not module:
+            sub.set_reshard_after_forward(reshard, recurse=False)
+
+
 def set_accumulation(
     module: nn.Module, *, last: bool, defer_grad_sync: bool, keep_params_gathered: bool
 ) -> None:
@@ -158,7 +166,9 @@ def _full_masters(model: nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
     state = optimizer.model_state(get_model_state_dict(model))  # sharded; masters are host DTensors
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        if isinstance(t, DTensor):
+        if isinstance(t, DTensor) and t.device_mesh.size() == 1:
+            t = t.to_local()  # the whole tensor already: the master itself, no host copy (7B: 30 GB saved)
+        elif isinstance(t, DTensor):
             mesh = t.device_mesh
             device = (
                 torch.device(mesh.device_type, torch.cuda.current_device())
