@@ -121,9 +121,13 @@ def estimate_phases(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout
         generation = v.generation_bytes
     if layout.value(cfg, "actor.fsdp.optimizer_step_on_cpu"):
         # The device holds the compute-dtype (bf16) shards and their gradients; the float32 masters and the
-        # moments are on the host. At one rank those shards are the compute weights and the rollout's.
-        weights, grads = held * 2, held * 2
-        gathered, generation = (0, 0) if layout.world == 1 else (gathered, generation)
+        # moments are on the host. At one rank those shards are also the rollout's weights, each layer is
+        # gathered only while it computes (``TrainEngine``), and the micro-batches' gradients accumulate
+        # unsharded in the float32 reduce dtype (deferred sync; measured on the H200 with Qwen2-7B).
+        weights, grads = held * 2, held * (4 if layout.world == 1 and not layout.param_offload else 2)
+        if layout.world == 1:  # two layers gathered at a time, and the root (embeddings, head) kept gathered
+            root = held * 2 - mc.num_hidden_layers * v.layer_bytes
+            gathered, generation = 2 * v.layer_bytes + root, 0
         return {
             "generate": weights + ref + generation + _kv_bytes(cfg, mc, layout, 2),
             "log_prob": weights + ref + gathered + _activation_bytes(cfg, mc, layout, backward=False),
@@ -136,6 +140,14 @@ def estimate_phases(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout
         + _activation_bytes(cfg, mc, layout, backward=False),
         "update_actor": masters + moments + grads + ref + gathered + _activation_bytes(cfg, mc, layout, True),
     }  # fmt: skip
+
+
+def _log_prob_passes(cfg: Config) -> int:
+    """The step's forward-only passes: the reference's, and the old policy's unless the update is on-policy
+    and takes its own log-probs (``ppo.old_log_prob_source``; the 7B run on the H200 had no such pass)."""
+    from hybridflow.trainer.ppo import old_log_prob_source  # the trainer's own rule (a heavier module)
+
+    return (old_log_prob_source(cfg) == "recompute") + bool(cfg.use_reference)
 
 
 def estimate_seconds(cfg: Config, mc: Any, layout: Layout) -> float:
@@ -153,7 +165,7 @@ def estimate_seconds(cfg: Config, mc: Any, layout: Layout) -> float:
         hidden=mc.hidden_size, world=layout.world, gpus_per_node=cfg.trainer.n_gpus_per_node,
         tokens=d.train_batch_size * r.n * context, response=d.max_response_length, waves=-(-samples // slots),
         slots=slots, kv_bytes_per_token=mc.num_hidden_layers * 2 * max(1, kv // layout.tp_generate) * head_dim * 2,
-        context=context, log_prob_passes=1 + bool(cfg.use_reference),
+        context=context, log_prob_passes=_log_prob_passes(cfg),
         micro_batches=micro_batches, micro_tokens=micro_tokens,
     )  # fmt: skip
     levers = Levers(

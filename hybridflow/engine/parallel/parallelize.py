@@ -95,14 +95,15 @@ def cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
 
 
-def reshard_after_forward(fsdp: FSDPConfig) -> bool:
-    """``fsdp.reshard_after_forward``; null is off at world size 1 (the shard is the whole parameter, so
-    freeing the gathered compute-dtype copy only means casting it again in backward: 13% of a 0.5B step
-    on an H200), on otherwise (memory)."""
+def reshard_after_forward(fsdp: FSDPConfig, trainable: bool = True) -> bool:
+    """``fsdp.reshard_after_forward``; null is on above world size 1 (memory) and for a frozen module, which
+    gathers each layer once per forward either way; off for a trained module at world size 1 (the shard is
+    the whole parameter, so freeing the gathered compute-dtype copy only means casting it again in backward:
+    13% of a 0.5B step on an H200). The CPU optimizer step turns it on there too (``TrainEngine``)."""
     if fsdp.reshard_after_forward is not None:
         return fsdp.reshard_after_forward
     init_distributed()
-    return world_size() > 1
+    return world_size() > 1 or not trainable
 
 
 def compile_layers(layers: list[nn.Module], enabled: bool | None, device: torch.device) -> bool:
@@ -169,7 +170,7 @@ def parallelize(
     if dims.sp > 1:
         apply_ulysses(scorer, layers, dims.sp_group, dims.role)  # 4. sequences split over the sp group
     compiled = compile_layers(layers, compile, device)  # 5. per-layer compile
-    reduce, reshard = to_dtype(fsdp.reduce_dtype), reshard_after_forward(fsdp)
+    reduce, reshard = to_dtype(fsdp.reduce_dtype), reshard_after_forward(fsdp, trainable)
     module = shard_model(scorer, layers, device, compute, reduce, reshard, dims.fsdp_mesh)  # 6. FSDP2
     tied = None
     if stage is not None:  # the tied head's two copies (collective: every rank builds every pair)
