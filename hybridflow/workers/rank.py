@@ -61,6 +61,9 @@ class RankWorker:
         if not cuda_in_use():
             return getattr(self.roles[role], method)(*args, **kwargs)
         torch.cuda.reset_peak_memory_stats()
+        # What the phase found allocated (held between phases) beside its peak: the phase's own working set
+        # is the difference (benchmarks/big_model.py sets the planner's estimates against both).
+        self.peaks[f"memory/{role}.{method}_start_gib"] = torch.cuda.memory_allocated() / 2**30
         out = getattr(self.roles[role], method)(*args, **kwargs)
         peak = torch.cuda.max_memory_allocated() / 2**30
         self.peaks[f"memory/{role}.{method}_peak_gib"] = peak
