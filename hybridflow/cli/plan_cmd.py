@@ -102,14 +102,8 @@ def run(args: argparse.Namespace) -> int:
     from hybridflow.cli.config_cmd import split_file_and_overrides
     from hybridflow.config import ConfigError, load_config
     from hybridflow.trainer.keywords import given_overrides
-    from hybridflow.trainer.layout import (
-        MODEL_SHAPES,
-        candidates_table,
-        gpu_memory_bytes,
-        host_memory_bytes,
-        plan_layout,
-        shape_config,
-    )
+    from hybridflow.trainer.layout import candidates_table, gpu_memory_bytes, host_memory_bytes, plan_layout
+    from hybridflow.trainer.model_shapes import MODEL_SHAPES, shape_config
     from hybridflow.utils.errors import UserError
 
     gpus = None if args.gpus is None else gpu_count(args.gpus)

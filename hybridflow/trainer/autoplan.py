@@ -89,7 +89,7 @@ def log_plan(cfg: Config, layout: Layout | None) -> None:
     if layout.fits:
         logger.info("%s; planned keys: %s", layout.line(), keys)
         return
-    kept = [k for k in LAYOUT_KEYS if k not in planned]
+    kept = [k for k in LAYOUT_KEYS if k in layout.kept]  # the keys the config set
     as_set = f"; runs as configured ({', '.join(kept)} as set), it may run out of memory" if kept else ""
     logger.warning("%s; planned keys: %s%s", layout.line(), keys, as_set)
 

@@ -3,7 +3,8 @@
 ``plan_layout(cfg, model_config, gpu_bytes)`` scores every layout the engine accepts: training tp, pp and
 Ulysses sp (as validation accepts them), generation tp, no offload / optimizer offload / parameter and
 optimizer offload / the optimizer step on the CPU, gradient checkpointing off or on, and the update's
-micro-batch (or token budget) at the config's value and halves of it. For each it estimates every phase's
+micro-batch (or token budget) at the config's value and halves of it, and the rollout's sequences decoded at
+once where one wave does not fit (``rollout.max_num_seqs``). For each it estimates every phase's
 memory per GPU (``trainer.layout_memory``: the engine's own accounting plus activations and the KV cache) and
 the step time (``trainer.step_time``, from the rates measured in benchmarks/RESULTS.md), and keeps the fastest
 that fits; where none fits, the one of the smallest peak and its shortfall. Keys set in the config are kept
@@ -32,7 +33,7 @@ from hybridflow.engine import (
     unsplit_reason,
     view_memory,
 )
-from hybridflow.trainer.layout_memory import estimate_phases, estimate_seconds, host_bytes
+from hybridflow.trainer.layout_memory import estimate_phases, estimate_seconds, generation_slots, host_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -51,29 +52,17 @@ LAYOUT_KEYS = (
     "model.enable_gradient_checkpointing",
     "actor.ppo_micro_batch_size_per_gpu",
     "actor.ppo_max_token_len_per_gpu",
+    "rollout.max_num_seqs",
 )
 # (param_offload, optimizer_offload, optimizer_step_on_cpu), simplest first; the CPU step moves the optimizer
 # itself to the host, so it takes no optimizer offload (validation refuses the two together)
 _FIELDS = dict(
     zip(LAYOUT_KEYS, (
         "tp_train", "pp", "sp", "tp_generate", "param_offload", "optimizer_offload", "cpu_step",
-        "checkpointing", "micro", "token_budget",
+        "checkpointing", "micro", "token_budget", "max_seqs",
     ))
 )  # fmt: skip
 OFFLOADS = ((False, False, False), (False, True, False), (True, True, False), (False, False, True))
-# Model shapes ``hybridflow plan --model-shape`` knows (the HF config fields that size the memory).
-MODEL_SHAPES: dict[str, dict[str, Any]] = {
-    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
-    "llama-3-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False),
-    "llama-3-70b": dict(model_type="llama", hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
-                        num_key_value_heads=8, intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False),
-}  # fmt: skip
 
 
 @dataclass
@@ -92,6 +81,7 @@ class Layout:
     checkpointing: bool | None = None  # model.enable_gradient_checkpointing
     micro: int | None = None  # actor.ppo_micro_batch_size_per_gpu (fixed micro-batches)
     token_budget: int | None = None  # actor.ppo_max_token_len_per_gpu (dynamic micro-batches)
+    max_seqs: int | None = None  # rollout.max_num_seqs: set only where one generation wave does not fit
     dynamic: bool = False  # whether the run sizes micro-batches by tokens (which of the two levers applies)
     seconds: float | None = None  # the estimated step time (``trainer.step_time``)
     considered: list[Layout] = field(default_factory=list)  # the chosen layout's: every candidate scored
@@ -143,6 +133,7 @@ class Layout:
                 ("checkpointing", {True: "on", False: "off"}.get(self.checkpointing)),
                 ("micro_batch", None if self.dynamic else self.micro),
                 ("token_budget", self.token_budget if self.dynamic else None),
+                ("rollout_seqs", self.max_seqs),
             )
             if value is not None
         )
@@ -230,18 +221,6 @@ def meta_model(model_config: Any) -> torch.nn.Module:
     return _META_MODELS[key]
 
 
-def shape_config(name: str) -> Any:
-    """The HF config of a known model shape (``MODEL_SHAPES``)."""
-    from transformers import AutoConfig
-
-    if name not in MODEL_SHAPES:
-        from hybridflow.utils.errors import UserError
-
-        raise UserError(f"unknown model shape {name!r}; use one of {', '.join(MODEL_SHAPES)}")
-    kwargs = dict(MODEL_SHAPES[name])
-    return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
-
-
 def _candidates(cfg: Config, model: torch.nn.Module, world: int, fixed: dict[str, Any]) -> list[Layout]:
     """Every layout the engine accepts for this model and world, simplest first, matching ``fixed``."""
     pps = divisors(world) if _accepted("actor.pipeline_parallel_size") else [1]
@@ -259,6 +238,7 @@ def _candidates(cfg: Config, model: torch.nn.Module, world: int, fixed: dict[str
                             for micro, budget in _micro_levers(cfg, world // (tp_t * pp)):
                                 layout = Layout(world, tp_t, pp, sp, tp_g, *offload, ckpt, micro, budget)
                                 layout.dynamic = cfg.actor.use_dynamic_bsz
+                                layout.max_seqs = fixed.get("rollout.max_num_seqs")
                                 if all(layout.overrides()[k] == v for k, v in fixed.items()):
                                     out.append(layout)
     scratch = copy.deepcopy(cfg)  # every candidate sets every layout key: one copy serves them all
@@ -357,6 +337,8 @@ def plan_layout(
     for layout in candidates:
         layout.usable, layout.host_usable = usable, host_usable
         layout.phases = estimate_phases(cfg, model_config, model, layout)
+        if usable is not None and "rollout.max_num_seqs" not in fixed:
+            _fit_generation_waves(cfg, model_config, model, layout)
         layout.host = host_bytes(cfg, layout)
         layout.seconds = estimate_seconds(cfg, model_config, layout)
     first = candidates[0]
@@ -377,6 +359,22 @@ def plan_layout(
         )
     best.considered = candidates
     return _with_switch(model, best)
+
+
+def _fit_generation_waves(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout) -> None:
+    """Where one wave of the rollout's sequences overflows the GPU (or the rollout's own share,
+    ``rollout.gpu_memory_utilization``), decode fewer at once: ``rollout.max_num_seqs`` set to the most that
+    fit (whole groups of ``rollout.n`` where a group fits), the other sequences in later waves (time)."""
+    slots, per_slot = generation_slots(cfg, mc, layout)
+    gpu = layout.usable / HEADROOM
+    room = min(layout.usable, cfg.rollout.gpu_memory_utilization * gpu)
+    other = layout.phases["generate"] - slots * per_slot  # what the phase holds besides the KV cache
+    fit = int((room - other) // per_slot)
+    if fit >= slots or fit < 1:  # one wave fits, or not even one sequence does (the phase does not fit)
+        return
+    n = cfg.rollout.n
+    layout.max_seqs = fit - fit % n if fit >= n else fit
+    layout.phases = estimate_phases(cfg, mc, model, layout)
 
 
 def _with_switch(model: torch.nn.Module, layout: Layout) -> Layout:

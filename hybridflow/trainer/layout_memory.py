@@ -20,18 +20,31 @@ from hybridflow.trainer.step_time import Levers, Work, step_seconds
 Layout = Any
 
 
-def _kv_bytes(cfg: Config, mc: Any, layout: Layout, rollout_bytes: int) -> int:
-    """The rollout's KV cache per GPU: its group's share of the samples, each of the context length."""
+def group_samples(cfg: Config, layout: Layout) -> int:
+    """The samples one generation group decodes in a step (its share of the batch)."""
+    return -(-cfg.data.train_batch_size * cfg.rollout.n // (layout.world // layout.tp_generate))
+
+
+def generation_slots(cfg: Config, mc: Any, layout: Layout) -> tuple[int, int]:
+    """(sequences one generation group decodes at once, bytes of one on a GPU: its KV cache and logits row)."""
+    slots = min(layout.value(cfg, "rollout.max_num_seqs"), group_samples(cfg, layout))
+    return slots, _slot_bytes(cfg, mc, layout, 2)
+
+
+def _slot_bytes(cfg: Config, mc: Any, layout: Layout, rollout_bytes: int) -> int:
     d, r = cfg.data, cfg.rollout
     heads = mc.num_attention_heads
     kv = getattr(mc, "num_key_value_heads", None) or heads
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
-    local_kv = max(1, kv // layout.tp_generate)
-    per_token = mc.num_hidden_layers * 2 * local_kv * head_dim * rollout_bytes
-    groups = layout.world // layout.tp_generate
-    slots = min(r.max_num_seqs, -(-d.train_batch_size * r.n // groups))
+    per_token = mc.num_hidden_layers * 2 * max(1, kv // layout.tp_generate) * head_dim * rollout_bytes
     context = r.max_model_len or d.max_prompt_length + d.max_response_length
-    return slots * context * per_token + slots * mc.vocab_size * 4 // layout.tp_generate
+    return context * per_token + mc.vocab_size * 4 // layout.tp_generate
+
+
+def _kv_bytes(cfg: Config, mc: Any, layout: Layout, rollout_bytes: int) -> int:
+    """The rollout's KV cache per GPU: the sequences its group decodes at once, each of the context length."""
+    slots = min(layout.value(cfg, "rollout.max_num_seqs"), group_samples(cfg, layout))
+    return slots * _slot_bytes(cfg, mc, layout, rollout_bytes)
 
 
 # Fitted on one H200 (benchmarks/plan_check.py, Qwen2.5-0.5B and 1.5B shapes, GRPO workloads W1 and W2, bf16
@@ -157,8 +170,8 @@ def estimate_seconds(cfg: Config, mc: Any, layout: Layout) -> float:
     heads = mc.num_attention_heads
     kv = getattr(mc, "num_key_value_heads", None) or heads
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
-    samples = -(-d.train_batch_size * r.n // (layout.world // layout.tp_generate))  # one generation group's
-    slots = max(1, min(r.max_num_seqs, samples))
+    samples = group_samples(cfg, layout)
+    slots = max(1, min(layout.value(cfg, "rollout.max_num_seqs"), samples))
     micro_batches, micro_tokens = update_micro(cfg, layout)
     work = Work(
         params=layout.params, held=layout.views.held_elements, layers=mc.num_hidden_layers,

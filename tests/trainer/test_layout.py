@@ -9,7 +9,8 @@ from hybridflow.config import load_config
 from hybridflow.engine.hybrid.memory import view_memory
 from hybridflow.engine.parallel.dims import ParallelDims
 from hybridflow.trainer import layout as layout_mod
-from hybridflow.trainer.layout import GB, plan_layout, shape_config
+from hybridflow.trainer.layout import GB, plan_layout
+from hybridflow.trainer.model_shapes import shape_config
 
 RUN = [
     "data.train_batch_size=64",
@@ -55,14 +56,13 @@ def test_a_7b_shape_on_80_gb_gpus() -> None:
         eight.fits and (eight.optimizer_offload, eight.cpu_step) == (False, False) and eight.tp_generate > 1
     )
     assert "the fastest that fits" in eight.line() and "fits too but is slower" in eight.line()
-    # 256 x 8 samples: whole replicas on 4 GPUs leave too little room for the KV cache; tp=4 rollout groups fit
+    # 256 x 8 samples: whole replicas on 4 GPUs leave room for 16 sequences at a time (eight waves of 512);
+    # tp=4 rollout groups decode all of them at once, faster
     wide = _plan("qwen2.5-7b", 4, 80, ["data.train_batch_size=256"])
-    assert (
-        wide.fits
-        and wide.tp_generate > 1
-        and "generate_view=(tp=1, dp=4), sp=1, offload=none, checkpointing=on, micro_batch=8 does not fit"
-        in wide.line()
-    )
+    plain = next(x for x in wide.considered if (x.tp_generate, x.optimizer_offload) == (1, False))
+    assert wide.fits and wide.tp_generate > 1 and wide.max_seqs is None  # one wave: the config's value
+    assert plain.fits and plain.max_seqs == 16 and plain.seconds > 2 * wide.seconds
+    assert "rollout_seqs=16, fits too but is slower" in wide.line()
 
 
 def test_explicit_keys_are_kept_and_pp_and_sp_wait_for_validation() -> None:

@@ -11,7 +11,8 @@ import pytest
 from hybridflow.cli.main import main
 from hybridflow.config import load_config
 from hybridflow.trainer.autoplan import plan_run
-from hybridflow.trainer.layout import GB, MODEL_SHAPES, apply_layout, plan_layout, shape_config
+from hybridflow.trainer.layout import GB, apply_layout, plan_layout
+from hybridflow.trainer.model_shapes import MODEL_SHAPES, shape_config
 from hybridflow.trainer.step_time import Levers, Work, stage_seconds, step_seconds
 
 # The issue's workload: 16 prompts x 8 samples, 256 prompt + 512 response tokens
@@ -211,3 +212,37 @@ def test_the_7b_plan_is_within_ten_percent_of_the_h200_measure(gpu: int) -> None
     for phase, gb in measured.items():
         assert abs(plan.phases[phase] / 1e9 - gb) <= 0.1 * gb, (phase, plan.phases[phase] / 1e9, gb)
     assert abs(plan.host / 1e9 - 115.4) <= 0.1 * 115.4  # the host's peak, the OS and the process included
+
+
+def test_a_rollout_wave_that_does_not_fit_is_cut_into_waves_of_whole_groups() -> None:
+    """512 prompts x 8 samples of 1024 + 8192 tokens on a 24 GB GPU: one wave's KV cache alone is ~450 GB, so the
+    plan decodes as many whole groups at once as fit and counts the waves in its step time."""
+    long = ["data.train_batch_size=512", "data.max_prompt_length=1024", "data.max_response_length=8192"]
+    cfg = load_config(None, [*long, "rollout.n=8", "algorithm.adv_estimator=grpo"])
+    plan = plan_layout(cfg, shape_config("qwen2.5-0.5b"), 24 * 10**9, host_memory=64 * 10**9)
+    assert plan.fits and plan.max_seqs is not None and plan.max_seqs % 8 == 0
+    assert 8 <= plan.max_seqs < cfg.rollout.max_num_seqs and f"rollout_seqs={plan.max_seqs}" in plan.line()
+    assert plan.phases["generate"] <= min(plan.usable, cfg.rollout.gpu_memory_utilization * 24e9)
+    applied = apply_layout(cfg, plan)
+    assert applied.rollout.max_num_seqs == plan.max_seqs
+    one_wave = stage_seconds(*_work_and_levers(cfg, plan, cfg.rollout.max_num_seqs))["generate"]
+    waves = stage_seconds(*_work_and_levers(cfg, plan, plan.max_seqs))["generate"]
+    assert waves > one_wave  # more waves, each streaming the weights again
+    kept = plan_layout(  # a value the user set is kept, even where it does not fit
+        load_config(None, [*long, "rollout.n=8", "rollout.max_num_seqs=256"]),
+        shape_config("qwen2.5-0.5b"),
+        24 * 10**9,
+        given={"rollout.max_num_seqs"},
+    )
+    assert kept.max_seqs == 256 and not kept.fits and kept.peak_phase() == "generate"
+
+
+def _work_and_levers(cfg, plan, seqs: int) -> tuple[Work, Levers]:
+    samples = cfg.data.train_batch_size * cfg.rollout.n
+    context = cfg.data.max_prompt_length + cfg.data.max_response_length
+    work = Work(
+        params=plan.params, held=plan.params, layers=24, hidden=896, world=1, gpus_per_node=1,
+        tokens=samples * context, response=cfg.data.max_response_length, waves=-(-samples // seqs), slots=seqs,
+        kv_bytes_per_token=24 * 2 * 2 * 64 * 2, context=context, log_prob_passes=1, micro_batches=1, micro_tokens=1,
+    )  # fmt: skip
+    return work, Levers()
