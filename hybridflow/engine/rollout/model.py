@@ -28,6 +28,7 @@ from hybridflow.engine.rollout import blocks
 from hybridflow.engine.rollout.binding import WeightBinding
 from hybridflow.engine.rollout.blocks import KSplits, LayerDims, LayerWeights
 from hybridflow.engine.rollout.kv_cache import KVCache, write_kv
+from hybridflow.engine.rollout.paged_cache import PagedKVCache, paged_decode_attention
 from hybridflow.engine.rollout.support import check_structure, check_supported
 from hybridflow.engine.rollout.tp import RolloutTP
 from hybridflow.engine.rollout.weights import local_tensor
@@ -388,3 +389,55 @@ class LlamaRunner:
             input_ids[:, None], positions[:, None], attend, True, self._decode_dims
         )  # (B, 1, hidden)
         return self._logits(h[:, 0])
+
+    @torch.no_grad()
+    def prefill_paged(
+        self,
+        input_ids: torch.Tensor,  # (b, t) right-padded
+        lengths: torch.Tensor,  # (b,)
+        start_pos: torch.Tensor,  # (b,) > 0: positions below are cached (a shared prefix, an earlier turn)
+        cache: PagedKVCache,
+        tables: torch.Tensor,  # (b, max_blocks)
+    ) -> torch.Tensor:
+        """Prefill through block tables (the paged cache's CPU reference path): each row's valid tokens are
+        written at their positions and attend causally to everything cached below them; last-token logits."""
+        b, t = input_ids.shape
+        positions = start_pos[:, None] + torch.arange(t, device=input_ids.device)  # (b, t)
+        rows, cols = (torch.arange(t, device=input_ids.device)[None] < lengths[:, None]).nonzero(
+            as_tuple=True
+        )
+        write_rows = cache.slot_rows(tables, rows, positions[rows, cols])  # (n,)
+        keys_at = torch.arange(tables.shape[1] * cache.block_size, device=input_ids.device)  # (L,)
+        mask = keys_at <= positions[:, None, :, None]  # (b, 1, t, L)
+
+        def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.write(idx, k[rows, :, cols], v[rows, :, cols], write_rows)  # (n, KVH, D) each
+            keys, values = cache.gather(idx, tables)  # (b, L, KVH, D) each
+            return F.scaled_dot_product_attention(
+                q,
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=mask,
+                scale=self.scaling,
+                enable_gqa=True,
+            )
+
+        h = self._forward(input_ids, positions, attend)  # (b, t, hidden)
+        return self._logits(h[torch.arange(b, device=h.device), lengths - 1])  # (b, V)
+
+    @torch.no_grad()
+    def decode_paged(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, tables: torch.Tensor
+    ) -> torch.Tensor:
+        """One decode step through block tables: token b written at ``positions[b]`` of its sequence, attending
+        to positions <= it (``paged_cache.paged_decode_attention``); logits (B, V)."""
+        batch = input_ids.shape[0]
+        rows = cache.slot_rows(tables, torch.arange(batch, device=input_ids.device), positions)  # (B,)
+
+        def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.write(idx, k[:, :, 0], v[:, :, 0], rows)  # (B, KVH, D) each
+            out = paged_decode_attention(q[:, :, 0], cache, idx, tables, positions + 1, self.scaling)
+            return out[:, :, None]  # (B, H, 1, D)
+
+        h = self._forward(input_ids[:, None], positions[:, None], attend, True, self._decode_dims)
+        return self._logits(h[:, 0])  # (B, V)
