@@ -156,6 +156,8 @@ class BlockPool:
         first_full, table.num_tokens = table.num_tokens // self.block_size, len(all_tokens)
         table.blocks.extend(self._take().id for _ in range(new_blocks))
         previous = self.blocks[table.blocks[first_full - 1]].hash if first_full else None
+        if first_full and previous is None:  # the chain is broken (prefixes forgotten): register nothing
+            return
         for i in range(first_full, len(all_tokens) // self.block_size):
             tokens = all_tokens[i * self.block_size : (i + 1) * self.block_size]
             previous = chain_hash(previous, tokens)
@@ -172,6 +174,12 @@ class BlockPool:
             if block.ref_count == 0:
                 self._free[block_id] = None
         table.blocks, table.num_tokens = [], 0
+
+    def forget_prefixes(self) -> None:
+        """Drop every prefix hash (the weights changed: cached K and V are stale); held blocks stay held."""
+        self.by_hash.clear()
+        for block in self.blocks:
+            block.hash, block.tokens = None, ()
 
     def _full_chunks(self, token_ids: Sequence[int]) -> list[Sequence[int]]:
         size = self.block_size

@@ -1,0 +1,130 @@
+"""The paged engine's step API on CPU (issue 41's reference): greedy tokens equal to the slot engine and HF
+``generate``, preemption on a small pool, ``extend``, ``pause`` / weight refresh / ``resume``, ``abort``,
+log-probs equal to the trainer's recomputation, and every block back in the pool after each test."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_engine import PROMPTS, greedy, hf_greedy_left_padded, lively_model
+
+from hybridflow.engine.rollout.engine import RolloutEngine
+from hybridflow.engine.rollout.paged_engine import PagedEngine
+from hybridflow.engine.rollout.sampling import SamplingParams
+
+
+def _all_back(engine: PagedEngine) -> None:
+    assert not engine.has_work and engine.pool.num_free == len(engine.pool.blocks)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+def test_greedy_generations_equal_the_slot_engine_and_hf(arch: str) -> None:
+    model = lively_model(arch)
+    free = RolloutEngine(model).generate(PROMPTS, greedy(10))
+    stops = [free[0][0].token_ids[3], free[2][0].token_ids[6]]  # EOS ids that end samples at different places
+    params = greedy(10, n=2, eos_token_ids=stops)
+    want = RolloutEngine(model).generate(PROMPTS, params)
+    engine = PagedEngine(model, num_blocks=64, block_size=4)
+    got = engine.generate(PROMPTS, params)
+    assert [[(s.token_ids, s.finish_reason) for s in g] for g in got] == [
+        [(s.token_ids, s.finish_reason) for s in g] for g in want
+    ]
+    assert {s.finish_reason for g in got for s in g} == {"eos", "length"}
+    assert [g[0].token_ids for g in engine.generate(PROMPTS, greedy(8))] == hf_greedy_left_padded(
+        model, PROMPTS, 8
+    )
+    _all_back(engine)
+
+
+def test_a_pool_too_small_for_the_batch_completes_through_preemption() -> None:
+    model = lively_model("qwen2")
+    params = greedy(12, n=2)
+    want = RolloutEngine(model).generate(PROMPTS, params)
+    engine = PagedEngine(model, num_blocks=12, block_size=4)  # 8 sequences of up to 23 tokens: ~40 blocks
+    got = engine.generate(PROMPTS, params)
+    assert [[s.token_ids for s in g] for g in got] == [[s.token_ids for s in g] for g in want]
+    assert engine.preemptions > 0 and engine.pool.stats.peak_used == 12
+    _all_back(engine)
+
+
+def test_extend_then_step_equals_generating_from_the_whole_prompt() -> None:
+    model = lively_model("qwen3")
+    engine = PagedEngine(model, num_blocks=32, block_size=4)
+    prompt, tool = PROMPTS[1], [40, 41, 42, 43, 44]  # a tool's output, five tokens
+    (sid,) = engine.add(prompt, greedy(3 + len(tool) + 6))
+    for _ in range(3):
+        engine.step()
+    (seq,) = [s for s in engine.running if s.id == sid]
+    first = list(seq.response)
+    engine.extend(sid, tool)
+    while engine.has_work:
+        engine.step()
+    want = RolloutEngine(model).generate([prompt + first + tool], greedy(6))[0][0].token_ids
+    assert seq.response == first + tool + want
+    assert seq.trainable == [True] * 3 + [False] * 5 + [True] * 6
+    assert all(math.isnan(x) for x in seq.logprobs[3:8]) and not any(math.isnan(x) for x in seq.logprobs[8:])
+    _all_back(engine)
+
+
+def test_pause_refresh_resume_continues_under_the_new_weights() -> None:
+    model = lively_model("llama")
+    engine = PagedEngine(model, num_blocks=48, block_size=4)
+    ids = [engine.add(p, greedy(9)) for p in PROMPTS[:3]]
+    for _ in range(4):
+        engine.step()
+    engine.pause()
+    with torch.no_grad():  # the trainer's update, in place: the runner reads these very tensors
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(-1.0)
+    assert engine.step() == []  # paused: nothing moves
+    seqs = {s.id: s for s in engine.running}
+    before = {i: list(seqs[i].response) for (i,) in ids}
+    engine.resume()
+    while engine.has_work:
+        engine.step()
+    for (i,), prompt in zip(ids, PROMPTS[:3]):
+        s = seqs[i]
+        fresh = (
+            RolloutEngine(model).generate([prompt + before[i]], greedy(9 - len(before[i])))[0][0].token_ids
+        )
+        assert s.response == before[i] + fresh
+        assert s.versions == [0] * len(before[i]) + [1] * len(fresh)
+    _all_back(engine)
+
+
+def test_abort_returns_exactly_what_was_sampled_so_far() -> None:
+    model = lively_model("qwen2")
+    full = PagedEngine(model, num_blocks=32, block_size=4).generate(PROMPTS[:2], greedy(10, n=2))
+    engine = PagedEngine(model, num_blocks=32, block_size=4)
+    first = engine.add(PROMPTS[0], greedy(10, n=2))
+    second = engine.add(PROMPTS[1], greedy(10, n=2))
+    for _ in range(4):
+        engine.step()
+    aborted = {s.id: s for s in engine.abort([first[1], second[0]])}
+    assert {s.finish_reason for s in aborted.values()} == {"abort"}
+    for sid, want in ((first[1], full[0][1]), (second[0], full[1][0])):
+        got = aborted[sid]
+        assert 0 < len(got.response) < 10 and got.response == want.token_ids[: len(got.response)]
+        assert got.logprobs == pytest.approx(want.logprobs[: len(got.response)], abs=1e-6)
+    while engine.has_work:
+        engine.step()
+    _all_back(engine)
+
+
+def test_sampled_log_probs_equal_the_trainers_recomputation() -> None:
+    model = lively_model("qwen3").float()
+    engine = PagedEngine(model, num_blocks=64, block_size=4)
+    params = SamplingParams(temperature=0.7, max_new_tokens=9, n=3, seed=11)
+    out = engine.generate(PROMPTS, params)
+    assert len({tuple(s.token_ids) for s in out[1]}) > 1  # the samples differ
+    for prompt, samples in zip(PROMPTS, out):
+        for s in samples:
+            ids = torch.tensor([prompt + s.token_ids])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / 0.7  # (R, V)
+            want = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(s.logprobs), want, rtol=0, atol=1e-5)
+    _all_back(engine)
