@@ -24,6 +24,7 @@ from hybridflow.engine.rollout.block_pool import BlockPool, BlockTable, PoolExha
 from hybridflow.engine.rollout.model import LlamaRunner
 from hybridflow.engine.rollout.paged_cache import PagedKVCache
 from hybridflow.engine.rollout.sampling import SamplingParams, make_generator, sample
+from hybridflow.engine.rollout.tp import RolloutTP
 from hybridflow.engine.rollout.types import GenerationOutput
 
 
@@ -56,9 +57,17 @@ class PagedEngine:
     """Generation over a paged KV cache of ``num_blocks`` blocks of ``block_size`` positions."""
 
     def __init__(
-        self, model: nn.Module, num_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 256
+        self,
+        model: nn.Module,
+        num_blocks: int = 256,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        dtype: torch.dtype | None = None,
+        tp: RolloutTP | None = None,
     ) -> None:
-        self.runner = LlamaRunner(model)
+        """``tp``: ``model`` is this rank's tensor-parallel shard; every rank of the group makes the same calls
+        (its cache holds its own KV heads; the ranks sample the same tokens from the same logits)."""
+        self.runner = LlamaRunner(model, dtype, tp=tp)
         r = self.runner
         self.pool = BlockPool(num_blocks, block_size)
         self.cache = PagedKVCache(
@@ -70,6 +79,7 @@ class PagedEngine:
         self.version = 0  # the weights' version: +1 at every resume after a refresh
         self.paused = False
         self.preemptions = 0
+        self._concurrent: list[int] = []  # running sequences after each step that ran
         self._ids = itertools.count()
         self._generators: dict[int | None, torch.Generator | None] = {}
 
@@ -91,10 +101,22 @@ class PagedEngine:
             touched += self.waiting.pop(0)
         ready = [s for s in self.running if s.written == len(s.tokens) - 1 and s not in touched]
         touched += self._decode(ready)
+        self._concurrent.append(len(self.running))
         for s in touched:
             if s.finish_reason is not None and s in self.running:
                 self._release(s)
         return touched
+
+    def stats(self) -> dict[str, float]:
+        """The engine's figures so far, under the trainer's metric names (``rollout/*``)."""
+        steps = self._concurrent or [0]
+        return {
+            "rollout/kv_blocks_used": self.pool.stats.peak_used / len(self.pool.blocks),  # peak fraction
+            "rollout/concurrent_seqs_mean": sum(steps) / len(steps),
+            "rollout/concurrent_seqs_peak": float(max(steps)),
+            "rollout/prefix_cache_hit_rate": self.pool.stats.hit_rate,
+            "rollout/preemptions": float(self.preemptions),
+        }
 
     def extend(self, seq_id: int, token_ids: list[int]) -> None:
         """Append tokens that were not sampled (a tool's output) to a running sequence: prefilled at the next

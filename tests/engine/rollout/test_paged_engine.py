@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from dist_util import run_world_kept as run_world
 from test_engine import PROMPTS, greedy, hf_greedy_left_padded, lively_model
 
 from hybridflow.engine.rollout.engine import RolloutEngine
@@ -46,6 +47,9 @@ def test_a_pool_too_small_for_the_batch_completes_through_preemption() -> None:
     got = engine.generate(PROMPTS, params)
     assert [[s.token_ids for s in g] for g in got] == [[s.token_ids for s in g] for g in want]
     assert engine.preemptions > 0 and engine.pool.stats.peak_used == 12
+    stats = engine.stats()
+    assert stats["rollout/kv_blocks_used"] == 1.0 and stats["rollout/preemptions"] == engine.preemptions
+    assert 1 <= stats["rollout/concurrent_seqs_mean"] <= stats["rollout/concurrent_seqs_peak"] <= 8
     _all_back(engine)
 
 
@@ -128,3 +132,56 @@ def test_sampled_log_probs_equal_the_trainers_recomputation() -> None:
             want = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.token_ids)[:, None])[:, 0]
             torch.testing.assert_close(torch.tensor(s.logprobs), want, rtol=0, atol=1e-5)
     _all_back(engine)
+
+
+def paged_on_ranks(rank: int, world: int) -> dict:
+    """Rollout tensor-parallel shards (the hybrid engine's generation view at tp = world) on the paged engine."""
+    import copy
+
+    import torch.distributed as dist
+
+    from hybridflow.engine.hybrid.switch import RolloutShard
+    from hybridflow.engine.parallel.fsdp import shard_model
+    from hybridflow.engine.parallel.layout import follow_rollout_shards
+    from hybridflow.engine.parallel.rollout_group import RolloutGroup
+    from hybridflow.engine.parallel.view import GenerateView
+    from hybridflow.engine.rollout.tp import RolloutTP
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    view = GenerateView(world, world)
+    group = RolloutGroup(view, rank)
+    out = {}
+    for arch in ("qwen3", "llama"):
+        lm = lively_model(arch)
+        full = copy.deepcopy(lm)
+        follow_rollout_shards(lm, world, world)
+        shard_model(lm, list(lm.model.layers), torch.device("cpu"))
+        shard = RolloutShard(lm, view, rank, torch.float32, torch.device("cpu"), bucket_bytes=4096)
+        shard.sync(lm)
+        engine = PagedEngine(
+            shard.module, num_blocks=16, block_size=4, dtype=torch.float32, tp=RolloutTP(group.group, 64)
+        )
+        params = greedy(10, n=2)
+        got = engine.generate(PROMPTS, params)
+        want = PagedEngine(full, num_blocks=64, block_size=4).generate(PROMPTS, params)
+        out[arch] = {
+            "equal": [[s.token_ids for s in g] for g in got] == [[s.token_ids for s in g] for g in want],
+            "gap": max(
+                abs(u - v)
+                for g, h in zip(got, want)
+                for x, y in zip(g, h)
+                for u, v in zip(x.logprobs, y.logprobs)
+            ),
+            "preempted": engine.preemptions,
+            "back": engine.pool.num_free == 16,
+        }
+    return out
+
+
+def test_tensor_parallel_shards_generate_what_one_process_does() -> None:
+    """tp = 2 on gloo processes, a pool small enough to preempt: the tokens and log-probs of one process."""
+    for rank, by_arch in enumerate(run_world(2, paged_on_ranks, 2)):
+        for arch, r in by_arch.items():
+            assert r["equal"] and r["gap"] < 1e-5 and r["back"], (rank, arch, r)
+            assert r["preempted"] > 0, (rank, arch)
