@@ -85,6 +85,12 @@ class PagedEngine:
 
     def add(self, prompt: list[int], params: SamplingParams) -> list[int]:
         """Queue a prompt's ``params.n`` samples; returns their sequence ids."""
+        limit = self.runner.max_position_embeddings
+        if not prompt or len(prompt) + params.max_new_tokens > limit:
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens with max_new_tokens={params.max_new_tokens} does not fit the "
+                f"model's {limit} positions (and a prompt needs at least one token); shorten one of them"
+            )
         group = [Sequence(next(self._ids), list(prompt), len(prompt), params) for _ in range(params.n)]
         self.waiting.append(group)
         return [s.id for s in group]

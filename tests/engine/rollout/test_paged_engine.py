@@ -185,3 +185,16 @@ def test_tensor_parallel_shards_generate_what_one_process_does() -> None:
         for arch, r in by_arch.items():
             assert r["equal"] and r["gap"] < 1e-5 and r["back"], (rank, arch, r)
             assert r["preempted"] > 0, (rank, arch)
+
+
+def test_prompts_that_cannot_run_are_refused_naming_the_limit() -> None:
+    engine = PagedEngine(lively_model("qwen2"), num_blocks=8, block_size=4)
+    limit = engine.runner.max_position_embeddings
+    with pytest.raises(ValueError, match=f"does not fit the model's {limit} positions"):
+        engine.add([5] * limit, greedy(1))
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add([], greedy(1))
+    with pytest.raises(ValueError, match="cannot hold the next sequence"):
+        engine.generate([[5] * 40], greedy(2))  # 40 tokens: 10 blocks, the pool has 8
+    engine.abort([s.id for g in engine.waiting for s in g])
+    _all_back(engine)
