@@ -138,6 +138,15 @@ def test_tensor_and_pipeline_parallel_training_equals_one_rank(one_rank: list[di
             assert_same(results[0][i * len(VIEWS) + j], want, world // (tp * pp))
 
 
+def test_qwen3_tensor_parallel_training_equals_one_rank() -> None:
+    """Qwen3's per-head q/k norms (replicated under tp) through a whole update at tp=2, against one rank."""
+    view = [("qwen3", 1, 1, True)]
+    (want,) = run_world(1, train_in_view, 1, view)[0]
+    (got,) = run_world(2, train_in_view, 2, [("qwen3", 2, 1, True)], timeout=600)[0]
+    assert_same(got, want, 1)
+    assert any("q_norm" in name for name in want["state"])  # the family's own weights were compared
+
+
 def save_in_view(rank: int, run_dir: str, tp: int, pp: int) -> torch.Tensor:
     """One update in the view (tp, pp) over tp x pp ranks, a checkpoint (and its export config), then the
     log-probs."""
