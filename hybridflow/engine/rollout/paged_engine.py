@@ -85,6 +85,10 @@ class PagedEngine:
 
     def add(self, prompt: list[int], params: SamplingParams) -> list[int]:
         """Queue a prompt's ``params.n`` samples; returns their sequence ids."""
+        if params.n > self.max_num_seqs:
+            raise ValueError(
+                f"n={params.n} samples cannot run at once with max_num_seqs={self.max_num_seqs}; raise max_num_seqs"
+            )
         limit = self.runner.max_position_embeddings
         if not prompt or len(prompt) + params.max_new_tokens > limit:
             raise ValueError(
@@ -100,12 +104,21 @@ class PagedEngine:
         step for every other running sequence. Returns the sequences that got tokens (finished ones freed)."""
         if self.paused:
             return []
-        touched = [s for s in list(self.running) if s.written < len(s.tokens) - 1 and self._catch_up(s)]
+        touched = [s for s in self.running if s.finish_reason is not None]  # ended by extend's budget
+        touched += [
+            s
+            for s in list(self.running)
+            if s.finish_reason is None and s.written < len(s.tokens) - 1 and self._catch_up(s)
+        ]
         while self.waiting and len(self.running) + len(self.waiting[0]) <= self.max_num_seqs:
             if not self._admit(self.waiting[0]):
                 break
             touched += self.waiting.pop(0)
-        ready = [s for s in self.running if s.written == len(s.tokens) - 1 and s not in touched]
+        ready = [
+            s
+            for s in self.running
+            if s.written == len(s.tokens) - 1 and s not in touched and s.finish_reason is None
+        ]
         touched += self._decode(ready)
         self._concurrent.append(len(self.running))
         for s in touched:
@@ -126,11 +139,17 @@ class PagedEngine:
 
     def extend(self, seq_id: int, token_ids: list[int]) -> None:
         """Append tokens that were not sampled (a tool's output) to a running sequence: prefilled at the next
-        step, never trained on; the next sampled token follows them."""
+        step, never trained on; the next sampled token follows them. Tokens that spend the response budget
+        (``max_new_tokens`` counts every token after the prompt) end the sequence ("length") at the next step."""
         s = self._running(seq_id)
         s.tokens += token_ids
         s.logprobs += [math.nan] * len(token_ids)
         s.versions += [-1] * len(token_ids)
+        if len(s.response) >= s.params.max_new_tokens:  # the response budget is spent: it ends here
+            s.finish_reason = "length"
+            return
+        if s.table is None:  # preempted: its next prefill covers these tokens too
+            return
         try:
             self.pool.append(s.table, token_ids, s.tokens)
         except PoolExhausted:  # no room now: prefill it again from the start when there is

@@ -194,7 +194,45 @@ def test_prompts_that_cannot_run_are_refused_naming_the_limit() -> None:
         engine.add([5] * limit, greedy(1))
     with pytest.raises(ValueError, match="at least one token"):
         engine.add([], greedy(1))
+    with pytest.raises(ValueError, match="n=3 samples cannot run at once with max_num_seqs=2"):
+        PagedEngine(lively_model("qwen2"), num_blocks=8, block_size=4, max_num_seqs=2).add(
+            [5], greedy(1, n=3)
+        )
     with pytest.raises(ValueError, match="cannot hold the next sequence"):
         engine.generate([[5] * 40], greedy(2))  # 40 tokens: 10 blocks, the pool has 8
     engine.abort([s.id for g in engine.waiting for s in g])
+    _all_back(engine)
+
+
+def test_extend_on_a_preempted_sequence_waits_for_its_next_prefill() -> None:
+    """A tool's output arriving while its sequence is preempted joins the tokens prefilled when it comes back."""
+    model = lively_model("qwen2")
+    engine = PagedEngine(model, num_blocks=12, block_size=4)
+    ids = [engine.add(p, greedy(12)) for p in PROMPTS]
+    preempted = None
+    while preempted is None and engine.has_work:
+        engine.step()
+        preempted = next((s for s in engine.running if s.table is None and s.finish_reason is None), None)
+    assert preempted is not None and len(preempted.response) < 10  # 4 sequences of up to 23 tokens, 12 blocks
+    so_far = list(preempted.response)
+    engine.extend(preempted.id, [40, 41])
+    while engine.has_work:
+        engine.step()
+    prompt = PROMPTS[[i for (i,) in ids].index(preempted.id)]
+    rest = 12 - len(so_far) - 2
+    want = RolloutEngine(model).generate([prompt + so_far + [40, 41]], greedy(rest))[0][0].token_ids
+    assert preempted.response == [*so_far, 40, 41, *want]
+    _all_back(engine)
+
+
+def test_an_extension_that_spends_the_budget_ends_the_sequence() -> None:
+    engine = PagedEngine(lively_model("qwen2"), num_blocks=16, block_size=4)
+    (sid,) = engine.add(PROMPTS[0], greedy(5))
+    engine.step()
+    engine.step()
+    (seq,) = engine.running
+    engine.extend(sid, [40, 41, 42])  # 2 sampled + 3 extended = the budget of 5
+    assert (
+        engine.step() == [seq] and seq.finish_reason == "length" and seq.trainable == [True] * 2 + [False] * 3
+    )
     _all_back(engine)
