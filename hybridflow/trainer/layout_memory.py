@@ -26,25 +26,22 @@ def group_samples(cfg: Config, layout: Layout) -> int:
 
 
 def generation_slots(cfg: Config, mc: Any, layout: Layout) -> tuple[int, int]:
-    """(sequences one generation group decodes at once, bytes of one on a GPU: its KV cache and logits row)."""
-    slots = min(layout.value(cfg, "rollout.max_num_seqs"), group_samples(cfg, layout))
-    return slots, _slot_bytes(cfg, mc, layout, 2)
-
-
-def _slot_bytes(cfg: Config, mc: Any, layout: Layout, rollout_bytes: int) -> int:
+    """(sequences one generation group decodes at once, bytes of one on a GPU: its bf16 KV cache over the
+    context and its float32 logits row)."""
     d, r = cfg.data, cfg.rollout
     heads = mc.num_attention_heads
     kv = getattr(mc, "num_key_value_heads", None) or heads
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
-    per_token = mc.num_hidden_layers * 2 * max(1, kv // layout.tp_generate) * head_dim * rollout_bytes
+    per_token = mc.num_hidden_layers * 2 * max(1, kv // layout.tp_generate) * head_dim * 2  # K and V, bf16
     context = r.max_model_len or d.max_prompt_length + d.max_response_length
-    return context * per_token + mc.vocab_size * 4 // layout.tp_generate
-
-
-def _kv_bytes(cfg: Config, mc: Any, layout: Layout, rollout_bytes: int) -> int:
-    """The rollout's KV cache per GPU: the sequences its group decodes at once, each of the context length."""
     slots = min(layout.value(cfg, "rollout.max_num_seqs"), group_samples(cfg, layout))
-    return slots * _slot_bytes(cfg, mc, layout, rollout_bytes)
+    return slots, context * per_token + mc.vocab_size * 4 // layout.tp_generate
+
+
+def _kv_bytes(cfg: Config, mc: Any, layout: Layout) -> int:
+    """The rollout's KV cache per GPU: the sequences its group decodes at once, each of the context length."""
+    slots, per_slot = generation_slots(cfg, mc, layout)
+    return slots * per_slot
 
 
 # Fitted on one H200 (benchmarks/plan_check.py, Qwen2.5-0.5B and 1.5B shapes, GRPO workloads W1 and W2, bf16
@@ -142,13 +139,13 @@ def estimate_phases(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout
             root = held * 2 - mc.num_hidden_layers * v.layer_bytes
             gathered, generation = 2 * v.layer_bytes + root, 0
         return {
-            "generate": weights + ref + generation + _kv_bytes(cfg, mc, layout, 2),
+            "generate": weights + ref + generation + _kv_bytes(cfg, mc, layout),
             "log_prob": weights + ref + gathered + _activation_bytes(cfg, mc, layout, backward=False),
             "update_actor": weights + grads + ref + gathered + _activation_bytes(cfg, mc, layout, True),
         }
     resident = (0 if layout.param_offload else masters) + (0 if layout.optimizer_offload else moments)
     return {
-        "generate": resident + ref + generation + _kv_bytes(cfg, mc, layout, 2),
+        "generate": resident + ref + generation + _kv_bytes(cfg, mc, layout),
         "log_prob": masters + (0 if layout.optimizer_offload else moments) + ref + gathered
         + _activation_bytes(cfg, mc, layout, backward=False),
         "update_actor": masters + moments + grads + ref + gathered + _activation_bytes(cfg, mc, layout, True),

@@ -4,9 +4,6 @@ takes overrides after its options. Every refusal is one ``error:`` line with exi
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
-
 import cli_cases
 import pytest
 import yaml
@@ -19,15 +16,9 @@ SHAPE = ["--model-shape", "qwen2.5-0.5b"]
 
 
 @pytest.fixture(autouse=True)
-def _fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Fresh once-per-process notices; main()'s stderr handler taken away afterwards."""
+def _fresh(monkeypatch: pytest.MonkeyPatch, restore_cli_logging: None) -> None:
+    """Fresh once-per-process notices; main()'s stderr handler taken away afterwards (conftest's fixture)."""
     monkeypatch.setattr(aliases, "_noticed", set())
-    root = logging.getLogger("hybridflow")
-    handlers, level, propagate = list(root.handlers), root.level, root.propagate
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    root.propagate = propagate
 
 
 def error_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
