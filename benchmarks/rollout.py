@@ -1,7 +1,11 @@
 """Generated tokens/s of the built-in rollout engine against HF ``generate`` (GPU; not a timed test).
 
     python benchmarks/rollout.py --batches 64 256 --prompt-len 128 --new-tokens 512 [--compile] [--sdpa]
-        [--prefill-tokens 8192 32768] [--k-splits "" "o=2,down=4"] [--hf-tokens 64]
+        [--prefill-tokens 8192 32768] [--k-splits "" "o=2,down=4"] [--hf-tokens 64] [--engines slot paged]
+    python benchmarks/rollout.py --long-tail [--shapes 0.5b 1.5b] [--compile]     (benchmarks/long_tail.py)
+
+Each variant runs on the slot engine (``RolloutEngine``) and the paged engine (``PagedEngine``) unless
+``--engines`` picks one.
 
 Qwen2.5-0.5B shape, random weights, bf16, fixed lengths (``ignore_eos``). Each configuration runs once to
 warm up (kernels, CUDA graphs, compilation) and is then timed ``--repeats`` times; the median is reported.
@@ -21,6 +25,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybridflow.engine.rollout.blocks import KSplits
 from hybridflow.engine.rollout.engine import RolloutEngine
+from hybridflow.engine.rollout.paged_engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy bandwidth of the H200
@@ -111,9 +116,32 @@ def main() -> None:
         "('' for cuBLAS alone; compile_decode on CUDA uses the engine's DECODE_K_SPLITS)",
     )
     ap.add_argument("--hf-tokens", type=int, default=64)
+    ap.add_argument("--engines", nargs="+", default=["slot", "paged"], choices=["slot", "paged"])
+    ap.add_argument("--block-size", type=int, default=16, help="the paged engine's positions per block")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument(
+        "--long-tail", action="store_true", help="the long-tailed workload (benchmarks/long_tail.py)"
+    )
+    ap.add_argument("--shapes", nargs="+", default=["0.5b", "1.5b"], help="--long-tail: model shapes")
+    ap.add_argument("--prompts", type=int, default=512, help="--long-tail: prompts")
+    ap.add_argument("--n", type=int, default=8, help="--long-tail: samples per prompt")
+    ap.add_argument("--median", type=int, default=600, help="--long-tail: median response length")
+    ap.add_argument(
+        "--max-new", type=int, default=8192, help="--long-tail: the length limit (the 99th percentile)"
+    )
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    model = build_model()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    if args.long_tail:
+        from long_tail import main_long_tail
+        from shapes import build_model as build_shape
+
+        args.repeats = min(args.repeats, 1) if args.repeats == 3 else args.repeats  # one timed run by default
+        main_long_tail(
+            args, lambda size: build_shape(size, "sdpa", torch.device("cuda")).to(torch.bfloat16).eval()
+        )
+        return
+    model = build_model()
     print(f"{'batch':>6} {'engine':>44} {'tok/s':>10} {'roofline':>9} {'of roofline':>12}")
     # (name, engine kwargs, runner settings)
     variants = [("graphs", dict(compile_decode=False), {})]
@@ -133,12 +161,17 @@ def main() -> None:
         prompts = torch.randint(100, 150000, (batch, args.prompt_len), generator=g).tolist()
         params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=0)
         roof = roofline_tokens_per_s(model, batch, args.prompt_len, args.new_tokens)
-        for name, kw, settings in variants:
-            engine = RolloutEngine(model, max_num_seqs=batch, gpu_memory_utilization=0.9, **kw)
+        for (name, kw, settings), kind in ((v, k) for v in variants for k in args.engines):
+            mem = dict(max_num_seqs=batch, gpu_memory_utilization=args.gpu_memory_utilization)
+            if kind == "slot":
+                engine = RolloutEngine(model, **mem, **kw)
+            else:
+                engine = PagedEngine(model, block_size=args.block_size, **mem, **kw)
             for key, value in settings.items():
                 setattr(engine.runner, key, value)
             tps = time_engine(engine, prompts, params, args.repeats)
-            print(f"{batch:>6} {name:>44} {tps:>10,.0f} {roof:>9,.0f} {tps / roof:>11.1%}", flush=True)
+            label = f"{kind}: {name}"
+            print(f"{batch:>6} {label:>44} {tps:>10,.0f} {roof:>9,.0f} {tps / roof:>11.1%}", flush=True)
         if args.hf_tokens:
             tps = time_hf(model, prompts, args.hf_tokens)
             print(

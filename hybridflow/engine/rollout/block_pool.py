@@ -66,6 +66,7 @@ class BlockTable:
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0
     cached_tokens: int = 0  # the leading tokens whose blocks were found cached (need no prefill)
+    hashed: int = 0  # leading blocks whose prefix hash is known (-1: the chain broke, hash no more)
 
 
 class BlockPool:
@@ -125,6 +126,7 @@ class BlockPool:
         if len(token_ids) % self.block_size:
             table.blocks.append(self._take().id)
         table.num_tokens = len(token_ids)
+        table.hashed = len(token_ids) // self.block_size
         return table
 
     def fork(self, table: BlockTable) -> tuple[BlockTable, tuple[int, int] | None]:
@@ -135,7 +137,9 @@ class BlockPool:
         partial = len(table.blocks) > full
         if partial and not self.num_free:
             raise PoolExhausted("no free block for a forked sequence's last, partly filled block")
-        out = BlockTable(list(table.blocks[:full]), table.num_tokens, table.cached_tokens)
+        out = BlockTable(
+            list(table.blocks[:full]), table.num_tokens, table.cached_tokens, min(table.hashed, full)
+        )
         for block_id in out.blocks:
             self._hold(self.blocks[block_id])
         self.stats.forked_blocks += full
@@ -164,6 +168,34 @@ class BlockPool:
             block = self.blocks[table.blocks[i]]
             if block.hash is None and block.ref_count == 1:  # a block of its own: now full, now findable
                 self._register(block, previous, tokens)
+
+    def blocks_to_reserve(self, table: BlockTable, num_positions: int) -> int:
+        """Blocks ``reserve(table, num_positions)`` would take."""
+        return max(0, self.blocks_for(num_positions) - len(table.blocks))
+
+    def reserve(self, table: BlockTable, num_positions: int) -> None:
+        """Blocks for the first ``num_positions`` positions, taken ahead of the tokens that will fill them (the
+        decode steps before the next host sync); ``record`` hashes them once their tokens are known."""
+        new_blocks = self.blocks_to_reserve(table, num_positions)
+        if new_blocks > self.num_free:
+            raise PoolExhausted(f"{new_blocks} more blocks for the sequence, {self.num_free} free")
+        table.blocks.extend(self._take().id for _ in range(new_blocks))
+
+    def record(self, table: BlockTable, all_tokens: Sequence[int], written: int) -> None:
+        """The sequence now holds ``all_tokens`` (its blocks reserved), of which the first ``written`` have K and V
+        in the cache: blocks full of written positions are hashed, so later sequences can find them."""
+        table.num_tokens = len(all_tokens)
+        end = min(written, len(all_tokens), len(table.blocks) * self.block_size) // self.block_size
+        while 0 <= table.hashed < end:
+            i = table.hashed
+            previous = self.blocks[table.blocks[i - 1]].hash if i else None
+            block = self.blocks[table.blocks[i]]
+            if (i and previous is None) or block.hash is not None or block.ref_count != 1:
+                table.hashed = -1  # the chain is broken (forgotten, or not its own block): stop hashing
+                return
+            tokens = all_tokens[i * self.block_size : (i + 1) * self.block_size]
+            self._register(block, chain_hash(previous, tokens), tokens)
+            table.hashed = i + 1
 
     def free(self, table: BlockTable) -> None:
         """Give back the sequence's blocks (a block returns to the pool when no sequence holds it)."""

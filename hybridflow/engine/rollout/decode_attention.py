@@ -78,22 +78,26 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        Q, K, V, POS, OUT, LSE, KNEW, VNEW, COS, SIN,
+        Q, K, V, POS, OUT, LSE, KNEW, VNEW, COS, SIN, TABLE,
         stride_qb, stride_qh, stride_qd,
         stride_kb, stride_kh, stride_kl, stride_kd,
         stride_vb, stride_vh, stride_vl, stride_vd,
         stride_ob, stride_oh, stride_os, stride_od,
         stride_lb, stride_lh,
         stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd, stride_cb, stride_cd,
-        stride_pos, qk_scale, length_cap, split_len,
+        stride_pos, stride_tb, qk_scale, length_cap, split_len,
         G: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, FUSED: tl.constexpr,
-        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         """One (row, KV head, split): online softmax over the split's visible positions for G query heads.
 
         FUSED: q and the new token's k arrive before RoPE (applied here from the row's cos/sin, in float32
         and rounded once to the cache dtype, as the compiled torch path does), the split that holds the
         row's position writes the new k and v into the cache, and that position is attended from registers.
+
+        PAGE > 0: the cache is paged. K and V are (blocks, KVH, PAGE, D) views, and row b's position p lives in
+        block ``TABLE[b, p // PAGE]`` at offset p % PAGE (the block id is loaded per position, so a tile may
+        span blocks of any size). PAGE == 0: K and V are (S, KVH, L, D) slots and row b reads slot b.
 
         One body on purpose: with RoPE, the cache loop and the new-token step as ``@triton.jit`` helpers the
         rollout benchmark decoded 4% slower at batch 64 on the H200, though the kernel alone timed the same
@@ -133,23 +137,22 @@ if triton is not None:
             v_new = tl.load(v_ptr + offs_d * stride_vnd, mask=d_ok, other=0.0)
             mine = (row_pos >= lo) & (row_pos < lo + split_len) & (row_pos < length_cap)
             write = d_ok & (offs_d * 0 + mine.to(tl.int32) > 0)  # (BLOCK_D,) a vector mask
-            tl.store(
-                K + b * stride_kb + kvh * stride_kh + row_pos * stride_kl + offs_d * stride_kd,
-                k_new,
-                mask=write,
-            )
-            tl.store(
-                V + b * stride_vb + kvh * stride_vh + row_pos * stride_vl + offs_d * stride_vd,
-                v_new,
-                mask=write,
-            )
+            if PAGE > 0:
+                new_blk = tl.load(TABLE + b * stride_tb + row_pos // PAGE).to(tl.int64)
+                new_k_at = new_blk * stride_kb + (row_pos % PAGE) * stride_kl
+                new_v_at = new_blk * stride_vb + (row_pos % PAGE) * stride_vl
+            else:
+                new_k_at = b * stride_kb + row_pos * stride_kl
+                new_v_at = b * stride_vb + row_pos * stride_vl
+            tl.store(K + new_k_at + kvh * stride_kh + offs_d * stride_kd, k_new, mask=write)
+            tl.store(V + new_v_at + kvh * stride_vh + offs_d * stride_vd, v_new, mask=write)
             hi = tl.minimum(
                 hi, row_pos
             )  # the cache holds positions < row_pos; row_pos itself comes from registers
         if UPCAST:
             q = q.to(tl.float32)
-        k_base = K + b * stride_kb + kvh * stride_kh + offs_d[None, :] * stride_kd
-        v_base = V + b * stride_vb + kvh * stride_vh + offs_d[None, :] * stride_vd
+        k_base = K + kvh * stride_kh + offs_d[None, :] * stride_kd
+        v_base = V + kvh * stride_vh + offs_d[None, :] * stride_vd
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         den = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -157,7 +160,14 @@ if triton is not None:
             pos = start + offs_n  # (BLOCK_N,)
             n_ok = pos < hi
             kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + pos[:, None] * stride_kl, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+            if PAGE > 0:  # each position's block from the row's table (entries past the length masked)
+                blk = tl.load(TABLE + b * stride_tb + pos // PAGE, mask=n_ok, other=0).to(tl.int64)
+                k_at = blk * stride_kb + (pos % PAGE) * stride_kl  # (BLOCK_N,)
+                v_at = blk * stride_vb + (pos % PAGE) * stride_vl
+            else:
+                k_at = b * stride_kb + pos * stride_kl
+                v_at = b * stride_vb + pos * stride_vl
+            k = tl.load(k_base + k_at[:, None], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
             if UPCAST:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_G, BLOCK_N) float32, base-2 logits
@@ -166,7 +176,7 @@ if triton is not None:
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
             den = den * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + pos[:, None] * stride_vl, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+            v = tl.load(v_base + v_at[:, None], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
             if UPCAST:
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -296,18 +306,18 @@ def _check_new_token(new: NewToken, batch: int, kv_heads: int, dim: int) -> None
 
 
 def _check_inputs(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, new: NewToken | None
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    new: NewToken | None,
+    table: torch.Tensor | None = None,
 ) -> None:
-    """The shapes and dtypes the kernel indexes: q (B, H, 1, D), caches (S >= B, KVH, L, D), H % KVH == 0."""
+    """The shapes and dtypes the kernel indexes: q (B, H, 1, D), caches (S >= B, KVH, L, D), H % KVH == 0;
+    paged (``table`` (B, max_blocks)): caches (blocks, KVH, block size, D)."""
     batch, heads, one, dim = q.shape
     _, kv_heads, _, k_dim = k_cache.shape
-    if (
-        one != 1
-        or k_dim != dim
-        or heads % kv_heads
-        or k_cache.shape[0] < batch
-        or v_cache.shape != k_cache.shape
-    ):
+    rows = k_cache.shape[0] if table is None else table.shape[0]
+    if one != 1 or k_dim != dim or heads % kv_heads or rows < batch or v_cache.shape != k_cache.shape:
         raise ValueError(
             f"decode attention expects q (B, H, 1, D) and caches (S>=B, KVH, L, D) with H % KVH == 0; got "
             f"q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}"
@@ -337,6 +347,7 @@ def decode_attention_triton(
     scale: float,
     *,
     new: NewToken | None = None,
+    table: torch.Tensor | None = None,
     block_n: int | None = None,
     num_splits: int | None = None,
     num_warps: int | None = None,
@@ -346,13 +357,18 @@ def decode_attention_triton(
 
     With ``new`` (the step's un-rotated k, its v, and the rows' cos/sin), q is un-rotated too: the kernel
     applies RoPE, writes k and v at ``positions`` into the caches, and attends to them (``FUSED``).
+    With ``table`` (B, max_blocks) the caches are paged, (blocks, KVH, block size, D): row b's position p is
+    in block ``table[b, p // block size]``; rows attend up to ``max_blocks * block size`` positions.
     Tuning args are keyword-only; None takes ``launch_config`` / ``default_num_splits``.
     """
     if triton is None:
         raise RuntimeError("decode_attention_triton needs triton (pip install triton)")
-    _check_inputs(q, k_cache, v_cache, new)
+    _check_inputs(q, k_cache, v_cache, new, table)
     batch, heads, _, dim = q.shape
     kv_heads, length = k_cache.shape[1], k_cache.shape[2]
+    page = 0 if table is None else k_cache.shape[2]
+    if table is not None:
+        length = table.shape[1] * page
     default_n, default_warps, default_stages = launch_config(batch, kv_heads, q.device)
     block_n = block_n or default_n
     num_warps = num_warps or default_warps
@@ -364,16 +380,17 @@ def decode_attention_triton(
     block_d = max(16, triton.next_power_of_2(dim))  # tl.dot needs every dimension >= 16
     group = heads // kv_heads
     k_new, v_new, cos, sin = new if new is not None else (q, q, q, q)  # unread placeholders when not fused
+    table_arg = positions if table is None else table  # unread when not paged
     _split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, positions, part, lse, k_new, v_new, cos, sin,
+        q, k_cache, v_cache, positions, part, lse, k_new, v_new, cos, sin, table_arg,
         q.stride(0), q.stride(1), q.stride(3),
         *k_cache.stride(), *v_cache.stride(),
         *part_strides, *lse_strides,
         k_new.stride(0), k_new.stride(1), k_new.stride(-1), v_new.stride(0), v_new.stride(1), v_new.stride(-1),
         cos.stride(0), cos.stride(-1),
-        positions.stride(0), scale * _LOG2E, length, split_len,
+        positions.stride(0), table_arg.stride(0), scale * _LOG2E, length, split_len,
         G=group, D=dim, DIRECT=direct, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
-        FUSED=new is not None,
+        FUSED=new is not None, PAGE=page,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
@@ -446,4 +463,30 @@ def decode_attention_rope(
 
 @decode_attention_rope.register_fake
 def _(q, k_new, v_new, cos, sin, kv_storage, layer, positions, scale):  # the op's signature
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("hybridflow::decode_attention_rope_paged", mutates_args=("kv_storage",))
+def decode_attention_rope_paged(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_storage: torch.Tensor,
+    layer: int,
+    positions: torch.Tensor,
+    tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The fused kernel on the paged cache (layers, 2, blocks, block size, KVH, D) through block ``tables``
+    (B, max_blocks): RoPE, the write of the step's k and v, and attention, one launch -> (B, H, 1, D)."""
+    new = NewToken(k_new, v_new, cos, sin)
+    k = kv_storage[layer, 0].transpose(1, 2)  # (blocks, KVH, block size, D), a view
+    v = kv_storage[layer, 1].transpose(1, 2)
+    return decode_attention_triton(q, k, v, positions, scale, new=new, table=tables)
+
+
+@decode_attention_rope_paged.register_fake
+def _(q, k_new, v_new, cos, sin, kv_storage, layer, positions, tables, scale):  # the op's signature
     return q.new_empty(q.shape)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 from collections.abc import Callable
@@ -13,11 +12,18 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from hybridflow.engine.ops.packing import to_device
-from hybridflow.engine.rollout.blocks import KSplits
+from hybridflow.engine.rollout.decode_loop import (
+    DECODE_K_SPLITS,
+    Sampler,
+    check_lengths,
+    compiled_per_bucket,
+    fused_sampler_available,
+    make_sampler,
+)
 from hybridflow.engine.rollout.graphs import DecodeGraphs, buckets
 from hybridflow.engine.rollout.kv_cache import KVCache
 from hybridflow.engine.rollout.model import LlamaRunner
-from hybridflow.engine.rollout.sampling import SamplingParams, make_generator, sample
+from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.scheduler import PrefillChunk, PromptGroup, SlotScheduler
 from hybridflow.engine.rollout.state import REASONS, DecodeState
 from hybridflow.engine.rollout.stats import GenerationStats, PhaseTimer
@@ -30,44 +36,6 @@ from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-# Picks the next tokens from (B, V) logits: (tokens (B,) int64, logprobs (B,) float32).
-Sampler = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-def _fused_sampler_available(device: torch.device) -> bool:
-    """Whether the fused Triton sampler can run here: CUDA and triton imports (the module loads lazily)."""
-    if device.type != "cuda":
-        return False
-    from hybridflow.engine.rollout import sample_kernel
-
-    return sample_kernel.available()
-
-
-def _compiled_per_bucket(fn: Callable, num_buckets: int, backend: str | Callable = "inductor") -> Callable:
-    """``torch.compile`` of ``fn`` with static shapes, allowed one graph per batch bucket.
-
-    dynamo's recompile limit (8 by default) is below the bucket count of a large batch (12 at 256): the
-    buckets past it would silently run uncompiled. The limit is raised only around these calls. Inductor's
-    combo kernels put independent small kernels into one launch (q's RoPE with k's RoPE and the cache
-    write): ~55 us of a 1.6 ms step at batch 256 on the H200, where each launch costs a few microseconds.
-    """
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
-    limit = max(torch._dynamo.config.recompile_limit, num_buckets + 2)
-
-    def call(*args, **kwargs):
-        with (
-            torch._dynamo.config.patch(recompile_limit=limit),
-            torch._inductor.config.patch(combo_kernels=True),
-        ):
-            return compiled(*args, **kwargs)
-
-    return call
-
-
-# The K splits of the compiled bf16/fp16 decode step on CUDA (blocks.split_linear): the down projection as 4
-# batched GEMMs whose partials the next fused norm sums, instead of cuBLAS's split-K plus its own reduce
-# kernel: 147k -> 156k tokens/s at batch 256 and 57k -> 60k at batch 64 on an H200 (benchmarks/RESULTS.md).
-DECODE_K_SPLITS = KSplits(down=4)
 SLOT_GRANULE = 64  # a memory-bound slot count is a multiple of this (see slots_within_budget)
 
 
@@ -139,8 +107,8 @@ class RolloutEngine:
         # The step's bookkeeping (DecodeState.record: ~30 small eager kernels) is compiled too, into a few.
         self._decode, self._record = self.runner.decode, DecodeState.record
         if compile_decode:
-            self._decode = _compiled_per_bucket(self.runner.decode, len(buckets(max_num_seqs)))
-            self._record = _compiled_per_bucket(DecodeState.record, len(buckets(max_num_seqs)))
+            self._decode = compiled_per_bucket(self.runner.decode, len(buckets(max_num_seqs)))
+            self._record = compiled_per_bucket(DecodeState.record, len(buckets(max_num_seqs)))
             self.runner.compile_prefill()
             if self.device.type == "cuda" and self.runner.dtype in (torch.bfloat16, torch.float16):
                 self.runner.k_splits = DECODE_K_SPLITS
@@ -162,9 +130,10 @@ class RolloutEngine:
         # logits, no float32 copy); settable, so tests can run it in Triton's CPU interpreter. It reads the LM
         # head's own dtype, so the runner hands over bf16 logits; sample() (filtered sampling) upcasts as it
         # reads, and bf16 -> float32 is exact, so it sees the same values as before.
-        self.fused_sampler = _fused_sampler_available(self.device)
+        self.fused_sampler = fused_sampler_available(self.device)
         self.runner.float_logits = not self.fused_sampler
         self.last_stats = GenerationStats()  # of the last generate call
+        self._lengths: list[list[int]] | None = None  # the call's per-sample response limits
 
     def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> int:
         """Validate the prompts; return the cache length each slot needs."""
@@ -233,13 +202,20 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, progress: Callable[[int], None] | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        progress: Callable[[int], None] | None = None,
+        lengths: list[list[int]] | None = None,
     ) -> list[list[GenerationOutput]]:
         """``params.n`` responses for each prompt, in prompt order (greedy when ``params.greedy``).
 
         ``progress`` is called with the number of sequences that just finished, at each host sync.
+        ``lengths``: per prompt and sample, a response limit below ``params.max_new_tokens`` (benchmarks
+        draw long-tailed lengths with it).
         """
         max_len = self._check_prompts(prompts, params)
+        self._lengths = check_lengths(lengths, len(prompts), params)
         if self.runner.refresh():  # the trainer may have stepped since the last call: re-cast in place
             self._warm_buckets.clear()  # new weight tensors: each bucket warms up eagerly again first
         groups = [PromptGroup(i, list(p), params.n) for i, p in enumerate(prompts)]
@@ -248,7 +224,7 @@ class RolloutEngine:
         cache = self._cache(slots, max_len)
         eos = [] if params.ignore_eos else list(params.eos_token_ids)
         state = DecodeState(slots, params.max_new_tokens, list(params.stop_token_ids), eos, self.device)
-        pick, generator = self._sampler(params)
+        pick, generator = make_sampler(params, self.device, self.fused_sampler)
         results: list[list[GenerationOutput | None]] = [[None] * params.n for _ in prompts]
         graphs = self._graphs(slots, max_len, params, cache, state, pick, generator)
         timer, stats = PhaseTimer(self.device), GenerationStats(slots=slots)
@@ -324,21 +300,6 @@ class RolloutEngine:
             self._warm_buckets.setdefault(signature, set()),
         )
 
-    def _sampler(self, params: SamplingParams) -> tuple[Sampler, torch.Generator | None]:
-        """This call's sampler and the torch generator it draws from (None: the fused kernel or global RNG).
-
-        The fused kernel keeps its seed and step in a device tensor made here, once per call: the same seed
-        gives the same tokens, eager or graphed (its draws do not depend on the batch bucket).
-        """
-        if self.fused_sampler:
-            from hybridflow.engine.rollout import sample_kernel
-
-            if sample_kernel.applies(params):
-                rng = sample_kernel.make_rng_state(params.seed, self.device)
-                return functools.partial(sample_kernel.fused_sample, params=params, rng=rng), None
-        generator = make_generator(params.seed, self.device)
-        return functools.partial(sample, params=params, generator=generator), generator
-
     def _prefill(
         self, call: list[PrefillChunk], cache: KVCache, state: DecodeState, pick: Sampler, max_len: int
     ) -> None:
@@ -366,6 +327,9 @@ class RolloutEngine:
         slots = to_device(torch.tensor([g.first_slot + s for g in groups for s in range(g.n)]), dev)
         prompt_len = to_device(torch.tensor([len(g.token_ids) for g in groups for _ in range(g.n)]), dev)
         state.start(slots, prompt_len, max_len)
+        if self._lengths is not None:
+            wanted = [self._lengths[g.index][k] for g in groups for k in range(g.n)]
+            state.limit[slots] = torch.minimum(state.limit[slots], to_device(torch.tensor(wanted), dev))
         tokens, logprobs = pick(rows)
         state.record(slots, tokens, logprobs, advance=False)
 

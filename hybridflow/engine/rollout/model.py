@@ -398,20 +398,34 @@ class LlamaRunner:
         start_pos: torch.Tensor,  # (b,) > 0: positions below are cached (a shared prefix, an earlier turn)
         cache: PagedKVCache,
         tables: torch.Tensor,  # (b, max_blocks)
+        kv_end: int | None = None,
     ) -> torch.Tensor:
-        """Prefill through block tables (the paged cache's CPU reference path): each row's valid tokens are
-        written at their positions and attend causally to everything cached below them; last-token logits."""
+        """Prefill through block tables: each row's valid tokens are written at their positions and attend
+        causally to everything cached below them; last-token logits (b, V).
+
+        ``kv_end``: the bound on start + length over the rows, from the host (0: every row starts at 0, so
+        attention runs on the chunk alone, causal, as the slot engine's first chunk does; else only the
+        blocks below it are read). None reads it from the tensors (a host sync on GPU).
+        """
         b, t = input_ids.shape
-        positions = start_pos[:, None] + torch.arange(t, device=input_ids.device)  # (b, t)
-        rows, cols = (torch.arange(t, device=input_ids.device)[None] < lengths[:, None]).nonzero(
-            as_tuple=True
-        )
+        dev = input_ids.device
+        if kv_end is None:
+            kv_end = int((start_pos + lengths).max()) if bool((start_pos > 0).any()) else 0
+        positions = start_pos[:, None] + torch.arange(t, device=dev)  # (b, t)
+        rows, cols = (torch.arange(t, device=dev)[None] < lengths[:, None]).nonzero(as_tuple=True)
         write_rows = cache.slot_rows(tables, rows, positions[rows, cols])  # (n,)
-        keys_at = torch.arange(tables.shape[1] * cache.block_size, device=input_ids.device)  # (L,)
-        mask = keys_at <= positions[:, None, :, None]  # (b, 1, t, L)
+        mask = None
+        if kv_end:
+            tables = tables[:, : -(-kv_end // cache.block_size)]  # (b, blocks read)
+            keys_at = torch.arange(tables.shape[1] * cache.block_size, device=dev)  # (L,)
+            mask = keys_at <= positions[:, None, :, None]  # (b, 1, t, L)
 
         def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.write(idx, k[rows, :, cols], v[rows, :, cols], write_rows)  # (n, KVH, D) each
+            if mask is None:  # right padding only adds keys after every valid query: causal is exact
+                return F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True
+                )
             keys, values = cache.gather(idx, tables)  # (b, L, KVH, D) each
             return F.scaled_dot_product_attention(
                 q,
@@ -423,14 +437,27 @@ class LlamaRunner:
             )
 
         h = self._forward(input_ids, positions, attend)  # (b, t, hidden)
-        return self._logits(h[torch.arange(b, device=h.device), lengths - 1])  # (b, V)
+        return self._logits(h[torch.arange(b, device=dev), lengths - 1])  # (b, V)
 
     @torch.no_grad()
     def decode_paged(
         self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, tables: torch.Tensor
     ) -> torch.Tensor:
-        """One decode step through block tables: token b written at ``positions[b]`` of its sequence, attending
-        to positions <= it (``paged_cache.paged_decode_attention``); logits (B, V)."""
+        """One decode step through block tables (B, max_blocks): token b written at ``positions[b]`` of its
+        sequence, attending to positions <= it; logits (B, V). Fixed shapes, no host sync: graph-safe.
+
+        The Triton backend is one fused launch per layer (RoPE, the cache write, split-K attention over the
+        blocks); "sdpa" is the reference (``paged_cache.paged_decode_attention``: gather, then mask)."""
+        if self._decode_attention == "triton":
+            kernel = torch.ops.hybridflow.decode_attention_rope_paged.default
+            cos, sin = (t[:, 0, 0] for t in self._rope_tables(positions[:, None]))  # (B, D) each
+
+            def fused(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return kernel(q, k, v, cos, sin, cache.storage, idx, positions, tables, self.scaling)
+
+            h = self._forward(input_ids[:, None], positions[:, None], fused, False, self._decode_dims)
+            return self._logits(h[:, 0])  # (B, V)
+
         batch = input_ids.shape[0]
         rows = cache.slot_rows(tables, torch.arange(batch, device=input_ids.device), positions)  # (B,)
 

@@ -1,31 +1,47 @@
-"""The paged rollout engine's step API (issue 41, CPU reference): ``add``, ``step``, ``extend``, ``pause`` /
-``resume``, ``abort``, and ``generate`` as the loop over them. Not yet the trainer's engine (``engine.py``'s
-slot engine is, with its CUDA graphs and fused kernels); this is the functional reference the GPU path
-will match, on the runner's paged path (``LlamaRunner.prefill_paged`` / ``decode_paged``).
+"""The paged rollout engine: a KV cache of fixed-size blocks shared through reference counts, and a step API
+(``add``, ``step``, ``extend``, ``pause`` / ``resume``, ``abort``) with ``generate`` as the loop over it.
 
-A sequence is running once its prompt is prefilled. Its K and V are written for every token but the last,
-which the next decode step feeds (``written == len(tokens) - 1``). Tokens appended by ``extend`` (a tool's
-output), a sequence preempted for want of blocks, and every sequence after ``resume`` with new weights
-need a catch-up prefill of the tokens not written; a step runs those first, then one decode step for the
-rest. The n samples of a prompt share its prefill and its full blocks. Every token after the prompt records
-whether it was sampled (trainable), its log-prob, and the weight version that sampled it (-1: extended).
+A step is one scheduling round, as nano-vllm's ``step()``: prefill what is new (admitted prompts, tokens
+appended by ``extend``, sequences preempted or re-prefilled under new weights), reserve the blocks the next
+decode steps write, preempting the youngest sequences when the pool runs short, run the decode steps on the
+device with no host sync between them (CUDA graphs on GPU), then sync once and hand back what each sequence
+sampled. The n samples of a prompt share its prefill and its full blocks; a block full of cached positions is
+found again by its prefix hash (another request with the same prompt, a multi-turn continuation).
+
+A running sequence holds a seat (``seats.Seats``) while it decodes. Its K and V are written for every token
+but the last, which the next decode step feeds. Every token after the prompt records its log-prob and the
+weight version that sampled it (-1: appended by ``extend``, never trained on).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from hybridflow.engine.rollout.block_pool import BlockPool, BlockTable, PoolExhausted
+from hybridflow.engine.rollout.decode_loop import (
+    DECODE_K_SPLITS,
+    check_lengths,
+    compiled_per_bucket,
+    fused_sampler_available,
+)
+from hybridflow.engine.rollout.graphs import buckets
 from hybridflow.engine.rollout.model import LlamaRunner
 from hybridflow.engine.rollout.paged_cache import PagedKVCache
-from hybridflow.engine.rollout.sampling import SamplingParams, make_generator, sample
+from hybridflow.engine.rollout.paged_session import Session, SessionConfig, check_params
+from hybridflow.engine.rollout.sampling import SamplingParams
+from hybridflow.engine.rollout.state import DecodeState
+from hybridflow.engine.rollout.stats import GenerationStats
 from hybridflow.engine.rollout.tp import RolloutTP
 from hybridflow.engine.rollout.types import GenerationOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,6 +56,8 @@ class Sequence:
     versions: list[int] = field(default_factory=list)  # per token after the prompt: weights that sampled it
     table: BlockTable | None = None
     written: int = 0  # leading tokens whose K and V are in the cache
+    seat: int | None = None  # its decode row while it has one
+    pending: int = 0  # tokens sampled on the device that ``tokens`` does not hold yet (while seated)
     finish_reason: str | None = None
 
     @property
@@ -52,36 +70,64 @@ class Sequence:
         """Per token after the prompt: sampled by the policy (True) or extended (False)."""
         return [v >= 0 for v in self.versions]
 
+    max_new: int = 0  # its response budget (extended tokens count): params.max_new_tokens unless lower
+
+    @property
+    def budget_end(self) -> int:
+        """The sequence's length when its response budget (extended tokens included) is spent."""
+        return self.prompt_len + (self.max_new or self.params.max_new_tokens)
+
 
 class PagedEngine:
-    """Generation over a paged KV cache of ``num_blocks`` blocks of ``block_size`` positions."""
+    """Generation over a paged KV cache; the keyword arguments are ``RolloutEngine``'s, plus the pool's.
+
+    ``num_blocks``: the pool's blocks; None sizes it from ``gpu_memory_utilization`` on GPU and, on CPU, from
+    the work (every sequence of a ``generate`` call at full length). ``block_size``: positions per block.
+    """
 
     def __init__(
         self,
         model: nn.Module,
-        num_blocks: int = 256,
+        num_blocks: int | None = None,
         block_size: int = 16,
         max_num_seqs: int = 256,
         dtype: torch.dtype | None = None,
         tp: RolloutTP | None = None,
+        **kwargs,
     ) -> None:
         """``tp``: ``model`` is this rank's tensor-parallel shard; every rank of the group makes the same calls
         (its cache holds its own KV heads; the ranks sample the same tokens from the same logits)."""
-        self.runner = LlamaRunner(model, dtype, tp=tp)
-        r = self.runner
-        self.pool = BlockPool(num_blocks, block_size)
-        self.cache = PagedKVCache(
-            r.num_layers, num_blocks, block_size, r.num_kv_heads, r.head_dim, r.dtype, r.device
-        )
+        cfg = SessionConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs, **kwargs)
+        self.runner = LlamaRunner(model, dtype, cfg.max_model_len, kwargs.get("device"), tp)
+        self.tp = tp
+        self.device = self.runner.device
+        self.cfg = cfg
         self.max_num_seqs = max_num_seqs
+        self.session: Session | None = None
         self.waiting: list[list[Sequence]] = []  # prompt groups not yet prefilled, first come first served
         self.running: list[Sequence] = []  # in admission order: the youngest last (preempted first)
         self.version = 0  # the weights' version: +1 at every resume after a refresh
         self.paused = False
         self.preemptions = 0
-        self._concurrent: list[int] = []  # running sequences after each step that ran
+        self._concurrent: list[int] = []  # running sequences in each decode round
+        self.stalled = False  # the last step could neither prefill nor decode anything
         self._ids = itertools.count()
-        self._generators: dict[int | None, torch.Generator | None] = {}
+        self.last_stats = GenerationStats()  # of the last session
+        # As the slot engine: the fused Triton sampler on CUDA (reads the compute-dtype logits), CUDA graphs of
+        # the decode step unless enforce_eager, and with compile_decode the step compiled per batch bucket.
+        self.fused_sampler = fused_sampler_available(self.device)
+        self.runner.float_logits = not self.fused_sampler
+        self.use_graphs = not cfg.enforce_eager and self.device.type == "cuda"
+        self.warm: dict[tuple, set[int]] = {}  # batch buckets run once, per session signature (see graphs)
+        self.kept_cache: PagedKVCache | None = None  # the last session's, when free_cache_engine is off
+        self.decode_fn, self.record_fn = self.runner.decode_paged, DecodeState.record
+        if cfg.compile_decode:
+            self.decode_fn = compiled_per_bucket(self.runner.decode_paged, len(buckets(max_num_seqs)))
+            self.record_fn = compiled_per_bucket(DecodeState.record, len(buckets(max_num_seqs)))
+            if self.device.type == "cuda" and self.runner.dtype in (torch.bfloat16, torch.float16):
+                self.runner.k_splits = DECODE_K_SPLITS
+
+    # ---- the step API ----------------------------------------------------------------------------------
 
     def add(self, prompt: list[int], params: SamplingParams) -> list[int]:
         """Queue a prompt's ``params.n`` samples; returns their sequence ids."""
@@ -89,53 +135,51 @@ class PagedEngine:
             raise ValueError(
                 f"n={params.n} samples cannot run at once with max_num_seqs={self.max_num_seqs}; raise max_num_seqs"
             )
-        limit = self.runner.max_position_embeddings
+        limit = self.max_len
         if not prompt or len(prompt) + params.max_new_tokens > limit:
             raise ValueError(
                 f"a prompt of {len(prompt)} tokens with max_new_tokens={params.max_new_tokens} does not fit the "
                 f"model's {limit} positions (and a prompt needs at least one token); shorten one of them"
             )
+        if self.session is not None:
+            check_params(self.session.params, params)
         group = [Sequence(next(self._ids), list(prompt), len(prompt), params) for _ in range(params.n)]
         self.waiting.append(group)
         return [s.id for s in group]
 
-    def step(self) -> list[Sequence]:
-        """One scheduling round: catch-up prefills, new prompts while blocks and seats allow, then one decode
-        step for every other running sequence. Returns the sequences that got tokens (finished ones freed)."""
-        if self.paused:
+    def step(self, max_tokens: int | None = 1, fetch_all: bool = True) -> list[Sequence]:
+        """One scheduling round: prefills, then up to ``max_tokens`` decode steps for every running sequence
+        (None: until the next sequence could finish, at least ``sync_interval`` steps when others go on).
+        Returns the sequences that got tokens; finished ones have left the engine (blocks back in the pool).
+
+        ``fetch_all=False`` (``generate``) copies to the host only the tokens of sequences that finished; the
+        others' stay on the device (``Sequence.pending``) until they finish or leave their seat."""
+        if self.paused or not self.has_work:
             return []
-        touched = [s for s in self.running if s.finish_reason is not None]  # ended by extend's budget
-        touched += [
-            s
-            for s in list(self.running)
-            if s.finish_reason is None and s.written < len(s.tokens) - 1 and self._catch_up(s)
-        ]
-        while self.waiting and len(self.running) + len(self.waiting[0]) <= self.max_num_seqs:
-            if not self._admit(self.waiting[0]):
-                break
-            touched += self.waiting.pop(0)
-        ready = [
-            s
-            for s in self.running
-            if s.written == len(s.tokens) - 1 and s not in touched and s.finish_reason is None
-        ]
-        touched += self._decode(ready)
-        self._concurrent.append(len(self.running))
-        for s in touched:
+        session = self._open()
+        touched = {s.id: s for s in self.running if s.finish_reason is not None}  # ended by extend's budget
+        for s in touched.values():
+            self._release(s)
+        prefilled = self._prefill_round(session)
+        steps = self._reserve(session, max_tokens)
+        self.stalled = not (prefilled or steps or session.seats.num_used)
+        if steps:
+            session.decode(steps)
+            self._concurrent.append(session.seats.num_used)
+        seated, (gen, ended) = self._seated(), session.seats.counts()
+        fetch = [i for i, reason in enumerate(ended) if fetch_all or reason is not None]
+        for i, (tokens, logprobs) in zip(fetch, session.seats.fetch(fetch, gen)):
+            self._take(seated[i], tokens, logprobs)
+            touched[seated[i].id] = seated[i]
+        for i, s in enumerate(seated):
+            s.pending = gen[i] - session.seats.synced[i]
+            s.finish_reason = ended[i]
+        for s in touched.values():
             if s.finish_reason is not None and s in self.running:
                 self._release(s)
-        return touched
-
-    def stats(self) -> dict[str, float]:
-        """The engine's figures so far, under the trainer's metric names (``rollout/*``)."""
-        steps = self._concurrent or [0]
-        return {
-            "rollout/kv_blocks_used": self.pool.stats.peak_used / len(self.pool.blocks),  # peak fraction
-            "rollout/concurrent_seqs_mean": sum(steps) / len(steps),
-            "rollout/concurrent_seqs_peak": float(max(steps)),
-            "rollout/prefix_cache_hit_rate": self.pool.stats.hit_rate,
-            "rollout/preemptions": float(self.preemptions),
-        }
+        if not self.has_work:
+            self._close()
+        return list(touched.values())
 
     def extend(self, seq_id: int, token_ids: list[int]) -> None:
         """Append tokens that were not sampled (a tool's output) to a running sequence: prefilled at the next
@@ -145,15 +189,9 @@ class PagedEngine:
         s.tokens += token_ids
         s.logprobs += [math.nan] * len(token_ids)
         s.versions += [-1] * len(token_ids)
-        if len(s.response) >= s.params.max_new_tokens:  # the response budget is spent: it ends here
+        self._unseat(s)  # it decodes again after its catch-up prefill
+        if len(s.tokens) >= s.budget_end:
             s.finish_reason = "length"
-            return
-        if s.table is None:  # preempted: its next prefill covers these tokens too
-            return
-        try:
-            self.pool.append(s.table, token_ids, s.tokens)
-        except PoolExhausted:  # no room now: prefill it again from the start when there is
-            self._preempt(s)
 
     def pause(self) -> None:
         """Hold every sequence as it is (the weights may change in place meanwhile); ``step`` does nothing."""
@@ -166,7 +204,9 @@ class PagedEngine:
             self.version += 1
             for s in list(self.running):
                 self._preempt(s, count=False)
-            self.pool.forget_prefixes()
+            if self.session is not None:
+                self.session.pool.forget_prefixes()
+                self.session.refresh_weights()
         self.paused = False
 
     def abort(self, seq_ids: list[int]) -> list[Sequence]:
@@ -183,124 +223,254 @@ class PagedEngine:
                 group.remove(s)
                 out.append(s)
         self.waiting = [g for g in self.waiting if g]
+        if not self.has_work:
+            self._close()
         return out
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[GenerationOutput]]:
-        """Every prompt's ``params.n`` samples: ``add`` each, then ``step`` until all have finished."""
-        ids = [self.add(p, params) for p in prompts]
-        done: dict[int, Sequence] = {}
-        while len(done) < sum(map(len, ids)):
-            touched = self.step()
-            if not touched:  # nothing could run: a sequence longer than the whole pool
-                raise ValueError(
-                    f"the KV pool's {self.pool.num_free} free blocks of {self.pool.block_size} positions cannot "
-                    "hold the next sequence; give the engine more blocks"
-                )
-            done.update((s.id, s) for s in touched if s.finish_reason is not None)
-        return [[_output(done[i]) for i in group] for group in ids]
 
     @property
     def has_work(self) -> bool:
         """Whether any sequence is waiting or running."""
         return bool(self.running or self.waiting)
 
-    def _admit(self, group: list[Sequence]) -> bool:
-        """Prefill a group's prompt once and fork it to the other samples; False when blocks are short."""
-        first, n = group[0], len(group)
+    @property
+    def pool(self) -> BlockPool:
+        """The block pool of the current (or last) session."""
+        assert self._pool is not None, "no session has run yet"
+        return self._pool
+
+    @property
+    def max_len(self) -> int:
+        """The most positions a sequence may take (the model's, or ``max_model_len``)."""
+        return min(self.cfg.max_model_len or math.inf, self.runner.max_position_embeddings)
+
+    def stats(self) -> dict[str, float]:
+        """The engine's figures so far, under the trainer's metric names (``rollout/*``)."""
+        s = (
+            self.last_stats
+            if self.session is None
+            else self.session.stats(self._concurrent, self.preemptions)
+        )
+        return {
+            "rollout/kv_blocks_used": s.kv_blocks_used,
+            "rollout/concurrent_seqs_mean": s.concurrent_seqs_mean,
+            "rollout/concurrent_seqs_peak": s.concurrent_seqs_peak,
+            "rollout/prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+            "rollout/preemptions": s.preemptions,
+        }
+
+    # ---- generate: the loop over the step API ----------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        progress: Callable[[int], None] | None = None,
+        lengths: list[list[int]] | None = None,
+    ) -> list[list[GenerationOutput]]:
+        """Every prompt's ``params.n`` samples: ``add`` each, then ``step`` until all have finished.
+
+        ``progress`` is called with the number of sequences that just finished, after each round.
+        ``lengths``: per prompt and sample, a response limit below ``params.max_new_tokens``."""
+        lengths = check_lengths(lengths, len(prompts), params)
+        if self.has_work:
+            raise ValueError("generate needs an idle engine; finish or abort the sequences added with add()")
+        if not prompts:
+            raise ValueError("no prompts to generate from")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        self.preemptions, self._concurrent = 0, []
+        ids = [self.add(p, params) for p in prompts]
+        for k, group in enumerate(self.waiting if lengths is not None else []):
+            for s, limit in zip(group, lengths[k]):
+                s.max_new = limit
+        self._open(demand=(len(prompts) * params.n, max(map(len, prompts)) + params.max_new_tokens))
+        done: dict[int, Sequence] = {}
+        while len(done) < len(prompts) * params.n:
+            touched = self.step(max_tokens=None, fetch_all=False)
+            if self.stalled:  # nothing could run: a sequence longer than the whole pool
+                pool = self.pool
+                self.abort([i for group in ids for i in group])
+                raise ValueError(
+                    f"the KV pool's {pool.num_free} free blocks of {pool.block_size} positions cannot hold the "
+                    "next sequence; give the engine more blocks (rollout.gpu_memory_utilization)"
+                )
+            finished = [s for s in touched if s.finish_reason is not None]
+            done.update((s.id, s) for s in finished)
+            if progress is not None and finished:
+                progress(len(finished))
+        return [[_output(done[i]) for i in group] for group in ids]
+
+    def memory_shortfall(self, prompts: list[list[int]], params: SamplingParams) -> int:
+        """Device bytes the pool lacks to hold every sequence of this call at full length at once (0: fits)."""
+        if self.device.type != "cuda":
+            return 0
+        count, length = len(prompts) * params.n, max(map(len, prompts)) + params.max_new_tokens
+        return Session.shortfall(self.runner, self.cfg, count, min(length, self.max_len))
+
+    # ---- scheduling --------------------------------------------------------------------------------------
+
+    _pool: BlockPool | None = None
+
+    def _open(self, demand: tuple[int, int] | None = None) -> Session:
+        """The current session, or a new one: the pool, the cache and the seats, sized for the work."""
+        if self.session is None:
+            params = (self.waiting[0][0] if self.waiting else self.running[0]).params
+            # The step API's requests are not known ahead: room for any length, max_num_seqs of them.
+            count, length = demand or (self.max_num_seqs, self.max_len)
+            seats = min(count, self.max_num_seqs)
+            self.session = Session(self, params, seats, count, min(length, self.max_len))
+            self._pool = self.session.pool
+        return self.session
+
+    def _close(self) -> None:
+        """End the session: free the cache and the cast weights (``free_cache_engine``), keep the figures."""
+        if self.session is not None:
+            self.session.close()
+            self.last_stats = self.session.stats(self._concurrent, self.preemptions)
+            self.session = None
+
+    def _prefill_round(self, session: Session) -> bool:
+        """Catch-up prefills (extended, preempted, re-weighted) and then new prompt groups, while seats and
+        blocks allow; each gets its first sampled token."""
+        jobs = [
+            s for s in self.running if s.seat is None and s.finish_reason is None and self._seat(s, session)
+        ]
+        seats = session.seats
+        groups: list[list[Sequence]] = []
+        while self.waiting and seats.num_used + len(self.waiting[0]) <= seats.num_seats:
+            if not self._admit(self.waiting[0], session):
+                break
+            group = self.waiting.pop(0)
+            self.running += group
+            groups.append(group)
+        rows = [[s] for s in jobs] + [[g[0]] for g in groups]
+        if not rows:
+            return False
+        session.prefill([(r[0], r[0].written) for r in rows])
+        for group in groups:  # the samples share the prompt's full blocks and copy a partial one
+            first = group[0]
+            for s in group[1:]:
+                s.table, copy = session.pool.fork(first.table)
+                if copy is not None:
+                    session.cache.copy_block(copy[0] + 1, copy[1] + 1)
+                s.written = first.written
+        for s in jobs + [s for g in groups for s in g]:
+            s.written = len(s.tokens)
+            s.seat = seats.take(s.id)
+            seats.set_table(s.seat, s.table.blocks)
+        session.first_tokens(jobs, groups)
+        return True
+
+    def _seat(self, s: Sequence, session: Session) -> bool:
+        """Room for a running sequence's catch-up prefill: its blocks for every token; False when short."""
+        pool = session.pool
+        if session.seats.num_used >= session.seats.num_seats:
+            return False
+        if s.table is None:
+            if not pool.can_allocate(s.tokens):
+                return False
+            s.table = pool.allocate(s.tokens)
+            s.written = s.table.cached_tokens
+            return True
+        try:
+            pool.reserve(s.table, len(s.tokens))
+        except PoolExhausted:
+            self._preempt(s)  # its blocks go back; it is prefilled again from the start when there is room
+            return False
+        return True
+
+    def _admit(self, group: list[Sequence], session: Session) -> bool:
+        """Blocks for a group's prompt (and the samples' own partial blocks), leaving a block of growth per
+        running sequence; False when short."""
+        pool, first, n = session.pool, group[0], len(group)
+        partial = 1 if len(first.tokens) % pool.block_size else 0
+        headroom = session.seats.num_used + n
         if (
-            not self.pool.can_allocate(first.tokens)
-            or self.pool.num_free < self.pool.blocks_for(len(first.tokens)) + n - 1
+            not pool.can_allocate(first.tokens)
+            or pool.num_free < pool.blocks_for(len(first.tokens)) + (n - 1) * partial + headroom
         ):
             return False
-        first.table = self.pool.allocate(first.tokens)
-        logits = self._prefill(first, first.table.cached_tokens)  # (1, V)
-        for s in group[1:]:
-            s.table, copy = self.pool.fork(first.table)
-            if copy is not None:
-                self.cache.copy_block(*copy)
-            s.written = first.written
-        self.running += group
-        self._take(group, logits.expand(n, -1))
+        first.table = pool.allocate(first.tokens)
+        first.written = first.table.cached_tokens
         return True
 
-    def _catch_up(self, s: Sequence) -> bool:
-        """Prefill what a running sequence has not written (extended or re-admitted); False when blocks are short."""
-        if s.table is None:
-            if not self.pool.can_allocate(s.tokens):
-                return False
-            s.table = self.pool.allocate(s.tokens)
-            s.written = 0
-        self._take([s], self._prefill(s, max(s.written, s.table.cached_tokens)))
-        return True
-
-    def _prefill(self, s: Sequence, start: int) -> torch.Tensor:
-        """Write ``s.tokens[start:]`` (at least the last token) and return the logits after it (1, V)."""
-        start = min(start, len(s.tokens) - 1)
-        ids = torch.tensor([s.tokens[start:]], device=self.runner.device)
-        logits = self.runner.prefill_paged(
-            ids,
-            torch.tensor([ids.shape[1]], device=ids.device),
-            torch.tensor([start], device=ids.device),
-            self.cache,
-            self._tables([s]),
-        )
-        s.written = len(s.tokens)
-        return logits
-
-    def _decode(self, seqs: list[Sequence]) -> list[Sequence]:
-        """One decode step for ``seqs`` (each feeds its last token), preempting the youngest for blocks."""
-        seqs = [s for s in seqs if s in self.running]
-        if not seqs:
-            return []
-        ids = torch.tensor([s.tokens[-1] for s in seqs], device=self.runner.device)  # (B,)
-        positions = torch.tensor([len(s.tokens) - 1 for s in seqs], device=self.runner.device)  # (B,)
-        logits = self.runner.decode_paged(ids, positions, self.cache, self._tables(seqs))  # (B, V)
-        for s in seqs:
-            s.written = len(s.tokens)
-        self._take(seqs, logits)
-        return seqs
-
-    def _take(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Sample each sequence's next token from its logits row (B, V), record it, grow its table, check the
-        end. Rows of the same sampling parameters are sampled together."""
-        picked: dict[int, tuple[int, float]] = {}
-        for params in {id(s.params): s.params for s in seqs}.values():
-            rows = [i for i, s in enumerate(seqs) if s.params is params]
-            tokens, logprobs = sample(logits[rows], params, self._generator(params))
-            picked.update(zip(rows, zip(tokens.tolist(), logprobs.tolist())))
-        for i, s in enumerate(seqs):
-            token, logprob = picked[i]
-            s.tokens.append(token)
-            s.logprobs.append(logprob)
-            s.versions.append(self.version)
-            s.finish_reason = _finish(s, token)
-            if s.finish_reason is None and s.table is not None:  # a preempted one is prefilled again later
-                self._grow(s, token)
-
-    def _grow(self, s: Sequence, token: int) -> None:
-        """Room in the table for the new token's position, preempting the youngest others when short."""
+    def _reserve(self, session: Session, max_tokens: int | None) -> int:
+        """Decode steps for this round, with the blocks they write reserved; preempts the youngest when the
+        pool cannot hold one step for every running sequence."""
         while True:
-            try:
-                self.pool.append(s.table, [token], s.tokens)
-                return
-            except PoolExhausted:
-                victim = next((v for v in reversed(self.running) if v is not s and v.table is not None), None)
-                if victim is None:
-                    self._preempt(s)
-                    return
-                self._preempt(victim)
+            seated = self._seated()
+            if not seated:
+                return 0
+            # Tokens each may still sample. With no early stop possible (ignore_eos, or no EOS) the round runs
+            # until the first sequence ends by length, but at least sync_interval steps while others go on
+            # (a finished sequence rides along as the slot engine's do: fewer syncs for ragged lengths);
+            # with EOS, sync_interval steps. 0 everywhere: all finished at prefill, nothing to decode.
+            left = [s.budget_end - len(s.tokens) - s.pending for s in seated]
+            if max(left) <= 0:
+                return 0
+            soonest, bound = min(x for x in left if x > 0), min(self.cfg.sync_interval, max(left))
+            steps = max(soonest, bound) if session.params_never_stop else bound
+            if max_tokens is not None:
+                steps = min(steps, max_tokens)
+            while True:
+                need = sum(session.pool.blocks_to_reserve(s.table, _positions(s, steps)) for s in seated)
+                if need <= session.pool.num_free or steps == 1:
+                    break
+                steps = max(1, steps // 2)
+            if need <= session.pool.num_free:
+                break
+            victim = seated[-1] if len(seated) > 1 else None
+            self._preempt(victim or seated[0])
+        for s in seated:
+            session.pool.reserve(s.table, _positions(s, steps))
+            session.seats.set_table(s.seat, s.table.blocks)
+        return steps
+
+    def _take(self, s: Sequence, tokens: list[int], logprobs: list[float]) -> None:
+        """Hand a seat's newly sampled tokens to its sequence and hash the blocks they fill."""
+        s.tokens += tokens
+        s.logprobs += logprobs
+        s.versions += [self.version] * len(tokens)
+        s.pending = 0
+        self.session.counts.decode_tokens += len(tokens)
+        s.written = len(s.tokens) - 1  # every token but the last is in the cache
+        self.session.pool.record(s.table, s.tokens, s.written)
+
+    def _seated(self) -> list[Sequence]:
+        """The sequences holding seats, in seat order."""
+        by_id = {s.id: s for s in self.running}
+        return [by_id[i] for i in self.session.seats.owner] if self.session is not None else []
+
+    def _unseat(self, s: Sequence) -> None:
+        """Take a sequence off the decode batch, its tokens still on the device fetched first."""
+        if s.seat is None or self.session is None:
+            return
+        seats = self.session.seats
+        if s.pending:
+            gen = list(seats.synced)
+            gen[s.seat] += s.pending
+            ((tokens, logprobs),) = seats.fetch([s.seat], gen)
+            self._take(s, tokens, logprobs)
+        moved = seats.leave(s.seat)
+        if moved is not None:
+            next(x for x in self.running if x.id == moved).seat = s.seat
+        s.seat = None
 
     def _preempt(self, s: Sequence, count: bool = True) -> None:
         """Free a running sequence's blocks; it keeps its tokens and is prefilled again later."""
+        self._unseat(s)
         if s.table is not None:
-            self.pool.free(s.table)
+            self.session.pool.free(s.table)
         s.table, s.written = None, 0
         self.preemptions += count
 
     def _release(self, s: Sequence) -> None:
+        self._unseat(s)
         self.running.remove(s)
         if s.table is not None:
-            self.pool.free(s.table)
+            self.session.pool.free(s.table)
             s.table = None
 
     def _running(self, seq_id: int) -> Sequence:
@@ -309,24 +479,11 @@ class PagedEngine:
             raise KeyError(f"sequence {seq_id} is not running (finished, aborted or not yet admitted)")
         return s
 
-    def _tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(s.table.blocks) for s in seqs)
-        rows = [s.table.blocks + [0] * (width - len(s.table.blocks)) for s in seqs]
-        return torch.tensor(rows, device=self.runner.device)  # (B, width)
 
-    def _generator(self, params: SamplingParams) -> torch.Generator | None:
-        if params.seed not in self._generators:
-            self._generators[params.seed] = make_generator(params.seed, self.runner.device)
-        return self._generators[params.seed]
-
-
-def _finish(s: Sequence, token: int) -> str | None:
-    p = s.params
-    if token in p.eos_token_ids and not p.ignore_eos:
-        return "eos"
-    if token in p.stop_token_ids:
-        return "stop"
-    return "length" if len(s.tokens) - s.prompt_len >= p.max_new_tokens else None
+def _positions(s: Sequence, steps: int) -> int:
+    """Positions a seated sequence's table must hold for ``steps`` decode steps: each writes the token it
+    feeds (from its last one on); the last sampled token is never fed, so the budget's end needs no block."""
+    return min(len(s.tokens) + s.pending - 1 + steps, s.budget_end - 1)
 
 
 def _output(s: Sequence) -> GenerationOutput:

@@ -43,11 +43,16 @@ class DecodeState:
 
     def start(self, slots: torch.Tensor, prompt_len: torch.Tensor, max_len: int) -> None:
         """Reset ``slots`` for new sequences whose prompts (``prompt_len`` tokens) are in the cache."""
+        self.begin(slots, prompt_len, torch.clamp(max_len - prompt_len, max=self.max_new))
+
+    def begin(self, slots: torch.Tensor, position: torch.Tensor, limit: torch.Tensor) -> None:
+        """Reset ``slots`` (b,) for sequences whose first ``position`` (b,) tokens are in the cache, each to
+        sample at most ``limit`` (b,) tokens (at most ``max_new``)."""
         # index_fill_ for the constants: ``t[slots] = 0`` copies the scalar up from the host first, which
         # synchronises the stream (the host could no longer queue prefill chunks ahead of the GPU).
-        self.position[slots] = prompt_len
+        self.position[slots] = position
         self.gen_len.index_fill_(0, slots, 0)
-        self.limit[slots] = torch.clamp(max_len - prompt_len, max=self.max_new)
+        self.limit[slots] = limit
         self.done.index_fill_(0, slots, False)
         self.reason.index_fill_(0, slots, RUNNING)
 

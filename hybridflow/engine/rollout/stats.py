@@ -20,6 +20,13 @@ class GenerationStats:
     slots: int = 0  # KV-cache slots: sequences decoded at once (fewer than the samples means waves)
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    # The paged engine's (0 from the slot engine): the pool's peak fraction in use, sequences decoding per
+    # round, full prompt blocks found cached, sequences preempted for want of blocks.
+    kv_blocks_used: float = 0.0
+    concurrent_seqs_mean: float = 0.0
+    concurrent_seqs_peak: float = 0.0
+    prefix_cache_hit_rate: float = 0.0
+    preemptions: float = 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:

@@ -157,11 +157,11 @@ def recording_backend() -> tuple[list, object]:
 def test_compiled_bookkeeping_equals_eager_and_is_reused_by_the_next_call() -> None:
     # The engine compiles DecodeState.record per bucket; each generate call makes a new DecodeState. The
     # graph must not guard on the object (a recompile would then run at graph capture).
-    from hybridflow.engine.rollout.engine import _compiled_per_bucket
+    from hybridflow.engine.rollout.decode_loop import compiled_per_bucket
     from hybridflow.engine.rollout.state import DecodeState
 
     graphs, backend = recording_backend()
-    record = _compiled_per_bucket(DecodeState.record, num_buckets=12, backend=backend)
+    record = compiled_per_bucket(DecodeState.record, num_buckets=12, backend=backend)
     for call in range(2):
         states = [DecodeState(4, 5, stop_ids=[3], eos_ids=[2], device=torch.device("cpu")) for _ in range(2)]
         for state in states:
@@ -177,14 +177,14 @@ def test_compiled_bookkeeping_equals_eager_and_is_reused_by_the_next_call() -> N
 
 
 def test_compiled_decode_gets_a_graph_for_every_bucket_past_dynamos_default_limit() -> None:
-    from hybridflow.engine.rollout.engine import _compiled_per_bucket
+    from hybridflow.engine.rollout.decode_loop import compiled_per_bucket
 
     graphs, backend = recording_backend()
 
     def step(x: torch.Tensor) -> torch.Tensor:
         return x * 2 + 1
 
-    decode = _compiled_per_bucket(step, num_buckets=12, backend=backend)
+    decode = compiled_per_bucket(step, num_buckets=12, backend=backend)
     for b in range(1, 13):  # 12 static shapes: one graph each, none left to run uncompiled
         torch.testing.assert_close(decode(torch.ones(b)), torch.full((b,), 3.0))
     assert len(graphs) == 12

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hybridflow.engine.rollout.blocks import KSplits
+from hybridflow.engine.rollout.decode_loop import make_sampler
 from hybridflow.engine.rollout.engine import DECODE_K_SPLITS, RolloutEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.scheduler import PrefillChunk, PromptGroup
@@ -134,7 +135,7 @@ def test_prefill_queues_without_waiting_for_the_gpu() -> None:
     params = SamplingParams(n=2, max_new_tokens=4, temperature=1.0, seed=0)
     cache = engine.runner.make_cache(8, 64)
     state = DecodeState(8, params.max_new_tokens, [], [], torch.device("cuda"))
-    pick, _ = engine._sampler(params)
+    pick, _ = make_sampler(params, engine.device, engine.fused_sampler)
     groups = [PromptGroup(i, p, 2, first_slot=2 * i) for i, p in enumerate(PROMPTS)]
     chunks = [PrefillChunk(g, 0, len(g.token_ids)) for g in groups]
     engine._prefill(chunks, cache, state, pick, 64)  # warm-up: first-call allocations are not the point

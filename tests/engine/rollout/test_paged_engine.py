@@ -65,10 +65,14 @@ def test_extend_then_step_equals_generating_from_the_whole_prompt() -> None:
     engine.extend(sid, tool)
     while engine.has_work:
         engine.step()
-    want = RolloutEngine(model).generate([prompt + first + tool], greedy(6))[0][0].token_ids
+    assert 3 <= len(first) < 14 - len(tool)  # a step prefills and decodes: a new sequence gets two tokens
+    rest = 14 - len(first) - len(tool)
+    want = RolloutEngine(model).generate([prompt + first + tool], greedy(rest))[0][0].token_ids
     assert seq.response == first + tool + want
-    assert seq.trainable == [True] * 3 + [False] * 5 + [True] * 6
-    assert all(math.isnan(x) for x in seq.logprobs[3:8]) and not any(math.isnan(x) for x in seq.logprobs[8:])
+    k = len(first)
+    assert seq.trainable == [True] * k + [False] * 5 + [True] * rest
+    assert all(math.isnan(x) for x in seq.logprobs[k : k + 5])
+    assert not any(math.isnan(x) for x in seq.logprobs[:k] + seq.logprobs[k + 5 :])
     _all_back(engine)
 
 
@@ -228,9 +232,9 @@ def test_extend_on_a_preempted_sequence_waits_for_its_next_prefill() -> None:
 def test_an_extension_that_spends_the_budget_ends_the_sequence() -> None:
     engine = PagedEngine(lively_model("qwen2"), num_blocks=16, block_size=4)
     (sid,) = engine.add(PROMPTS[0], greedy(5))
-    engine.step()
-    engine.step()
+    engine.step()  # the prompt's prefill samples one token, one decode step another
     (seq,) = engine.running
+    assert len(seq.response) == 2
     engine.extend(sid, [40, 41, 42])  # 2 sampled + 3 extended = the budget of 5
     assert (
         engine.step() == [seq] and seq.finish_reason == "length" and seq.trainable == [True] * 2 + [False] * 3

@@ -1,0 +1,263 @@
+"""One session of the paged engine: from the first request after idle to the last one finished. It holds what
+is sized for the work: the block pool and its device cache, the seats, the sampler, the CUDA graphs, and the
+session's figures; ``close`` hands the cache (and the cast weights) back to training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from hybridflow.engine.rollout.block_pool import BlockPool
+from hybridflow.engine.rollout.decode_loop import make_sampler
+from hybridflow.engine.rollout.graphs import DecodeGraphs
+from hybridflow.engine.rollout.model import LlamaRunner
+from hybridflow.engine.rollout.paged_cache import PagedKVCache
+from hybridflow.engine.rollout.sampling import SamplingParams
+from hybridflow.engine.rollout.seats import Seats
+from hybridflow.engine.rollout.stats import GenerationStats, PhaseTimer
+from hybridflow.utils.device import gpu_memory_limit
+
+if TYPE_CHECKING:
+    from hybridflow.engine.rollout.paged_engine import PagedEngine, Sequence
+
+logger = logging.getLogger(__name__)
+
+# A memory-bound pool is a multiple of this many blocks: the compiled decode step is specialised on the
+# cache's shape, so a pool that moved with a few MB of other allocations between calls would recompile
+# every batch bucket (the slot engine's SLOT_GRANULE, for the same reason).
+BLOCK_GRANULE = 256
+
+
+@dataclasses.dataclass
+class SessionConfig:
+    """The engine's settings (``RolloutEngine``'s names, plus the pool's)."""
+
+    num_blocks: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.5
+    sync_interval: int = 16
+    enforce_eager: bool = False
+    compile_decode: bool = False
+    free_cache_engine: bool = True
+    device: torch.device | None = None
+
+    def __post_init__(self) -> None:
+        if (
+            self.block_size < 1
+            or (self.num_blocks is not None and self.num_blocks < 1)
+            or self.sync_interval < 1
+        ):
+            raise ValueError(
+                f"block_size, num_blocks and sync_interval must be >= 1; got {self.block_size}, "
+                f"{self.num_blocks}, {self.sync_interval}"
+            )
+
+
+def check_params(running: SamplingParams, new: SamplingParams) -> None:
+    """Requests in flight together share their sampling settings (one sampler and one stop list per
+    session); only n and a max_new_tokens up to the session's may differ."""
+    same = dataclasses.replace(new, n=running.n, max_new_tokens=running.max_new_tokens) == running
+    if not same or new.max_new_tokens > running.max_new_tokens:
+        raise ValueError(
+            "a request's sampling settings must equal those of the requests in flight (n may differ, and "
+            f"max_new_tokens up to {running.max_new_tokens}); got {new}, running {running}. Add it once "
+            "the engine is idle"
+        )
+
+
+class Session:
+    """The pool, cache, seats, sampler and graphs of one stretch of work, and its figures."""
+
+    def __init__(
+        self, engine: PagedEngine, params: SamplingParams, num_seats: int, num_seqs: int, max_len: int
+    ):
+        self.engine, self.params, self.runner = engine, params, engine.runner
+        cfg, r = engine.cfg, engine.runner
+        if r.refresh():  # the trainer may have stepped: re-cast in place; rebound tensors need new graphs
+            engine.warm.clear()
+        bs = cfg.block_size
+        width = -(-max_len // bs)  # table width: blocks of the longest sequence
+        blocks = cfg.num_blocks or self._blocks_for_memory(num_seqs * width)
+        self.pool = BlockPool(blocks, bs)
+        self.cache = self._cache(blocks + 1)  # block 0 of the device is scratch (see seats.py)
+        eos = [] if params.ignore_eos else list(params.eos_token_ids)
+        self.seats = Seats(
+            num_seats, width, params.max_new_tokens, list(params.stop_token_ids), eos, r.device
+        )
+        self.params_never_stop = params.ignore_eos or not (params.eos_token_ids or params.stop_token_ids)
+        self.pick, generator = make_sampler(params, r.device, engine.fused_sampler)
+        self.graphs = None
+        if engine.use_graphs:
+            key = (num_seats, width, blocks, repr(dataclasses.replace(params, seed=None)), r.k_splits)
+            self.graphs = DecodeGraphs(self._step, num_seats, generator, engine.warm.setdefault(key, set()))
+        self.timer = PhaseTimer(r.device)
+        self.counts = GenerationStats(slots=num_seats)
+        logger.debug("paged session: %d blocks of %d, %d seats, width %d", blocks, bs, num_seats, width)
+
+    # ---- sizing -------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def block_bytes(runner: LlamaRunner, block_size: int) -> int:
+        """Device bytes of one block over all layers."""
+        return PagedKVCache.bytes_per_block(
+            runner.num_layers, block_size, runner.num_kv_heads, runner.head_dim, runner.dtype
+        )
+
+    @staticmethod
+    def budget(runner: LlamaRunner, cfg: SessionConfig, kept: int = 0, pending: int = 0) -> float:
+        """Device bytes the pool may take: the utilization's share of the GPU less what is allocated (a kept
+        cache counts as free, weight buffers about to be filled as taken)."""
+        total = gpu_memory_limit(runner.device)  # the whole GPU, or trainer.gpu_memory_gb's share
+        return cfg.gpu_memory_utilization * total - (
+            torch.cuda.memory_allocated(runner.device) - kept + pending
+        )
+
+    @classmethod
+    def shortfall(cls, runner: LlamaRunner, cfg: SessionConfig, count: int, max_len: int) -> int:
+        """Bytes the pool lacks to hold ``count`` sequences of ``max_len`` positions at once."""
+        need = count * -(-max_len // cfg.block_size) * cls.block_bytes(runner, cfg.block_size)
+        return max(0, math.ceil(need - cls.budget(runner, cfg, pending=runner.pending_bytes())))
+
+    def _blocks_for_memory(self, demand: int) -> int:
+        """Blocks for the work (``demand``: every sequence at full length), within the memory budget on GPU."""
+        r, cfg = self.runner, self.engine.cfg
+        if r.device.type != "cuda":
+            return demand
+        kept = self.engine.kept_cache.storage.nbytes if self.engine.kept_cache is not None else 0
+        per = self.block_bytes(r, cfg.block_size)
+        fit = int(self.budget(r, cfg, kept) // per) - 1  # less the scratch block
+        if self.engine.tp is not None:  # the ranks of a group must schedule alike: the smallest pool rules
+            fit = int(funcol.all_reduce(torch.tensor([fit], device=r.device), "min", self.engine.tp.group))
+        if fit < 1:
+            raise ValueError(
+                f"no KV-cache block fits in rollout.gpu_memory_utilization={cfg.gpu_memory_utilization} of the "
+                "GPU; raise it"
+            )
+        if fit >= demand:
+            return demand
+        return fit - fit % BLOCK_GRANULE if fit >= 2 * BLOCK_GRANULE else fit
+
+    def _cache(self, blocks: int) -> PagedKVCache:
+        """The device cache: the one kept from the last session if it has the shape, else a new one."""
+        r, kept = self.runner, self.engine.kept_cache
+        self.engine.kept_cache = None
+        if kept is not None and kept.num_blocks == blocks:
+            return kept
+        del kept
+        return PagedKVCache(
+            r.num_layers, blocks, self.pool.block_size, r.num_kv_heads, r.head_dim, r.dtype, r.device
+        )
+
+    # ---- the work -----------------------------------------------------------------------------------------
+
+    def prefill(self, rows: list[tuple[Sequence, int]]) -> None:
+        """Prefill each sequence's tokens from its start (at least its last token), in calls within the token
+        budget (a row longer than the budget in chunks); keeps the logits after each row's last token."""
+        budget, call, out = self.engine.cfg.max_num_batched_tokens, [], []
+        with self.timer.span("prefill"):
+            for s, start in rows:
+                start = min(start, len(s.tokens) - 1)
+                self.counts.prefill_tokens += len(s.tokens) - start
+                while len(s.tokens) - start > budget:  # a long row: its own calls, chunk by chunk
+                    self._prefill_call([(s, start, start + budget)])
+                    start += budget
+                if (
+                    call
+                    and (len(call) + 1) * max(e - b for _, b, e in [*call, (s, start, len(s.tokens))])
+                    > budget
+                ):
+                    out.append(self._prefill_call(call))
+                    call = []
+                call.append((s, start, len(s.tokens)))
+            if call:
+                out.append(self._prefill_call(call))
+        self.logits = torch.cat(out)  # (rows, V)
+
+    def _prefill_call(self, call: list[tuple[Sequence, int, int]]) -> torch.Tensor:
+        """One right-padded prefill call of (sequence, start, end) rows; the logits after each row (b, V)."""
+        from hybridflow.engine.ops.packing import to_device
+
+        dev, width = self.runner.device, max(e - b for _, b, e in call)
+        ids = torch.tensor([s.tokens[b:e] + [0] * (width - e + b) for s, b, e in call])  # (b, t)
+        lengths = torch.tensor([e - b for _, b, e in call])
+        starts = torch.tensor([b for _, b, _ in call])
+        blocks = max(len(s.table.blocks) for s, _, _ in call)
+        tables = torch.tensor(
+            [[x + 1 for x in s.table.blocks] + [0] * (blocks - len(s.table.blocks)) for s, _, _ in call]
+        )
+        kv_end = max(e for _, _, e in call) if any(b for _, b, _ in call) else 0
+        up = [to_device(x, dev) for x in (ids, lengths, starts, tables)]
+        return self.runner.prefill_paged(*up[:3], self.cache, up[3], kv_end)
+
+    def first_tokens(self, jobs: list[Sequence], groups: list[list[Sequence]]) -> None:
+        """Sample each prefilled row's first token (once per sample of a group) and start their seats."""
+        from hybridflow.engine.ops.packing import to_device
+
+        seqs = jobs + [s for g in groups for s in g]
+        repeat = list(range(len(jobs))) + [len(jobs) + k for k, g in enumerate(groups) for _ in g]
+        rows = self.logits[to_device(torch.tensor(repeat), self.runner.device)]  # (len(seqs), V)
+        seats = [s.seat for s in seqs]
+        for s in seqs:
+            s.pending = 1  # the token sampled here, on the device until its sequence is fetched
+        self.seats.begin(seats, [len(s.tokens) for s in seqs], [s.budget_end - len(s.tokens) for s in seqs])
+        tokens, logprobs = self.pick(rows)
+        idx = to_device(torch.tensor(seats), self.runner.device)
+        self.seats.state.record(idx, tokens, logprobs, advance=False)
+        self.counts.decode_tokens -= len(seqs)  # counted as sampled at the sync, but prefill's
+        if self.graphs is not None and self.seats.num_used:
+            self.graphs.prepare(self.seats.num_used)  # captures while the GPU runs the prefill just queued
+        del self.logits
+
+    def decode(self, steps: int) -> None:
+        """``steps`` decode steps for every seat, queued without a host sync."""
+        b = self.seats.num_used
+        self.seats.upload()
+        with self.timer.span("decode"):
+            for _ in range(steps):
+                if self.graphs is not None:
+                    self.graphs.run(b)
+                else:
+                    self._step(b)
+        self.counts.decode_steps += steps
+
+    def _step(self, b: int) -> None:
+        self.seats.decode_step(b, self.engine.decode_fn, self.cache, self.pick, self.engine.record_fn)
+
+    def refresh_weights(self) -> None:
+        """After an in-place weight update: re-cast into the runner's buffers (new graphs if rebound)."""
+        if self.runner.refresh():
+            self.engine.warm.clear()
+            if self.graphs is not None:
+                self.graphs.graphs.clear()
+
+    def stats(self, concurrent: list[int], preemptions: int) -> GenerationStats:
+        """The session's figures so far (device times read when it closes)."""
+        steps = concurrent or [0]
+        return dataclasses.replace(
+            self.counts,
+            kv_blocks_used=self.pool.stats.peak_used / len(self.pool.blocks),
+            concurrent_seqs_mean=sum(steps) / len(steps),
+            concurrent_seqs_peak=float(max(steps)),
+            prefix_cache_hit_rate=self.pool.stats.hit_rate,
+            preemptions=float(preemptions),
+        )
+
+    def close(self) -> None:
+        """Read the device times; free the cache and the cast weights, or keep the cache for the next session."""
+        seconds = self.timer.close()
+        self.counts.prefill_s, self.counts.decode_s = seconds.get("prefill", 0.0), seconds.get("decode", 0.0)
+        self.graphs = None  # graphs hold the cache and weight tensors: drop them before freeing those
+        if self.engine.cfg.free_cache_engine:
+            self.runner.release()  # re-allocated and re-filled by the next session's refresh()
+        else:
+            self.engine.kept_cache = self.cache
+        self.cache = None
