@@ -92,7 +92,8 @@ def main_long_tail(args, build) -> None:
             )
             print(
                 f"{shape:>6} {kind:>6} {rates[kind]:>10,.0f} {seconds:>8.1f} {at_once:>13} "
-                f"{st.kv_blocks_used:>8.0%} {st.preemptions:>8.0f}",
+                f"{st.kv_blocks_used:>8.0%} {st.preemptions:>8.0f}   (decode {st.decode_s:.1f} s in "
+                f"{st.decode_steps} steps, prefill {st.prefill_s:.1f} s)",
                 flush=True,
             )
             del engine

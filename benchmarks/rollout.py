@@ -117,7 +117,7 @@ def main() -> None:
     )
     ap.add_argument("--hf-tokens", type=int, default=64)
     ap.add_argument("--engines", nargs="+", default=["slot", "paged"], choices=["slot", "paged"])
-    ap.add_argument("--block-size", type=int, default=16, help="the paged engine's positions per block")
+    ap.add_argument("--block-size", type=int, default=128, help="the paged engine's positions per block")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument(
         "--long-tail", action="store_true", help="the long-tailed workload (benchmarks/long_tail.py)"

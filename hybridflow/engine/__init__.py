@@ -50,6 +50,8 @@ SURFACE: dict[str, str] = {
     "ActorEngine": "roles.actor",
     "CriticEngine": "roles.critic",
     "update_preference": "roles.preference",
+    "HFRollout": "rollout.engine",
+    "PagedEngine": "rollout.paged_engine",
     "RolloutEngine": "rollout.engine",
     "make_rollout": "rollout.engine",
     "SamplingParams": "rollout.sampling",

@@ -117,14 +117,23 @@ def add_rollout_stats(metrics: dict[str, float], stats: dict[str, float] | None)
     """Add a generate call's stats (``GenerationStats`` fields) to the step's metrics, summing over calls.
 
     ``perf/rollout_decode_tokens_per_s`` is the tokens decoded per second of decode device time;
-    ``rollout/kv_slots`` is the largest slot count of the calls, not a sum.
+    ``rollout/kv_slots`` is the largest slot count of the calls, not a sum; so are the paged engine's
+    ``rollout/kv_blocks_used`` (peak fraction of the pool), ``rollout/concurrent_seqs_mean|peak`` and
+    ``rollout/prefix_cache_hit_rate``; ``rollout/preemptions`` is summed.
     """
     if stats is None:
         return
     for field, key in ROLLOUT_STAT_KEYS.items():
         metrics[key] = metrics.get(key, 0.0) + float(stats[field])
-    # The most sequences any call decoded at once; fewer than the samples means the rollout ran in waves.
+    # The most sequences any call could decode at once (the paged engine's seats, the slot engine's slots).
     metrics["rollout/kv_slots"] = max(metrics.get("rollout/kv_slots", 0.0), float(stats.get("slots", 0)))
+    # The paged engine's scheduler: the largest figures over the step's calls, preemptions summed.
+    for field in ("kv_blocks_used", "concurrent_seqs_mean", "concurrent_seqs_peak", "prefix_cache_hit_rate"):
+        key = f"rollout/{field}"
+        metrics[key] = max(metrics.get(key, 0.0), float(stats.get(field, 0.0)))
+    metrics["rollout/preemptions"] = metrics.get("rollout/preemptions", 0.0) + float(
+        stats.get("preemptions", 0)
+    )
     seconds = metrics["timing_s/gen_decode"]
     rate = metrics["rollout/decode_tokens"] / seconds if seconds > 0 else 0.0
     metrics["perf/rollout_decode_tokens_per_s"] = rate

@@ -16,8 +16,8 @@ from hybridflow.engine import (
     ActorEngine,
     BroadcastReplica,
     GenerateView,
+    HFRollout,
     ParallelDims,
-    RolloutEngine,
     RolloutGroup,
     RolloutShard,
     RolloutTP,
@@ -200,7 +200,7 @@ class ActorWorker:
         """
         if self.weights is not None:
             return self.weights.release()
-        if isinstance(self.rollout, RolloutEngine):
+        if not isinstance(self.rollout, HFRollout):
             return self.rollout.runner.release()
         return 0
 
@@ -210,7 +210,7 @@ class ActorWorker:
         The engines of ``room_donors`` give up their moments in turn (the actor's first) until the KV cache
         holds every sequence at once; each gets them back at its next phase's ``onload()``.
         """
-        if not isinstance(self.rollout, RolloutEngine):
+        if isinstance(self.rollout, HFRollout):
             return  # HF generate sizes nothing from memory
         short = self.rollout.memory_shortfall(ids, params)
         for donor in self.room_donors:

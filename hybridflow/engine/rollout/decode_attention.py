@@ -160,7 +160,11 @@ if triton is not None:
             pos = start + offs_n  # (BLOCK_N,)
             n_ok = pos < hi
             kv_mask = n_ok[:, None] & d_ok[None, :]
-            if PAGE > 0:  # each position's block from the row's table (entries past the length masked)
+            if PAGE > 0 and PAGE % BLOCK_N == 0:  # the tile lies in one block: one id, a contiguous run
+                blk = tl.load(TABLE + b * stride_tb + start // PAGE).to(tl.int64)
+                k_at = blk * stride_kb + (pos % PAGE) * stride_kl  # (BLOCK_N,)
+                v_at = blk * stride_vb + (pos % PAGE) * stride_vl
+            elif PAGE > 0:  # each position's block from the row's table (entries past the length masked)
                 blk = tl.load(TABLE + b * stride_tb + pos // PAGE, mask=n_ok, other=0).to(tl.int64)
                 k_at = blk * stride_kb + (pos % PAGE) * stride_kl  # (BLOCK_N,)
                 v_at = blk * stride_vb + (pos % PAGE) * stride_vl
@@ -479,11 +483,10 @@ def decode_attention_rope_paged(
     tables: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """The fused kernel on the paged cache (layers, 2, blocks, block size, KVH, D) through block ``tables``
+    """The fused kernel on the paged cache (layers, 2, blocks, KVH, block size, D) through block ``tables``
     (B, max_blocks): RoPE, the write of the step's k and v, and attention, one launch -> (B, H, 1, D)."""
     new = NewToken(k_new, v_new, cos, sin)
-    k = kv_storage[layer, 0].transpose(1, 2)  # (blocks, KVH, block size, D), a view
-    v = kv_storage[layer, 1].transpose(1, 2)
+    k, v = kv_storage[layer, 0], kv_storage[layer, 1]  # (blocks, KVH, block size, D) each
     return decode_attention_triton(q, k, v, positions, scale, new=new, table=tables)
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -33,6 +34,9 @@ from hybridflow.engine.rollout.types import GenerationOutput
 from hybridflow.models.families import fallback_notice
 from hybridflow.utils.device import gpu_memory_limit
 from hybridflow.utils.errors import UserError
+
+if TYPE_CHECKING:
+    from hybridflow.engine.rollout.paged_engine import PagedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -408,13 +412,16 @@ class HFRollout:
 
 def make_rollout(
     model: nn.Module, engine: str = "native", pad_token_id: int = 0, **kwargs
-) -> RolloutEngine | HFRollout:
-    """The built-in engine when the architecture is supported, else HF ``generate`` with one warning."""
+) -> PagedEngine | HFRollout:
+    """The built-in engine (the paged one) when the architecture is supported, else HF ``generate`` with one
+    warning."""
+    from hybridflow.engine.rollout.paged_engine import PagedEngine
+
     if engine not in ("native", "hf"):
         raise ValueError(f"unknown rollout engine {engine!r}; use native or hf")
     if engine == "native":
         reason = fallback_reason(model, kwargs.get("max_model_len"))
         if reason is None:
-            return RolloutEngine(model, **kwargs)
+            return PagedEngine(model, **kwargs)
         logger.warning(fallback_notice(model.config, reason))
     return HFRollout(model, pad_token_id, kwargs.get("max_model_len"))

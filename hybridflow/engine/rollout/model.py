@@ -28,7 +28,7 @@ from hybridflow.engine.rollout import blocks
 from hybridflow.engine.rollout.binding import WeightBinding
 from hybridflow.engine.rollout.blocks import KSplits, LayerDims, LayerWeights
 from hybridflow.engine.rollout.kv_cache import KVCache, write_kv
-from hybridflow.engine.rollout.paged_cache import PagedKVCache, paged_decode_attention
+from hybridflow.engine.rollout.paged_cache import PagedKVCache, paged_decode_attention, write_kv_paged
 from hybridflow.engine.rollout.support import check_structure, check_supported
 from hybridflow.engine.rollout.tp import RolloutTP
 from hybridflow.engine.rollout.weights import local_tensor
@@ -100,6 +100,7 @@ class LlamaRunner:
         # (the rollout engine's fused sampler); saves a float32 copy of (B, V) per step.
         self.float_logits = True
         self._prefill_layers = self._prefill_hidden  # compile_prefill() swaps in a compiled one
+        self._prefill_paged_layers = self._prefill_paged_hidden  # and this one
         self.dims = LayerDims(
             self.num_heads,
             self.num_kv_heads,
@@ -202,6 +203,9 @@ class LlamaRunner:
         the whole decode step instead).
         """
         self._prefill_layers = torch.compile(self._prefill_hidden, fullgraph=True, backend=backend)
+        self._prefill_paged_layers = torch.compile(
+            self._prefill_paged_hidden, fullgraph=True, backend=backend
+        )
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin (b, 1, t, D) for (b, t) positions, exactly as HF: float32 angles, then the dtype."""
@@ -398,35 +402,55 @@ class LlamaRunner:
         start_pos: torch.Tensor,  # (b,) > 0: positions below are cached (a shared prefix, an earlier turn)
         cache: PagedKVCache,
         tables: torch.Tensor,  # (b, max_blocks)
-        kv_end: int | None = None,
     ) -> torch.Tensor:
         """Prefill through block tables: each row's valid tokens are written at their positions and attend
         causally to everything cached below them; last-token logits (b, V).
 
-        ``kv_end``: the bound on start + length over the rows, from the host (0: every row starts at 0, so
-        attention runs on the chunk alone, causal, as the slot engine's first chunk does; else only the
-        blocks below it are read). None reads it from the tensors (a host sync on GPU).
+        When every row starts at 0 attention runs on the chunk alone, causal (right padding only adds keys
+        after every valid query), as the slot engine's first chunk does; else each row reads its blocks up to
+        the longest row's end. ``lengths``, ``start_pos`` and ``tables`` are read on the host: pass CPU tensors
+        and the call never waits for the GPU (they go up through pinned memory).
         """
         b, t = input_ids.shape
-        dev = input_ids.device
-        if kv_end is None:
-            kv_end = int((start_pos + lengths).max()) if bool((start_pos > 0).any()) else 0
-        positions = start_pos[:, None] + torch.arange(t, device=dev)  # (b, t)
-        rows, cols = (torch.arange(t, device=dev)[None] < lengths[:, None]).nonzero(as_tuple=True)
-        write_rows = cache.slot_rows(tables, rows, positions[rows, cols])  # (n,)
+        lengths, start_pos, tables = (x.detach().to("cpu", torch.long) for x in (lengths, start_pos, tables))
+        kv_end = int((start_pos + lengths).max())
+        causal = not bool(start_pos.any())
+        positions = start_pos[:, None] + torch.arange(t)  # (b, t)
+        rows, cols = (torch.arange(t)[None] < lengths[:, None]).nonzero(as_tuple=True)  # (n,) valid tokens
+        blocks, offsets = cache.locate(tables, rows, positions[rows, cols])  # (n,) each
+        tables = tables[:, : -(-kv_end // cache.block_size)]  # (b, blocks read)
+        up = [to_device(x, self.device) for x in (input_ids, positions, rows, cols, blocks, offsets, tables)]
+        h = self._prefill_paged_layers(*up, cache.storage, causal)  # (b, t, hidden)
+        last = h[torch.arange(b, device=self.device), to_device(lengths, self.device) - 1]  # (b, hidden)
+        return self._logits(last)
+
+    def _prefill_paged_hidden(
+        self,
+        input_ids: torch.Tensor,  # (b, t)
+        positions: torch.Tensor,  # (b, t)
+        rows: torch.Tensor,  # (n,) with cols: the valid tokens
+        cols: torch.Tensor,  # (n,)
+        blocks: torch.Tensor,  # (n,) where each valid token's K and V go
+        offsets: torch.Tensor,  # (n,)
+        tables: torch.Tensor,  # (b, M): the blocks attention reads (unless causal)
+        kv_storage: torch.Tensor,  # (layers, 2, N, KVH, bs, D)
+        causal: bool,
+    ) -> torch.Tensor:
+        """Prefill's layers on the paged cache (``prefill_paged``); compiled by ``compile_prefill``."""
+        bs = kv_storage.shape[4]
         mask = None
-        if kv_end:
-            tables = tables[:, : -(-kv_end // cache.block_size)]  # (b, blocks read)
-            keys_at = torch.arange(tables.shape[1] * cache.block_size, device=dev)  # (L,)
+        if not causal:
+            keys_at = torch.arange(tables.shape[1] * bs, device=positions.device)  # (L,)
             mask = keys_at <= positions[:, None, :, None]  # (b, 1, t, L)
 
         def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cache.write(idx, k[rows, :, cols], v[rows, :, cols], write_rows)  # (n, KVH, D) each
-            if mask is None:  # right padding only adds keys after every valid query: causal is exact
+            write_kv_paged(k[rows, :, cols], v[rows, :, cols], kv_storage, idx, blocks, offsets)
+            if mask is None:
                 return F.scaled_dot_product_attention(
                     q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True
                 )
-            keys, values = cache.gather(idx, tables)  # (b, L, KVH, D) each
+            keys = kv_storage[idx, 0][tables].transpose(2, 3).flatten(1, 2)  # (b, L, KVH, D)
+            values = kv_storage[idx, 1][tables].transpose(2, 3).flatten(1, 2)
             return F.scaled_dot_product_attention(
                 q,
                 keys.transpose(1, 2),
@@ -436,8 +460,7 @@ class LlamaRunner:
                 enable_gqa=True,
             )
 
-        h = self._forward(input_ids, positions, attend)  # (b, t, hidden)
-        return self._logits(h[torch.arange(b, device=dev), lengths - 1])  # (b, V)
+        return self._forward(input_ids, positions, attend)
 
     @torch.no_grad()
     def decode_paged(
@@ -459,10 +482,10 @@ class LlamaRunner:
             return self._logits(h[:, 0])  # (B, V)
 
         batch = input_ids.shape[0]
-        rows = cache.slot_rows(tables, torch.arange(batch, device=input_ids.device), positions)  # (B,)
+        write_at = cache.locate(tables, torch.arange(batch, device=input_ids.device), positions)  # (B,) each
 
         def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cache.write(idx, k[:, :, 0], v[:, :, 0], rows)  # (B, KVH, D) each
+            cache.write(idx, k[:, :, 0], v[:, :, 0], write_at)  # (B, KVH, D) each
             out = paged_decode_attention(q[:, :, 0], cache, idx, tables, positions + 1, self.scaling)
             return out[:, :, None]  # (B, H, 1, D)
 

@@ -2,12 +2,12 @@
 and read through block tables, with the CPU reference of decode attention over it. Not yet used by the
 engine (``kv_cache.py``'s slots still are); ``block_pool.BlockPool`` decides which block holds what.
 
-Layout: (layers, 2, blocks, block_size, KV heads, head dim), K at [:, 0] and V at [:, 1]. A position p of a
-sequence lives at flat row ``table[p // block_size] * block_size + p % block_size`` of its layer's
-(blocks * block_size, KVH, D) view: a token's write is one indexed store, whatever block it falls in, and a
-block is one contiguous (block_size, KVH, D) run that a paged kernel reads whole. Block tables are fixed-shape
-(B, max_blocks) tensors (unused entries any valid block id, masked by the lengths), so a decode step's shapes
-do not change as sequences grow: what CUDA graphs need.
+Layout: (layers, 2, blocks, KV heads, block_size, head dim), K at [:, 0] and V at [:, 1]. Position p of a
+sequence lives in block ``table[p // block_size]`` at offset ``p % block_size``: a token's write is one indexed
+store, whatever block it falls in, and each KV head's part of a block is one contiguous (block_size, D) run
+that the paged kernel streams (a position-major block interleaves the heads: half of every run the other
+head's). Block tables are fixed-shape (B, max_blocks) tensors (unused entries any valid block id, masked by
+the lengths), so a decode step's shapes do not change as sequences grow: what CUDA graphs need.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ class PagedKVCache:
             raise ValueError(f"PagedKVCache sizes must be >= 1, got {bad}")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.storage = torch.zeros(
-            num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
-        )  # (layers, 2, N, bs, KVH, D)
+            num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device
+        )  # (layers, 2, N, KVH, bs, D)
 
     @staticmethod
     def bytes_per_block(
@@ -52,20 +52,18 @@ class PagedKVCache:
             * torch.empty((), dtype=dtype).element_size()
         )
 
-    def rows(self, layer: int, which: int) -> torch.Tensor:
-        """Layer ``layer``'s K (``which`` 0) or V (1) as (blocks * block_size, KVH, D) rows, a view."""
-        return self.storage[layer, which].flatten(0, 1)
+    def locate(
+        self, tables: torch.Tensor, seq: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where ``positions`` (n,) of the sequences ``seq`` (n,) whose block tables are ``tables`` (B,
+        max_blocks) live: (block ids (n,), offsets in the block (n,)), for a write or a read of those tokens."""
+        return tables[seq, positions // self.block_size], positions % self.block_size
 
-    def slot_rows(self, tables: torch.Tensor, seq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The flat rows of ``positions`` (n,) of the sequences ``seq`` (n,) whose block tables are ``tables``
-        (B, max_blocks): where a write or a read of those tokens goes."""
-        blocks = tables[seq, positions // self.block_size]  # (n,)
-        return blocks * self.block_size + positions % self.block_size  # (n,)
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
-        """Store K and V of n tokens, each (n, KVH, D), at ``rows`` (n,) of ``layer`` (from ``slot_rows``)."""
-        self.rows(layer, 0)[rows] = k
-        self.rows(layer, 1)[rows] = v
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        """Store K and V of n tokens, each (n, KVH, D), at ``where`` (from ``locate``) in ``layer``."""
+        write_kv_paged(k, v, self.storage, layer, *where)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block ``src`` into ``dst`` in every layer: a forked sequence's own copy of a partial block."""
@@ -73,8 +71,8 @@ class PagedKVCache:
 
     def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every sequence's blocks in position order, each (B, max_blocks * block_size, KVH, D)."""
-        k = self.storage[layer, 0][tables]  # (B, M, bs, KVH, D)
-        v = self.storage[layer, 1][tables]
+        k = self.storage[layer, 0][tables].transpose(2, 3)  # (B, M, bs, KVH, D)
+        v = self.storage[layer, 1][tables].transpose(2, 3)
         return k.flatten(1, 2), v.flatten(1, 2)
 
 
@@ -100,3 +98,24 @@ def paged_decode_attention(
         enable_gqa=True,
     )  # (B, H, 1, D)
     return out.squeeze(2)
+
+
+@torch.library.custom_op("hybridflow::write_kv_paged", mutates_args=("kv_storage",))
+def write_kv_paged(
+    k: torch.Tensor,  # (n, KVH, D)
+    v: torch.Tensor,  # (n, KVH, D)
+    kv_storage: torch.Tensor,  # (layers, 2, N, KVH, bs, D)
+    layer: int,
+    blocks: torch.Tensor,  # (n,)
+    offsets: torch.Tensor,  # (n,)
+) -> None:
+    """Write n tokens' k and v into ``layer`` of the paged cache, token i in block ``blocks[i]`` at
+    ``offsets[i]``. An op on the cache's one tensor, so a compiled prefill updates it in place (a view as a
+    mutated input would make inductor clone the storage around the write)."""
+    kv_storage[layer, 0, blocks, :, offsets] = k  # indices split by a slice: (n, KVH, D)
+    kv_storage[layer, 1, blocks, :, offsets] = v
+
+
+@write_kv_paged.register_fake
+def _(k, v, kv_storage, layer, blocks, offsets):  # the op's signature
+    return None

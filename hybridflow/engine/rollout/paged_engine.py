@@ -40,11 +40,12 @@ from hybridflow.engine.rollout.state import DecodeState
 from hybridflow.engine.rollout.stats import GenerationStats
 from hybridflow.engine.rollout.tp import RolloutTP
 from hybridflow.engine.rollout.types import GenerationOutput
+from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: a field-wise == over token lists made list.remove O(tokens)
 class Sequence:
     """One sample: its tokens, what the engine knows of them, and how it ended (None while it runs)."""
 
@@ -89,7 +90,7 @@ class PagedEngine:
         self,
         model: nn.Module,
         num_blocks: int | None = None,
-        block_size: int = 16,
+        block_size: int = 128,
         max_num_seqs: int = 256,
         dtype: torch.dtype | None = None,
         tp: RolloutTP | None = None,
@@ -111,6 +112,7 @@ class PagedEngine:
         self.preemptions = 0
         self._concurrent: list[int] = []  # running sequences in each decode round
         self.stalled = False  # the last step could neither prefill nor decode anything
+        self._by_id: dict[int, Sequence] = {}  # every sequence waiting or running
         self._ids = itertools.count()
         self.last_stats = GenerationStats()  # of the last session
         # As the slot engine: the fused Triton sampler on CUDA (reads the compute-dtype logits), CUDA graphs of
@@ -120,10 +122,12 @@ class PagedEngine:
         self.use_graphs = not cfg.enforce_eager and self.device.type == "cuda"
         self.warm: dict[tuple, set[int]] = {}  # batch buckets run once, per session signature (see graphs)
         self.kept_cache: PagedKVCache | None = None  # the last session's, when free_cache_engine is off
+        self.last_pool_blocks: int | None = None  # the last session's pool size
         self.decode_fn, self.record_fn = self.runner.decode_paged, DecodeState.record
         if cfg.compile_decode:
             self.decode_fn = compiled_per_bucket(self.runner.decode_paged, len(buckets(max_num_seqs)))
             self.record_fn = compiled_per_bucket(DecodeState.record, len(buckets(max_num_seqs)))
+            self.runner.compile_prefill()
             if self.device.type == "cuda" and self.runner.dtype in (torch.bfloat16, torch.float16):
                 self.runner.k_splits = DECODE_K_SPLITS
 
@@ -135,15 +139,23 @@ class PagedEngine:
             raise ValueError(
                 f"n={params.n} samples cannot run at once with max_num_seqs={self.max_num_seqs}; raise max_num_seqs"
             )
+        if not prompt:
+            raise ValueError("a prompt needs at least one token")
         limit = self.max_len
-        if not prompt or len(prompt) + params.max_new_tokens > limit:
-            raise ValueError(
-                f"a prompt of {len(prompt)} tokens with max_new_tokens={params.max_new_tokens} does not fit the "
-                f"model's {limit} positions (and a prompt needs at least one token); shorten one of them"
+        if len(prompt) >= limit:
+            raise UserError(
+                f"a prompt of {len(prompt)} tokens leaves no room to generate within the context of {limit} "
+                "tokens; shorten it or raise max_model_len (data.max_prompt_length)"
             )
         if self.session is not None:
             check_params(self.session.params, params)
-        group = [Sequence(next(self._ids), list(prompt), len(prompt), params) for _ in range(params.n)]
+        room = limit - len(prompt)  # the response stops at the context's end, as the slot engine's do
+        budget = room if room < params.max_new_tokens else 0
+        group = [
+            Sequence(next(self._ids), list(prompt), len(prompt), params, max_new=budget)
+            for _ in range(params.n)
+        ]
+        self._by_id.update((s.id, s) for s in group)
         self.waiting.append(group)
         return [s.id for s in group]
 
@@ -221,6 +233,7 @@ class PagedEngine:
             for s in [s for s in group if s.id in wanted]:
                 s.finish_reason = "abort"
                 group.remove(s)
+                del self._by_id[s.id]
                 out.append(s)
         self.waiting = [g for g in self.waiting if g]
         if not self.has_work:
@@ -284,7 +297,7 @@ class PagedEngine:
         ids = [self.add(p, params) for p in prompts]
         for k, group in enumerate(self.waiting if lengths is not None else []):
             for s, limit in zip(group, lengths[k]):
-                s.max_new = limit
+                s.max_new = min(limit, s.budget_end - s.prompt_len)
         self._open(demand=(len(prompts) * params.n, max(map(len, prompts)) + params.max_new_tokens))
         done: dict[int, Sequence] = {}
         while len(done) < len(prompts) * params.n:
@@ -424,8 +437,9 @@ class PagedEngine:
             victim = seated[-1] if len(seated) > 1 else None
             self._preempt(victim or seated[0])
         for s in seated:
-            session.pool.reserve(s.table, _positions(s, steps))
-            session.seats.set_table(s.seat, s.table.blocks)
+            if session.pool.blocks_to_reserve(s.table, _positions(s, steps)):
+                session.pool.reserve(s.table, _positions(s, steps))
+                session.seats.set_table(s.seat, s.table.blocks)
         return steps
 
     def _take(self, s: Sequence, tokens: list[int], logprobs: list[float]) -> None:
@@ -440,8 +454,7 @@ class PagedEngine:
 
     def _seated(self) -> list[Sequence]:
         """The sequences holding seats, in seat order."""
-        by_id = {s.id: s for s in self.running}
-        return [by_id[i] for i in self.session.seats.owner] if self.session is not None else []
+        return [self._by_id[i] for i in self.session.seats.owner] if self.session is not None else []
 
     def _unseat(self, s: Sequence) -> None:
         """Take a sequence off the decode batch, its tokens still on the device fetched first."""
@@ -455,7 +468,7 @@ class PagedEngine:
             self._take(s, tokens, logprobs)
         moved = seats.leave(s.seat)
         if moved is not None:
-            next(x for x in self.running if x.id == moved).seat = s.seat
+            self._by_id[moved].seat = s.seat
         s.seat = None
 
     def _preempt(self, s: Sequence, count: bool = True) -> None:
@@ -469,13 +482,14 @@ class PagedEngine:
     def _release(self, s: Sequence) -> None:
         self._unseat(s)
         self.running.remove(s)
+        del self._by_id[s.id]
         if s.table is not None:
             self.session.pool.free(s.table)
             s.table = None
 
     def _running(self, seq_id: int) -> Sequence:
-        s = next((s for s in self.running if s.id == seq_id), None)
-        if s is None:
+        s = self._by_id.get(seq_id)
+        if s is None or s not in self.running:
             raise KeyError(f"sequence {seq_id} is not running (finished, aborted or not yet admitted)")
         return s
 

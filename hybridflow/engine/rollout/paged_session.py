@@ -39,7 +39,7 @@ class SessionConfig:
     """The engine's settings (``RolloutEngine``'s names, plus the pool's)."""
 
     num_blocks: int | None = None
-    block_size: int = 16
+    block_size: int = 128  # a multiple of the decode kernel's tile (64 or 128): one block id per tile
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
@@ -86,7 +86,8 @@ class Session:
             engine.warm.clear()
         bs = cfg.block_size
         width = -(-max_len // bs)  # table width: blocks of the longest sequence
-        blocks = cfg.num_blocks or self._blocks_for_memory(num_seqs * width)
+        # Every sequence at full length, and a block per seat of the admission headroom (PagedEngine._admit).
+        blocks = cfg.num_blocks or self._blocks_for_memory(num_seqs * width + num_seats, num_seats)
         self.pool = BlockPool(blocks, bs)
         self.cache = self._cache(blocks + 1)  # block 0 of the device is scratch (see seats.py)
         eos = [] if params.ignore_eos else list(params.eos_token_ids)
@@ -127,14 +128,19 @@ class Session:
         need = count * -(-max_len // cfg.block_size) * cls.block_bytes(runner, cfg.block_size)
         return max(0, math.ceil(need - cls.budget(runner, cfg, pending=runner.pending_bytes())))
 
-    def _blocks_for_memory(self, demand: int) -> int:
-        """Blocks for the work (``demand``: every sequence at full length), within the memory budget on GPU."""
+    def _blocks_for_memory(self, demand: int, num_seats: int) -> int:
+        """Blocks for the work (``demand``: every sequence at full length), within the memory budget on GPU,
+        less the decode step's workspace at ``num_seats`` rows."""
         r, cfg = self.runner, self.engine.cfg
         if r.device.type != "cuda":
             return demand
         kept = self.engine.kept_cache.storage.nbytes if self.engine.kept_cache is not None else 0
         per = self.block_bytes(r, cfg.block_size)
-        fit = int(self.budget(r, cfg, kept) // per) - 1  # less the scratch block
+        # A step's logits in the compute dtype, their float32 copy in filtered sampling, a float32 row of
+        # the sampler's, and the hidden and MLP activations: at 4,096 rows of a 152k vocabulary ~5 GB, which
+        # a budget of 0.9 of an H200 left no room for (the slot engine never ran that many rows at once).
+        workspace = num_seats * (r.vocab_size * 10 + 32 * r.config.intermediate_size)
+        fit = int((self.budget(r, cfg, kept) - workspace) // per) - 1  # less the scratch block
         if self.engine.tp is not None:  # the ranks of a group must schedule alike: the smallest pool rules
             fit = int(funcol.all_reduce(torch.tensor([fit], device=r.device), "min", self.engine.tp.group))
         if fit < 1:
@@ -153,6 +159,12 @@ class Session:
         if kept is not None and kept.num_blocks == blocks:
             return kept
         del kept
+        # The last session's freed pool stays cached in the allocator: a pool of another size could not use
+        # it and the GPU would hold both (the warm-up's small pool then a 120 GB one: out of memory). Only on a
+        # change of size, since cudaMalloc'ing training's cached blocks again every step costs time.
+        if r.device.type == "cuda" and self.engine.last_pool_blocks not in (None, blocks):
+            torch.cuda.empty_cache()
+        self.engine.last_pool_blocks = blocks
         return PagedKVCache(
             r.num_layers, blocks, self.pool.block_size, r.num_kv_heads, r.head_dim, r.dtype, r.device
         )
@@ -194,9 +206,7 @@ class Session:
         tables = torch.tensor(
             [[x + 1 for x in s.table.blocks] + [0] * (blocks - len(s.table.blocks)) for s, _, _ in call]
         )
-        kv_end = max(e for _, _, e in call) if any(b for _, b, _ in call) else 0
-        up = [to_device(x, dev) for x in (ids, lengths, starts, tables)]
-        return self.runner.prefill_paged(*up[:3], self.cache, up[3], kv_end)
+        return self.runner.prefill_paged(to_device(ids, dev), lengths, starts, self.cache, tables)
 
     def first_tokens(self, jobs: list[Sequence], groups: list[list[Sequence]]) -> None:
         """Sample each prefilled row's first token (once per sample of a group) and start their seats."""

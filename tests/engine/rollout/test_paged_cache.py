@@ -34,10 +34,10 @@ def _write(cache: PagedKVCache, table: list[int], tokens: list[int], start: int)
     """Write positions ``start``.. of one sequence through its block table (what prefill and decode do)."""
     tables = torch.tensor([table])
     positions = torch.arange(start, len(tokens))
-    rows = cache.slot_rows(tables, torch.zeros_like(positions), positions)
+    where = cache.locate(tables, torch.zeros_like(positions), positions)
     for layer in range(LAYERS):
         k, v = zip(*(_kv(tokens[p], p, layer) for p in positions.tolist()))
-        cache.write(layer, torch.stack(k), torch.stack(v), rows)
+        cache.write(layer, torch.stack(k), torch.stack(v), where)
 
 
 def test_decode_attention_through_block_tables_equals_dense_attention() -> None:
@@ -103,8 +103,8 @@ def test_the_fused_kernel_through_block_tables_equals_the_reference(page: int) -
     tables, positions = tables.to(device), positions.to(device)
     want_cache = PagedKVCache(2, blocks, page, kvh, dim, dtype, device)
     want_cache.storage.copy_(cache.storage)
-    rows = want_cache.slot_rows(tables, torch.arange(batch, device=device), positions)
-    want_cache.write(1, da.rope_reference(new.k, new.cos, new.sin)[:, :, 0], new.v[:, :, 0], rows)
+    where = want_cache.locate(tables, torch.arange(batch, device=device), positions)
+    want_cache.write(1, da.rope_reference(new.k, new.cos, new.sin)[:, :, 0], new.v[:, :, 0], where)
     want = paged_decode_attention(
         da.rope_reference(q, new.cos, new.sin)[:, :, 0], want_cache, 1, tables, positions + 1, dim**-0.5
     )
@@ -114,7 +114,7 @@ def test_the_fused_kernel_through_block_tables_equals_the_reference(page: int) -
         got = torch.ops.hybridflow.decode_attention_rope_paged(
             q, new.k, new.v, new.cos, new.sin, got_cache.storage, 1, positions, tables, dim**-0.5
         ) if splits == 1 else da.decode_attention_triton(
-            q, *(got_cache.storage[1, i].transpose(1, 2) for i in (0, 1)), positions, dim**-0.5,
+            q, got_cache.storage[1, 0], got_cache.storage[1, 1], positions, dim**-0.5,
             new=new, table=tables, block_n=16, num_splits=splits,
         )  # fmt: skip
         tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)

@@ -14,6 +14,7 @@ from test_engine import PROMPTS, greedy, hf_greedy_left_padded, lively_model
 from hybridflow.engine.rollout.engine import RolloutEngine
 from hybridflow.engine.rollout.paged_engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
+from hybridflow.utils.errors import UserError
 
 
 def _all_back(engine: PagedEngine) -> None:
@@ -194,8 +195,12 @@ def test_tensor_parallel_shards_generate_what_one_process_does() -> None:
 def test_prompts_that_cannot_run_are_refused_naming_the_limit() -> None:
     engine = PagedEngine(lively_model("qwen2"), num_blocks=8, block_size=4)
     limit = engine.runner.max_position_embeddings
-    with pytest.raises(ValueError, match=f"does not fit the model's {limit} positions"):
+    with pytest.raises(UserError, match=f"leaves no room to generate within the context of {limit} tokens"):
         engine.add([5] * limit, greedy(1))
+    (sid,) = engine.add([5] * (limit - 3), greedy(10))  # the response stops at the context's end
+    (seq,) = engine.waiting[0]
+    assert seq.budget_end == limit
+    engine.abort([sid])
     with pytest.raises(ValueError, match="at least one token"):
         engine.add([], greedy(1))
     with pytest.raises(ValueError, match="n=3 samples cannot run at once with max_num_seqs=2"):
