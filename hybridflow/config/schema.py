@@ -130,7 +130,7 @@ class RolloutConfig:
         "Run a rollout.dtype other than the training compute dtype (refused unless true: log-probs drift).",
     )
     gpu_memory_utilization: float = option(0.5, "GPU share this process may hold with its KV cache, (0, 1].")
-    max_num_seqs: int = option(1024, "Most sequences decoded at once (continuous-batching slots).")
+    max_num_seqs: int = option(1024, "Most sequences decoded at once (the paged engine's seats).")
     max_num_batched_tokens: int = option(8192, "Token budget of one prefill chunk.")
     max_model_len: int | None = option(
         None, "KV-cache context length; null = max_prompt_length + max_response_length."

@@ -34,3 +34,16 @@ def test_rollout_stats_add_up_over_generation_rounds() -> None:
     assert metrics["perf/rollout_decode_tokens_per_s"] == pytest.approx(20.0)
     assert metrics["rollout/prefill_tokens"] == 16
     assert metrics["rollout/kv_slots"] == 8  # the largest call's, not a sum
+
+
+def test_the_paged_engines_scheduler_figures_take_the_largest_call_and_sum_preemptions() -> None:
+    metrics: dict[str, float] = {}
+    base = {"prefill_tokens": 1, "decode_steps": 1, "decode_tokens": 1, "prefill_s": 0.1, "decode_s": 0.1}
+    add_rollout_stats(
+        metrics, {**base, "kv_blocks_used": 0.4, "concurrent_seqs_peak": 8.0, "preemptions": 2.0}
+    )
+    add_rollout_stats(
+        metrics, {**base, "kv_blocks_used": 0.2, "concurrent_seqs_peak": 16.0, "preemptions": 1.0}
+    )
+    assert metrics["rollout/kv_blocks_used"] == 0.4 and metrics["rollout/concurrent_seqs_peak"] == 16.0
+    assert metrics["rollout/preemptions"] == 3.0 and metrics["rollout/prefix_cache_hit_rate"] == 0.0

@@ -1,4 +1,4 @@
-"""GQA decode attention over the slot KV cache: a split-K (flash-decoding) Triton kernel and its reference.
+"""GQA decode attention over the slot or paged KV cache: a split-K (flash-decoding) Triton kernel, its reference.
 
 One decode step attends each running row b's single query token to cache positions 0..positions[b]
 (inclusive) of slot b. Masked SDPA over the whole slot reads all L positions of every row (L = 640 while the
@@ -361,22 +361,17 @@ def decode_attention_triton(
 
     With ``new`` (the step's un-rotated k, its v, and the rows' cos/sin), q is un-rotated too: the kernel
     applies RoPE, writes k and v at ``positions`` into the caches, and attends to them (``FUSED``).
-    With ``table`` (B, max_blocks) the caches are paged, (blocks, KVH, block size, D): row b's position p is
-    in block ``table[b, p // block size]``; rows attend up to ``max_blocks * block size`` positions.
-    Tuning args are keyword-only; None takes ``launch_config`` / ``default_num_splits``.
+    With ``table`` (B, max_blocks) the caches are paged (blocks, KVH, block size, D): row b's position p is in
+    block ``table[b, p // block size]``. Tuning args are keyword-only; None takes ``launch_config``.
     """
     if triton is None:
         raise RuntimeError("decode_attention_triton needs triton (pip install triton)")
     _check_inputs(q, k_cache, v_cache, new, table)
     batch, heads, _, dim = q.shape
-    kv_heads, length = k_cache.shape[1], k_cache.shape[2]
-    page = 0 if table is None else k_cache.shape[2]
-    if table is not None:
-        length = table.shape[1] * page
-    default_n, default_warps, default_stages = launch_config(batch, kv_heads, q.device)
-    block_n = block_n or default_n
-    num_warps = num_warps or default_warps
-    num_stages = num_stages or default_stages
+    kv_heads, page = k_cache.shape[1], (0 if table is None else k_cache.shape[2])
+    length = k_cache.shape[2] if table is None else table.shape[1] * page  # positions a row may reach
+    tuned = launch_config(batch, kv_heads, q.device)  # (block_n, num_warps, num_stages) unless given
+    block_n, num_warps, num_stages = (x or y for x, y in zip((block_n, num_warps, num_stages), tuned))
     splits, split_len = split_layout(batch, kv_heads, length, block_n, num_splits, q.device)
     out = torch.empty((batch, heads, 1, dim), dtype=q.dtype, device=q.device)  # (B, H, 1, D)
     direct = splits == 1

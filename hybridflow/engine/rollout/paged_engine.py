@@ -19,12 +19,11 @@ import itertools
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from hybridflow.engine.rollout.block_pool import BlockPool, BlockTable, PoolExhausted
+from hybridflow.engine.rollout.block_pool import BlockPool, PoolExhausted
 from hybridflow.engine.rollout.decode_loop import (
     DECODE_K_SPLITS,
     check_lengths,
@@ -36,6 +35,7 @@ from hybridflow.engine.rollout.model import LlamaRunner
 from hybridflow.engine.rollout.paged_cache import PagedKVCache
 from hybridflow.engine.rollout.paged_session import Session, SessionConfig, check_params
 from hybridflow.engine.rollout.sampling import SamplingParams
+from hybridflow.engine.rollout.sequence import Sequence, positions_for, to_output
 from hybridflow.engine.rollout.state import DecodeState
 from hybridflow.engine.rollout.stats import GenerationStats
 from hybridflow.engine.rollout.tp import RolloutTP
@@ -43,40 +43,6 @@ from hybridflow.engine.rollout.types import GenerationOutput
 from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)  # compared by identity: a field-wise == over token lists made list.remove O(tokens)
-class Sequence:
-    """One sample: its tokens, what the engine knows of them, and how it ended (None while it runs)."""
-
-    id: int
-    tokens: list[int]
-    prompt_len: int
-    params: SamplingParams
-    logprobs: list[float] = field(default_factory=list)  # per token after the prompt (nan: extended)
-    versions: list[int] = field(default_factory=list)  # per token after the prompt: weights that sampled it
-    table: BlockTable | None = None
-    written: int = 0  # leading tokens whose K and V are in the cache
-    seat: int | None = None  # its decode row while it has one
-    pending: int = 0  # tokens sampled on the device that ``tokens`` does not hold yet (while seated)
-    finish_reason: str | None = None
-
-    @property
-    def response(self) -> list[int]:
-        """The tokens after the prompt (sampled and extended)."""
-        return self.tokens[self.prompt_len :]
-
-    @property
-    def trainable(self) -> list[bool]:
-        """Per token after the prompt: sampled by the policy (True) or extended (False)."""
-        return [v >= 0 for v in self.versions]
-
-    max_new: int = 0  # its response budget (extended tokens count): params.max_new_tokens unless lower
-
-    @property
-    def budget_end(self) -> int:
-        """The sequence's length when its response budget (extended tokens included) is spent."""
-        return self.prompt_len + (self.max_new or self.params.max_new_tokens)
 
 
 class PagedEngine:
@@ -113,6 +79,7 @@ class PagedEngine:
         self._concurrent: list[int] = []  # running sequences in each decode round
         self.stalled = False  # the last step could neither prefill nor decode anything
         self._by_id: dict[int, Sequence] = {}  # every sequence waiting or running
+        self._pool: BlockPool | None = None  # the current (or last) session's
         self._ids = itertools.count()
         self.last_stats = GenerationStats()  # of the last session
         # As the slot engine: the fused Triton sampler on CUDA (reads the compute-dtype logits), CUDA graphs of
@@ -136,8 +103,9 @@ class PagedEngine:
     def add(self, prompt: list[int], params: SamplingParams) -> list[int]:
         """Queue a prompt's ``params.n`` samples; returns their sequence ids."""
         if params.n > self.max_num_seqs:
-            raise ValueError(
-                f"n={params.n} samples cannot run at once with max_num_seqs={self.max_num_seqs}; raise max_num_seqs"
+            raise UserError(
+                f"n={params.n} samples cannot run at once with max_num_seqs={self.max_num_seqs}; raise "
+                "rollout.max_num_seqs (--max-num-seqs) or lower rollout.n"
             )
         if not prompt:
             raise ValueError("a prompt needs at least one token")
@@ -198,10 +166,10 @@ class PagedEngine:
         step, never trained on; the next sampled token follows them. Tokens that spend the response budget
         (``max_new_tokens`` counts every token after the prompt) end the sequence ("length") at the next step."""
         s = self._running(seq_id)
+        self._unseat(s)  # its sampled tokens come first; it decodes again after its catch-up prefill
         s.tokens += token_ids
         s.logprobs += [math.nan] * len(token_ids)
         s.versions += [-1] * len(token_ids)
-        self._unseat(s)  # it decodes again after its catch-up prefill
         if len(s.tokens) >= s.budget_end:
             s.finish_reason = "length"
 
@@ -305,15 +273,15 @@ class PagedEngine:
             if self.stalled:  # nothing could run: a sequence longer than the whole pool
                 pool = self.pool
                 self.abort([i for group in ids for i in group])
-                raise ValueError(
+                raise UserError(
                     f"the KV pool's {pool.num_free} free blocks of {pool.block_size} positions cannot hold the "
-                    "next sequence; give the engine more blocks (rollout.gpu_memory_utilization)"
+                    "next sequence; raise rollout.gpu_memory_utilization or lower max_model_len"
                 )
             finished = [s for s in touched if s.finish_reason is not None]
             done.update((s.id, s) for s in finished)
             if progress is not None and finished:
                 progress(len(finished))
-        return [[_output(done[i]) for i in group] for group in ids]
+        return [[to_output(done[i]) for i in group] for group in ids]
 
     def memory_shortfall(self, prompts: list[list[int]], params: SamplingParams) -> int:
         """Device bytes the pool lacks to hold every sequence of this call at full length at once (0: fits)."""
@@ -323,8 +291,6 @@ class PagedEngine:
         return Session.shortfall(self.runner, self.cfg, count, min(length, self.max_len))
 
     # ---- scheduling --------------------------------------------------------------------------------------
-
-    _pool: BlockPool | None = None
 
     def _open(self, demand: tuple[int, int] | None = None) -> Session:
         """The current session, or a new one: the pool, the cache and the seats, sized for the work."""
@@ -428,17 +394,16 @@ class PagedEngine:
             if max_tokens is not None:
                 steps = min(steps, max_tokens)
             while True:
-                need = sum(session.pool.blocks_to_reserve(s.table, _positions(s, steps)) for s in seated)
+                need = sum(session.pool.blocks_to_reserve(s.table, positions_for(s, steps)) for s in seated)
                 if need <= session.pool.num_free or steps == 1:
                     break
                 steps = max(1, steps // 2)
             if need <= session.pool.num_free:
                 break
-            victim = seated[-1] if len(seated) > 1 else None
-            self._preempt(victim or seated[0])
+            self._preempt(next(s for s in reversed(self.running) if s.seat is not None))  # the youngest
         for s in seated:
-            if session.pool.blocks_to_reserve(s.table, _positions(s, steps)):
-                session.pool.reserve(s.table, _positions(s, steps))
+            if session.pool.blocks_to_reserve(s.table, positions_for(s, steps)):
+                session.pool.reserve(s.table, positions_for(s, steps))
                 session.seats.set_table(s.seat, s.table.blocks)
         return steps
 
@@ -492,13 +457,3 @@ class PagedEngine:
         if s is None or s not in self.running:
             raise KeyError(f"sequence {seq_id} is not running (finished, aborted or not yet admitted)")
         return s
-
-
-def _positions(s: Sequence, steps: int) -> int:
-    """Positions a seated sequence's table must hold for ``steps`` decode steps: each writes the token it
-    feeds (from its last one on); the last sampled token is never fed, so the budget's end needs no block."""
-    return min(len(s.tokens) + s.pending - 1 + steps, s.budget_end - 1)
-
-
-def _output(s: Sequence) -> GenerationOutput:
-    return GenerationOutput(s.response, s.logprobs, s.finish_reason or "length")

@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -21,10 +22,11 @@ from hybridflow.engine.rollout.paged_cache import PagedKVCache
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.seats import Seats
 from hybridflow.engine.rollout.stats import GenerationStats, PhaseTimer
+from hybridflow.engine.rollout.tp import RolloutTP
 from hybridflow.utils.device import gpu_memory_limit
 
 if TYPE_CHECKING:
-    from hybridflow.engine.rollout.paged_engine import PagedEngine, Sequence
+    from hybridflow.engine.rollout.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +76,26 @@ def check_params(running: SamplingParams, new: SamplingParams) -> None:
         )
 
 
+class SessionOwner(Protocol):
+    """What a session reads of its engine (``PagedEngine``), and the two fields it leaves for the next one."""
+
+    runner: LlamaRunner
+    cfg: SessionConfig
+    tp: RolloutTP | None
+    fused_sampler: bool
+    use_graphs: bool
+    warm: dict[tuple, set[int]]  # batch buckets run once, per graph signature
+    decode_fn: Callable
+    record_fn: Callable
+    kept_cache: PagedKVCache | None  # the last session's cache (free_cache_engine off)
+    last_pool_blocks: int | None
+
+
 class Session:
     """The pool, cache, seats, sampler and graphs of one stretch of work, and its figures."""
 
     def __init__(
-        self, engine: PagedEngine, params: SamplingParams, num_seats: int, num_seqs: int, max_len: int
+        self, engine: SessionOwner, params: SamplingParams, num_seats: int, num_seqs: int, max_len: int
     ):
         self.engine, self.params, self.runner = engine, params, engine.runner
         cfg, r = engine.cfg, engine.runner

@@ -168,3 +168,23 @@ def test_random_traffic_keeps_every_sequence_intact_and_returns_every_block(seed
     for table, _ in live:
         pool.free(table)
     assert pool.num_free == 40 and all(b.ref_count == 0 for b in pool.blocks)
+
+
+def test_reserve_ahead_then_record_hashes_only_written_full_blocks() -> None:
+    """The device path takes the blocks of the next decode steps ahead of their tokens; a block is hashed
+    (findable by a later request) only once all its positions are written."""
+    pool = BlockPool(num_blocks=8, block_size=4)
+    tokens = [1, 2, 3, 4, 5, 6]
+    table = pool.allocate(tokens)  # one full block (hashed), one partial
+    assert (len(table.blocks), table.hashed) == (2, 1)
+    assert pool.blocks_to_reserve(table, 6 + 5) == 1
+    pool.reserve(table, 6 + 5)  # five decode steps ahead: positions up to 10
+    assert len(table.blocks) == 3 and pool.num_free == 5
+    tokens += [7, 8, 9]
+    pool.record(table, tokens, written=7)  # position 7 (token 8) not yet written: block 1 not hashed
+    assert table.hashed == 1 and table.num_tokens == 9
+    pool.record(table, tokens, written=8)
+    assert table.hashed == 2
+    assert pool.allocate([1, 2, 3, 4, 5, 6, 7, 8, 0]).cached_tokens == 8  # a later request finds both
+    with pytest.raises(PoolExhausted):
+        pool.reserve(table, 4 * 20)

@@ -245,3 +245,51 @@ def test_an_extension_that_spends_the_budget_ends_the_sequence() -> None:
         engine.step() == [seq] and seq.finish_reason == "length" and seq.trainable == [True] * 2 + [False] * 3
     )
     _all_back(engine)
+
+
+def test_per_sample_lengths_end_each_sample_where_asked_in_both_engines() -> None:
+    """``generate(lengths=)`` (the long-tail benchmark's drawn lengths): each sample stops at its own limit,
+    with the tokens an unbounded run gives up to there, in the slot and the paged engine alike."""
+    model = lively_model("qwen2")
+    lengths = [[3, 7], [1, 9], [5, 5], [8, 2]]  # ties within a prompt and samples that differ
+    full = RolloutEngine(model).generate(PROMPTS, greedy(9, n=2))
+    slot = RolloutEngine(model).generate(PROMPTS, greedy(9, n=2), lengths=lengths)
+    engine = PagedEngine(model, block_size=4)
+    paged = engine.generate(PROMPTS, greedy(9, n=2), lengths=lengths)
+    for got in (slot, paged):
+        assert [[len(s.token_ids) for s in g] for g in got] == lengths
+        assert [[s.token_ids for s in g] for g in got] == [
+            [s.token_ids[:n] for s, n in zip(g, row)] for g, row in zip(full, lengths)
+        ]
+    with pytest.raises(ValueError, match="lengths must give each of the 4 prompts' 2 samples a limit"):
+        engine.generate(PROMPTS, greedy(9, n=2), lengths=[[3, 10]] * 4)
+    _all_back(engine)
+
+
+def test_requests_in_flight_share_their_sampling_settings() -> None:
+    engine = PagedEngine(lively_model("qwen2"), num_blocks=16, block_size=4)
+    first = engine.add(PROMPTS[0], greedy(6, n=2))
+    engine.step()
+    engine.add(PROMPTS[1], greedy(4, n=3))  # n and a smaller budget may differ
+    with pytest.raises(ValueError, match="sampling settings must equal those of the requests in flight"):
+        engine.add(PROMPTS[1], SamplingParams(temperature=0.7, max_new_tokens=4, seed=1))
+    with pytest.raises(ValueError, match="max_new_tokens up to 6"):
+        engine.add(PROMPTS[1], greedy(7))
+    with pytest.raises(ValueError, match="generate needs an idle engine"):
+        engine.generate(PROMPTS, greedy(2))
+    while engine.has_work:
+        engine.step(max_tokens=None)
+    assert engine.session is None and first  # the session closed with the last sequence
+    engine.add(PROMPTS[1], SamplingParams(temperature=0.7, max_new_tokens=4, seed=1))  # idle: any settings
+    engine.abort([s.id for g in engine.waiting for s in g])
+    _all_back(engine)
+
+
+def test_the_stats_name_the_trainers_metrics() -> None:
+    engine = PagedEngine(lively_model("qwen2"), block_size=4)
+    engine.generate(PROMPTS[:2] * 2, greedy(5, n=2))  # the same prompts twice: their full blocks are found
+    stats = engine.stats()
+    assert stats["rollout/prefix_cache_hit_rate"] > 0 and stats["rollout/preemptions"] == 0
+    assert 0 < stats["rollout/kv_blocks_used"] < 1 and stats["rollout/concurrent_seqs_peak"] == 8
+    last = engine.last_stats
+    assert last.slots == 8 and last.decode_tokens == 8 * 4 and last.prefill_tokens > 0
