@@ -293,3 +293,34 @@ def test_the_stats_name_the_trainers_metrics() -> None:
     assert 0 < stats["rollout/kv_blocks_used"] < 1 and stats["rollout/concurrent_seqs_peak"] == 8
     last = engine.last_stats
     assert last.slots == 8 and last.decode_tokens == 8 * 4 and last.prefill_tokens > 0
+
+
+def test_a_next_turn_finds_the_blocks_of_the_turn_before_it() -> None:
+    """While the engine is busy (other episodes in flight), a finished turn's blocks stay cached: the next
+    request, the conversation so far plus a new message, prefills only what is not cached and generates what
+    a run from the whole conversation does. (A session ends when the engine goes idle: the weights may change
+    before the next one, so nothing cached outlives it.)"""
+    model = lively_model("qwen3")
+    engine = PagedEngine(model, num_blocks=64, block_size=4)
+    engine.add(PROMPTS[1], greedy(40))  # another episode, still running when the first turn ends
+    (turn1,) = engine.add(PROMPTS[3], greedy(9))
+    first = None
+    while first is None:
+        first = next((s for s in engine.step() if s.id == turn1 and s.finish_reason is not None), None)
+    turn2 = [*PROMPTS[3], *first.response, 40, 41, 42]  # 11 + 9 + 3 tokens
+    before = engine.session.counts.prefill_tokens
+    (turn2_id,) = engine.add(turn2, greedy(5))
+    engine.step()
+    assert engine.pool.stats.hit_blocks == 4  # the first turn's full blocks whose positions were all written
+    assert engine.session.counts.prefill_tokens - before == len(turn2) - 16
+    (second,) = [s for s in _drain(engine) if s.id == turn2_id]
+    assert second.response == RolloutEngine(model).generate([turn2], greedy(5))[0][0].token_ids
+    _all_back(engine)
+
+
+def _drain(engine: PagedEngine) -> list:
+    """Step until idle; the sequences that finished."""
+    done = []
+    while engine.has_work:
+        done += [s for s in engine.step(max_tokens=None) if s.finish_reason is not None]
+    return done
