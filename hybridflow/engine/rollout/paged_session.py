@@ -167,7 +167,15 @@ class Session:
             )
         if fit >= demand:
             return demand
-        return fit - fit % BLOCK_GRANULE if fit >= 2 * BLOCK_GRANULE else fit
+        blocks = fit - fit % BLOCK_GRANULE if fit >= 2 * BLOCK_GRANULE else fit
+        # Not a wave as in the slot engine: sequences hold what they use, and only if they all grow long at
+        # once are the youngest preempted (rollout/preemptions counts them).
+        logger.info(
+            "KV pool: %d blocks of %d positions (%.1f GiB) at rollout.gpu_memory_utilization=%s, %.0f%% of what "
+            "every sequence at full length would take",
+            blocks, cfg.block_size, blocks * per / 2**30, cfg.gpu_memory_utilization, 100 * blocks / demand,
+        )  # fmt: skip
+        return blocks
 
     def _cache(self, blocks: int) -> PagedKVCache:
         """The device cache: the one kept from the last session if it has the shape, else a new one."""
