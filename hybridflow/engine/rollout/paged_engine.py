@@ -313,17 +313,19 @@ class PagedEngine:
     def _prefill_round(self, session: Session) -> bool:
         """Catch-up prefills (extended, preempted, re-weighted) and then new prompt groups, while seats and
         blocks allow; each gets its first sampled token."""
-        jobs = [
-            s for s in self.running if s.seat is None and s.finish_reason is None and self._seat(s, session)
-        ]
-        seats = session.seats
-        groups: list[list[Sequence]] = []
-        while self.waiting and seats.num_used + len(self.waiting[0]) <= seats.num_seats:
-            if not self._admit(self.waiting[0], session):
+        seats, jobs, groups = session.seats, [], []
+        for s in self.running:  # seats this round's prefills take count against the free ones
+            free = seats.num_used + len(jobs) < seats.num_seats
+            if free and s.seat is None and s.finish_reason is None and self._seat(s, session):
+                jobs.append(s)
+        taken = seats.num_used + len(jobs)
+        while self.waiting and taken + len(self.waiting[0]) <= seats.num_seats:
+            if not self._admit(self.waiting[0], session, taken):
                 break
             group = self.waiting.pop(0)
             self.running += group
             groups.append(group)
+            taken += len(group)
         rows = [[s] for s in jobs] + [[g[0]] for g in groups]
         if not rows:
             return False
@@ -345,8 +347,6 @@ class PagedEngine:
     def _seat(self, s: Sequence, session: Session) -> bool:
         """Room for a running sequence's catch-up prefill: its blocks for every token; False when short."""
         pool = session.pool
-        if session.seats.num_used >= session.seats.num_seats:
-            return False
         if s.table is None:
             if not pool.can_allocate(s.tokens):
                 return False
@@ -360,12 +360,12 @@ class PagedEngine:
             return False
         return True
 
-    def _admit(self, group: list[Sequence], session: Session) -> bool:
+    def _admit(self, group: list[Sequence], session: Session, taken: int) -> bool:
         """Blocks for a group's prompt (and the samples' own partial blocks), leaving a block of growth per
-        running sequence; False when short."""
+        seat taken (``taken`` before this group); False when short."""
         pool, first, n = session.pool, group[0], len(group)
         partial = 1 if len(first.tokens) % pool.block_size else 0
-        headroom = session.seats.num_used + n
+        headroom = taken + n
         if (
             not pool.can_allocate(first.tokens)
             or pool.num_free < pool.blocks_for(len(first.tokens)) + (n - 1) * partial + headroom

@@ -324,3 +324,19 @@ def _drain(engine: PagedEngine) -> list:
     while engine.has_work:
         done += [s for s in engine.step(max_tokens=None) if s.finish_reason is not None]
     return done
+
+
+def test_catch_ups_and_admissions_never_take_more_seats_than_there_are() -> None:
+    """After a weight refresh every running sequence needs a catch-up prefill at once, with new prompts
+    waiting: a round seats only as many as ``max_num_seqs``, the rest on later rounds."""
+    model = lively_model("qwen2")
+    engine = PagedEngine(model, num_blocks=64, block_size=4, max_num_seqs=4)
+    for p in PROMPTS:
+        engine.add(p, greedy(8, n=2))
+    engine.step()
+    engine.pause()
+    engine.resume()  # both running pairs must be prefilled again; two more pairs wait for seats
+    while engine.has_work:
+        engine.step()
+        assert engine.session is None or engine.session.seats.num_used <= 4
+    _all_back(engine)
