@@ -139,6 +139,14 @@ class Session:
             torch.cuda.memory_allocated(runner.device) - kept + pending
         )
 
+    @staticmethod
+    def workspace(runner: LlamaRunner, num_seats: int) -> int:
+        """Device bytes a decode step needs beside the pool at ``num_seats`` rows."""
+        # A step's logits in the compute dtype, their float32 copy in filtered sampling, a float32 row of
+        # the sampler's, and the hidden and MLP activations: at 4,096 rows of a 152k vocabulary ~5 GB, which
+        # a budget of 0.9 of an H200 left no room for (the slot engine never ran that many rows at once).
+        return num_seats * (runner.vocab_size * 10 + 32 * runner.config.intermediate_size)
+
     @classmethod
     def shortfall(cls, runner: LlamaRunner, cfg: SessionConfig, count: int, max_len: int) -> int:
         """Bytes the pool lacks to hold ``count`` sequences of ``max_len`` positions at once."""
@@ -153,11 +161,7 @@ class Session:
             return demand
         kept = self.engine.kept_cache.storage.nbytes if self.engine.kept_cache is not None else 0
         per = self.block_bytes(r, cfg.block_size)
-        # A step's logits in the compute dtype, their float32 copy in filtered sampling, a float32 row of
-        # the sampler's, and the hidden and MLP activations: at 4,096 rows of a 152k vocabulary ~5 GB, which
-        # a budget of 0.9 of an H200 left no room for (the slot engine never ran that many rows at once).
-        workspace = num_seats * (r.vocab_size * 10 + 32 * r.config.intermediate_size)
-        fit = int((self.budget(r, cfg, kept) - workspace) // per) - 1  # less the scratch block
+        fit = int((self.budget(r, cfg, kept) - self.workspace(r, num_seats)) // per) - 1  # less the scratch
         if self.engine.tp is not None:  # the ranks of a group must schedule alike: the smallest pool rules
             fit = int(funcol.all_reduce(torch.tensor([fit], device=r.device), "min", self.engine.tp.group))
         if fit < 1:

@@ -10,6 +10,7 @@ from test_engine import PROMPTS, greedy, lively_model
 
 from hybridflow.engine.rollout.engine import RolloutEngine
 from hybridflow.engine.rollout.paged_engine import PagedEngine
+from hybridflow.engine.rollout.paged_session import Session
 from hybridflow.engine.rollout.sampling import SamplingParams
 
 pytestmark = [
@@ -51,9 +52,13 @@ def test_the_pool_is_sized_from_the_memory_share_and_freed() -> None:
     model = lively_model("qwen2").cuda().to(torch.bfloat16)
     total = torch.cuda.get_device_properties(0).total_memory
     per_block = 2 * 2 * 16 * 2 * 8 * 2  # K and V, 2 layers, 16 positions, 2 KV heads, head dim 8, bf16
+    engine = PagedEngine(model, block_size=16, max_num_seqs=8)
+    engine.generate(PROMPTS, greedy(4, n=2))  # first-call allocations (cuBLAS workspaces, graph pools) first
     before = torch.cuda.memory_allocated()
-    share = (before + 41 * per_block) / total  # room for 40 blocks and the scratch block
-    engine = PagedEngine(model, block_size=16, gpu_memory_utilization=share, max_num_seqs=8)
+    # room for 40 blocks, the scratch block and the decode step's workspace at 8 seats
+    engine.cfg.gpu_memory_utilization = (
+        before + 41.5 * per_block + Session.workspace(engine.runner, 8)
+    ) / total
     ids = engine.add(PROMPTS[1], greedy(100, n=8))  # the step API: room for any length, max_num_seqs of them
     engine.step()
     assert len(engine.pool.blocks) == 40  # the budget, below the 8 x 8 blocks of full-length sequences
