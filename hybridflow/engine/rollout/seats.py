@@ -21,7 +21,6 @@ import torch
 
 from hybridflow.engine.ops.packing import to_device
 from hybridflow.engine.rollout.decode_loop import Sampler
-from hybridflow.engine.rollout.graphs import DecodeGraphs
 from hybridflow.engine.rollout.paged_cache import PagedKVCache
 from hybridflow.engine.rollout.state import REASONS, DecodeState
 
@@ -124,9 +123,3 @@ class Seats:
         logits = decode(st.last_token[:b], st.position[:b], cache, self.tables[:b])  # (b, V)
         tokens, logprobs = pick(logits)
         record(st, slice(0, b), tokens, logprobs, True)
-
-    def graphs(
-        self, step: Callable[[int], None], generator: torch.Generator | None, warm: set[int]
-    ) -> DecodeGraphs:
-        """CUDA graphs of ``step`` over this session's seats."""
-        return DecodeGraphs(step, self.num_seats, generator, warm)
