@@ -24,6 +24,7 @@ from hybridflow.engine.rollout.seats import Seats
 from hybridflow.engine.rollout.stats import GenerationStats, PhaseTimer
 from hybridflow.engine.rollout.tp import RolloutTP
 from hybridflow.utils.device import gpu_memory_limit
+from hybridflow.utils.errors import UserError
 
 if TYPE_CHECKING:
     from hybridflow.engine.rollout.sequence import Sequence
@@ -58,7 +59,7 @@ class SessionConfig:
             or (self.num_blocks is not None and self.num_blocks < 1)
             or self.sync_interval < 1
         ):
-            raise ValueError(
+            raise UserError(
                 f"block_size, num_blocks and sync_interval must be >= 1; got {self.block_size}, "
                 f"{self.num_blocks}, {self.sync_interval}"
             )
@@ -69,7 +70,7 @@ def check_params(running: SamplingParams, new: SamplingParams) -> None:
     session); only n and a max_new_tokens up to the session's may differ."""
     same = dataclasses.replace(new, n=running.n, max_new_tokens=running.max_new_tokens) == running
     if not same or new.max_new_tokens > running.max_new_tokens:
-        raise ValueError(
+        raise UserError(
             "a request's sampling settings must equal those of the requests in flight (n may differ, and "
             f"max_new_tokens up to {running.max_new_tokens}); got {new}, running {running}. Add it once "
             "the engine is idle"
@@ -165,7 +166,7 @@ class Session:
         if self.engine.tp is not None:  # the ranks of a group must schedule alike: the smallest pool rules
             fit = int(funcol.all_reduce(torch.tensor([fit], device=r.device), "min", self.engine.tp.group))
         if fit < 1:
-            raise ValueError(
+            raise UserError(
                 f"no KV-cache block fits in rollout.gpu_memory_utilization={cfg.gpu_memory_utilization} of the "
                 "GPU; raise it"
             )
