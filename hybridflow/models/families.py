@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from hybridflow.models.moe import num_experts
 from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -22,8 +23,6 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 # Families whose HF module is a Llama-style decoder (model.embed_tokens, model.layers of self_attn + mlp,
 # model.norm, model.rotary_emb): pipeline stages and Ulysses split these, dense or mixture of experts.
 LLAMA_LAYOUT = (*LLAMA_FAMILY, "qwen2_moe", "qwen3_moe", "mixtral")
-# Config fields holding the number of routed experts, by family (Qwen2/3-MoE, Mixtral, DeepSeek).
-_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 MOE_ISSUE = "issue 42, mixture-of-experts models with expert parallelism"
 MOE_NOT_YET = (
     f"not there yet for MoE ({MOE_ISSUE}): the built-in rollout engine, expert parallelism, tensor-parallel "
@@ -38,7 +37,7 @@ def model_type(config: Any) -> str:
 
 def is_moe(config: Any) -> bool:
     """Whether the config describes a mixture of experts (any routed experts)."""
-    return any(isinstance(getattr(config, f, None), int) and getattr(config, f) > 0 for f in _EXPERT_FIELDS)
+    return num_experts(config) > 0
 
 
 def has_shard_rules(config: Any) -> bool:

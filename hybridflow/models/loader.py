@@ -22,6 +22,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from hybridflow.models.moe import install_moe, moe_blocks
 from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -252,6 +253,10 @@ def load_causal_lm(
         if "zip archive" not in str(exc) and "PytorchStreamReader" not in str(exc):
             raise
         raise _weights_error(model_dir, exc) from None
+    if install_moe(model):  # the shared routing and grouped experts in place of HF's loop (same names)
+        logger.info(
+            "mixture of experts: %d sparse blocks run through hybridflow.models.moe", len(moe_blocks(model))
+        )
     if info.get("missing_keys"):
         # transformers does not list tied weights here, so every missing key was randomly initialised.
         logger.warning(
