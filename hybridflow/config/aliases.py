@@ -38,6 +38,7 @@ VERL_ALIASES: dict[str, str] = {
     f"{_ARR}.actor.use_dynamic_bsz": "actor.use_dynamic_bsz",
     f"{_ARR}.actor.ppo_max_token_len_per_gpu": "actor.ppo_max_token_len_per_gpu",
     f"{_ARR}.actor.ppo_epochs": "actor.ppo_epochs",
+    f"{_ARR}.actor.router_replay.mode": "actor.router_replay",
     f"{_ARR}.actor.shuffle": "actor.shuffle",
     f"{_ARR}.actor.clip_ratio": "actor.clip_ratio",
     f"{_ARR}.actor.clip_ratio_low": "actor.clip_ratio_low",
@@ -200,6 +201,7 @@ SHORTHANDS: dict[str, str] = {
 VERL_VALUE_MAPS: dict[str, dict[Any, Any]] = {
     # Our built-in engine takes the place of vLLM and SGLang.
     f"{_ARR}.rollout.name": {"vllm": "native", "sglang": "native"},
+    f"{_ARR}.actor.router_replay.mode": {"disabled": "off", "R2": "r2", "R3": "r3"},
 }
 
 # What runs in place of a translated value, for its notice ('{value}' is the verl value).

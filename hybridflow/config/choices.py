@@ -98,6 +98,7 @@ CHOICES: dict[str, list[str]] = {
     "ref.fsdp.master_dtype": DTYPES,
     "actor.policy_loss.loss_mode": POLICY_LOSSES,
     "actor.loss_agg_mode": LOSS_AGG_MODES,
+    "actor.router_replay": ["off", "r2", "r3"],
     "critic.loss_agg_mode": LOSS_AGG_MODES,
     "actor.kl_loss_type": KL_PENALTIES,
     "algorithm.adv_estimator": ADV_ESTIMATORS,

@@ -93,6 +93,12 @@ class ActorConfig(ParallelSizes):
     use_torch_compile: bool | None = option(
         None, "torch.compile each decoder layer of the actor and reference; null = on GPU, off on CPU."
     )
+    router_replay: str = option(
+        "off", "MoE router replay: r3 trains on the rollout's experts, r2 on the old-log-prob pass's; off."
+    )
+    router_aux_loss_coef: float | None = option(
+        None, "MoE load-balancing loss coefficient; null = the model config's router_aux_loss_coef."
+    )
     policy_loss: PolicyLossConfig = section(PolicyLossConfig, "Policy loss mode and its parameters.")
     optim: OptimConfig = section(OptimConfig, "Actor optimizer.")
     fsdp: FSDPConfig = section(FSDPConfig, "Actor FSDP2 settings.")

@@ -39,6 +39,7 @@ SURFACE: dict[str, str] = {
     "decoder_of": "ops.modules",
     "layout_padding": "ops.sequences",
     "pack_prompt_response": "ops.sequences",
+    "pack_routing": "ops.sequences",
     "pad_rows": "ops.sequences",
     "ParallelDims": "parallel.dims",
     "full_state_dict": "parallel.fsdp",

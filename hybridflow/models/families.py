@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from hybridflow.config.parallel import size_key
 from hybridflow.models.moe import num_experts
 from hybridflow.utils.errors import UserError
 
@@ -113,3 +114,27 @@ def disable_dropout(model: nn.Module) -> list[str]:
         if isinstance(rate, float) and rate > 0:
             module.attention_dropout = 0.0
     return [f"{k}={v:g}" for k, v in sorted(rates.items())]
+
+
+def check_router_replay(config: Any, mode: str, engine: str, sizes: dict[str, int]) -> None:
+    """Refuse ``actor.router_replay`` where it cannot run: a dense model, HF generate for r3, stages or Ulysses.
+
+    ``sizes``: the actor's ``{pp, sp}`` sizes (``config.parallel.role_sizes``)."""
+    if mode == "off":
+        return
+    key = f"actor.router_replay={mode}"
+    if not is_moe(config):
+        raise UserError(
+            f"{key}: {model_type(config)!r} is not a mixture of experts; set actor.router_replay=off"
+        )
+    if mode == "r3" and engine != "native":
+        raise UserError(
+            f"{key} needs the built-in rollout engine to record the experts (rollout.engine={engine}); set "
+            "rollout.engine=native, or actor.router_replay=r2"
+        )
+    split = [f"{size_key('actor', d)}={sizes[d]}" for d in ("pp", "sp") if sizes.get(d, 1) > 1]
+    if split:
+        raise UserError(
+            f"{key} with {', '.join(split)} is not implemented (the replayed experts follow whole sequences); "
+            "set them to 1 or actor.router_replay=off"
+        )

@@ -27,6 +27,8 @@ from torch import nn
 
 from hybridflow.utils.errors import UserError
 
+# A routing record's "no expert" id (uint8): the token was not routed where the record was made.
+NO_EXPERT = 255
 # Config fields holding the number of routed experts, by family (Qwen2/3-MoE, Mixtral, DeepSeek).
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -109,18 +111,34 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights (N, k), expert ids (N, k) int64) from router logits (N, E), in float32 as the family does.
 
-    ``replay`` (N, k): use these experts (router replay) and recompute only their weights from the scores.
+    ``replay`` (N, k): use these experts (router replay) and recompute only their weights from the scores;
+    rows of ``NO_EXPERT`` (a token the rollout never fed, the last one) keep this router's own choice.
     """
+    weights, ids, _ = route_and_choose(logits, spec, bias, replay)
+    return weights, ids
+
+
+def route_and_choose(
+    logits: torch.Tensor,
+    spec: RouterSpec,
+    bias: torch.Tensor | None = None,
+    replay: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``route``'s (weights, ids), then the router's own choice (N, k) (the ids themselves without replay)."""
     scores = logits.float()
     scores = torch.softmax(scores, dim=-1) if spec.scoring == "softmax" else scores.sigmoid()  # (N, E)
-    ids = _choose(scores, spec, bias) if replay is None else replay.long()
+    own = _choose(scores, spec, bias)  # (N, k)
+    ids = own
+    if replay is not None:
+        replay = replay.long()
+        ids = torch.where(replay == NO_EXPERT, own, replay)  # (N, k)
     weights = scores.gather(1, ids)  # (N, k)
     if spec.renormalize:
         denom = weights.sum(-1, keepdim=True)
         weights = weights / (denom + 1e-20 if spec.scoring == "sigmoid" else denom)
     if spec.scaling != 1.0:
         weights = weights * spec.scaling
-    return (weights if spec.float32_weights else weights.to(logits.dtype)), ids
+    return (weights if spec.float32_weights else weights.to(logits.dtype)), ids, own
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
@@ -211,10 +229,13 @@ def run_experts(
 
 @dataclass
 class RouterRecord:
-    """What a block's last forward routed: logits (N, E) (graph-connected, for the auxiliary loss) and ids."""
+    """What a block's last forward routed: logits (N, E) (graph-connected, for the auxiliary loss), the ids
+    used (N, k), the router's own choice (N, k) and the replayed ids (N, k) (None without replay)."""
 
     logits: torch.Tensor
     ids: torch.Tensor
+    own: torch.Tensor
+    replay: torch.Tensor | None = None
 
 
 class MoEBlock(nn.Module):
@@ -245,9 +266,9 @@ class MoEBlock(nn.Module):
         x = hidden.reshape(-1, shape[-1])  # (N, H)
         logits = router_logits(x, self.gate.weight, self.spec)  # (N, E)
         bias = getattr(self.gate, "e_score_correction_bias", None)
-        weights, ids = route(logits, self.spec, bias, self.replay)
+        weights, ids, own = route_and_choose(logits, self.spec, bias, self.replay)
         if self.keep_record:
-            self.record = RouterRecord(logits, ids)
+            self.record = RouterRecord(logits, ids, own, self.replay)
         out = self.experts_fn(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
         out = out + self._shared(x)
         return out.reshape(shape)

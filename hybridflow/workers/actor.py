@@ -28,6 +28,7 @@ from hybridflow.engine import (
     follow_rollout_shards,
     make_rollout,
     pack_prompt_response,
+    pack_routing,
     pad_rows,
     to_dtype,
     update_preference,
@@ -270,6 +271,10 @@ class ActorWorker:
         )
         logps, _ = pad_rows([s.logprobs for s in flat], R, 0.0, torch.float32)  # (B*n, R)
         batch["rollout_log_probs"] = logps
+        routed = [getattr(s, "routed_experts", None) for s in flat]
+        if flat and all(r is not None for r in routed):  # MoE router replay (r3): the rollout's experts
+            P = batch["input_ids"].shape[1] - R
+            batch["routed_experts"] = pack_routing([len(p) for p in ids for _ in range(params.n)], routed, P, R)
         for key, values in prompts.non_tensors.items():
             batch[key] = np.repeat(values, params.n)
         batch["uid"] = np.repeat(np.array([f"{i}" for i in range(len(ids))], dtype=object), params.n)

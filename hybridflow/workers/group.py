@@ -122,7 +122,9 @@ class LocalGroup(WorkerGroup):
 
 # The tensors each call reads: only these travel to the ranks (the batch holds many more by then).
 SEQ_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
-ACTOR_UPDATE_KEYS = (*SEQ_KEYS, "advantages", "old_log_probs", "ref_log_prob", "rollout_is_weights")
+# The policy's passes (old log-probs, reference, update) replay a MoE rollout's experts when it recorded them.
+POLICY_KEYS = (*SEQ_KEYS, "routed_experts")
+ACTOR_UPDATE_KEYS = (*POLICY_KEYS, "advantages", "old_log_probs", "ref_log_prob", "rollout_is_weights")
 CRITIC_UPDATE_KEYS = (*SEQ_KEYS, "values", "returns")
 PREFERENCE_KEYS = (*SEQ_KEYS, "ref_seq_logps", "labels")
 
@@ -185,7 +187,7 @@ class ActorHandle(RoleHandle):
 
     def compute_log_prob(self, batch: Batch) -> Batch:
         """``old_log_probs`` and ``entropys``."""
-        return self._split("compute_log_prob", batch)
+        return self._split("compute_log_prob", batch, POLICY_KEYS)
 
     def update_actor(self, batch: Batch) -> tuple[dict[str, float], Batch | None]:
         """One PPO-family update: its metrics (reduced over the ranks), and, when ``batch`` has no
@@ -217,7 +219,7 @@ class RefHandle(RoleHandle):
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """``ref_log_prob`` (B, R)."""
-        return self._split("compute_ref_log_prob", batch)
+        return self._split("compute_ref_log_prob", batch, POLICY_KEYS)
 
 
 class CriticHandle(RoleHandle):

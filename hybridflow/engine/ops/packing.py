@@ -45,6 +45,9 @@ class ScoringInputs:
     seq_bounds: list[int] | None = None  # packed: start of each sequence in (1, S), then S
     cu_seqlens: torch.Tensor | None = None  # packed: seq_bounds as int32, moved to the device with the rest
     host_gather_index: torch.Tensor | None = None  # gather_index's host copy, kept by ``to`` (for Ulysses)
+    # MoE router replay: each token row's experts per sparse layer, (B*T or S, L, k) uint8 (255: none)
+    routed_experts: torch.Tensor | None = None
+    token_index: torch.Tensor | None = None  # packed: (S,) each row's flat position in (B * T)
 
     def to(self, device: torch.device | str) -> ScoringInputs:
         """The same inputs with every tensor on ``device`` (asynchronous copies from the host)."""
@@ -79,11 +82,13 @@ def build_scoring_inputs(
     position_ids: torch.Tensor,  # (B, T)
     response_length: int,
     remove_padding: bool,
+    routed_experts: torch.Tensor | None = None,  # (B, T, L, k) uint8
 ) -> ScoringInputs:
     """Pick the rows to score: every valid response token, in padded or packed (remove-padding) layout.
 
     Pass CPU tensors and move the result with ``ScoringInputs.to``: on device tensors the ``nonzero`` calls
-    and the sequence lengths would each wait for the device.
+    and the sequence lengths would each wait for the device. ``routed_experts`` (router replay) follows the
+    token rows.
     """
     check_scoring_batch(input_ids, attention_mask, response_length)
     T = input_ids.shape[1]
@@ -94,8 +99,11 @@ def build_scoring_inputs(
     padded_rows = b_idx * T + (T - R - 1) + j_idx  # (M,) the position before each response token
     labels = input_ids[b_idx, T - R + j_idx]  # (M,)
     scatter_index = b_idx * R + j_idx  # (M,)
-    if not remove_padding:
-        return ScoringInputs(input_ids, position_ids, attention_mask, padded_rows, labels, scatter_index)
+    routed = None if routed_experts is None else routed_experts.reshape(-1, *routed_experts.shape[2:])
+    if not remove_padding:  # (B*T, L, k) routed rows
+        return ScoringInputs(
+            input_ids, position_ids, attention_mask, padded_rows, labels, scatter_index, routed_experts=routed
+        )
     flat_mask = mask.reshape(-1)  # (B*T,)
     packed_pos = torch.cumsum(flat_mask.long(), 0) - 1  # (B*T,) packed row of each kept token
     keep = flat_mask.nonzero(as_tuple=True)[0]  # (S,)
@@ -113,6 +121,8 @@ def build_scoring_inputs(
         scatter_index=scatter_index,
         seq_bounds=bounds,
         cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
+        routed_experts=None if routed is None else routed[keep],  # (S, L, k)
+        token_index=keep,
     )
 
 

@@ -7,6 +7,7 @@ import itertools
 import numpy as np
 import torch
 
+from hybridflow.models.moe import NO_EXPERT
 from hybridflow.protocol import Batch
 
 # Fields of the training layout laid out along the prompt + response row: the prompt is left-padded, so a
@@ -39,6 +40,7 @@ def layout_padding(pad_token_id: int) -> dict[str, tuple[str, float]]:
     pad["input_ids"] = ("left", pad_token_id)
     pad["responses"] = ("right", pad_token_id)
     pad.update({key: ("right", 0) for key in RESPONSE_FIELDS})
+    pad["routed_experts"] = ("left", NO_EXPERT)  # MoE router replay: (B, P + R, L, k), 255 = not routed
     return pad
 
 
@@ -92,3 +94,17 @@ def pack_prompt_response(
             "response_mask": response_mask.float(),
         }
     )
+
+
+def pack_routing(
+    prompt_lengths: list[int], routed: list[torch.Tensor], prompt_width: int, response_length: int
+) -> torch.Tensor:
+    """The rollout's routing records (each (p + r - 1, L, k) uint8: the prompt's tokens, then every response
+    token but the last) laid out as ``pack_prompt_response`` lays out the tokens: (B, P + R, L, k), 255 where
+    no token was routed (padding, the last response token)."""
+    L, k = routed[0].shape[1:]
+    out = torch.full((len(routed), prompt_width + response_length, L, k), NO_EXPERT, dtype=torch.uint8)
+    for b, (p, rows) in enumerate(zip(prompt_lengths, routed)):
+        start = prompt_width - p  # the prompt is left-padded
+        out[b, start : start + rows.shape[0]] = rows
+    return out

@@ -16,10 +16,12 @@ from hybridflow.engine.ops.packing import to_device
 from hybridflow.engine.parallel.dims import ParallelDims
 from hybridflow.engine.parallel.parallelize import parallelize
 from hybridflow.engine.roles.pipelined import pipeline_runner
+from hybridflow.engine.roles.router_terms import RouterTerms, aux_loss_coef
 from hybridflow.engine.roles.runner import LogProbs, MicroLoss, make_runner
 from hybridflow.engine.train.micro_batch import check_batch, micro_batch_indices
 from hybridflow.engine.train.scorer import PolicyScorer
 from hybridflow.engine.train.train_engine import TrainEngine
+from hybridflow.models.moe import moe_blocks
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import all_reduce_sum
 from hybridflow.utils.errors import UserError
@@ -84,6 +86,22 @@ class ActorEngine:
         self.engine = TrainEngine(parallel, fsdp or actor.fsdp, optim, actor.grad_clip, total_steps)
         self.pipeline = pipeline_runner(self.engine, parallel.stage, lm.config.hidden_size)
         self.runner = make_runner(self.engine, self.pipeline, self.remove_padding, **self._accumulation)
+        self.router = self._router_terms(lm, dims)
+
+    def _router_terms(self, lm: nn.Module, dims: ParallelDims | None) -> RouterTerms | None:
+        """A MoE policy's auxiliary loss and router metrics (None: dense, or stages that cannot sum them)."""
+        if not moe_blocks(lm):
+            return None
+        coef = aux_loss_coef(self.actor.router_aux_loss_coef, lm.config)
+        if dims is not None and dims.pp > 1:  # the records sit on the stages: no per-micro-batch sum yet
+            if self.actor.router_aux_loss_coef:
+                raise UserError(
+                    f"actor.router_aux_loss_coef={self.actor.router_aux_loss_coef} with pipeline stages "
+                    "(pp > 1) is not implemented; set actor.router_aux_loss_coef=0 or pp=1"
+                )
+            logger.info("MoE load-balancing loss and router metrics are off with pipeline stages")
+            return None
+        return RouterTerms.attach(lm, coef)
 
     @property
     def dims(self) -> ParallelDims:
@@ -286,6 +304,14 @@ class ActorEngine:
             kl = agg_loss(kl_penalty(logp, dev["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode, **agg)
             loss = loss + a.kl_loss_coef * kl
             metrics["actor/kl_loss"] = kl.detach() / cfg.dp_size
+        if self.router is not None:
+            # The micro-batch's share of the tokens weighs its auxiliary loss as agg_loss weighs the rest
+            # (x dp_size: the gradients are averaged over the data-parallel ranks).
+            tokens = None if self.remove_padding else mb["attention_mask"].reshape(-1)  # (b * T,)
+            aux, moe_metrics = self.router.of(self.engine.module.lm, tokens)
+            if aux is not None:
+                loss = loss + self.router.coef * aux * share * cfg.dp_size
+            metrics.update({k: v * share for k, v in moe_metrics.items()})
         return loss, metrics
 
     def _update_mini_batch(

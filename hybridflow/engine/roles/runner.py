@@ -188,7 +188,12 @@ class SequentialRunner(MicroBatchRunner):
         """The k outputs (b, R) of micro-batch ``mb`` on the device (its scoring indices built on the host)."""
         B, R = mb["responses"].shape
         inputs = build_scoring_inputs(
-            mb["input_ids"], mb["attention_mask"], mb["position_ids"], R, self.remove_padding
+            mb["input_ids"],
+            mb["attention_mask"],
+            mb["position_ids"],
+            R,
+            self.remove_padding,
+            mb.get("routed_experts"),  # MoE router replay, when the batch carries it
         ).to(self.engine.device)
         per_token = outputs.of_module(self.engine.module, inputs)  # k x (M,)
         return [scatter_to_responses(o, inputs.scatter_index, B, R) for o in per_token]  # k x (B, R)

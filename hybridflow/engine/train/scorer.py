@@ -19,10 +19,13 @@ from hybridflow.engine.ops.packed_attention import (
     packed_mask_placeholder,
 )
 from hybridflow.engine.ops.packing import ScoringInputs
+from hybridflow.models.moe import num_experts, set_replay
 from hybridflow.models.value_model import value_head
 
 
 def _hidden_rows(body: nn.Module, inputs: ScoringInputs) -> torch.Tensor:
+    if num_experts(body.config):  # router replay: the batch's experts, or each block's own choice (None)
+        set_replay(body, inputs.routed_experts)  # kept set through backward's recomputes
     extra, mask = {}, inputs.attention_mask
     if inputs.seq_bounds is not None:
         extra = {BOUNDS_KWARG: torch.tensor(inputs.seq_bounds)}  # a host tensor: see packed_attention
