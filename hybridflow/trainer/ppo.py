@@ -130,11 +130,17 @@ class PPOTrainer(TrainingLoop):
     def _stages(self, old_source: str) -> list[Stage]:
         cfg = self.cfg
         scores = ("token_level_scores", "acc")
+        # MoE router replay: the experts the policy passes replay, recorded by the rollout (r3) or by the
+        # old-log-prob pass (r2; without that pass the update's own forward is the old policy's).
+        replay = cfg.actor.router_replay
+        by_rollout = ("routed_experts",) if replay == "r3" else ()
+        by_old_pass = ("routed_experts",) if replay == "r2" and old_source == "recompute" else ()
+        routed = by_rollout or by_old_pass
         stages = [
             Stage(
                 "gen",
                 PROMPT_KEYS,
-                ("responses", "response_mask", "rollout_log_probs", "uid"),
+                ("responses", "response_mask", "rollout_log_probs", "uid", *by_rollout),
                 self._rollout,
                 replaces_batch=True,
             ),
@@ -148,8 +154,9 @@ class PPOTrainer(TrainingLoop):
             ),
         ]
         if old_source == "recompute":
-            reads = ("input_ids", "responses")
-            stages.append(Stage("old_log_prob", reads, ("old_log_probs", "entropys"), self._old_log_prob))
+            reads = ("input_ids", "responses", *by_rollout)
+            writes = ("old_log_probs", "entropys", *by_old_pass)
+            stages.append(Stage("old_log_prob", reads, writes, self._old_log_prob))
         elif old_source == "rollout":
             stages.append(Stage("old_log_prob", ("rollout_log_probs",), ("old_log_probs",), self._bypass))
         if cfg.trainer.rollout_data_dir:
@@ -159,7 +166,7 @@ class PPOTrainer(TrainingLoop):
             reads = (*SEQ_KEYS, "data_source", "ground_truth", "extra_info")
             stages.append(Stage("gen_max", reads, ("reward_baselines",), self._greedy_baseline))
         if self.c.ref is not None:
-            stages.append(Stage("ref", SEQ_KEYS, ("ref_log_prob",), self._ref_log_prob))
+            stages.append(Stage("ref", (*SEQ_KEYS, *routed), ("ref_log_prob",), self._ref_log_prob))
         if self.c.critic is not None:
             stages.append(Stage("values", SEQ_KEYS, ("values",), self._values))
         adv_reads = ["token_level_scores", "response_mask", "uid", "rollout_log_probs"]
@@ -179,7 +186,7 @@ class PPOTrainer(TrainingLoop):
                     self._update_critic,
                 )
             )
-        actor_reads = [*SEQ_KEYS, "advantages", "response_mask"]
+        actor_reads = [*SEQ_KEYS, "advantages", "response_mask", *routed]
         actor_reads += ["old_log_probs"] if old_source != "update" else ["rollout_log_probs"]
         actor_reads += ["ref_log_prob"] if cfg.actor.use_kl_loss else []
         stages.append(Stage("update_actor", tuple(actor_reads), (), self._update_actor))

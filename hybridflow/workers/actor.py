@@ -72,6 +72,11 @@ def make_sampling_params(
     )
 
 
+def routed(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``routed_experts`` of a pass's results, where it recorded them."""
+    return {"routed_experts": out["routed_experts"]} if "routed_experts" in out else {}
+
+
 class ActorWorker:
     """Holds the policy: ``generate`` reads the training module's parameters in place (a dtype cast at most)."""
 
@@ -274,7 +279,9 @@ class ActorWorker:
         routed = [getattr(s, "routed_experts", None) for s in flat]
         if flat and all(r is not None for r in routed):  # MoE router replay (r3): the rollout's experts
             P = batch["input_ids"].shape[1] - R
-            batch["routed_experts"] = pack_routing([len(p) for p in ids for _ in range(params.n)], routed, P, R)
+            batch["routed_experts"] = pack_routing(
+                [len(p) for p in ids for _ in range(params.n)], routed, P, R
+            )
         for key, values in prompts.non_tensors.items():
             batch[key] = np.repeat(values, params.n)
         batch["uid"] = np.repeat(np.array([f"{i}" for i in range(len(ids))], dtype=object), params.n)
@@ -318,8 +325,9 @@ class ActorWorker:
             use_dynamic_bsz=r.log_prob_use_dynamic_bsz,
             max_token_len=self.dims.token_budget(r.log_prob_max_token_len_per_gpu),
             with_entropy=True,
+            with_routing=self.cfg.actor.router_replay == "r2",  # the update replays the old policy's experts
         )
-        return Batch({"old_log_probs": out["log_probs"], "entropys": out["entropys"]})
+        return Batch({"old_log_probs": out["log_probs"], "entropys": out["entropys"]} | routed(out))
 
     def update_actor(self, batch: Batch) -> Batch:
         """PPO-family update over the batch (mini-batches, epochs); its metrics in ``meta["metrics"]``.

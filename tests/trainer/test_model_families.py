@@ -215,3 +215,15 @@ def test_the_automatic_layout_never_gives_a_family_a_split_it_cannot_take(family
     if family == "gpt2":
         assert layout.pp == layout.sp == 1
     assert layout.phases and layout.views is not None  # estimated and with the switch's figures
+
+
+def test_router_replay_r2_and_the_moe_update_terms(setup: dict[str, Path], tmp_path: Path) -> None:
+    # Two mini-batches: the old log-probs come from their own pass, which records each token's experts;
+    # the update replays them. The first mini-batch runs on the old policy's weights (its router agrees with
+    # itself), the second after one optimizer step (which moves the router too, towards balance).
+    extra = ("actor.router_replay=r2", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=2")
+    cfg = load_config(None, overrides(setup, "qwen3_moe", tmp_path / "run", *extra))
+    (m,) = PPOTrainer(cfg, build_components(cfg)).fit()
+    assert 0.5 < m["moe/router_agreement"] <= 1.0
+    assert m["moe/aux_loss"] > 0 and m["moe/expert_load_max"] >= 1.0
+    assert math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0

@@ -140,15 +140,21 @@ class ActorEngine:
         use_dynamic_bsz: bool = False,
         max_token_len: int = 16384,
         with_entropy: bool = False,
+        with_routing: bool = False,
     ) -> dict[str, torch.Tensor]:
-        """Log-probs (B, R) of ``responses`` under the current weights, and entropy when asked (CPU tensors)."""
+        """Log-probs (B, R) of ``responses`` under the current weights, and entropy when asked (CPU tensors);
+        ``with_routing``: also each token's experts, ``routed_experts`` (B, T, L, k) (router replay R2)."""
         check_batch(batch, SCORING_KEYS)
         self.engine.onload()
         self.module.eval()
         parts = micro_batch_indices(batch, micro_batch_size, use_dynamic_bsz, max_token_len)
         outputs = LogProbs(temperature, with_entropy, entropy_grad=False, fused=self.fused_head)
-        results = self.runner.forward(batch, parts, outputs)  # (B, R) each, on the device
-        out = {"log_probs": results[0].cpu()}  # one copy to the host per result, not one per micro-batch
+        out: dict[str, torch.Tensor] = {}
+        if with_routing:
+            results, out["routed_experts"] = self.runner.forward_routed(batch, parts, outputs)
+        else:
+            results = self.runner.forward(batch, parts, outputs)  # (B, R) each, on the device
+        out["log_probs"] = results[0].cpu()  # one copy to the host per result, not one per micro-batch
         if with_entropy:
             out["entropys"] = results[1].cpu()
         self.engine.offload()

@@ -30,6 +30,7 @@ from hybridflow.engine.parallel.pipeline import Head, PipelineRunner
 from hybridflow.engine.roles.pipelined import packed_inputs, policy_head, to_responses, value_head
 from hybridflow.engine.train.micro_batch import restore_order
 from hybridflow.engine.train.train_engine import TrainEngine
+from hybridflow.models.moe import NO_EXPERT, records
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import all_reduce_sum
 
@@ -202,6 +203,29 @@ class SequentialRunner(MicroBatchRunner):
         """The k results (B, R) on the device, in ``batch``'s order (see ``MicroBatchRunner.forward``)."""
         per_part = [self.outputs(batch[list(idx)], outputs) for idx in parts]  # stay on the device
         return [restore_order([p[j] for p in per_part], parts) for j in range(outputs.k)]
+
+    def forward_routed(
+        self, batch: Batch, parts: Parts, outputs: Outputs
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """``forward``, and the experts each token of ``batch`` ran (B, T, L, k) uint8 on the host (255:
+        padding), from the MoE blocks' records (router replay R2: the old policy's routing)."""
+        per_part, routed = [], []
+        for idx in parts:
+            mb = batch[list(idx)]
+            per_part.append(self.outputs(mb, outputs))
+            routed.append(self._routing(mb).cpu())
+        results = [restore_order([p[j] for p in per_part], parts) for j in range(outputs.k)]
+        return results, restore_order(routed, parts)
+
+    def _routing(self, mb: Batch) -> torch.Tensor:
+        """The last forward's experts laid out as ``mb``'s tokens: (b, T, L, k) uint8, 255 at padding."""
+        recs = records(self.engine.module.lm)
+        ids = torch.stack([r.ids for r in recs], 1).to(torch.uint8)  # (N, L, k) packed or padded rows
+        b, T = mb["input_ids"].shape
+        real = mb["attention_mask"].reshape(-1).bool().to(ids.device)  # (b * T,)
+        out = torch.full((b * T, *ids.shape[1:]), NO_EXPERT, dtype=torch.uint8, device=ids.device)
+        out[real] = ids if self.remove_padding else ids[real]
+        return out.view(b, T, *ids.shape[1:])
 
     def _backward(self, batch: Batch, parts: Parts, outputs: Outputs, step: _Collector) -> None:
         for i, idx in enumerate(parts):
