@@ -19,6 +19,7 @@ from hybridflow.models.moe import (
     records,
     route,
     router_spec,
+    run_experts,
     set_replay,
 )
 from hybridflow.models.tiny import build_tiny_model
@@ -180,3 +181,20 @@ def test_dense_and_unknown_families() -> None:
     with pytest.raises(UserError, match="jamba"):
         router_spec(config)
     assert isinstance(MoEBlock, type)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_on_the_gpu_equals_the_loop_in_bf16() -> None:
+    # SM90 runs F.grouped_mm in bf16; elsewhere run_experts falls back to the loop (also checked here).
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n, h, inter, e, k = 70, 256, 128, 16, 4
+    x = torch.randn(n, h, device="cuda", generator=gen).bfloat16()
+    gate_up = (torch.randn(e, 2 * inter, h, device="cuda", generator=gen) / h**0.5).bfloat16()
+    down = (torch.randn(e, h, inter, device="cuda", generator=gen) / inter**0.5).bfloat16()
+    ids = torch.stack([torch.randperm(e - 3, device="cuda", generator=gen)[:k] for _ in range(n)])
+    weights = torch.rand(n, k, device="cuda", generator=gen).bfloat16()
+    ref = loop_experts(x.float(), ids, weights.float(), gate_up.float(), down.float())
+    for fn in (run_experts, loop_experts):
+        got = fn(x, ids, weights, gate_up, down).float()
+        torch.testing.assert_close(got, ref, atol=0.05 * ref.abs().max().item(), rtol=0.05)
