@@ -167,6 +167,8 @@ def grouped_mm_fits(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) 
     grouped = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
     if grouped is None or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:  # its meta kernel takes bf16 only
+        return False
     if x.is_cuda and (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 9):
         return False
     size = x.element_size()
