@@ -127,6 +127,11 @@ def check_router_replay(config: Any, mode: str, engine: str, sizes: dict[str, in
         raise UserError(
             f"{key}: {model_type(config)!r} is not a mixture of experts; set actor.router_replay=off"
         )
+    if num_experts(config) >= 255:  # uint8 records, 255 meaning "not routed"
+        raise UserError(
+            f"{key}: this model has {num_experts(config)} routed experts; the routing records hold at most 254 "
+            "(uint8); set actor.router_replay=off"
+        )
     if mode == "r3" and engine != "native":
         raise UserError(
             f"{key} needs the built-in rollout engine to record the experts (rollout.engine={engine}); set "

@@ -20,6 +20,10 @@ def test_refusals_name_the_key_and_the_fix() -> None:
     check_router_replay(moe, "r2", "hf", SIZES)
     with pytest.raises(UserError, match=r"not a mixture of experts.*router_replay=off"):
         check_router_replay(dense, "r3", "native", SIZES)
+    many = build_tiny_model("qwen3_moe", num_hidden_layers=1).config
+    many.num_experts = 256
+    with pytest.raises(UserError, match="256 routed experts"):
+        check_router_replay(many, "r2", "native", SIZES)
     with pytest.raises(UserError, match=r"rollout\.engine=native"):
         check_router_replay(moe, "r3", "hf", SIZES)
     with pytest.raises(UserError, match=r"actor\.pipeline_parallel_size=2 is not implemented"):
