@@ -12,6 +12,7 @@ from hybridflow.config.parallel import role_sizes
 from hybridflow.config.schema import Config
 from hybridflow.models import build_value_model, load_causal_lm, load_tokenizer, load_value_model
 from hybridflow.models.families import check_router_replay, disable_dropout
+from hybridflow.models.moe import install_moe
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.seed import set_seed
 from hybridflow.workers.actor import ActorWorker
@@ -71,6 +72,7 @@ def build_roles(
     Dropout is turned off in every model first (``families.disable_dropout``): the update must score the
     distribution the rollout sampled from.
     """
+    install_moe(model)  # a model handed in (notebook, benchmarks) gets the shared MoE blocks as a loaded one
     check_router_replay(model.config, cfg.actor.router_replay, cfg.rollout.engine, role_sizes(cfg, "actor"))
     turned_off = disable_dropout(model)
     if turned_off:
