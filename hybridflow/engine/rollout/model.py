@@ -1,4 +1,5 @@
-"""A Llama-family forward (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) that runs on a Hugging Face module's weights.
+"""A Llama-family forward (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, and the mixtures of experts Qwen2-MoE,
+Qwen3-MoE and Mixtral) that runs on a Hugging Face module's weights.
 
 The runner loads nothing of its own: it binds the HF module's parameters by reference (``binding``), so the
 rollout engine generates with exactly the weights the trainer holds; where the generation dtype differs from
@@ -11,6 +12,10 @@ pieces around attention are in ``blocks``): RoPE tables computed in float32 from
 compute dtype, attention through SDPA with ``enable_gqa=True`` so K/V are never repeated.
 Decode attention on CUDA in bf16/fp16 uses the split-K Triton kernel of ``decode_attention`` instead, which
 reads each slot only up to its own position and also applies RoPE and writes the step's k and v.
+
+A sparse layer routes with ``hybridflow.models.moe`` (``blocks.moe_mlp``). With a routing store on the paged
+cache (``PagedKVCache.routing``) prefill and decode write each token's experts beside its K and V, in its block
+at its offset (``write_routing``), inside the step: no host sync, graph-safe.
 """
 
 from __future__ import annotations
@@ -28,14 +33,22 @@ from hybridflow.engine.rollout import blocks
 from hybridflow.engine.rollout.binding import WeightBinding
 from hybridflow.engine.rollout.blocks import KSplits, LayerDims, LayerWeights
 from hybridflow.engine.rollout.kv_cache import KVCache, write_kv
-from hybridflow.engine.rollout.paged_cache import PagedKVCache, paged_decode_attention, write_kv_paged
+from hybridflow.engine.rollout.paged_cache import (
+    PagedKVCache,
+    paged_decode_attention,
+    write_kv_paged,
+    write_routing,
+)
 from hybridflow.engine.rollout.support import check_structure, check_supported
 from hybridflow.engine.rollout.tp import RolloutTP
 from hybridflow.engine.rollout.weights import local_tensor
+from hybridflow.models.moe import grouped_mm_fits, router_spec
 
 logger = logging.getLogger(__name__)
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# Takes a sparse layer's routing: (its index among the sparse layers, expert ids (b * t, k) int64).
+Sink = Callable[[int, torch.Tensor], None]
 
 
 def _pick_decode_attention(device: torch.device, dtype: torch.dtype) -> str:
@@ -78,7 +91,7 @@ class LlamaRunner:
         check_structure(hf_model)
         # A Mistral window is harmless only while no cached sequence is longer than it (check_supported).
         self.max_cache_len = (
-            getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
+            getattr(config, "sliding_window", None) if config.model_type in ("mistral", "mixtral") else None
         )
         self.config = config
         self._model = hf_model
@@ -112,6 +125,7 @@ class LlamaRunner:
             mlp_splits=(config.intermediate_size,) * 2,
         )
         self.weights = WeightBinding(hf_model, self.dtype, self.device, self.dims)
+        self.router = router_spec(config)  # None: dense
         # Decode's projections as batched GEMMs over slices of K whose float32 partials the next fused kernel
         # sums (blocks.split_linear); all 1 leaves them to cuBLAS. Worth it only under torch.compile.
         self.k_splits = KSplits()
@@ -137,6 +151,21 @@ class LlamaRunner:
     def lm_head(self) -> torch.Tensor:
         """The LM head (the embedding itself when tied)."""
         return self.weights.lm_head
+
+    @property
+    def routing_shape(self) -> tuple[int, int] | None:
+        """(sparse layers, experts per token) of a mixture of experts (its routing records), None if dense."""
+        return None if self.router is None else (self.weights.num_sparse, self.router.top_k)
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a decode step has fixed shapes and no host sync (CUDA graphs): dense, or experts run as
+        grouped GEMMs here (``moe.grouped_mm_fits``: CPU, or CUDA bf16 on SM90+; else the loop over experts)."""
+        sparse = [w.moe for w in self.layers if w.moe is not None]
+        if not sparse:
+            return True
+        x = torch.empty(0, sparse[0].gate_up.shape[-1], dtype=self.dtype, device=self.device)
+        return all(grouped_mm_fits(x, m.gate_up, m.down) and m.gate_up.dtype == x.dtype for m in sparse)
 
     def refresh(self) -> bool:
         """Copy the module's current weights into the cast buffers (``WeightBinding.refresh``); True when the
@@ -222,12 +251,15 @@ class LlamaRunner:
         attend: Attend,
         rope: bool = True,
         dims: LayerDims | None = None,
+        sink: Sink | None = None,
     ) -> torch.Tensor:
         """Embed (b, t) ids at (b, t) positions and run all layers; returns pre-norm hidden (b, t, hidden).
 
         Each layer is ``attention_inputs``, ``attend`` (writes the cache, runs attention), then
-        ``attention_output_and_mlp``. ``rope=False`` hands q and k to ``attend`` before RoPE (the fused
-        decode kernel applies it); ``dims`` defaults to ``self.dims`` (decode passes its own).
+        ``attention_output_and_mlp`` (or ``attention_output_and_moe`` for a sparse layer, bound so: no
+        branch on values). ``rope=False`` hands q and k to ``attend`` before RoPE (the fused decode kernel
+        applies it); ``dims`` defaults to ``self.dims`` (decode passes its own); ``sink`` takes each
+        sparse layer's chosen experts.
         """
         dims = self.dims if dims is None else dims
         if self.tp is None:
@@ -238,7 +270,12 @@ class LlamaRunner:
         cos, sin = self._rope_tables(positions)
         for idx, w in enumerate(self.layers):
             q, k, v = blocks.attention_inputs(h, w, cos, sin, dims, rope)
-            h = blocks.attention_output_and_mlp(h, attend(idx, q, k, v), w, dims, reduce)
+            if w.moe is None:
+                h = blocks.attention_output_and_mlp(h, attend(idx, q, k, v), w, dims, reduce)
+                continue
+            h, ids = blocks.attention_output_and_moe(h, attend(idx, q, k, v), w, dims, reduce)
+            if sink is not None:
+                sink(w.moe.index, ids)
         return h
 
     def _prefill_hidden(
@@ -420,7 +457,7 @@ class LlamaRunner:
         blocks, offsets = cache.locate(tables, rows, positions[rows, cols])  # (n,) each
         tables = tables[:, : -(-kv_end // cache.block_size)]  # (b, blocks read)
         up = [to_device(x, self.device) for x in (input_ids, positions, rows, cols, blocks, offsets, tables)]
-        h = self._prefill_paged_layers(*up, cache.storage, causal)  # (b, t, hidden)
+        h = self._prefill_paged_layers(*up, cache.storage, causal, cache.routing)  # (b, t, hidden)
         last = h[torch.arange(b, device=self.device), to_device(lengths, self.device) - 1]  # (b, hidden)
         return self._logits(last)
 
@@ -435,9 +472,18 @@ class LlamaRunner:
         tables: torch.Tensor,  # (b, M): the blocks attention reads (unless causal)
         kv_storage: torch.Tensor,  # (layers, 2, N, KVH, bs, D)
         causal: bool,
+        routing: torch.Tensor | None = None,  # (N, bs, sparse layers, k): record each token's experts
     ) -> torch.Tensor:
         """Prefill's layers on the paged cache (``prefill_paged``); compiled by ``compile_prefill``."""
         bs = kv_storage.shape[4]
+        sink = None
+        if routing is not None:
+            t = input_ids.shape[1]
+
+            def sink(layer: int, ids: torch.Tensor) -> None:
+                valid = ids.view(-1, t, ids.shape[-1])[rows, cols]  # (n, k)
+                write_routing(valid, routing, layer, blocks, offsets)
+
         mask = None
         if not causal:
             keys_at = torch.arange(tables.shape[1] * bs, device=positions.device)  # (L,)
@@ -460,17 +506,25 @@ class LlamaRunner:
                 enable_gqa=True,
             )
 
-        return self._forward(input_ids, positions, attend)
+        return self._forward(input_ids, positions, attend, sink=sink)
 
     @torch.no_grad()
     def decode_paged(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, tables: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: PagedKVCache,
+        tables: torch.Tensor,
+        live: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One decode step through block tables (B, max_blocks): token b written at ``positions[b]`` of its
         sequence, attending to positions <= it; logits (B, V). Fixed shapes, no host sync: graph-safe.
 
         The Triton backend is one fused launch per layer (RoPE, the cache write, split-K attention over the
-        blocks); "sdpa" is the reference (``paged_cache.paged_decode_attention``: gather, then mask)."""
+        blocks); "sdpa" is the reference (``paged_cache.paged_decode_attention``: gather, then mask).
+        With ``cache.routing`` each row's experts are recorded at its position; ``live`` (B,) bool sends the
+        records of rows that are not (finished sequences riding along) to the scratch block 0 instead."""
+        sink = None if cache.routing is None else self._decode_sink(positions, cache, tables, live)
         if self._decode_attention == "triton":
             kernel = torch.ops.hybridflow.decode_attention_rope_paged.default
             cos, sin = (t[:, 0, 0] for t in self._rope_tables(positions[:, None]))  # (B, D) each
@@ -478,7 +532,7 @@ class LlamaRunner:
             def fused(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return kernel(q, k, v, cos, sin, cache.storage, idx, positions, tables, self.scaling)
 
-            h = self._forward(input_ids[:, None], positions[:, None], fused, False, self._decode_dims)
+            h = self._forward(input_ids[:, None], positions[:, None], fused, False, self._decode_dims, sink)
             return self._logits(h[:, 0])  # (B, V)
 
         batch = input_ids.shape[0]
@@ -489,5 +543,20 @@ class LlamaRunner:
             out = paged_decode_attention(q[:, :, 0], cache, idx, tables, positions + 1, self.scaling)
             return out[:, :, None]  # (B, H, 1, D)
 
-        h = self._forward(input_ids[:, None], positions[:, None], attend, True, self._decode_dims)
+        h = self._forward(input_ids[:, None], positions[:, None], attend, True, self._decode_dims, sink)
         return self._logits(h[:, 0])  # (B, V)
+
+    @staticmethod
+    def _decode_sink(
+        positions: torch.Tensor, cache: PagedKVCache, tables: torch.Tensor, live: torch.Tensor | None
+    ) -> Sink:
+        """Where a decode step records its rows' experts: each row's block and offset of ``positions``."""
+        rows = torch.arange(positions.shape[0], device=positions.device)  # (B,)
+        blocks, offsets = cache.locate(tables, rows, positions)  # (B,) each
+        if live is not None:
+            blocks = torch.where(live, blocks, torch.zeros_like(blocks))  # ridden-along rows: scratch
+
+        def sink(layer: int, ids: torch.Tensor) -> None:
+            write_routing(ids, cache.routing, layer, blocks, offsets)
+
+        return sink

@@ -11,7 +11,10 @@ from hybridflow.models.families import LLAMA_FAMILY, is_moe
 
 logger = logging.getLogger(__name__)
 
-FAMILY = LLAMA_FAMILY
+# Mixtures of experts whose layers are the Llama family's with a routed MLP (``blocks.moe_mlp``).
+MOE_FAMILY = ("qwen2_moe", "qwen3_moe", "mixtral")
+FAMILY = (*LLAMA_FAMILY, *MOE_FAMILY)
+_WINDOWED = ("mistral", "mixtral")  # a sliding window that is exact while no sequence outgrows it
 # These RoPE types recompute inv_freq from the current sequence length inside HF's forward
 # (transformers' dynamic_rope_update): data-dependent, so not capturable; HF generate handles them.
 _DYNAMIC_ROPE = ("dynamic", "longrope")
@@ -25,19 +28,27 @@ def unsupported_reason(config: Any, max_len: int | None = None) -> str | None:
     through when no sequence can be longer than the window, where sliding attention equals full attention.
     """
     model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILY or is_moe(config):
+    if model_type == "deepseek_v3":
+        return (
+            "model_type 'deepseek_v3' uses multi-head latent attention (MLA), which the rollout engine does "
+            f"not implement; it runs {', '.join(FAMILY)}"
+        )
+    if model_type not in FAMILY or (is_moe(config) and model_type not in MOE_FAMILY):
         kind = "a mixture of experts" if is_moe(config) else "not in the Llama family"
-        return f"model_type {model_type!r} is {kind}; the rollout engine runs dense {', '.join(FAMILY)}"
+        return (
+            f"model_type {model_type!r} is {kind}; the rollout engine runs dense {', '.join(LLAMA_FAMILY)} "
+            f"and the mixtures of experts {', '.join(MOE_FAMILY)}"
+        )
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         return f"hidden_act {act!r} is not supported (only SiLU-gated MLPs)"
     layer_types = getattr(config, "layer_types", None) or []
     if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
         return "sliding-window attention (use_sliding_window=true) is not supported"
-    window = getattr(config, "sliding_window", None) if model_type == "mistral" else None
+    window = getattr(config, "sliding_window", None) if model_type in _WINDOWED else None
     if window is not None and (max_len is None or max_len > window):
         return (
-            f"this Mistral config uses a sliding window of {window} tokens, which the rollout engine does not "
+            f"this {model_type} config uses a sliding window of {window} tokens, which the rollout engine does not "
             f"implement; sequences of at most {window} tokens are exact (pass max_len)"
         )
     rope = getattr(config, "rope_parameters", None) or {}
