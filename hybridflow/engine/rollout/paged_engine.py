@@ -11,6 +11,10 @@ found again by its prefix hash (another request with the same prompt, a multi-tu
 A running sequence holds a seat (``seats.Seats``) while it decodes. Its K and V are written for every token
 but the last, which the next decode step feeds. Every token after the prompt records its log-prob and the
 weight version that sampled it (-1: appended by ``extend``, never trained on).
+
+``record_routing=True`` (a mixture of experts; off by default, and then free) keeps every fed token's experts
+beside its K and V in the pool's blocks (``PagedKVCache.routing``, written inside prefill and the decode step)
+and hands them out with each sample (``GenerationOutput.routed_experts``) as its blocks go back.
 """
 
 from __future__ import annotations
@@ -86,7 +90,9 @@ class PagedEngine:
         # the decode step unless enforce_eager, and with compile_decode the step compiled per batch bucket.
         self.fused_sampler = fused_sampler_available(self.device)
         self.runner.float_logits = not self.fused_sampler
-        self.use_graphs = not cfg.enforce_eager and self.device.type == "cuda"
+        self.use_graphs = not cfg.enforce_eager and self.device.type == "cuda" and self._graph_safe()
+        if cfg.record_routing:
+            self._check_routing()
         self.warm: dict[tuple, set[int]] = {}  # batch buckets run once, per session signature (see graphs)
         self.kept_cache: PagedKVCache | None = None  # the last session's, when free_cache_engine is off
         self.last_pool_blocks: int | None = None  # the last session's pool size
@@ -97,6 +103,32 @@ class PagedEngine:
             self.runner.compile_prefill()
             if self.device.type == "cuda" and self.runner.dtype in (torch.bfloat16, torch.float16):
                 self.runner.k_splits = DECODE_K_SPLITS
+
+    def _graph_safe(self) -> bool:
+        """Whether the decode step can be captured; a mixture of experts whose experts cannot run as grouped
+        GEMMs here loops over experts with data-dependent shapes, so it decodes eagerly (logged)."""
+        if self.runner.graph_safe:
+            return True
+        logger.warning(
+            "the experts of this mixture of experts cannot run as grouped GEMMs in %s on this GPU (those need "
+            "bf16 on SM90 or newer): decoding without CUDA graphs, much slower",
+            self.runner.dtype,
+        )
+        return False
+
+    def _check_routing(self) -> None:
+        """``record_routing`` needs a mixture of experts whose expert ids fit the records' uint8."""
+        spec = self.runner.router
+        if spec is None:
+            raise UserError(
+                "rollout record_routing=True needs a mixture-of-experts model (router replay); this one is "
+                "dense: turn record_routing off"
+            )
+        if spec.num_experts > 256:
+            raise UserError(
+                f"record_routing keeps expert ids as uint8; this model has {spec.num_experts} experts (> 256): "
+                "turn record_routing off"
+            )
 
     # ---- the step API ----------------------------------------------------------------------------------
 
@@ -449,6 +481,8 @@ class PagedEngine:
         self.running.remove(s)
         del self._by_id[s.id]
         if s.table is not None:
+            if self.session.cache.routing is not None:  # the records of every position in the cache
+                s.routing = self.session.cache.routing_of([b + 1 for b in s.table.blocks], s.written)
             self.session.pool.free(s.table)
             s.table = None
 

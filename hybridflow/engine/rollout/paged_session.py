@@ -52,6 +52,7 @@ class SessionConfig:
     compile_decode: bool = False
     free_cache_engine: bool = True
     device: torch.device | None = None
+    record_routing: bool = False  # a mixture of experts: each token's experts with its output (router replay)
 
     def __post_init__(self) -> None:
         if (
@@ -186,7 +187,8 @@ class Session:
         """The device cache: the one kept from the last session if it has the shape, else a new one."""
         r, kept = self.runner, self.engine.kept_cache
         self.engine.kept_cache = None
-        if kept is not None and kept.num_blocks == blocks:
+        routing = r.routing_shape if self.engine.cfg.record_routing else None
+        if kept is not None and kept.num_blocks == blocks and (kept.routing is None) == (routing is None):
             return kept
         del kept
         # The last session's freed pool stays cached in the allocator: a pool of another size could not use
@@ -196,7 +198,7 @@ class Session:
             torch.cuda.empty_cache()
         self.engine.last_pool_blocks = blocks
         return PagedKVCache(
-            r.num_layers, blocks, self.pool.block_size, r.num_kv_heads, r.head_dim, r.dtype, r.device
+            r.num_layers, blocks, self.pool.block_size, r.num_kv_heads, r.head_dim, r.dtype, r.device, routing
         )
 
     # ---- the work -----------------------------------------------------------------------------------------
