@@ -1,0 +1,216 @@
+"""Mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral) in the built-in rollout engine on CPU: greedy tokens equal
+to HF ``generate``, sampled log-probs equal to the trainer's recomputation, preemption changing nothing, the
+routing records (router replay) equal to what ``MoEBlock`` chooses on prompt + response, a model with dense and
+sparse layers, weights refreshed in place, and DeepSeek-V3 (MLA) refused with HF ``generate`` instead."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from test_engine import PROMPTS, greedy, hf_greedy_left_padded
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen2MoeForCausalLM
+
+from hybridflow.engine.rollout.engine import HFRollout, RolloutEngine, make_rollout
+from hybridflow.engine.rollout.paged_engine import PagedEngine
+from hybridflow.engine.rollout.sampling import SamplingParams
+from hybridflow.engine.rollout.support import fallback_reason
+from hybridflow.engine.rollout.types import GenerationOutput
+from hybridflow.models.moe import install_moe, keep_records, records
+from hybridflow.models.tiny import build_tiny_model
+from hybridflow.utils.errors import UserError
+
+MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral")
+
+
+def lively_moe(
+    arch: str, layers: int = 2, dense_layers: tuple[int, ...] = (), seed: int = 1, scale: float = 0.5
+) -> torch.nn.Module:
+    """A tiny MoE with large weights (``scale``: greedy outputs vary) and routers drawn (N(0, 0.5)) so that
+    tokens pick differently."""
+    model = build_tiny_model(arch, vocab_size=64, hidden_size=32, num_hidden_layers=layers, seed=seed)
+    if dense_layers:  # Qwen2-MoE's mlp_only_layers: these layers keep a plain MLP
+        config = copy.deepcopy(model.config)
+        config.mlp_only_layers = list(dense_layers)
+        torch.manual_seed(seed)
+        model = Qwen2MoeForCausalLM(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight"):  # as tests/models/test_moe.py: routers start at zero in some
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return model.eval()
+
+
+def routing_by_moe_block(model: torch.nn.Module, prompt: list[int], out: GenerationOutput) -> torch.Tensor:
+    """The experts ``MoEBlock`` (the trainer's block) chooses on prompt + response but its last token:
+    (P + R - 1, sparse layers, k)."""
+    keep_records(model, True)
+    try:
+        with torch.no_grad():
+            model(torch.tensor([prompt + out.token_ids[:-1]]))
+        return torch.stack([r.ids for r in records(model)], dim=1)  # (N, L, k)
+    finally:
+        keep_records(model, False)
+
+
+def tokens(outs: list[list[GenerationOutput]]) -> list[list[tuple[list[int], str]]]:
+    return [[(s.token_ids, s.finish_reason) for s in g] for g in outs]
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_greedy_tokens_equal_hf_generate(arch: str) -> None:
+    model = lively_moe(arch)
+    want = hf_greedy_left_padded(model, PROMPTS, 8)
+    assert len({tuple(t) for t in want}) == len(PROMPTS)  # lively: the prompts' outputs differ
+    engine = PagedEngine(model, num_blocks=64, block_size=4)
+    assert [g[0].token_ids for g in engine.generate(PROMPTS, greedy(8))] == want
+    assert [g[0].token_ids for g in RolloutEngine(model).generate(PROMPTS, greedy(8))] == want  # slot engine
+    # n samples sharing a prompt's prefill, EOS ids that end them at different places.
+    free = engine.generate(PROMPTS, greedy(10))
+    stops = [free[0][0].token_ids[3], free[2][0].token_ids[6]]
+    got = engine.generate(PROMPTS, greedy(10, n=2, eos_token_ids=stops))
+    for f, g in zip(free, got):
+        end = next((k + 1 for k, t in enumerate(f[0].token_ids) if t in stops), 10)
+        assert [s.token_ids for s in g] == [f[0].token_ids[:end]] * 2
+    assert {s.finish_reason for g in got for s in g} == {"eos", "length"}
+    assert all(s.routed_experts is None for g in got for s in g)  # not asked for
+
+
+def test_hf_blocks_and_moe_blocks_generate_alike() -> None:
+    model = lively_moe("qwen2_moe")
+    installed = copy.deepcopy(model)
+    assert install_moe(installed) == 2
+    params = SamplingParams(temperature=0.8, max_new_tokens=8, n=2, seed=5)
+    a = PagedEngine(model, num_blocks=64, block_size=4).generate(PROMPTS, params)
+    b = PagedEngine(installed, num_blocks=64, block_size=4).generate(PROMPTS, params)
+    assert tokens(a) == tokens(b)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_sampled_log_probs_equal_the_trainers_recomputation(arch: str) -> None:
+    # Smaller weights than the greedy tests': float32 rounding grows with the logits (at scale 0.5 they reach
+    # ~20 and both dense and MoE models differ from the recomputation by up to ~1.5e-5; here ~3e-6).
+    model = lively_moe(arch, scale=0.2)
+    install_moe(model)  # as the trainer loads it
+    params = SamplingParams(temperature=0.7, max_new_tokens=9, n=3, seed=11)
+    out = PagedEngine(model, num_blocks=64, block_size=4).generate(PROMPTS, params)
+    assert len({tuple(s.token_ids) for s in out[1]}) > 1  # the samples differ
+    for prompt, samples in zip(PROMPTS, out):
+        for s in samples:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + s.token_ids])).logits[0, len(prompt) - 1 : -1] / 0.7
+            want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(s.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(s.logprobs), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_recorded_routing_equals_what_moe_block_chooses(arch: str) -> None:
+    model = lively_moe(arch)
+    install_moe(model)
+    # Samples end by EOS at different places and ride along until the next sync (sync_interval): their
+    # records must not be overwritten meanwhile.
+    engine = PagedEngine(model, num_blocks=64, block_size=4, record_routing=True, sync_interval=10)
+    free = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=10, n=2, seed=3))
+    stops = [free[0][0].token_ids[2], free[1][1].token_ids[5]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, n=2, seed=3, eos_token_ids=stops)
+    out = engine.generate(PROMPTS, params)
+    assert {s.finish_reason for g in out for s in g} == {"eos", "length"}
+    for prompt, samples in zip(PROMPTS, out):
+        for s in samples:
+            got = s.routed_experts
+            assert got.dtype == torch.uint8 and got.device.type == "cpu"
+            assert got.shape == (len(prompt) + len(s.token_ids) - 1, 2, 2)
+            assert torch.equal(got.long(), routing_by_moe_block(model, prompt, s))
+    assert len({tuple(s.routed_experts[:, 0, 0].tolist()) for g in out for s in g}) > 4  # choices differ
+
+
+def test_a_pool_that_forces_preemption_changes_no_token_and_no_record() -> None:
+    model = lively_moe("qwen3_moe")
+    install_moe(model)
+    params = greedy(12, n=2)
+    roomy = PagedEngine(model, num_blocks=64, block_size=4, record_routing=True)
+    want = roomy.generate(PROMPTS, params)
+    small = PagedEngine(model, num_blocks=12, block_size=4, record_routing=True)
+    got = small.generate(PROMPTS, params)
+    assert small.preemptions > 0 and roomy.preemptions == 0
+    assert tokens(got) == tokens(want)
+    for prompt, g, w in zip(PROMPTS, got, want):
+        for s, t in zip(g, w):
+            assert torch.equal(s.routed_experts, t.routed_experts)
+            assert torch.equal(s.routed_experts.long(), routing_by_moe_block(model, prompt, s))
+
+
+def test_a_model_with_dense_and_sparse_layers() -> None:
+    model = lively_moe("qwen2_moe", layers=3, dense_layers=(0,))
+    assert [type(layer.mlp).__name__ for layer in model.model.layers] == [
+        "Qwen2MoeMLP",
+        "Qwen2MoeSparseMoeBlock",
+        "Qwen2MoeSparseMoeBlock",
+    ]
+    want = hf_greedy_left_padded(model, PROMPTS, 8)
+    engine = PagedEngine(model, num_blocks=64, block_size=4, record_routing=True)
+    out = engine.generate(PROMPTS, greedy(8))
+    assert [g[0].token_ids for g in out] == want
+    assert [layer.moe is None for layer in engine.runner.layers] == [True, False, False]
+    install_moe(model)
+    for prompt, (s,) in zip(PROMPTS, out):
+        assert s.routed_experts.shape == (len(prompt) + 7, 2, 2)  # the two sparse layers only
+        assert torch.equal(s.routed_experts.long(), routing_by_moe_block(model, prompt, s))
+
+
+def test_cast_expert_buffers_follow_the_trainers_update() -> None:
+    model = lively_moe("mixtral")
+    engine = PagedEngine(model, num_blocks=64, block_size=4, dtype=torch.bfloat16)
+    before = engine.generate(PROMPTS, greedy(6))
+    assert engine.runner.layers[0].moe.gate_up.dtype == torch.bfloat16  # a cast buffer, not the parameter
+    with torch.no_grad():  # the trainer's step, in place
+        for layer in model.model.layers:
+            layer.mlp.experts.gate_up_proj.mul_(-1.0)
+            layer.mlp.gate.weight.mul_(-1.0)
+    after = engine.generate(PROMPTS, greedy(6))
+    fresh = PagedEngine(model, num_blocks=64, block_size=4, dtype=torch.bfloat16).generate(PROMPTS, greedy(6))
+    assert tokens(after) == tokens(fresh) and tokens(after) != tokens(before)
+
+
+def test_recording_needs_a_mixture_of_experts() -> None:
+    dense = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=1)
+    with pytest.raises(UserError, match="record_routing"):
+        PagedEngine(dense, num_blocks=8, block_size=4, record_routing=True)
+
+
+def test_deepseek_v3_is_refused_naming_mla_and_falls_back_to_hf_generate(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = DeepseekV3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=0,
+        q_lora_rank=None,
+        kv_lora_rank=8,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        max_position_embeddings=64,
+    )
+    model = DeepseekV3ForCausalLM(config).eval()
+    assert "MLA" in fallback_reason(model)
+    with caplog.at_level(logging.WARNING, logger="hybridflow"):
+        rollout = make_rollout(model)
+    assert isinstance(rollout, HFRollout)
+    assert len([r for r in caplog.records if "HF generate" in r.getMessage()]) == 1
+    with pytest.raises(ValueError, match="MLA"):
+        PagedEngine(model)
