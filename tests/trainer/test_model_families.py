@@ -29,8 +29,8 @@ REWARD_SOURCE = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return sum(map(ord, solution_str)) % 11 / 10
 """
-NATIVE = ("qwen2", "qwen3", "llama")
-FALLBACK = ("gpt2", "gpt2_untied", "qwen2_moe", "qwen3_moe", "mixtral")
+NATIVE = ("qwen2", "qwen3", "llama", "qwen2_moe", "qwen3_moe", "mixtral")
+FALLBACK = ("gpt2", "gpt2_untied")
 COMMON = [
     "algorithm.adv_estimator=grpo",
     "data.max_prompt_length=400",
