@@ -97,6 +97,8 @@ class PagedEngine:
         self.kept_cache: PagedKVCache | None = None  # the last session's, when free_cache_engine is off
         self.last_pool_blocks: int | None = None  # the last session's pool size
         self.decode_fn, self.record_fn = self.runner.decode_paged, DecodeState.record
+        if cfg.compile_decode and not self._traceable():
+            cfg.compile_decode = False
         if cfg.compile_decode:
             self.decode_fn = compiled_per_bucket(self.runner.decode_paged, len(buckets(max_num_seqs)))
             self.record_fn = compiled_per_bucket(DecodeState.record, len(buckets(max_num_seqs)))
@@ -114,6 +116,14 @@ class PagedEngine:
             "bf16 on SM90 or newer): decoding without CUDA graphs, much slower",
             self.runner.dtype,
         )
+        return False
+
+    def _traceable(self) -> bool:
+        """Whether torch.compile can trace the step: dense, or grouped GEMMs in bf16 (the only dtype
+        grouped_mm's meta function takes in torch 2.13); else compile_decode is dropped (logged)."""
+        if self.runner.router is None or (self.runner.graph_safe and self.runner.dtype == torch.bfloat16):
+            return True
+        logger.warning("compile_decode needs the experts as grouped GEMMs in bf16; decoding uncompiled")
         return False
 
     def _check_routing(self) -> None:

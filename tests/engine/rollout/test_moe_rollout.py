@@ -14,6 +14,8 @@ from test_engine import PROMPTS, greedy, hf_greedy_left_padded
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen2MoeForCausalLM
 
 from hybridflow.engine.rollout.engine import HFRollout, RolloutEngine, make_rollout
+from hybridflow.engine.rollout.model import LlamaRunner
+from hybridflow.engine.rollout.paged_cache import PagedKVCache
 from hybridflow.engine.rollout.paged_engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.support import fallback_reason
@@ -214,3 +216,30 @@ def test_deepseek_v3_is_refused_naming_mla_and_falls_back_to_hf_generate(
     assert len([r for r in caplog.records if "HF generate" in r.getMessage()]) == 1
     with pytest.raises(ValueError, match="MLA"):
         PagedEngine(model)
+
+
+def test_the_sparse_decode_step_traces_whole_and_records_in_place() -> None:
+    """As the compiled engine runs it (aot_eager functionalizes as inductor does): one graph with no break, the
+    same logits, and the routing records reach the cache's tensor; a row that is not live records to scratch."""
+    model = lively_moe("qwen3_moe")
+    runner = LlamaRunner(model, dtype=torch.bfloat16)  # grouped_mm's meta function (tracing) takes bf16 only
+    r = runner
+    caches = [
+        PagedKVCache(r.num_layers, 6, 4, r.num_kv_heads, r.head_dim, r.dtype, routing=r.routing_shape)
+        for _ in range(2)
+    ]
+    tables = torch.tensor([[1, 2], [3, 4]])
+    ids, lengths, starts = (
+        torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]]),
+        torch.tensor([5, 3]),
+        torch.zeros(2),
+    )
+    for cache in caches:
+        runner.prefill_paged(ids, lengths, starts.long(), cache, tables)
+    token, positions, live = torch.tensor([13, 14]), torch.tensor([5, 3]), torch.tensor([True, False])
+    want = runner.decode_paged(token, positions, caches[0], tables, live)
+    compiled = torch.compile(runner.decode_paged, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(token, positions, caches[1], tables, live), want, rtol=0, atol=1e-6)
+    assert torch.equal(caches[0].routing, caches[1].routing)
+    assert caches[0].routing[2, 1].any()  # row 0's position 5: block 2, offset 1
+    assert caches[0].routing[0].any() and not caches[0].routing[4].any()  # row 1's went to scratch
