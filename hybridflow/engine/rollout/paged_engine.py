@@ -42,6 +42,7 @@ from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.sequence import Sequence, positions_for, to_output
 from hybridflow.engine.rollout.state import DecodeState
 from hybridflow.engine.rollout.stats import GenerationStats
+from hybridflow.engine.rollout.support import check_routing, graphs_fit, traceable
 from hybridflow.engine.rollout.tp import RolloutTP
 from hybridflow.engine.rollout.types import GenerationOutput
 from hybridflow.utils.errors import UserError
@@ -90,14 +91,14 @@ class PagedEngine:
         # the decode step unless enforce_eager, and with compile_decode the step compiled per batch bucket.
         self.fused_sampler = fused_sampler_available(self.device)
         self.runner.float_logits = not self.fused_sampler
-        self.use_graphs = not cfg.enforce_eager and self.device.type == "cuda" and self._graph_safe()
+        self.use_graphs = not cfg.enforce_eager and self.device.type == "cuda" and graphs_fit(self.runner)
         if cfg.record_routing:
-            self._check_routing()
+            check_routing(self.runner.router)
         self.warm: dict[tuple, set[int]] = {}  # batch buckets run once, per session signature (see graphs)
         self.kept_cache: PagedKVCache | None = None  # the last session's, when free_cache_engine is off
         self.last_pool_blocks: int | None = None  # the last session's pool size
         self.decode_fn, self.record_fn = self.runner.decode_paged, DecodeState.record
-        if cfg.compile_decode and not self._traceable():
+        if cfg.compile_decode and not traceable(self.runner):
             cfg.compile_decode = False
         if cfg.compile_decode:
             self.decode_fn = compiled_per_bucket(self.runner.decode_paged, len(buckets(max_num_seqs)))
@@ -105,40 +106,6 @@ class PagedEngine:
             self.runner.compile_prefill()
             if self.device.type == "cuda" and self.runner.dtype in (torch.bfloat16, torch.float16):
                 self.runner.k_splits = DECODE_K_SPLITS
-
-    def _graph_safe(self) -> bool:
-        """Whether the decode step can be captured; a mixture of experts whose experts cannot run as grouped
-        GEMMs here loops over experts with data-dependent shapes, so it decodes eagerly (logged)."""
-        if self.runner.graph_safe:
-            return True
-        logger.warning(
-            "the experts of this mixture of experts cannot run as grouped GEMMs in %s on this GPU (those need "
-            "bf16 on SM90 or newer): decoding without CUDA graphs, much slower",
-            self.runner.dtype,
-        )
-        return False
-
-    def _traceable(self) -> bool:
-        """Whether torch.compile can trace the step: dense, or grouped GEMMs in bf16 (the only dtype
-        grouped_mm's meta function takes in torch 2.13); else compile_decode is dropped (logged)."""
-        if self.runner.router is None or (self.runner.graph_safe and self.runner.dtype == torch.bfloat16):
-            return True
-        logger.warning("compile_decode needs the experts as grouped GEMMs in bf16; decoding uncompiled")
-        return False
-
-    def _check_routing(self) -> None:
-        """``record_routing`` needs a mixture of experts whose expert ids fit the records' uint8."""
-        spec = self.runner.router
-        if spec is None:
-            raise UserError(
-                "rollout record_routing=True needs a mixture-of-experts model (router replay); this one is "
-                "dense: turn record_routing off"
-            )
-        if spec.num_experts > 256:
-            raise UserError(
-                f"record_routing keeps expert ids as uint8; this model has {spec.num_experts} experts (> 256): "
-                "turn record_routing off"
-            )
 
     # ---- the step API ----------------------------------------------------------------------------------
 

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
 from torch import nn
 
 from hybridflow.models.families import LLAMA_FAMILY, is_moe
+from hybridflow.utils.errors import UserError
+
+if TYPE_CHECKING:
+    from hybridflow.models.moe import RouterSpec
 
 logger = logging.getLogger(__name__)
 
@@ -100,3 +105,49 @@ def supports(hf_model: nn.Module, max_len: int | None = None) -> bool:
     if reason is not None:
         logger.warning("fast rollout path unavailable: %s", reason)
     return reason is None
+
+
+class Runner(Protocol):
+    """What these checks read of ``model.LlamaRunner`` (not imported: it imports this module)."""
+
+    router: RouterSpec | None
+    dtype: torch.dtype
+
+    @property
+    def graph_safe(self) -> bool: ...
+
+
+def graphs_fit(runner: Runner) -> bool:
+    """Whether the runner's decode step can be captured in CUDA graphs; a mixture of experts whose experts
+    cannot run as grouped GEMMs here loops over experts with data-dependent shapes (logged when not)."""
+    if runner.graph_safe:
+        return True
+    logger.warning(
+        "the experts of this mixture of experts cannot run as grouped GEMMs in %s on this GPU (those need bf16 "
+        "on SM90 or newer): decoding without CUDA graphs, much slower",
+        runner.dtype,
+    )
+    return False
+
+
+def traceable(runner: Runner) -> bool:
+    """Whether torch.compile can trace the decode step: dense, or grouped GEMMs in bf16 (the only dtype
+    grouped_mm's meta function takes in torch 2.13); logged when not (compile_decode is then dropped)."""
+    if runner.router is None or (runner.graph_safe and runner.dtype == torch.bfloat16):
+        return True
+    logger.warning("compile_decode needs the experts as grouped GEMMs in bf16; decoding uncompiled")
+    return False
+
+
+def check_routing(router: RouterSpec | None) -> None:
+    """``record_routing`` needs a mixture of experts whose expert ids fit the records' uint8 (UserError)."""
+    if router is None:
+        raise UserError(
+            "rollout record_routing=True needs a mixture-of-experts model (router replay); this one is dense: "
+            "turn record_routing off"
+        )
+    if router.num_experts > 256:
+        raise UserError(
+            f"record_routing keeps expert ids as uint8; this model has {router.num_experts} experts (> 256): "
+            "turn record_routing off"
+        )
