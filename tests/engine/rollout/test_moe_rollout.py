@@ -243,3 +243,100 @@ def test_the_sparse_decode_step_traces_whole_and_records_in_place() -> None:
     assert torch.equal(caches[0].routing, caches[1].routing)
     assert caches[0].routing[2, 1].any()  # row 0's position 5: block 2, offset 1
     assert caches[0].routing[0].any() and not caches[0].routing[4].any()  # row 1's went to scratch
+
+
+def tp_shard(full: torch.nn.Module, tp: int, t: int) -> torch.nn.Module:
+    """Rank t's tensor-parallel shard of ``full``: the Llama family's rules (``parallel.layout``) for attention,
+    norms and vocabulary, ``tp.MOE_RULES`` for the sparse blocks (what the reshard plan will move)."""
+    from hybridflow.engine.parallel.layout import ShardLayout, kind_of
+    from hybridflow.engine.rollout.tp import local_config, moe_kind, moe_pieces
+
+    torch.manual_seed(0)
+    shard = type(full)(local_config(full.config, tp)).eval()
+    config = full.config
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    sources = dict(full.named_parameters())
+    with torch.no_grad():
+        for name, p in shard.named_parameters():
+            src, kind = sources[name], moe_kind(name)
+            if kind is not None:
+                pieces = moe_pieces(kind, tuple(src.shape), tp, t)
+            else:
+                box = ShardLayout(kind_of(name), tuple(src.shape), tp, head).box(t)
+                pieces = [] if box is None else [(box, tuple((0, b - a) for a, b in box))]
+            p.zero_()
+            for have, put in pieces:
+                p[tuple(slice(*b) for b in put)] = src[tuple(slice(*b) for b in have)]
+    return shard
+
+
+def moe_tp_on_ranks(rank: int, world: int) -> dict:
+    """Each MoE family at tp = world (gloo) against one process: tokens, log-probs and routing records."""
+    import torch.distributed as dist
+
+    from hybridflow.engine.rollout.tp import RolloutTP
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    out = {}
+    for arch in MOE_ARCHS:
+        full = lively_moe(arch, scale=0.2)  # smaller logits: float32 rounding well within 1e-5 (see above)
+        shard = tp_shard(full, world, rank)
+        assert (
+            shard.model.layers[0].mlp.experts.down_proj.shape[-1] * world
+            == (full.model.layers[0].mlp.experts.down_proj.shape[-1])
+        )
+        params = greedy(10, n=2)
+        kw = dict(block_size=4, record_routing=True)
+        engine = PagedEngine(shard, num_blocks=16, tp=RolloutTP(dist.group.WORLD, 64), **kw)
+        got = engine.generate(PROMPTS, params)
+        want = PagedEngine(full, num_blocks=64, **kw).generate(PROMPTS, params)
+        pairs = [(x, y) for g, h in zip(got, want) for x, y in zip(g, h)]
+        out[arch] = {
+            "equal": all(x.token_ids == y.token_ids for x, y in pairs),
+            "gap": max(abs(u - v) for x, y in pairs for u, v in zip(x.logprobs, y.logprobs)),
+            "routing": all(torch.equal(x.routed_experts, y.routed_experts) for x, y in pairs),
+            "preempted": engine.preemptions,
+        }
+    return out
+
+
+def test_tensor_parallel_experts_generate_what_one_process_does() -> None:
+    """tp = 2 on gloo processes, experts sliced on their intermediate dim, a pool small enough to preempt."""
+    from dist_util import run_world_kept
+
+    for rank, by_arch in enumerate(run_world_kept(2, moe_tp_on_ranks, 2)):
+        for arch, r in by_arch.items():
+            assert r["equal"] and r["gap"] < 1e-5 and r["routing"], (rank, arch, r)
+            assert r["preempted"] > 0, (rank, arch)
+
+
+def test_the_expert_shard_rules() -> None:
+    from hybridflow.engine.rollout.tp import local_config, moe_kind, moe_pieces, moe_problems
+
+    model = lively_moe("qwen2_moe")
+    kinds = {n.split("layers.0.")[1]: moe_kind(n) for n, _ in model.named_parameters() if "layers.0.mlp" in n}
+    assert kinds == {
+        "mlp.gate.weight": "replicated",
+        "mlp.experts.gate_up_proj": "experts_gate_up",
+        "mlp.experts.down_proj": "experts_down",
+        "mlp.shared_expert.gate_proj.weight": "column",
+        "mlp.shared_expert.up_proj.weight": "column",
+        "mlp.shared_expert.down_proj.weight": "row",
+        "mlp.shared_expert_gate.weight": "replicated",
+    }
+    assert moe_kind("model.layers.0.self_attn.q_proj.weight") is None
+    # (E, 2I, H) = (4, 128, 32) at tp = 2, rank 1: rows 32..64 of the gate half and 96..128 of the up half.
+    assert moe_pieces("experts_gate_up", (4, 128, 32), 2, 1) == [
+        (((0, 4), (32, 64), (0, 32)), ((0, 4), (0, 32), (0, 32))),
+        (((0, 4), (96, 128), (0, 32)), ((0, 4), (32, 64), (0, 32))),
+    ]
+    assert moe_pieces("experts_down", (4, 32, 64), 2, 1) == [
+        (((0, 4), (0, 32), (32, 64)), ((0, 4), (0, 32), (0, 32)))
+    ]
+    local = local_config(model.config, 2)
+    assert (local.moe_intermediate_size, local.shared_expert_intermediate_size) == (32, 64)
+    assert moe_problems(model.config, 2) == [] and moe_problems(model.config, 3) == [
+        "moe_intermediate_size=64",
+        "shared_expert_intermediate_size=128",
+    ]
