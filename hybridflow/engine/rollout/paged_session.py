@@ -163,6 +163,8 @@ class Session:
             return demand
         kept = self.engine.kept_cache.storage.nbytes if self.engine.kept_cache is not None else 0
         per = self.block_bytes(r, cfg.block_size)
+        if cfg.record_routing:  # each position's expert ids (uint8) beside its K and V
+            per += cfg.block_size * math.prod(r.routing_shape)
         fit = int((self.budget(r, cfg, kept) - self.workspace(r, num_seats)) // per) - 1  # less the scratch
         if self.engine.tp is not None:  # the ranks of a group must schedule alike: the smallest pool rules
             fit = int(funcol.all_reduce(torch.tensor([fit], device=r.device), "min", self.engine.tp.group))
