@@ -22,7 +22,7 @@ from hybridflow.engine.ops.tensors import Storages
 from hybridflow.engine.parallel.fsdp import reshard_fsdp
 from hybridflow.engine.rollout.blocks import LayerDims, LayerWeights, MoEWeights
 from hybridflow.engine.rollout.weights import join_in_place, local_tensor
-from hybridflow.models.moe import is_sparse_block, router_spec
+from hybridflow.models.moe import grouped_experts, grouped_mm_fits, is_sparse_block, loop_experts, router_spec
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,9 @@ class WeightBinding:
                 f"match {spec.num_experts} experts of the config"
             )
         moe = MoEWeights(spec, self._sparse, router, gate_up, down)
+        x = torch.empty(0, hidden, dtype=self.dtype, device=self.device)  # what the forward will feed
+        fits = grouped_mm_fits(x, gate_up, down) and gate_up.dtype == self.dtype
+        moe.experts = grouped_experts if fits else loop_experts  # run_experts' choice, made once
         self._sparse += 1
         shared = getattr(mlp, "shared_expert", None)
         if shared is not None:

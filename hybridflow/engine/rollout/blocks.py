@@ -24,6 +24,9 @@ import torch.nn.functional as F
 
 from hybridflow.models.moe import RouterSpec, route, router_logits, run_experts
 
+# experts(x (N, H), ids (N, k), weights (N, k), gate_up (E, 2I, H), down (E, H, I)) -> (N, H)
+Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 @dataclass
 class MoEWeights:
@@ -38,6 +41,9 @@ class MoEWeights:
     shared_down: torch.Tensor | None = None  # (H, S)
     shared_gate: torch.Tensor | None = None  # (1, H)
     shared_splits: tuple[int, ...] = ()  # (S, S)
+    # moe.grouped_experts or moe.loop_experts, picked at bind time as run_experts would pick per call, so a
+    # traced or captured step never runs the host-side check (CUDA capability) itself.
+    experts: Experts = run_experts
 
 
 @dataclass
@@ -216,7 +222,7 @@ def moe_mlp(x: torch.Tensor, m: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]
     shape = x.shape
     flat = x.reshape(-1, shape[-1])  # (N, hidden)
     weights, ids = route(router_logits(flat, m.router, m.spec), m.spec)  # (N, k) each
-    out = run_experts(flat, ids, weights, m.gate_up, m.down)  # (N, hidden)
+    out = m.experts(flat, ids, weights, m.gate_up, m.down)  # (N, hidden)
     if m.shared_gate_up is not None:
         gate, up = project(flat, m.shared_gate_up, None, m.shared_splits)  # (N, S) each
         shared = F.linear(F.silu(gate) * up, m.shared_down)  # (N, hidden)

@@ -37,7 +37,7 @@ from hybridflow.engine.rollout.paged_forward import PagedForward, Sink
 from hybridflow.engine.rollout.support import check_structure, check_supported
 from hybridflow.engine.rollout.tp import RolloutTP
 from hybridflow.engine.rollout.weights import local_tensor
-from hybridflow.models.moe import grouped_mm_fits, router_spec
+from hybridflow.models.moe import grouped_experts, router_spec
 
 logger = logging.getLogger(__name__)
 
@@ -154,11 +154,7 @@ class LlamaRunner(PagedForward):
     def graph_safe(self) -> bool:
         """Whether a decode step has fixed shapes and no host sync (CUDA graphs): dense, or experts run as
         grouped GEMMs here (``moe.grouped_mm_fits``: CPU, or CUDA bf16 on SM90+; else the loop over experts)."""
-        sparse = [w.moe for w in self.layers if w.moe is not None]
-        if not sparse:
-            return True
-        x = torch.empty(0, sparse[0].gate_up.shape[-1], dtype=self.dtype, device=self.device)
-        return all(grouped_mm_fits(x, m.gate_up, m.down) and m.gate_up.dtype == x.dtype for m in sparse)
+        return all(w.moe.experts is grouped_experts for w in self.layers if w.moe is not None)
 
     def refresh(self) -> bool:
         """Copy the module's current weights into the cast buffers (``WeightBinding.refresh``); True when the
