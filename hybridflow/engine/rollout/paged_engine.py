@@ -158,7 +158,7 @@ class PagedEngine:
         seated, (gen, ended) = self._seated(), session.seats.counts()
         fetch = [i for i, reason in enumerate(ended) if fetch_all or reason is not None]
         for i, (tokens, logprobs) in zip(fetch, session.seats.fetch(fetch, gen)):
-            self._take(seated[i], tokens, logprobs)
+            self._take(seated[i], tokens, logprobs, finished=ended[i] is not None)
             touched[seated[i].id] = seated[i]
         for i, s in enumerate(seated):
             s.pending = gen[i] - session.seats.synced[i]
@@ -416,15 +416,18 @@ class PagedEngine:
                 session.seats.set_table(s.seat, s.table.blocks)
         return steps
 
-    def _take(self, s: Sequence, tokens: list[int], logprobs: list[float]) -> None:
-        """Hand a seat's newly sampled tokens to its sequence and hash the blocks they fill."""
+    def _take(self, s: Sequence, tokens: list[int], logprobs: list[float], finished: bool = False) -> None:
+        """Hand a seat's newly sampled tokens to its sequence and hash the blocks they fill.
+
+        A sequence that finished rode along until this sync feeding its last token at its last fed position
+        again, so that position's K and V are stale: its block is not hashed (no later sequence finds it)."""
         s.tokens += tokens
         s.logprobs += logprobs
         s.versions += [self.version] * len(tokens)
         s.pending = 0
         self.session.counts.decode_tokens += len(tokens)
         s.written = len(s.tokens) - 1  # every token but the last is in the cache
-        self.session.pool.record(s.table, s.tokens, s.written)
+        self.session.pool.record(s.table, s.tokens, s.written - finished)
 
     def _seated(self) -> list[Sequence]:
         """The sequences holding seats, in seat order."""
