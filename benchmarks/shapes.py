@@ -76,8 +76,8 @@ MOE_SHAPES = {
 def build_moe_shape(size: str, device: torch.device, seed: int = 0) -> torch.nn.Module:
     """A randomly initialised Qwen3-MoE (or its dense twin, Qwen3) of ``MOE_SHAPES``, on ``device`` in fp32.
 
-    The routers are drawn N(0, 0.02) like the other weights (HF initialises Qwen3-MoE's at zero, where every
-    token would pick the same experts and the benchmark would flatter the grouped GEMMs)."""
+    The routers are drawn N(0, 0.02) whatever the transformers version initialises them to (some start at
+    zero, where every token would pick the same experts and the benchmark would flatter the grouped GEMMs)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     shape = dict(MOE_SHAPES[size])
