@@ -146,8 +146,8 @@ def check_routing(router: RouterSpec | None) -> None:
             "rollout record_routing=True needs a mixture-of-experts model (router replay); this one is dense: "
             "turn record_routing off"
         )
-    if router.num_experts > 256:
+    if router.num_experts >= 255:  # the trainer's batch marks "not routed" with 255 (ops.sequences)
         raise UserError(
-            f"record_routing keeps expert ids as uint8; this model has {router.num_experts} experts (> 256): "
-            "turn record_routing off"
+            f"record_routing keeps expert ids as uint8 with 255 meaning 'not routed'; this model has "
+            f"{router.num_experts} experts (at most 254): turn record_routing off"
         )

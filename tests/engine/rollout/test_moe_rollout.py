@@ -183,6 +183,12 @@ def test_recording_needs_a_mixture_of_experts() -> None:
     dense = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=1)
     with pytest.raises(UserError, match="record_routing"):
         PagedEngine(dense, num_blocks=8, block_size=4, record_routing=True)
+    config = copy.deepcopy(lively_moe("qwen3_moe", layers=1).config)
+    config.num_experts = 255  # uint8 records keep 255 for "not routed" (the trainer's batch layout)
+    wide = type(lively_moe("qwen3_moe", layers=1))(config).eval()
+    PagedEngine(wide, num_blocks=8, block_size=4)  # runs; only recording is refused
+    with pytest.raises(UserError, match="at most 254"):
+        PagedEngine(wide, num_blocks=8, block_size=4, record_routing=True)
 
 
 def test_deepseek_v3_is_refused_naming_mla_and_falls_back_to_hf_generate(
