@@ -29,8 +29,8 @@ REWARD_SOURCE = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return sum(map(ord, solution_str)) % 11 / 10
 """
-NATIVE = ("qwen2", "qwen3", "llama")
-FALLBACK = ("gpt2", "gpt2_untied", "qwen2_moe", "qwen3_moe", "mixtral")
+NATIVE = ("qwen2", "qwen3", "llama", "qwen2_moe", "qwen3_moe", "mixtral")
+FALLBACK = ("gpt2", "gpt2_untied")
 COMMON = [
     "algorithm.adv_estimator=grpo",
     "data.max_prompt_length=400",
@@ -161,9 +161,11 @@ def train_rank(rank: int, runs: list[list[str]]) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_one_grpo_step_on_two_ranks_for_the_families_outside_the_built_in_engine(
+def test_one_grpo_step_on_two_ranks_for_gpt2_and_the_mixtures_of_experts(
     setup: dict[str, Path], tmp_path: Path
 ) -> None:
+    # GPT-2 generates with HF generate (one warning); the mixtures of experts with the built-in engine, on a
+    # whole replica per rank (tensor parallelism has no MoE shard rules in the reshard plan yet).
     cases = [("gpt2", True), ("gpt2_untied", False), ("mixtral", True), ("qwen2_moe", False)]
     two = ["trainer.n_gpus_per_node=2", "actor.ppo_micro_batch_size_per_gpu=2"]
     runs = [
@@ -181,7 +183,8 @@ def test_one_grpo_step_on_two_ranks_for_the_families_outside_the_built_in_engine
         warned = [
             fallback_warnings([m for lvl, m in r[i]["messages"] if lvl == logging.WARNING]) for r in ranks
         ]
-        assert [len(w) for w in warned] == [1, 0], (name, warned)  # one per run: rank 0 says it
+        want = [0, 0] if name in NATIVE else [1, 0]  # one per run: rank 0 says it
+        assert [len(w) for w in warned] == want, (name, warned)
         infos = [m for lvl, m in ranks[0][i]["messages"] if lvl == logging.INFO]
         # hybridflow train plans the layout first (one line: the plan, or why none), then the run's world line
         assert infos[0].startswith("auto layout: " if hybrid else "use_3d_hybrid=False: the baseline")

@@ -6,6 +6,9 @@ Otherwise each weight is cast once into a buffer (q/k/v and gate/up fused: the c
 ``refresh()`` copies the current values in place after every optimizer step. Between generations
 ``release()`` frees the buffers' storage, so training never holds them beside FSDP2's own compute-dtype
 parameters; the next ``refresh()`` allocates it again.
+
+A sparse (mixture-of-experts) layer binds its router, its fused experts (E, 2I, H) and (E, H, I) and Qwen2-MoE's
+shared expert the same way; HF's sparse block and the trainer's ``MoEBlock`` have the same attribute names.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from torch import nn
 
 from hybridflow.engine.ops.tensors import Storages
 from hybridflow.engine.parallel.fsdp import reshard_fsdp
-from hybridflow.engine.rollout.blocks import LayerDims, LayerWeights
+from hybridflow.engine.rollout.blocks import LayerDims, LayerWeights, MoEWeights
 from hybridflow.engine.rollout.weights import join_in_place, local_tensor
+from hybridflow.models.moe import grouped_experts, grouped_mm_fits, is_sparse_block, loop_experts, router_spec
 
 logger = logging.getLogger(__name__)
 
@@ -87,16 +91,56 @@ class WeightBinding:
             self._copies.append((view, module, name))
         return buf
 
+    def _bind_moe(self, mlp: nn.Module) -> MoEWeights:
+        """Bind a sparse block (HF's or ``MoEBlock``): router, fused experts, the shared expert if any."""
+        spec = router_spec(self._model.config)
+        router = self._bind([(mlp.gate, "weight")])[0]
+        gate_up = self._bind([(mlp.experts, "gate_up_proj")])[0]
+        down = self._bind([(mlp.experts, "down_proj")])[0]
+        e, two_i, hidden = gate_up.shape
+        if router.shape != (spec.num_experts, hidden) or down.shape != (e, hidden, two_i // 2):
+            raise ValueError(
+                f"router {tuple(router.shape)}, experts {tuple(gate_up.shape)} and {tuple(down.shape)} do not "
+                f"match {spec.num_experts} experts of the config"
+            )
+        moe = MoEWeights(spec, self._sparse, router, gate_up, down)
+        x = torch.empty(0, hidden, dtype=self.dtype, device=self.device)  # what the forward will feed
+        fits = grouped_mm_fits(x, gate_up, down) and gate_up.dtype == self.dtype
+        moe.experts = grouped_experts if fits else loop_experts  # run_experts' choice, made once
+        self._sparse += 1
+        shared = getattr(mlp, "shared_expert", None)
+        if shared is not None:
+            moe.shared_gate_up = self._bind([(shared.gate_proj, "weight"), (shared.up_proj, "weight")])
+            moe.shared_down = self._bind([(shared.down_proj, "weight")])[0]
+            moe.shared_gate = self._bind([(mlp.shared_expert_gate, "weight")])[0]
+            moe.shared_splits = (moe.shared_down.shape[1],) * 2
+        return moe
+
     def _bind_layer(self, layer: nn.Module) -> LayerWeights:
         """Bind one decoder layer, checking the projection shapes against the config."""
         attn, mlp = layer.self_attn, layer.mlp
         qkv_mods = [attn.q_proj, attn.k_proj, attn.v_proj]
-        rows = [local_tensor(m.weight).shape[0] for m in [*qkv_mods, mlp.gate_proj, mlp.up_proj]]
-        want = [*self.dims.qkv_splits, *self.dims.mlp_splits]
+        sparse = is_sparse_block(mlp)
+        dense = [] if sparse else [mlp.gate_proj, mlp.up_proj]
+        rows = [local_tensor(m.weight).shape[0] for m in [*qkv_mods, *dense]]
+        want = [*self.dims.qkv_splits, *([] if sparse else self.dims.mlp_splits)]
         if rows != want:
             raise ValueError(f"q/k/v/gate/up projections have {rows} rows; the config implies {want}")
         qkv = self._bind([(m, "weight") for m in qkv_mods])
-        gate_up = self._bind([(mlp.gate_proj, "weight"), (mlp.up_proj, "weight")])
+        if sparse:
+            return self._layer(layer, qkv, [], self._bind_moe(mlp))
+        return self._layer(layer, qkv, self._bind([(mlp.gate_proj, "weight"), (mlp.up_proj, "weight")]))
+
+    def _layer(
+        self,
+        layer: nn.Module,
+        qkv: list[torch.Tensor],
+        gate_up: list[torch.Tensor],
+        moe: MoEWeights | None = None,
+    ) -> LayerWeights:
+        """The layer's ``LayerWeights`` around its bound q/k/v and MLP (dense gate/up, or ``moe``)."""
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_mods = [attn.q_proj, attn.k_proj, attn.v_proj]
 
         def bias(mods: list[nn.Module], fused: bool) -> list[torch.Tensor] | None:
             if getattr(mods[0], "bias", None) is None:
@@ -116,9 +160,10 @@ class WeightBinding:
             o_bias=bias([attn.o_proj], False),
             post_norm=self._bind([(layer.post_attention_layernorm, "weight")])[0],
             gate_up=gate_up,
-            gate_up_bias=bias([mlp.gate_proj, mlp.up_proj], len(gate_up) == 1),
-            down=self._bind([(mlp.down_proj, "weight")]),
-            down_bias=bias([mlp.down_proj], False),
+            gate_up_bias=None if moe else bias([mlp.gate_proj, mlp.up_proj], len(gate_up) == 1),
+            down=[] if moe else self._bind([(mlp.down_proj, "weight")]),
+            down_bias=None if moe else bias([mlp.down_proj], False),
+            moe=moe,
         )
 
     @torch.no_grad()
@@ -130,8 +175,10 @@ class WeightBinding:
         self._copies: list[tuple[torch.Tensor, nn.Module, str]] = []  # cast buffers: (view, module, name)
         self._buffers: list[torch.Tensor] = []  # the cast buffers themselves (release() frees their storage)
         base = self._model.model
+        self._sparse = 0  # sparse layers bound so far
         self.embed = self._bind([(base.embed_tokens, "weight")])[0]
         self.layers = [self._bind_layer(layer) for layer in base.layers]
+        self.num_sparse = self._sparse  # the mixture-of-experts layers, in order
         self.norm = self._bind([(base.norm, "weight")])[0]
         # Tied embeddings: lm_head.weight is the embedding Parameter, so the memo returns the same tensor.
         self.lm_head = self._bind([(self._model.lm_head, "weight")])[0]

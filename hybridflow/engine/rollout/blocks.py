@@ -9,6 +9,9 @@ bucket (one fused kernel per elementwise chain instead of ~7 eager passes over t
 
 The math follows transformers' modeling_llama / modeling_qwen2 / modeling_qwen3 op for op: RMSNorm in
 float32 then cast back before the weight multiply, RoPE in the compute dtype in HF's rotate-half convention.
+A mixture-of-experts layer (Qwen2/3-MoE, Mixtral) replaces the MLP by ``attention_output_and_moe``, which
+routes and runs the experts through ``hybridflow.models.moe`` (the trainer's own functions, so both sides
+choose a token's experts by the same arithmetic).
 """
 
 from __future__ import annotations
@@ -18,6 +21,29 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from hybridflow.models.moe import RouterSpec, route, router_logits, run_experts
+
+# experts(x (N, H), ids (N, k), weights (N, k), gate_up (E, 2I, H), down (E, H, I)) -> (N, H)
+Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class MoEWeights:
+    """A sparse layer's bound tensors: router, fused experts, and Qwen2-MoE's gated shared expert."""
+
+    spec: RouterSpec
+    index: int  # the layer's place among the sparse layers (its column in routing records)
+    router: torch.Tensor  # (E, H)
+    gate_up: torch.Tensor  # (E, 2I, H), gate half first
+    down: torch.Tensor  # (E, H, I)
+    shared_gate_up: list[torch.Tensor] | None = None  # [fused (2S, H)] or [gate (S, H), up (S, H)]
+    shared_down: torch.Tensor | None = None  # (H, S)
+    shared_gate: torch.Tensor | None = None  # (1, H)
+    shared_splits: tuple[int, ...] = ()  # (S, S)
+    # moe.grouped_experts or moe.loop_experts, picked at bind time as run_experts would pick per call, so a
+    # traced or captured step never runs the host-side check (CUDA capability) itself.
+    experts: Experts = run_experts
 
 
 @dataclass
@@ -36,6 +62,7 @@ class LayerWeights:
     gate_up_bias: list[torch.Tensor] | None
     down: list[torch.Tensor]
     down_bias: list[torch.Tensor] | None
+    moe: MoEWeights | None = None  # set: a sparse layer (gate_up and down are then empty)
 
 
 @dataclass(frozen=True)
@@ -136,6 +163,20 @@ def attention_inputs(
     return rotate(q, cos, sin), rotate(k, cos, sin), v
 
 
+def attention_output(
+    h: torch.Tensor,
+    o: torch.Tensor,
+    w: LayerWeights,
+    dims: LayerDims,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """h (b, t, hidden) plus o's projection of the attention output o (b, H, t, D)."""
+    b, t, _ = h.shape
+    o = o.transpose(1, 2).reshape(b, t, dims.num_heads * dims.head_dim)  # (b, H, t, D) -> (b, t, H * D)
+    out = project(o, w.o, w.o_bias, (0,), dims.k_splits.o)[0]  # (b, t, hidden)
+    return h + (out if reduce is None else reduce(out))
+
+
 def attention_output_and_mlp(
     h: torch.Tensor,
     o: torch.Tensor,
@@ -148,15 +189,45 @@ def attention_output_and_mlp(
     ``reduce`` sums the partial products of the row-parallel o and down projections over a tensor-parallel
     group (their biases sit on one rank, so the sum adds them once); None: this rank holds whole weights.
     """
-    b, t, _ = h.shape
-    o = o.transpose(1, 2).reshape(b, t, dims.num_heads * dims.head_dim)  # (b, H, t, D) -> (b, t, H * D)
-    out = project(o, w.o, w.o_bias, (0,), dims.k_splits.o)[0]  # (b, t, hidden)
-    h = h + (out if reduce is None else reduce(out))
+    h = attention_output(h, o, w, dims, reduce)
     x = rms_norm(h, w.post_norm, dims.eps)
     gate, up = project(x, w.gate_up, w.gate_up_bias, dims.mlp_splits, dims.k_splits.gate_up)
     act = F.silu(gate) * up  # (b, t, I)
     out = project(act, w.down, w.down_bias, (0,), dims.k_splits.down)[0]  # (b, t, hidden)
     return h + (out if reduce is None else reduce(out))
+
+
+def attention_output_and_moe(
+    h: torch.Tensor,
+    o: torch.Tensor,
+    w: LayerWeights,
+    dims: LayerDims,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse layer's rest: (h (b, t, hidden), the chosen experts (b * t, k) int64).
+
+    As ``MoEBlock.forward``: the experts' sum plus the shared expert's sigmoid-gated output. Under tensor
+    parallelism each rank holds a slice of every expert's intermediate dim, so ``reduce`` sums the slices.
+    """
+    h = attention_output(h, o, w, dims, reduce)
+    out, ids = moe_mlp(rms_norm(h, w.post_norm, dims.eps), w.moe)  # (b, t, hidden), (b * t, k)
+    return h + (out if reduce is None else reduce(out)), ids
+
+
+def moe_mlp(x: torch.Tensor, m: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (b, t, hidden) through the router and the experts: (out (b, t, hidden), expert ids (b * t, k)).
+
+    Fixed shapes and no host sync where ``run_experts`` takes its grouped GEMMs (CPU, CUDA bf16 on SM90+).
+    """
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])  # (N, hidden)
+    weights, ids = route(router_logits(flat, m.router, m.spec), m.spec)  # (N, k) each
+    out = m.experts(flat, ids, weights, m.gate_up, m.down)  # (N, hidden)
+    if m.shared_gate_up is not None:
+        gate, up = project(flat, m.shared_gate_up, None, m.shared_splits)  # (N, S) each
+        shared = F.linear(F.silu(gate) * up, m.shared_down)  # (N, hidden)
+        out = out + torch.sigmoid(F.linear(flat, m.shared_gate)) * shared
+    return out.reshape(shape), ids
 
 
 def split_linear(

@@ -28,7 +28,7 @@ from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.scheduler import PrefillChunk, PromptGroup, SlotScheduler
 from hybridflow.engine.rollout.state import REASONS, DecodeState
 from hybridflow.engine.rollout.stats import GenerationStats, PhaseTimer
-from hybridflow.engine.rollout.support import fallback_reason
+from hybridflow.engine.rollout.support import fallback_reason, graphs_fit, traceable
 from hybridflow.engine.rollout.tp import RolloutTP
 from hybridflow.engine.rollout.types import GenerationOutput
 from hybridflow.models.families import fallback_notice
@@ -110,7 +110,7 @@ class RolloutEngine:
         # layer math is compiled too (automatic dynamic shapes).
         # The step's bookkeeping (DecodeState.record: ~30 small eager kernels) is compiled too, into a few.
         self._decode, self._record = self.runner.decode, DecodeState.record
-        if compile_decode:
+        if compile_decode and traceable(self.runner):
             self._decode = compiled_per_bucket(self.runner.decode, len(buckets(max_num_seqs)))
             self._record = compiled_per_bucket(DecodeState.record, len(buckets(max_num_seqs)))
             self.runner.compile_prefill()
@@ -129,7 +129,7 @@ class RolloutEngine:
         self.free_cache_engine = free_cache_engine
         self._kept_cache: KVCache | None = None  # the last call's cache, when free_cache_engine is off
         self._wave_notices: set[tuple[int, int]] = set()  # (wanted, slots) already reported as waves
-        self.use_graphs = not enforce_eager and self.device.type == "cuda"
+        self.use_graphs = not enforce_eager and self.device.type == "cuda" and graphs_fit(self.runner)
         # Greedy and unfiltered sampling go through the fused Triton sampler on CUDA (one pass over the
         # logits, no float32 copy); settable, so tests can run it in Triton's CPU interpreter. It reads the LM
         # head's own dtype, so the runner hands over bf16 logits; sample() (filtered sampling) upcasts as it

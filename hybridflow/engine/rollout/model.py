@@ -1,4 +1,5 @@
-"""A Llama-family forward (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) that runs on a Hugging Face module's weights.
+"""A Llama-family forward (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, and the mixtures of experts Qwen2-MoE,
+Qwen3-MoE and Mixtral) that runs on a Hugging Face module's weights.
 
 The runner loads nothing of its own: it binds the HF module's parameters by reference (``binding``), so the
 rollout engine generates with exactly the weights the trainer holds; where the generation dtype differs from
@@ -11,6 +12,10 @@ pieces around attention are in ``blocks``): RoPE tables computed in float32 from
 compute dtype, attention through SDPA with ``enable_gqa=True`` so K/V are never repeated.
 Decode attention on CUDA in bf16/fp16 uses the split-K Triton kernel of ``decode_attention`` instead, which
 reads each slot only up to its own position and also applies RoPE and writes the step's k and v.
+
+A sparse layer routes with ``hybridflow.models.moe`` (``blocks.moe_mlp``). With a routing store on the paged
+cache (``PagedKVCache.routing``) prefill and decode write each token's experts beside its K and V, in its block
+at its offset (``write_routing``), inside the step: no host sync, graph-safe.
 """
 
 from __future__ import annotations
@@ -28,10 +33,11 @@ from hybridflow.engine.rollout import blocks
 from hybridflow.engine.rollout.binding import WeightBinding
 from hybridflow.engine.rollout.blocks import KSplits, LayerDims, LayerWeights
 from hybridflow.engine.rollout.kv_cache import KVCache, write_kv
-from hybridflow.engine.rollout.paged_cache import PagedKVCache, paged_decode_attention, write_kv_paged
+from hybridflow.engine.rollout.paged_forward import PagedForward, Sink
 from hybridflow.engine.rollout.support import check_structure, check_supported
 from hybridflow.engine.rollout.tp import RolloutTP
 from hybridflow.engine.rollout.weights import local_tensor
+from hybridflow.models.moe import grouped_experts, router_spec
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +57,7 @@ def _decode_kernel_available() -> bool:
     return decode_attention.available()
 
 
-class LlamaRunner:
+class LlamaRunner(PagedForward):
     """Prefill and decode for a Llama-family HF causal LM, on its own parameters, with a slot KV cache.
 
     Weights: when a parameter already has the generation ``dtype`` the runner uses the parameter's tensor
@@ -78,7 +84,7 @@ class LlamaRunner:
         check_structure(hf_model)
         # A Mistral window is harmless only while no cached sequence is longer than it (check_supported).
         self.max_cache_len = (
-            getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
+            getattr(config, "sliding_window", None) if config.model_type in ("mistral", "mixtral") else None
         )
         self.config = config
         self._model = hf_model
@@ -112,6 +118,7 @@ class LlamaRunner:
             mlp_splits=(config.intermediate_size,) * 2,
         )
         self.weights = WeightBinding(hf_model, self.dtype, self.device, self.dims)
+        self.router = router_spec(config)  # None: dense
         # Decode's projections as batched GEMMs over slices of K whose float32 partials the next fused kernel
         # sums (blocks.split_linear); all 1 leaves them to cuBLAS. Worth it only under torch.compile.
         self.k_splits = KSplits()
@@ -137,6 +144,17 @@ class LlamaRunner:
     def lm_head(self) -> torch.Tensor:
         """The LM head (the embedding itself when tied)."""
         return self.weights.lm_head
+
+    @property
+    def routing_shape(self) -> tuple[int, int] | None:
+        """(sparse layers, experts per token) of a mixture of experts (its routing records), None if dense."""
+        return None if self.router is None else (self.weights.num_sparse, self.router.top_k)
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a decode step has fixed shapes and no host sync (CUDA graphs): dense, or experts run as
+        grouped GEMMs here (``moe.grouped_mm_fits``: CPU, or CUDA bf16 on SM90+; else the loop over experts)."""
+        return all(w.moe.experts is grouped_experts for w in self.layers if w.moe is not None)
 
     def refresh(self) -> bool:
         """Copy the module's current weights into the cast buffers (``WeightBinding.refresh``); True when the
@@ -222,12 +240,15 @@ class LlamaRunner:
         attend: Attend,
         rope: bool = True,
         dims: LayerDims | None = None,
+        sink: Sink | None = None,
     ) -> torch.Tensor:
         """Embed (b, t) ids at (b, t) positions and run all layers; returns pre-norm hidden (b, t, hidden).
 
         Each layer is ``attention_inputs``, ``attend`` (writes the cache, runs attention), then
-        ``attention_output_and_mlp``. ``rope=False`` hands q and k to ``attend`` before RoPE (the fused
-        decode kernel applies it); ``dims`` defaults to ``self.dims`` (decode passes its own).
+        ``attention_output_and_mlp`` (or ``attention_output_and_moe`` for a sparse layer, bound so: no
+        branch on values). ``rope=False`` hands q and k to ``attend`` before RoPE (the fused decode kernel
+        applies it); ``dims`` defaults to ``self.dims`` (decode passes its own); ``sink`` takes each
+        sparse layer's chosen experts.
         """
         dims = self.dims if dims is None else dims
         if self.tp is None:
@@ -238,7 +259,12 @@ class LlamaRunner:
         cos, sin = self._rope_tables(positions)
         for idx, w in enumerate(self.layers):
             q, k, v = blocks.attention_inputs(h, w, cos, sin, dims, rope)
-            h = blocks.attention_output_and_mlp(h, attend(idx, q, k, v), w, dims, reduce)
+            if w.moe is None:
+                h = blocks.attention_output_and_mlp(h, attend(idx, q, k, v), w, dims, reduce)
+                continue
+            h, ids = blocks.attention_output_and_moe(h, attend(idx, q, k, v), w, dims, reduce)
+            if sink is not None:
+                sink(w.moe.index, ids)
         return h
 
     def _prefill_hidden(
@@ -393,101 +419,3 @@ class LlamaRunner:
             input_ids[:, None], positions[:, None], attend, True, self._decode_dims
         )  # (B, 1, hidden)
         return self._logits(h[:, 0])
-
-    @torch.no_grad()
-    def prefill_paged(
-        self,
-        input_ids: torch.Tensor,  # (b, t) right-padded
-        lengths: torch.Tensor,  # (b,)
-        start_pos: torch.Tensor,  # (b,) > 0: positions below are cached (a shared prefix, an earlier turn)
-        cache: PagedKVCache,
-        tables: torch.Tensor,  # (b, max_blocks)
-    ) -> torch.Tensor:
-        """Prefill through block tables: each row's valid tokens are written at their positions and attend
-        causally to everything cached below them; last-token logits (b, V).
-
-        When every row starts at 0 attention runs on the chunk alone, causal (right padding only adds keys
-        after every valid query), as the slot engine's first chunk does; else each row reads its blocks up to
-        the longest row's end. ``lengths``, ``start_pos`` and ``tables`` are read on the host: pass CPU tensors
-        and the call never waits for the GPU (they go up through pinned memory).
-        """
-        b, t = input_ids.shape
-        lengths, start_pos, tables = (x.detach().to("cpu", torch.long) for x in (lengths, start_pos, tables))
-        kv_end = int((start_pos + lengths).max())
-        causal = not bool(start_pos.any())
-        positions = start_pos[:, None] + torch.arange(t)  # (b, t)
-        rows, cols = (torch.arange(t)[None] < lengths[:, None]).nonzero(as_tuple=True)  # (n,) valid tokens
-        blocks, offsets = cache.locate(tables, rows, positions[rows, cols])  # (n,) each
-        tables = tables[:, : -(-kv_end // cache.block_size)]  # (b, blocks read)
-        up = [to_device(x, self.device) for x in (input_ids, positions, rows, cols, blocks, offsets, tables)]
-        h = self._prefill_paged_layers(*up, cache.storage, causal)  # (b, t, hidden)
-        last = h[torch.arange(b, device=self.device), to_device(lengths, self.device) - 1]  # (b, hidden)
-        return self._logits(last)
-
-    def _prefill_paged_hidden(
-        self,
-        input_ids: torch.Tensor,  # (b, t)
-        positions: torch.Tensor,  # (b, t)
-        rows: torch.Tensor,  # (n,) with cols: the valid tokens
-        cols: torch.Tensor,  # (n,)
-        blocks: torch.Tensor,  # (n,) where each valid token's K and V go
-        offsets: torch.Tensor,  # (n,)
-        tables: torch.Tensor,  # (b, M): the blocks attention reads (unless causal)
-        kv_storage: torch.Tensor,  # (layers, 2, N, KVH, bs, D)
-        causal: bool,
-    ) -> torch.Tensor:
-        """Prefill's layers on the paged cache (``prefill_paged``); compiled by ``compile_prefill``."""
-        bs = kv_storage.shape[4]
-        mask = None
-        if not causal:
-            keys_at = torch.arange(tables.shape[1] * bs, device=positions.device)  # (L,)
-            mask = keys_at <= positions[:, None, :, None]  # (b, 1, t, L)
-
-        def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            write_kv_paged(k[rows, :, cols], v[rows, :, cols], kv_storage, idx, blocks, offsets)
-            if mask is None:
-                return F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True
-                )
-            keys = kv_storage[idx, 0][tables].transpose(2, 3).flatten(1, 2)  # (b, L, KVH, D)
-            values = kv_storage[idx, 1][tables].transpose(2, 3).flatten(1, 2)
-            return F.scaled_dot_product_attention(
-                q,
-                keys.transpose(1, 2),
-                values.transpose(1, 2),
-                attn_mask=mask,
-                scale=self.scaling,
-                enable_gqa=True,
-            )
-
-        return self._forward(input_ids, positions, attend)
-
-    @torch.no_grad()
-    def decode_paged(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, tables: torch.Tensor
-    ) -> torch.Tensor:
-        """One decode step through block tables (B, max_blocks): token b written at ``positions[b]`` of its
-        sequence, attending to positions <= it; logits (B, V). Fixed shapes, no host sync: graph-safe.
-
-        The Triton backend is one fused launch per layer (RoPE, the cache write, split-K attention over the
-        blocks); "sdpa" is the reference (``paged_cache.paged_decode_attention``: gather, then mask)."""
-        if self._decode_attention == "triton":
-            kernel = torch.ops.hybridflow.decode_attention_rope_paged.default
-            cos, sin = (t[:, 0, 0] for t in self._rope_tables(positions[:, None]))  # (B, D) each
-
-            def fused(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                return kernel(q, k, v, cos, sin, cache.storage, idx, positions, tables, self.scaling)
-
-            h = self._forward(input_ids[:, None], positions[:, None], fused, False, self._decode_dims)
-            return self._logits(h[:, 0])  # (B, V)
-
-        batch = input_ids.shape[0]
-        write_at = cache.locate(tables, torch.arange(batch, device=input_ids.device), positions)  # (B,) each
-
-        def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cache.write(idx, k[:, :, 0], v[:, :, 0], write_at)  # (B, KVH, D) each
-            out = paged_decode_attention(q[:, :, 0], cache, idx, tables, positions + 1, self.scaling)
-            return out[:, :, None]  # (B, H, 1, D)
-
-        h = self._forward(input_ids[:, None], positions[:, None], attend, True, self._decode_dims)
-        return self._logits(h[:, 0])  # (B, V)

@@ -8,6 +8,10 @@ store, whatever block it falls in, and each KV head's part of a block is one con
 that the paged kernel streams (a position-major block interleaves the heads: half of every run the other
 head's). Block tables are fixed-shape (B, max_blocks) tensors (unused entries any valid block id, masked by
 the lengths), so a decode step's shapes do not change as sequences grow: what CUDA graphs need.
+
+Router replay's records (a mixture of experts, asked for): ``routing`` (blocks, block_size, sparse layers, k)
+uint8 holds each cached position's chosen experts beside its K and V, so prefix sharing, forks and preemption
+treat them exactly as the K and V they came with.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        routing: tuple[int, int] | None = None,
     ) -> None:
+        """``routing``: (sparse layers, experts per token) to keep each position's routing (uint8 ids)."""
         sizes = dict(layers=num_layers, blocks=num_blocks, block_size=block_size, kv_heads=num_kv_heads)
         bad = {k: v for k, v in {**sizes, "head_dim": head_dim}.items() if v < 1}
         if bad:
@@ -37,6 +43,11 @@ class PagedKVCache:
         self.storage = torch.zeros(
             num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device
         )  # (layers, 2, N, KVH, bs, D)
+        self.routing = None
+        if routing is not None:
+            self.routing = torch.zeros(
+                num_blocks, block_size, *routing, dtype=torch.uint8, device=device
+            )  # (N, bs, sparse layers, k)
 
     @staticmethod
     def bytes_per_block(
@@ -68,6 +79,15 @@ class PagedKVCache:
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block ``src`` into ``dst`` in every layer: a forked sequence's own copy of a partial block."""
         self.storage[:, :, dst] = self.storage[:, :, src]
+        if self.routing is not None:
+            self.routing[dst] = self.routing[src]
+
+    def routing_of(self, blocks: list[int], length: int) -> torch.Tensor:
+        """The recorded experts of a sequence's first ``length`` positions held in ``blocks`` (device ids), on
+        the host: (length, sparse layers, k) uint8."""
+        assert self.routing is not None, "this cache keeps no routing"
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.routing.device)
+        return self.routing[idx].flatten(0, 1)[:length].cpu()  # (length, L, k)
 
     def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every sequence's blocks in position order, each (B, max_blocks * block_size, KVH, D)."""
@@ -118,4 +138,21 @@ def write_kv_paged(
 
 @write_kv_paged.register_fake
 def _(k, v, kv_storage, layer, blocks, offsets):  # the op's signature
+    return None
+
+
+@torch.library.custom_op("hybridflow::write_routing", mutates_args=("routing",))
+def write_routing(
+    ids: torch.Tensor,  # (n, k) expert ids of n tokens
+    routing: torch.Tensor,  # (N, bs, sparse layers, k) uint8
+    layer: int,  # the sparse layer's index
+    blocks: torch.Tensor,  # (n,)
+    offsets: torch.Tensor,  # (n,)
+) -> None:
+    """Record n tokens' experts of one sparse layer at their cache positions (an op, as ``write_kv_paged``)."""
+    routing[blocks, offsets, layer] = ids.to(routing.dtype)
+
+
+@write_routing.register_fake
+def _(ids, routing, layer, blocks, offsets):  # the op's signature
     return None

@@ -11,6 +11,10 @@ found again by its prefix hash (another request with the same prompt, a multi-tu
 A running sequence holds a seat (``seats.Seats``) while it decodes. Its K and V are written for every token
 but the last, which the next decode step feeds. Every token after the prompt records its log-prob and the
 weight version that sampled it (-1: appended by ``extend``, never trained on).
+
+``record_routing=True`` (a mixture of experts; off by default, and then free) keeps every fed token's experts
+beside its K and V in the pool's blocks (``PagedKVCache.routing``, written inside prefill and the decode step)
+and hands them out with each sample (``GenerationOutput.routed_experts``) as its blocks go back.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.sequence import Sequence, positions_for, to_output
 from hybridflow.engine.rollout.state import DecodeState
 from hybridflow.engine.rollout.stats import GenerationStats
+from hybridflow.engine.rollout.support import check_routing, graphs_fit, traceable
 from hybridflow.engine.rollout.tp import RolloutTP
 from hybridflow.engine.rollout.types import GenerationOutput
 from hybridflow.utils.errors import UserError
@@ -86,11 +91,15 @@ class PagedEngine:
         # the decode step unless enforce_eager, and with compile_decode the step compiled per batch bucket.
         self.fused_sampler = fused_sampler_available(self.device)
         self.runner.float_logits = not self.fused_sampler
-        self.use_graphs = not cfg.enforce_eager and self.device.type == "cuda"
+        self.use_graphs = not cfg.enforce_eager and self.device.type == "cuda" and graphs_fit(self.runner)
+        if cfg.record_routing:
+            check_routing(self.runner.router)
         self.warm: dict[tuple, set[int]] = {}  # batch buckets run once, per session signature (see graphs)
         self.kept_cache: PagedKVCache | None = None  # the last session's, when free_cache_engine is off
         self.last_pool_blocks: int | None = None  # the last session's pool size
         self.decode_fn, self.record_fn = self.runner.decode_paged, DecodeState.record
+        if cfg.compile_decode and not traceable(self.runner):
+            cfg.compile_decode = False
         if cfg.compile_decode:
             self.decode_fn = compiled_per_bucket(self.runner.decode_paged, len(buckets(max_num_seqs)))
             self.record_fn = compiled_per_bucket(DecodeState.record, len(buckets(max_num_seqs)))
@@ -149,7 +158,7 @@ class PagedEngine:
         seated, (gen, ended) = self._seated(), session.seats.counts()
         fetch = [i for i, reason in enumerate(ended) if fetch_all or reason is not None]
         for i, (tokens, logprobs) in zip(fetch, session.seats.fetch(fetch, gen)):
-            self._take(seated[i], tokens, logprobs)
+            self._take(seated[i], tokens, logprobs, finished=ended[i] is not None)
             touched[seated[i].id] = seated[i]
         for i, s in enumerate(seated):
             s.pending = gen[i] - session.seats.synced[i]
@@ -407,15 +416,18 @@ class PagedEngine:
                 session.seats.set_table(s.seat, s.table.blocks)
         return steps
 
-    def _take(self, s: Sequence, tokens: list[int], logprobs: list[float]) -> None:
-        """Hand a seat's newly sampled tokens to its sequence and hash the blocks they fill."""
+    def _take(self, s: Sequence, tokens: list[int], logprobs: list[float], finished: bool = False) -> None:
+        """Hand a seat's newly sampled tokens to its sequence and hash the blocks they fill.
+
+        A sequence that finished rode along until this sync feeding its last token at its last fed position
+        again, so that position's K and V are stale: its block is not hashed (no later sequence finds it)."""
         s.tokens += tokens
         s.logprobs += logprobs
         s.versions += [self.version] * len(tokens)
         s.pending = 0
         self.session.counts.decode_tokens += len(tokens)
         s.written = len(s.tokens) - 1  # every token but the last is in the cache
-        self.session.pool.record(s.table, s.tokens, s.written)
+        self.session.pool.record(s.table, s.tokens, s.written - finished)
 
     def _seated(self) -> list[Sequence]:
         """The sequences holding seats, in seat order."""
@@ -449,6 +461,8 @@ class PagedEngine:
         self.running.remove(s)
         del self._by_id[s.id]
         if s.table is not None:
+            if self.session.cache.routing is not None:  # the records of every position in the cache
+                s.routing = self.session.cache.routing_of([b + 1 for b in s.table.blocks], s.written)
             self.session.pool.free(s.table)
             s.table = None
 

@@ -52,6 +52,7 @@ class SessionConfig:
     compile_decode: bool = False
     free_cache_engine: bool = True
     device: torch.device | None = None
+    record_routing: bool = False  # a mixture of experts: each token's experts with its output (router replay)
 
     def __post_init__(self) -> None:
         if (
@@ -162,6 +163,8 @@ class Session:
             return demand
         kept = self.engine.kept_cache.storage.nbytes if self.engine.kept_cache is not None else 0
         per = self.block_bytes(r, cfg.block_size)
+        if cfg.record_routing:  # each position's expert ids (uint8) beside its K and V
+            per += cfg.block_size * math.prod(r.routing_shape)
         fit = int((self.budget(r, cfg, kept) - self.workspace(r, num_seats)) // per) - 1  # less the scratch
         if self.engine.tp is not None:  # the ranks of a group must schedule alike: the smallest pool rules
             fit = int(funcol.all_reduce(torch.tensor([fit], device=r.device), "min", self.engine.tp.group))
@@ -186,7 +189,8 @@ class Session:
         """The device cache: the one kept from the last session if it has the shape, else a new one."""
         r, kept = self.runner, self.engine.kept_cache
         self.engine.kept_cache = None
-        if kept is not None and kept.num_blocks == blocks:
+        routing = r.routing_shape if self.engine.cfg.record_routing else None
+        if kept is not None and kept.num_blocks == blocks and (kept.routing is None) == (routing is None):
             return kept
         del kept
         # The last session's freed pool stays cached in the allocator: a pool of another size could not use
@@ -196,7 +200,7 @@ class Session:
             torch.cuda.empty_cache()
         self.engine.last_pool_blocks = blocks
         return PagedKVCache(
-            r.num_layers, blocks, self.pool.block_size, r.num_kv_heads, r.head_dim, r.dtype, r.device
+            r.num_layers, blocks, self.pool.block_size, r.num_kv_heads, r.head_dim, r.dtype, r.device, routing
         )
 
     # ---- the work -----------------------------------------------------------------------------------------

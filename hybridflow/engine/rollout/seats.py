@@ -24,7 +24,7 @@ from hybridflow.engine.rollout.decode_loop import Sampler
 from hybridflow.engine.rollout.paged_cache import PagedKVCache
 from hybridflow.engine.rollout.state import REASONS, DecodeState
 
-# decode(ids (B,), positions (B,), cache, tables (B, W)) -> logits (B, V)
+# decode(ids (B,), positions (B,), cache, tables (B, W), live (B,) or None) -> logits (B, V)
 Decode = Callable[[torch.Tensor, torch.Tensor, PagedKVCache, torch.Tensor], torch.Tensor]
 
 
@@ -120,6 +120,7 @@ class Seats:
     ) -> None:
         """One decode step for seats [0, b): feed each last token, sample, record (graph-capturable)."""
         st = self.state
-        logits = decode(st.last_token[:b], st.position[:b], cache, self.tables[:b])  # (b, V)
+        live = None if cache.routing is None else ~st.done[:b]  # routing records of finished rows: scratch
+        logits = decode(st.last_token[:b], st.position[:b], cache, self.tables[:b], live)  # (b, V)
         tokens, logprobs = pick(logits)
         record(st, slice(0, b), tokens, logprobs, True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from hybridflow.engine.rollout.block_pool import BlockTable
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.types import GenerationOutput
@@ -24,6 +26,7 @@ class Sequence:
     seat: int | None = None  # its decode row while it has one
     pending: int = 0  # tokens sampled on the device that ``tokens`` does not hold yet (while seated)
     finish_reason: str | None = None
+    routing: torch.Tensor | None = None  # its recorded experts, taken from its blocks as it leaves
 
     @property
     def response(self) -> list[int]:
@@ -50,4 +53,4 @@ def positions_for(s: Sequence, steps: int) -> int:
 
 
 def to_output(s: Sequence) -> GenerationOutput:
-    return GenerationOutput(s.response, s.logprobs, s.finish_reason or "length")
+    return GenerationOutput(s.response, s.logprobs, s.finish_reason or "length", s.routing)

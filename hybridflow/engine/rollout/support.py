@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
 from torch import nn
 
 from hybridflow.models.families import LLAMA_FAMILY, is_moe
+from hybridflow.utils.errors import UserError
+
+if TYPE_CHECKING:
+    from hybridflow.models.moe import RouterSpec
 
 logger = logging.getLogger(__name__)
 
-FAMILY = LLAMA_FAMILY
+# Mixtures of experts whose layers are the Llama family's with a routed MLP (``blocks.moe_mlp``).
+MOE_FAMILY = ("qwen2_moe", "qwen3_moe", "mixtral")
+FAMILY = (*LLAMA_FAMILY, *MOE_FAMILY)
+_WINDOWED = ("mistral", "mixtral")  # a sliding window that is exact while no sequence outgrows it
 # These RoPE types recompute inv_freq from the current sequence length inside HF's forward
 # (transformers' dynamic_rope_update): data-dependent, so not capturable; HF generate handles them.
 _DYNAMIC_ROPE = ("dynamic", "longrope")
@@ -25,19 +33,27 @@ def unsupported_reason(config: Any, max_len: int | None = None) -> str | None:
     through when no sequence can be longer than the window, where sliding attention equals full attention.
     """
     model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILY or is_moe(config):
+    if model_type == "deepseek_v3":
+        return (
+            "model_type 'deepseek_v3' uses multi-head latent attention (MLA), which the rollout engine does "
+            f"not implement; it runs {', '.join(FAMILY)}"
+        )
+    if model_type not in FAMILY or (is_moe(config) and model_type not in MOE_FAMILY):
         kind = "a mixture of experts" if is_moe(config) else "not in the Llama family"
-        return f"model_type {model_type!r} is {kind}; the rollout engine runs dense {', '.join(FAMILY)}"
+        return (
+            f"model_type {model_type!r} is {kind}; the rollout engine runs dense {', '.join(LLAMA_FAMILY)} "
+            f"and the mixtures of experts {', '.join(MOE_FAMILY)}"
+        )
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         return f"hidden_act {act!r} is not supported (only SiLU-gated MLPs)"
     layer_types = getattr(config, "layer_types", None) or []
     if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
         return "sliding-window attention (use_sliding_window=true) is not supported"
-    window = getattr(config, "sliding_window", None) if model_type == "mistral" else None
+    window = getattr(config, "sliding_window", None) if model_type in _WINDOWED else None
     if window is not None and (max_len is None or max_len > window):
         return (
-            f"this Mistral config uses a sliding window of {window} tokens, which the rollout engine does not "
+            f"this {model_type} config uses a sliding window of {window} tokens, which the rollout engine does not "
             f"implement; sequences of at most {window} tokens are exact (pass max_len)"
         )
     rope = getattr(config, "rope_parameters", None) or {}
@@ -89,3 +105,49 @@ def supports(hf_model: nn.Module, max_len: int | None = None) -> bool:
     if reason is not None:
         logger.warning("fast rollout path unavailable: %s", reason)
     return reason is None
+
+
+class Runner(Protocol):
+    """What these checks read of ``model.LlamaRunner`` (not imported: it imports this module)."""
+
+    router: RouterSpec | None
+    dtype: torch.dtype
+
+    @property
+    def graph_safe(self) -> bool: ...
+
+
+def graphs_fit(runner: Runner) -> bool:
+    """Whether the runner's decode step can be captured in CUDA graphs; a mixture of experts whose experts
+    cannot run as grouped GEMMs here loops over experts with data-dependent shapes (logged when not)."""
+    if runner.graph_safe:
+        return True
+    logger.warning(
+        "the experts of this mixture of experts cannot run as grouped GEMMs in %s on this GPU (those need bf16 "
+        "on SM90 or newer): decoding without CUDA graphs, much slower",
+        runner.dtype,
+    )
+    return False
+
+
+def traceable(runner: Runner) -> bool:
+    """Whether torch.compile can trace the decode step: dense, or grouped GEMMs in bf16 (the only dtype
+    grouped_mm's meta function takes in torch 2.13); logged when not (compile_decode is then dropped)."""
+    if runner.router is None or (runner.graph_safe and runner.dtype == torch.bfloat16):
+        return True
+    logger.warning("compile_decode needs the experts as grouped GEMMs in bf16; decoding uncompiled")
+    return False
+
+
+def check_routing(router: RouterSpec | None) -> None:
+    """``record_routing`` needs a mixture of experts whose expert ids fit the records' uint8 (UserError)."""
+    if router is None:
+        raise UserError(
+            "rollout record_routing=True needs a mixture-of-experts model (router replay); this one is dense: "
+            "turn record_routing off"
+        )
+    if router.num_experts >= 255:  # the trainer's batch marks "not routed" with 255 (ops.sequences)
+        raise UserError(
+            f"record_routing keeps expert ids as uint8 with 255 meaning 'not routed'; this model has "
+            f"{router.num_experts} experts (at most 254): turn record_routing off"
+        )

@@ -1,10 +1,17 @@
 """The rollout's tensor-parallel shard of a model (built from ``parallel.layout``'s rules) and the collectives
 of a rollout group.
+
+A mixture of experts' sparse blocks shard as ``MOE_RULES`` say: every expert sliced on its intermediate dim (rank
+t holds rows of each expert's gate half and the same rows of its up half, and the matching columns of down), the
+shared expert as a dense MLP, the router and the shared expert's gate replicated. Each rank's experts then give
+a partial sum that the all-reduce after the MLP completes, exactly as a dense MLP's down projection does, and
+every rank routes alike (the router is whole). ``moe_pieces`` is the box data the reshard plan needs.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import torch
@@ -14,10 +21,59 @@ from torch import nn
 
 from hybridflow.engine.parallel.layout import check_tp
 
+# (parameter name pattern, kind) of the sparse blocks of Qwen2/3-MoE and Mixtral (HF's names, MoEBlock's too).
+MOE_RULES = (
+    (r"\.mlp\.gate\.weight$|\.mlp\.shared_expert_gate\.weight$", "replicated"),
+    (r"\.mlp\.shared_expert\.(gate|up)_proj\.weight$", "column"),
+    (r"\.mlp\.shared_expert\.down_proj\.weight$", "row"),
+    (r"\.mlp\.experts\.gate_up_proj$", "experts_gate_up"),  # (E, 2I, H): rows of each half
+    (r"\.mlp\.experts\.down_proj$", "experts_down"),  # (E, H, I): columns
+)
+# One (start, stop) per dimension: a box of a full tensor, or of a rank's buffer.
+Box = tuple[tuple[int, int], ...]
+
+
+def moe_kind(name: str) -> str | None:
+    """The tensor-parallel kind of a sparse block's parameter (``MOE_RULES``), None for any other name."""
+    return next((kind for pattern, kind in MOE_RULES if re.search(pattern, name)), None)
+
+
+def moe_pieces(kind: str, shape: tuple[int, ...], tp: int, t: int) -> list[tuple[Box, Box]]:
+    """What rank ``t`` of ``tp`` holds of a sparse block's full parameter of ``shape``: (box of the full
+    tensor, box of the rank's buffer) pairs; the fused gate/up of the experts is two pieces, one per half."""
+    whole = tuple((0, n) for n in shape)
+    if tp == 1 or kind == "replicated":
+        return [(whole, whole)]
+    dim = {"column": 0, "row": 1, "experts_gate_up": 1, "experts_down": 2}[kind]
+    rows = shape[dim] // (2 if kind == "experts_gate_up" else 1)
+    part = rows // tp
+
+    def at(d: int, lo: int, hi: int) -> Box:
+        return tuple((lo, hi) if i == d else (0, n) for i, n in enumerate(shape))
+
+    halves = 2 if kind == "experts_gate_up" else 1
+    return [(at(dim, h * rows + t * part, h * rows + (t + 1) * part), at(dim, h * part, (h + 1) * part))
+            for h in range(halves)]  # fmt: skip
+
+
+def moe_problems(config: Any, tp: int) -> list[str]:
+    """The sparse blocks' sizes ``tp`` does not divide ("field=value" each; none for a dense config)."""
+    fields = ("moe_intermediate_size", "shared_expert_intermediate_size")
+    if config.model_type == "mixtral":  # Mixtral's experts use intermediate_size, checked with the MLP's
+        return []
+    return [
+        f"{f}={getattr(config, f)}" for f in fields if getattr(config, f, None) and getattr(config, f) % tp
+    ]
+
 
 def shard_config(config: Any, tp: int) -> Any:
     """The config of one rollout rank's shard: local heads, intermediate size and vocabulary."""
     check_tp(config, tp)
+    return local_config(config, tp)
+
+
+def local_config(config: Any, tp: int) -> Any:
+    """``shard_config`` without the checks: local heads, intermediate sizes (experts' too) and vocabulary."""
     local = copy.deepcopy(config)
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
@@ -25,6 +81,9 @@ def shard_config(config: Any, tp: int) -> Any:
     local.num_attention_heads = heads // tp
     local.num_key_value_heads = max(kv // tp, 1)
     local.intermediate_size = config.intermediate_size // tp
+    for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # Qwen2/3-MoE's experts
+        if getattr(config, field, None):
+            setattr(local, field, getattr(config, field) // tp)
     local.vocab_size = -(-config.vocab_size // tp)
     return local
 

@@ -340,3 +340,35 @@ def test_catch_ups_and_admissions_never_take_more_seats_than_there_are() -> None
         engine.step()
         assert engine.session is None or engine.session.seats.num_used <= 4
     _all_back(engine)
+
+
+def test_a_next_turn_after_a_sample_ended_early_continues_exactly() -> None:
+    """A sample that ends before the round's last decode step rides along until the sync, feeding its last
+    token at its last fed position again: that position's block must not be found by the next turn."""
+    model = lively_model("qwen2")
+    prompt, other = [5, 6], [30, 31, 32]
+    free = PagedEngine(model, num_blocks=64, block_size=4).generate([prompt], greedy(12))[0][0].token_ids
+    stop = free[2]  # 2 + 3 - 1 = 4: the block of position 3 is full when the sample ends
+    assert stop not in free[:2]
+    params = greedy(30, eos_token_ids=[stop])
+    long = PagedEngine(model, num_blocks=64, block_size=4).generate([other], params)[0][0]
+    assert long.finish_reason == "length"  # it keeps the session (and its prefix cache) open
+    engine = PagedEngine(model, num_blocks=64, block_size=4, sync_interval=16)
+    (first,) = engine.add(prompt, params)
+    engine.add(other, params)
+    ended = None
+    while ended is None:
+        ended = next((s for s in engine.step(max_tokens=None) if s.id == first and s.finish_reason), None)
+    assert ended.response == free[:3] and ended.finish_reason == "eos"
+    turn = prompt + ended.response + [40, 41]
+    (second,) = engine.add(turn, greedy(6, eos_token_ids=[stop]))
+    got = None
+    while got is None:
+        got = next((s for s in engine.step(max_tokens=None) if s.id == second and s.finish_reason), None)
+    want = PagedEngine(model, num_blocks=64, block_size=4).generate([turn], greedy(6, eos_token_ids=[stop]))[
+        0
+    ][0]
+    assert got.response == want.token_ids
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    while engine.has_work:
+        engine.step()

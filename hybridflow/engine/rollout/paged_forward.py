@@ -1,0 +1,158 @@
+"""The runner's forward over the paged KV cache (``paged_cache``): prefill and decode through block tables, and
+the routing records of a mixture of experts written beside each token's K and V.
+
+A mixin of ``model.LlamaRunner``, kept apart so each file stays readable: it uses the runner's ``_forward``,
+``_logits``, ``_rope_tables`` and settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from hybridflow.engine.ops.packing import to_device
+from hybridflow.engine.rollout.paged_cache import (
+    PagedKVCache,
+    paged_decode_attention,
+    write_kv_paged,
+    write_routing,
+)
+
+# Takes a sparse layer's routing: (its index among the sparse layers, expert ids (b * t, k) int64).
+Sink = Callable[[int, torch.Tensor], None]
+
+
+class PagedForward:
+    """``prefill_paged`` and ``decode_paged`` of ``LlamaRunner`` (see the module doc)."""
+
+    @torch.no_grad()
+    def prefill_paged(
+        self,
+        input_ids: torch.Tensor,  # (b, t) right-padded
+        lengths: torch.Tensor,  # (b,)
+        start_pos: torch.Tensor,  # (b,) > 0: positions below are cached (a shared prefix, an earlier turn)
+        cache: PagedKVCache,
+        tables: torch.Tensor,  # (b, max_blocks)
+    ) -> torch.Tensor:
+        """Prefill through block tables: each row's valid tokens are written at their positions and attend
+        causally to everything cached below them; last-token logits (b, V).
+
+        When every row starts at 0 attention runs on the chunk alone, causal (right padding only adds keys
+        after every valid query), as the slot engine's first chunk does; else each row reads its blocks up to
+        the longest row's end. ``lengths``, ``start_pos`` and ``tables`` are read on the host: pass CPU tensors
+        and the call never waits for the GPU (they go up through pinned memory).
+        """
+        b, t = input_ids.shape
+        lengths, start_pos, tables = (x.detach().to("cpu", torch.long) for x in (lengths, start_pos, tables))
+        kv_end = int((start_pos + lengths).max())
+        causal = not bool(start_pos.any())
+        positions = start_pos[:, None] + torch.arange(t)  # (b, t)
+        rows, cols = (torch.arange(t)[None] < lengths[:, None]).nonzero(as_tuple=True)  # (n,) valid tokens
+        blocks, offsets = cache.locate(tables, rows, positions[rows, cols])  # (n,) each
+        tables = tables[:, : -(-kv_end // cache.block_size)]  # (b, blocks read)
+        up = [to_device(x, self.device) for x in (input_ids, positions, rows, cols, blocks, offsets, tables)]
+        h = self._prefill_paged_layers(*up, cache.storage, causal, cache.routing)  # (b, t, hidden)
+        last = h[torch.arange(b, device=self.device), to_device(lengths, self.device) - 1]  # (b, hidden)
+        return self._logits(last)
+
+    def _prefill_paged_hidden(
+        self,
+        input_ids: torch.Tensor,  # (b, t)
+        positions: torch.Tensor,  # (b, t)
+        rows: torch.Tensor,  # (n,) with cols: the valid tokens
+        cols: torch.Tensor,  # (n,)
+        blocks: torch.Tensor,  # (n,) where each valid token's K and V go
+        offsets: torch.Tensor,  # (n,)
+        tables: torch.Tensor,  # (b, M): the blocks attention reads (unless causal)
+        kv_storage: torch.Tensor,  # (layers, 2, N, KVH, bs, D)
+        causal: bool,
+        routing: torch.Tensor | None = None,  # (N, bs, sparse layers, k): record each token's experts
+    ) -> torch.Tensor:
+        """Prefill's layers on the paged cache (``prefill_paged``); compiled by ``compile_prefill``."""
+        bs = kv_storage.shape[4]
+        sink = None
+        if routing is not None:
+            t = input_ids.shape[1]
+
+            def sink(layer: int, ids: torch.Tensor) -> None:
+                valid = ids.view(-1, t, ids.shape[-1])[rows, cols]  # (n, k)
+                write_routing(valid, routing, layer, blocks, offsets)
+
+        mask = None
+        if not causal:
+            keys_at = torch.arange(tables.shape[1] * bs, device=positions.device)  # (L,)
+            mask = keys_at <= positions[:, None, :, None]  # (b, 1, t, L)
+
+        def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            write_kv_paged(k[rows, :, cols], v[rows, :, cols], kv_storage, idx, blocks, offsets)
+            if mask is None:
+                return F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True
+                )
+            keys = kv_storage[idx, 0][tables].transpose(2, 3).flatten(1, 2)  # (b, L, KVH, D)
+            values = kv_storage[idx, 1][tables].transpose(2, 3).flatten(1, 2)
+            return F.scaled_dot_product_attention(
+                q,
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=mask,
+                scale=self.scaling,
+                enable_gqa=True,
+            )
+
+        return self._forward(input_ids, positions, attend, sink=sink)
+
+    @torch.no_grad()
+    def decode_paged(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: PagedKVCache,
+        tables: torch.Tensor,
+        live: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One decode step through block tables (B, max_blocks): token b written at ``positions[b]`` of its
+        sequence, attending to positions <= it; logits (B, V). Fixed shapes, no host sync: graph-safe.
+
+        The Triton backend is one fused launch per layer (RoPE, the cache write, split-K attention over the
+        blocks); "sdpa" is the reference (``paged_cache.paged_decode_attention``: gather, then mask).
+        With ``cache.routing`` each row's experts are recorded at its position; ``live`` (B,) bool sends the
+        records of rows that are not (finished sequences riding along) to the scratch block 0 instead."""
+        sink = None if cache.routing is None else self._decode_sink(positions, cache, tables, live)
+        if self._decode_attention == "triton":
+            kernel = torch.ops.hybridflow.decode_attention_rope_paged.default
+            cos, sin = (t[:, 0, 0] for t in self._rope_tables(positions[:, None]))  # (B, D) each
+
+            def fused(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return kernel(q, k, v, cos, sin, cache.storage, idx, positions, tables, self.scaling)
+
+            h = self._forward(input_ids[:, None], positions[:, None], fused, False, self._decode_dims, sink)
+            return self._logits(h[:, 0])  # (B, V)
+
+        batch = input_ids.shape[0]
+        write_at = cache.locate(tables, torch.arange(batch, device=input_ids.device), positions)  # (B,) each
+
+        def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.write(idx, k[:, :, 0], v[:, :, 0], write_at)  # (B, KVH, D) each
+            out = paged_decode_attention(q[:, :, 0], cache, idx, tables, positions + 1, self.scaling)
+            return out[:, :, None]  # (B, H, 1, D)
+
+        h = self._forward(input_ids[:, None], positions[:, None], attend, True, self._decode_dims, sink)
+        return self._logits(h[:, 0])  # (B, V)
+
+    @staticmethod
+    def _decode_sink(
+        positions: torch.Tensor, cache: PagedKVCache, tables: torch.Tensor, live: torch.Tensor | None
+    ) -> Sink:
+        """Where a decode step records its rows' experts: each row's block and offset of ``positions``."""
+        rows = torch.arange(positions.shape[0], device=positions.device)  # (B,)
+        blocks, offsets = cache.locate(tables, rows, positions)  # (B,) each
+        if live is not None:
+            blocks = torch.where(live, blocks, torch.zeros_like(blocks))  # ridden-along rows: scratch
+
+        def sink(layer: int, ids: torch.Tensor) -> None:
+            write_routing(ids, cache.routing, layer, blocks, offsets)
+
+        return sink
