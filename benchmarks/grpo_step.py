@@ -6,7 +6,9 @@ not a test).
     python benchmarks/grpo_step.py --workload W2 --model-size 1.5b --steps 2 --warmup 1
     python benchmarks/grpo_step.py --workload W2 --model-size 7b --gpu-memory-gb 80   # an 80 GiB GPU's share
 
-``--model-size`` takes the shapes of ``shapes.SHAPES`` (7b: Qwen2-7B, untied embeddings). ``--gpu-memory-gb``
+``--model-size`` takes the shapes of ``shapes.SHAPES`` (7b: Qwen2-7B, untied embeddings) and the mixtures of experts
+of ``shapes.MOE_SHAPES`` (e.g. ``qwen3moe-small``: Qwen3-30B-A3B's layer in 4 layers; add
+``actor.router_replay=r3`` to replay the rollout's experts). ``--gpu-memory-gb``
 caps the memory this process may allocate on the GPU (``torch.cuda.set_per_process_memory_fraction``, set
 before anything is allocated), so a smaller GPU is measured on a bigger one.
 
@@ -48,7 +50,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_clocks import ClockSampler, cap_gpu_memory, gpu_memory_gb, machine_line
-from shapes import PEAK_FLOPS, SHAPES, build_model, count_params
+from shapes import MOE_SHAPES, PEAK_FLOPS, SHAPES, build_model, build_moe_shape, count_params
 
 from hybridflow.config import load_config
 from hybridflow.data import RLDataset
@@ -138,7 +140,7 @@ def decode_bytes(model: torch.nn.Module) -> tuple[int, int]:
     weights = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * 2
     if cfg.tie_word_embeddings:  # the tied LM head is read every step (an untied one is counted above)
         weights += cfg.vocab_size * cfg.hidden_size * 2
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return weights, 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2  # K and V
 
 
@@ -176,7 +178,17 @@ def summarize(
 def print_table(summary: dict[str, float]) -> None:
     """Rank-0 console output: one metric per line, grouped by prefix."""
     for key in sorted(summary):
-        if key.split("/")[0] in ("timing_s", "perf", "mfu", "rollout", "memory", "actor", "training"):
+        if key.split("/")[0] in (
+            "timing_s",
+            "perf",
+            "mfu",
+            "rollout",
+            "rollout_corr",
+            "moe",
+            "memory",
+            "actor",
+            "training",
+        ):
             print(f"{key:45s} {summary[key]:>16,.4f}")
 
 
@@ -221,7 +233,7 @@ def run_step(trainer: PPOTrainer, number: int, label: str) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="W1")
-    p.add_argument("--model-size", choices=sorted(SHAPES), default="0.5b")
+    p.add_argument("--model-size", choices=sorted(SHAPES) + sorted(MOE_SHAPES), default="0.5b")
     p.add_argument(
         "--gpu-memory-gb", type=gpu_memory_gb, help="cap this process's GPU memory at this many GiB (e.g. 80)"
     )
@@ -251,7 +263,10 @@ def main() -> None:
 
     total = args.warmup + args.steps + (1 if args.profile_dir else 0)
     cfg = trainer_config(args, w, total)
-    model = build_model(args.model_size, "sdpa", torch.device(args.device))
+    if args.model_size in MOE_SHAPES:  # a Qwen3-MoE of Qwen3-30B-A3B's layer shape (or its dense twin)
+        model = build_moe_shape(args.model_size, torch.device(args.device))
+    else:
+        model = build_model(args.model_size, "sdpa", torch.device(args.device))
     vocab = model.config.vocab_size
     model.config.pad_token_id, model.config.eos_token_id = 0, 1
     tokenizer = word_tokenizer(vocab)

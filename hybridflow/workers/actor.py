@@ -130,6 +130,7 @@ class ActorWorker:
             free_cache_engine=r.free_cache_engine,
             device=device,  # the GPU, also while offloaded parameters sit on the host
             **({"tp": tp} if tp is not None else {}),
+            **({"record_routing": True} if cfg.actor.router_replay == "r3" else {}),  # router replay
         )
         self.switch_line = self._switch_line(dtype)
         self._last_switch_line: str | None = None
@@ -155,6 +156,11 @@ class ActorWorker:
                     f"does not run this model ({reason}); set rollout.tensor_model_parallel_size=1 (HF "
                     "generate on a whole replica per rank)"
                 )
+        if reason is not None and self.cfg.actor.router_replay == "r3":
+            raise UserError(
+                f"actor.router_replay=r3 needs the built-in rollout engine to record the experts, which does not "
+                f"run this model ({reason}); set actor.router_replay=r2 (the old-log-prob pass's experts)"
+            )
         if reason is not None and dist_rank() == 0:  # one warning per run, not one per rank
             logger.warning(fallback_notice(model.config, reason))
         return r.engine == "native" and reason is None

@@ -230,3 +230,18 @@ def test_router_replay_r2_and_the_moe_update_terms(setup: dict[str, Path], tmp_p
     assert 0.5 < m["moe/router_agreement"] <= 1.0
     assert m["moe/aux_loss"] > 0 and m["moe/expert_load_max"] >= 1.0
     assert math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_router_replay_r3_through_the_built_in_engine(
+    setup: dict[str, Path], tmp_path: Path, name: str
+) -> None:
+    # The rollout records each token's experts; the old-log-prob pass, the update and its recomputes replay
+    # them. The rollout's log-probs still equal the trainer's (same weights, same experts), and the router
+    # agrees with the rollout's choice wherever float32 noise does not flip a near-tie.
+    extra = ("actor.router_replay=r3", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=2")
+    cfg = load_config(None, overrides(setup, name, tmp_path / "run", *extra))
+    (m,) = PPOTrainer(cfg, build_components(cfg)).fit()
+    assert m["rollout_corr/log_prob_abs_diff_max"] <= 1e-5
+    assert 0.9 < m["moe/router_agreement"] <= 1.0
+    assert m["moe/aux_loss"] > 0 and math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0
