@@ -247,6 +247,8 @@ def _coerce(value: Any, tp: Any) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, bool):  # YAML reads a bare off / on as false / true: router_replay=off
+            return "on" if value else "off"
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)  # experiment_name=123 is the string '123'
     raise _Mismatch

@@ -30,7 +30,8 @@ def test_refusals_name_the_key_and_the_fix() -> None:
         check_router_replay(moe, "r3", "native", {**SIZES, "pp": 2})
 
 
-def test_verl_spelling() -> None:
+def test_verl_spelling_and_a_bare_off() -> None:
+    assert load_config(None, ["actor.router_replay=off"]).actor.router_replay == "off"  # YAML's false
     assert load_config(None, ["actor_rollout_ref.actor.router_replay.mode=R3"]).actor.router_replay == "r3"
     assert (
         load_config(None, ["actor_rollout_ref.actor.router_replay.mode=disabled"]).actor.router_replay
