@@ -42,7 +42,8 @@ def test_graphs_give_the_eager_tokens_and_routing_in_bf16(arch: str) -> None:
         a, b = got[0], ref[0]
         same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
         assert same >= 2, (a.token_ids, b.token_ids)
-        assert max(abs(x - y) for x, y in zip(a.logprobs[:same], b.logprobs[:same])) < 0.1
+        # bf16 logits near 20 are 0.125 apart: a log-prob moves by that much with one rounding
+        assert max(abs(x - y) for x, y in zip(a.logprobs[:same], b.logprobs[:same])) < 0.25
 
 
 def test_float32_decodes_without_graphs_and_equals_hf() -> None:
