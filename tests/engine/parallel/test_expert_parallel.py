@@ -1,0 +1,108 @@
+"""Expert parallelism on CPU (gloo): a MoE model's experts split over ep ranks (FSDP2 over the rest) give the
+log-probs, the loss, the grad norm and the updated weights of one rank on the same fixed batch (ep=2 on 2
+ranks, ep=2 x dp_rep=2 and ep=4 on 4; tiny Qwen3-MoE, Mixtral and Qwen2-MoE with its shared expert, routers
+re-initialised so routing varies); each rank holds E / ep experts; and the hybrid engine's switch rebuilds
+the whole model on every generation rank from the expert shards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from batches import NORMAL, rollout_batch
+from dist_util import run_world_kept as run_world
+
+from hybridflow.config.schema import ActorConfig
+from hybridflow.models import build_tiny_model
+from hybridflow.models.moe import install_moe
+from hybridflow.protocol import Batch
+
+pytestmark = pytest.mark.slow
+
+R, B = 5, 8  # response width, samples
+PROMPT_LENGTHS = [6, 4, 6, 2, 5, 3, 1, 6]  # left-padded to 6
+RESPONSE_LENGTHS = [5, 2, 0, 4, 5, 1, 3, 5]
+ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe")
+
+
+def fixed_batch() -> Batch:
+    """Left-padded prompts and right-padded responses of different lengths, one response fully masked."""
+    return rollout_batch(PROMPT_LENGTHS, RESPONSE_LENGTHS, R, 0, advantages=NORMAL)
+
+
+def tiny_moe(arch: str) -> torch.nn.Module:
+    """Two MoE layers of 4 experts (2 per token), hidden 64, ``MoEBlock``s in, routers drawn N(0, 0.5)."""
+    model = build_tiny_model(arch, vocab_size=64, hidden_size=64, num_hidden_layers=2, seed=1)
+    assert install_moe(model) == 2
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(2)
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):  # some families start their routers at zero
+                p.normal_(0, 0.5)
+    return model
+
+
+def actor_config() -> ActorConfig:
+    cfg = ActorConfig()
+    cfg.ppo_mini_batch_size = B  # one mini-batch: one optimizer step
+    cfg.ppo_micro_batch_size_per_gpu = 3  # gradient accumulation over uneven micro-batches
+    cfg.grad_clip = 0.5  # clipping is on: the global norm must count each expert once
+    cfg.optim.lr = 1e-2
+    cfg.optim.eps = 1e-3  # Adam's first step linear in small gradients (see test_train_views)
+    return cfg
+
+
+def train_with_ep(rank: int, world: int, ep: int, archs: tuple[str, ...]) -> list[dict]:
+    """Per arch: log-probs, one update's metrics, the updated full weights (rank 0), the experts held."""
+    from hybridflow.engine.hybrid.switch import held_box
+    from hybridflow.engine.parallel.dims import ParallelDims, train_box
+    from hybridflow.engine.parallel.ep import ExpertShard, is_expert
+    from hybridflow.engine.parallel.fsdp import full_state_dict
+    from hybridflow.engine.roles.actor import ActorEngine
+
+    out = []
+    for arch in archs:
+        view = ParallelDims(world, ep=ep)
+        engine = ActorEngine(tiny_moe(arch), actor_config(), use_remove_padding=True, dims=view)
+        batch = fixed_batch()[list(range(rank * B // world, (rank + 1) * B // world))]  # its rows
+        logp = engine.compute_log_prob(batch, micro_batch_size=3)["log_probs"]
+        batch["old_log_probs"] = logp - 0.05
+        metrics = engine.update_policy(batch)
+        shards = [m for m in engine.module.modules() if isinstance(m, ExpertShard)]
+        held = [tuple(s.gate_up_proj.to_local().shape) for s in shards]  # FSDP2's shard of the local experts
+        for name, param in engine.module.named_parameters():  # the plans' boxes are the DTensors' own
+            kind = "experts" if is_expert(name) else "replicated"
+            assert held_box(param) == train_box(kind, tuple(param.shape), view, rank), name
+        state = full_state_dict(engine.module)
+        state = {k: v.clone() for k, v in state.items()} if rank == 0 else None
+        out.append({"log_probs": logp, "metrics": metrics, "state": state, "shards": len(shards), "held": held})
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> list[dict]:
+    return run_world(1, train_with_ep, 1, 1, ARCHS)[0]
+
+
+def assert_same(got: dict, want: dict, world: int) -> None:
+    torch.testing.assert_close(got["log_probs"], want["log_probs"][: B // world], rtol=0, atol=1e-5)
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac"):
+        assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-5, abs=1e-6), key
+    assert got["state"].keys() == want["state"].keys()
+    for name, tensor in want["state"].items():
+        torch.testing.assert_close(got["state"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(("world", "ep"), [(2, 2), (4, 2), (4, 4)])
+def test_expert_parallel_training_equals_one_rank(one_rank: list[dict], world: int, ep: int) -> None:
+    """ep=2 on 2 ranks, ep=2 x dp_rep=2 and ep=4 on 4: the same numbers as one rank, each rank 4 / ep experts."""
+    results = run_world(world, train_with_ep, world, ep, ARCHS, timeout=600)
+    for got, want in zip(results[0], one_rank):
+        assert_same(got, want, world)
+    for rank, per_arch in enumerate(results):
+        for got in per_arch:
+            assert got["shards"] == 2  # both MoE layers' experts split
+            # FSDP2 splits the rank's 4 / ep experts again over the world / ep ranks holding the same ones
+            local = 4 // ep
+            rows = -(-local // (world // ep))
+            first = min(rows, max(local - (rank // ep) * rows, 0))
+            assert all(shape[0] == first for shape in got["held"]), (rank, got["held"])
