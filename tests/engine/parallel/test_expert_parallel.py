@@ -74,7 +74,9 @@ def train_with_ep(rank: int, world: int, ep: int, archs: tuple[str, ...]) -> lis
             assert held_box(param) == train_box(kind, tuple(param.shape), view, rank), name
         state = full_state_dict(engine.module)
         state = {k: v.clone() for k, v in state.items()} if rank == 0 else None
-        out.append({"log_probs": logp, "metrics": metrics, "state": state, "shards": len(shards), "held": held})
+        out.append(
+            {"log_probs": logp, "metrics": metrics, "state": state, "shards": len(shards), "held": held}
+        )
         out[-1]["generation"] = generation_weights(engine.module.lm, world, rank) if world > 1 else None
     return out
 
