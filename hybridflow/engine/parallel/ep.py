@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -51,9 +51,10 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def _exchange(rows: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """``rows`` (sum(send), H) split by ``send`` to the group's ranks -> (sum(recv), H); differentiable."""
-    out = rows.new_empty((sum(recv), rows.shape[1]))
-    return dist_fn.all_to_all_single(out, rows, recv, send, group=group)
+    """``rows`` (sum(send), H) split by ``send`` to the group's ranks -> (sum(recv), H); differentiable (its
+    backward is the all-to-all the other way, as torchtitan's dispatch uses it)."""
+    out = funcol.all_to_all_single_autograd(rows.contiguous(), recv, send, group)
+    return funcol.wait_tensor(out)
 
 
 def dispatch_experts(

@@ -135,3 +135,63 @@ def test_expert_parallel_training_equals_one_rank(one_rank: list[dict], world: i
             rows = -(-local // (world // ep))
             first = min(rows, max(local - (rank // ep) * rows, 0))
             assert all(shape[0] == first for shape in got["held"]), (rank, got["held"])
+
+
+def dispatch_against_whole(rank: int, skewed: bool) -> dict:
+    """``dispatch_experts`` on 2 ranks (2 of 4 experts each) against ``run_experts`` on the whole weights:
+    outputs, input and routing-weight gradients, and the local experts' gradients (their mean share)."""
+    import torch.distributed as dist
+
+    from hybridflow.engine.parallel.ep import dispatch_experts
+    from hybridflow.models.moe import run_experts
+
+    dist.init_process_group("gloo")
+    g = torch.Generator().manual_seed(5)
+    gate_up, down = torch.randn(4, 32, 16, generator=g), torch.randn(4, 16, 16, generator=g)
+    x = torch.randn(2, 7, 16, generator=g)[rank]  # (N, H): each rank its own tokens
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(14)])[rank * 7 : rank * 7 + 7]
+    if skewed:  # every token to experts 0 and 1: rank 1's experts receive nothing
+        ids = torch.tensor([[0, 1]] * 7)
+    weights = torch.rand(7, 2, generator=g)
+    whole = [t.clone().requires_grad_() for t in (x, weights, gate_up, down)]
+    want = run_experts(whole[0], ids, whole[1], whole[2], whole[3])
+    want.square().sum().backward()
+    mine = slice(2 * rank, 2 * rank + 2)
+    local = [t.clone().requires_grad_() for t in (x, weights, gate_up[mine], down[mine])]
+    got = dispatch_experts(local[0], ids, local[1], local[2], local[3], dist.group.WORLD)
+    got.square().sum().backward()
+    expert_grads = [t.grad.clone() for t in whole[2:]]
+    for t in expert_grads:  # the whole experts' gradient summed over both ranks' tokens
+        dist.all_reduce(t)
+    return {
+        "out": (got, want),
+        "input_grads": [(a.grad, b.grad) for a, b in zip(local[:2], whole[:2])],
+        "expert_grads": [(a.grad * 2, b[mine]) for a, b in zip(local[2:], expert_grads)],  # x ep: a mean
+    }
+
+
+@pytest.mark.parametrize("skewed", [False, True])
+def test_the_dispatch_equals_the_experts_on_one_rank(skewed: bool) -> None:
+    for out in run_world(2, dispatch_against_whole, skewed):
+        torch.testing.assert_close(*out["out"], rtol=1e-5, atol=1e-5)
+        for got, want in out["input_grads"] + out["expert_grads"]:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # sums in another order
+
+
+def test_expert_parallel_sizes_the_model_cannot_take_are_refused_naming_the_field() -> None:
+    from hybridflow.engine.parallel.dims import ParallelDims
+    from hybridflow.utils.errors import UserError
+
+    dense = build_tiny_model("qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=1).config
+    with pytest.raises(
+        UserError, match=r"actor.parallel.ep=2: .* 'qwen2' is a dense model; set actor.parallel.ep=1"
+    ):
+        ParallelDims(2, ep=2).check_model(dense)
+    moe = build_tiny_model("mixtral", vocab_size=64, hidden_size=32, num_hidden_layers=1).config  # 4 experts
+    with pytest.raises(
+        UserError, match=r"critic.parallel.ep=8 does not divide the model's 4 routed experts; use"
+    ):
+        ParallelDims(8, ep=8, role="critic").check_model(moe)
+    ParallelDims(4, ep=4).check_model(moe)  # one expert per rank: fine
+    assert str(ParallelDims(4, ep=2)) == "(fsdp=4, ep=2)" and not ParallelDims(4, ep=2).fsdp_only
+    assert [ParallelDims(4, ep=2).ep_coords(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
