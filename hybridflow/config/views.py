@@ -2,7 +2,7 @@
 
 ``world_problems`` is the check: tp x pp must divide the ranks, sp must divide them and (for now) come with
 tp = pp = 1, ep must divide the data-parallel ranks (its groups are sub-groups of dp) and, for now, come with
-tp = pp = sp = 1. The config's validation runs it for every role (``check_train_views``),
+pp = sp = 1. The config's validation runs it for every role (``check_train_views``),
 the engine's ``ParallelDims`` when it is built, and the rollout's tensor-parallel size uses its
 ``not_dividing`` message. Each problem names the field that breaks it (by the long spelling, ``size_key``)
 and a fix that works. What the sizes need of the model (heads, KV heads, layers) is checked once the model
@@ -83,9 +83,10 @@ def _sp(role: str, sizes: Mapping[str, int], world: int, own: Collection[str]) -
 
 
 def _ep(role: str, sizes: Mapping[str, int], world: int, own: Collection[str]) -> list[Problem]:
-    """ep divides the ranks (each expert group is ep data-parallel ranks) and, for now, comes alone."""
-    ep, path = sizes["ep"], size_key(role, "ep")
-    others = [d for d in ("tp", "pp", "sp") if sizes[d] > 1 and ("ep" in own or d in own)]
+    """ep divides the data-parallel ranks (each expert group is ep of them) and, for now, comes without pp
+    and sp (tp splits the attention beside it)."""
+    ep, tp, path = sizes["ep"], sizes["tp"], size_key(role, "ep")
+    others = [d for d in ("pp", "sp") if sizes[d] > 1 and ("ep" in own or d in own)]
     out = []
     for dim in others:
         name = size_key(role, dim)
@@ -93,8 +94,17 @@ def _ep(role: str, sizes: Mapping[str, int], world: int, own: Collection[str]) -
         out.append(
             Problem(path, message, f"set {name}=1 (experts over FSDP2's data-parallel ranks), or {path}=1")
         )
-    if "ep" in own and not others and world % ep:
-        out.append(not_dividing(path, ep, world))
+    if "ep" in own and not others and world % tp == 0 and (world // tp) % ep:
+        if tp == 1:
+            out.append(not_dividing(path, ep, world))
+        else:
+            dp, tp_key = world // tp, size_key(role, "tp")
+            message = (
+                f"{ep} does not divide the {dp} data-parallel ranks ({ranks_text(world)} / {tp_key}={tp})"
+            )
+            out.append(
+                Problem(path, message, f"use one of {divisors(dp)}, or run on a multiple of {ep * tp} ranks")
+            )
     return out
 
 

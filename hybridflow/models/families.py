@@ -26,8 +26,8 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 LLAMA_LAYOUT = (*LLAMA_FAMILY, "qwen2_moe", "qwen3_moe", "mixtral")
 MOE_ISSUE = "issue 42, mixture-of-experts models with expert parallelism"
 MOE_NOT_YET = (
-    f"not there yet for MoE ({MOE_ISSUE}): the built-in rollout engine, tensor-parallel training and a "
-    "tensor-parallel rollout (expert parallelism in training is: actor.parallel.ep)"
+    f"not there yet for MoE ({MOE_ISSUE}): the built-in rollout engine and a tensor-parallel rollout (expert "
+    "parallelism and tensor-parallel attention in training are: actor.parallel.ep, actor.tensor_parallel_size)"
 )
 
 
@@ -46,9 +46,14 @@ def has_shard_rules(config: Any) -> bool:
     return model_type(config) in LLAMA_FAMILY and not is_moe(config)
 
 
-def check_tensor_parallel(config: Any, key: str, size: int) -> None:
-    """Refuse ``key=size`` > 1 for a family without tensor-parallel shard rules (UserError naming both)."""
+def check_tensor_parallel(config: Any, key: str, size: int, experts_whole: bool = False) -> None:
+    """Refuse ``key=size`` > 1 for a family without tensor-parallel shard rules (UserError naming both).
+
+    ``experts_whole``: a mixture of experts with a Llama-style decoder passes (training: attention split over
+    tp, the MoE block and its experts replicated over tp)."""
     if size <= 1 or has_shard_rules(config):
+        return
+    if experts_whole and is_moe(config) and model_type(config) in LLAMA_LAYOUT:
         return
     family = model_type(config)
     if is_moe(config):

@@ -6,10 +6,12 @@ generation view's ordering (``view.GenerateView``: tensor-parallel rank ``r // d
 tensor-parallel size equals the trainer's, a rank's generation shard is the union of its FSDP peers' training
 shards of the same tensor-parallel shard, and at dp = 1 it is the rank's own training shard: the switch copies
 it in place. Ulysses (sp, with tp = pp = 1 for now) groups sp consecutive ranks inside dp, so its
-all-to-alls stay on a node; FSDP2 then shards over every rank. Expert parallelism (ep, with tp = pp = sp = 1
-for now) splits the data-parallel ranks as ``(dp_rep, ep)``, ep innermost (torchtitan's layout): rank r holds
-the experts of ep rank ``r % ep``, FSDP2 shards those over the ``dp_rep`` ranks ``r // ep`` holding the same
-ones, and everything else over all dp = dp_rep x ep ranks (``ep.apply_ep``).
+all-to-alls stay on a node; FSDP2 then shards over every rank. Expert parallelism (ep, with pp = sp = 1 for
+now) splits the data-parallel ranks as ``(dp_rep, ep)``, ep innermost (torchtitan's layout; the mesh is
+``(tp, dp_rep, ep)`` with ``dp`` their last two flattened): a rank of data-parallel rank d holds the experts of
+ep rank ``d % ep``, FSDP2 shards those over the ``dp_rep`` ranks ``d // ep`` holding the same ones, and
+everything else over all dp = dp_rep x ep ranks (``ep.apply_ep``); tp splits the attention only, the MoE
+blocks stay whole on every tp rank.
 
 A ``ParallelDims`` holds the sizes (checked against the world by the config's one check,
 ``config.views.world_problems``), the rank's coordinates, the token budgets of a group, and once ``build()``
@@ -102,8 +104,10 @@ class ParallelDims:
         return self.tp > 1 or self.pp > 1
 
     def ep_coords(self, rank: int) -> tuple[int, int]:
-        """``(dp_rep_rank, ep_rank)`` of ``rank``: which copy of its experts, and which experts."""
-        return rank // self.ep, rank % self.ep
+        """``(dp_rep_rank, ep_rank)`` of ``rank``: which copy of its experts, and which experts (the split of
+        its data-parallel rank, ep innermost)."""
+        dp_rank = self.coords(rank)[2]
+        return dp_rank // self.ep, dp_rank % self.ep
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """``(pp_rank, tp_rank, dp_rank)`` of ``rank``."""
@@ -157,15 +161,16 @@ class ParallelDims:
         assert dist.get_world_size() == self.world, (dist.get_world_size(), self.world)
         device_type = device_type or ("cuda" if cuda_in_use() else "cpu")
         mesh = None
-        if self.splits_layers:
+        if self.ep > 1:  # pp = sp = 1: dp split as (dp_rep, ep), tp outside it
+            shape, names = (self.tp, self.dp // self.ep, self.ep), ("tp", "dp_rep", "ep")
+            if not self.splits_layers:
+                shape, names = shape[1:], names[1:]
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+            mesh["dp_rep", "ep"]._flatten("dp")  # FSDP2's mesh for all but the experts, under the same root
+        elif self.splits_layers:
             mesh = init_device_mesh(
                 device_type, (self.pp, self.tp, self.dp), mesh_dim_names=("pp", "tp", "dp")
             )
-        elif self.ep > 1:  # tp = pp = sp = 1: dp is every rank, split as (dp_rep, ep)
-            mesh = init_device_mesh(
-                device_type, (self.dp // self.ep, self.ep), mesh_dim_names=("dp_rep", "ep")
-            )
-            mesh._flatten("dp")  # FSDP2's mesh for all but the experts: every rank, under the same root
         elif self.sp > 1:
             mesh = init_device_mesh(device_type, (self.dp, self.sp), mesh_dim_names=("dp", "sp"))
         return replace(self, rank=dist.get_rank(), groups=DimGroups(mesh))
@@ -178,13 +183,13 @@ class ParallelDims:
     def dp_group(self) -> dist.ProcessGroup | None:
         """The data-parallel group losses and metrics are summed over (None: every rank)."""
         mesh = self._built().mesh
-        return None if mesh is None or self.ep > 1 else mesh["dp"].get_group()
+        return None if mesh is None or not self.splits_layers else mesh["dp"].get_group()
 
     @property
     def pp_group(self) -> dist.ProcessGroup | None:
-        """The stages of this rank's replica (None: no tensor or pipeline parallelism)."""
+        """The stages of this rank's replica (None: one stage, without tensor parallelism or beside ep)."""
         mesh = self._built().mesh
-        return mesh["pp"].get_group() if self.splits_layers else None
+        return mesh["pp"].get_group() if mesh is not None and "pp" in mesh.mesh_dim_names else None
 
     @property
     def sp_group(self) -> dist.ProcessGroup | None:
@@ -217,8 +222,10 @@ class ParallelDims:
         return mesh["dp_rep"] if self.ep > 1 else None
 
     def __str__(self) -> str:
-        if self.ep > 1:
+        if self.ep > 1 and not self.splits_layers:
             return f"(fsdp={self.world}, ep={self.ep})"
+        if self.ep > 1:
+            return f"(tp={self.tp}, pp={self.pp}, dp={self.dp}, ep={self.ep})"
         if self.fsdp_only:
             return f"(fsdp={self.world})" if self.sp == 1 else f"(fsdp={self.world}, sp={self.sp})"
         return f"(tp={self.tp}, pp={self.pp}, dp={self.dp})"

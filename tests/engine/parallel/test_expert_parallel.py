@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from batches import NORMAL, rollout_batch
-from dist_util import run_world_kept as run_world
+from dist_util import run_world, run_world_kept
 
 from hybridflow.config.schema import ActorConfig
 from hybridflow.models import build_tiny_model
@@ -51,26 +51,30 @@ def actor_config() -> ActorConfig:
     return cfg
 
 
-def train_with_ep(rank: int, world: int, ep: int, archs: tuple[str, ...]) -> list[dict]:
-    """Per arch: log-probs, one update's metrics, the updated full weights (rank 0), the experts held."""
+def train_with_ep(rank: int, world: int, views: list[tuple[int, int, str]]) -> list[dict]:
+    """Per (tp, ep, arch): log-probs, one update's metrics, the updated full weights (rank 0), the experts
+    held, the generation replica the switch refreshed."""
     from hybridflow.engine.hybrid.switch import held_box
     from hybridflow.engine.parallel.dims import ParallelDims, train_box
     from hybridflow.engine.parallel.ep import ExpertShard, is_expert
     from hybridflow.engine.parallel.fsdp import full_state_dict
+    from hybridflow.engine.parallel.layout import kind_of
     from hybridflow.engine.roles.actor import ActorEngine
 
     out = []
-    for arch in archs:
-        view = ParallelDims(world, ep=ep)
+    for tp, ep, arch in views:
+        view = ParallelDims(world, tp=tp, ep=ep)
         engine = ActorEngine(tiny_moe(arch), actor_config(), use_remove_padding=True, dims=view)
-        batch = fixed_batch()[list(range(rank * B // world, (rank + 1) * B // world))]  # its rows
+        dp_rank, dp = view.coords(rank)[2], view.dp
+        batch = fixed_batch()[list(range(dp_rank * B // dp, (dp_rank + 1) * B // dp))]  # its replica's rows
         logp = engine.compute_log_prob(batch, micro_batch_size=3)["log_probs"]
         batch["old_log_probs"] = logp - 0.05
         metrics = engine.update_policy(batch)
         shards = [m for m in engine.module.modules() if isinstance(m, ExpertShard)]
         held = [tuple(s.gate_up_proj.to_local().shape) for s in shards]  # FSDP2's shard of the local experts
         for name, param in engine.module.named_parameters():  # the plans' boxes are the DTensors' own
-            kind = "experts" if is_expert(name) else "replicated"
+            kind = "replicated" if ".mlp." in name else kind_of(name)  # tp splits the attention only
+            kind = "experts" if is_expert(name) and ep > 1 else kind
             assert held_box(param) == train_box(kind, tuple(param.shape), view, rank), name
         state = full_state_dict(engine.module)
         state = {k: v.clone() for k, v in state.items()} if rank == 0 else None
@@ -94,11 +98,11 @@ def generation_weights(sharded: torch.nn.Module, world: int, rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def one_rank() -> list[dict]:
-    return run_world(1, train_with_ep, 1, 1, ARCHS)[0]
+    return run_world(1, train_with_ep, 1, [(1, 1, arch) for arch in ARCHS])[0]
 
 
-def assert_same(got: dict, want: dict, world: int) -> None:
-    torch.testing.assert_close(got["log_probs"], want["log_probs"][: B // world], rtol=0, atol=1e-5)
+def assert_same(got: dict, want: dict, dp: int) -> None:
+    torch.testing.assert_close(got["log_probs"], want["log_probs"][: B // dp], rtol=0, atol=1e-5)
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac"):
         assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-5, abs=1e-6), key
     assert got["state"].keys() == want["state"].keys()
@@ -106,34 +110,38 @@ def assert_same(got: dict, want: dict, world: int) -> None:
         torch.testing.assert_close(got["state"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
-# (world, ep) -> the families run there: every family at ep=2 on 2 ranks, one each on 4 (time)
-RUNS = {(2, 2): ARCHS, (4, 2): ("qwen3_moe",), (4, 4): ("mixtral",)}
+# (tp, ep, family) of each view, those of one world size in one set of fresh processes: a kept process's
+# later call would meet DTensor specs holding the earlier call's meshes, whose group names torch hands out
+# again once the default group is re-created (a run keeps its one default group, so it never meets this).
+VIEWS_BY_WORLD = {
+    2: [(1, 2, "qwen3_moe"), (1, 2, "mixtral"), (1, 2, "qwen2_moe"), (2, 1, "qwen2_moe")],
+    4: [(2, 2, "qwen3_moe"), (1, 2, "mixtral"), (1, 4, "qwen2_moe")],
+}
 
 
-@pytest.mark.parametrize(("world", "ep"), sorted(RUNS))
-def test_expert_parallel_training_equals_one_rank(one_rank: list[dict], world: int, ep: int) -> None:
-    """ep=2 on 2 ranks, ep=2 x dp_rep=2 and ep=4 on 4: the same numbers as one rank, each rank 4 / ep experts;
-    the switch to whole generation replicas moves each expert from its holders, bit-exact."""
-    archs = RUNS[(world, ep)]
-    results = run_world(world, train_with_ep, world, ep, archs, timeout=600)
-    for got, want in zip(results[0], [one_rank[ARCHS.index(a)] for a in archs]):
-        assert_same(got, want, world)
-    for per_arch in results:  # every rank's replica is rank 0's gathered training weights, exactly
-        for got, full in zip(per_arch, results[0]):
+@pytest.mark.parametrize("world", sorted(VIEWS_BY_WORLD))
+def test_expert_parallel_training_equals_one_rank(one_rank: list[dict], world: int) -> None:
+    """ep=2 on 2 ranks; ep=2 x dp_rep=2 and ep=4 on 4; tp=2 attention beside whole MoE blocks (ep=1 on 2
+    ranks, ep=2 on 4): the same numbers as one rank, each rank 4 / ep experts; the switch to whole generation
+    replicas moves each expert from its holders, bit-exact."""
+    views = VIEWS_BY_WORLD[world]
+    results = run_world(world, train_with_ep, world, views, timeout=600)
+    for (tp, _, arch), got in zip(views, results[0]):
+        assert_same(got, one_rank[ARCHS.index(arch)], world // tp)
+    for rank, per_view in enumerate(results):
+        for (tp, ep, _), got, full in zip(views, per_view, results[0]):
             state = {k.removeprefix("lm."): v for k, v in full["state"].items()}
-            generation = got["generation"]["state"]
+            generation = got["generation"]["state"]  # the replica is rank 0's gathered weights, exactly
             assert generation.keys() == state.keys()
             assert all(torch.equal(generation[k], state[k]) for k in state), [
                 k for k in state if not torch.equal(generation[k], state[k])
             ]
             assert got["generation"]["received"] > 0
-    for rank, per_arch in enumerate(results):
-        for got in per_arch:
-            assert got["shards"] == 2  # both MoE layers' experts split
-            # FSDP2 splits the rank's 4 / ep experts again over the world / ep ranks holding the same ones
-            local = 4 // ep
-            rows = -(-local // (world // ep))
-            first = min(rows, max(local - (rank // ep) * rows, 0))
+            assert got["shards"] == (2 if ep > 1 else 0)  # both MoE layers' experts split
+            # FSDP2 splits the rank's 4 / ep experts again over the dp / ep ranks holding the same ones
+            local, dp_rank = 4 // ep, rank % (world // tp)
+            rows = -(-local // (world // tp // ep))
+            first = min(rows, max(local - (dp_rank // ep) * rows, 0))
             assert all(shape[0] == first for shape in got["held"]), (rank, got["held"])
 
 
@@ -172,7 +180,7 @@ def dispatch_against_whole(rank: int, skewed: bool) -> dict:
 
 @pytest.mark.parametrize("skewed", [False, True])
 def test_the_dispatch_equals_the_experts_on_one_rank(skewed: bool) -> None:
-    for out in run_world(2, dispatch_against_whole, skewed):
+    for out in run_world_kept(2, dispatch_against_whole, skewed):  # plain tensors: no mesh to outlive a call
         torch.testing.assert_close(*out["out"], rtol=1e-5, atol=1e-5)
         for got, want in out["input_grads"] + out["expert_grads"]:
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # sums in another order
