@@ -50,6 +50,7 @@ class DimGroups:
     (``workers.dispatch``)."""
 
     mesh: DeviceMesh | None
+    dp_mesh: DeviceMesh | None = None  # expert parallelism: dp_rep x ep flattened, FSDP2's mesh for the rest
 
 
 @dataclass(frozen=True)
@@ -160,20 +161,20 @@ class ParallelDims:
         init_distributed()
         assert dist.get_world_size() == self.world, (dist.get_world_size(), self.world)
         device_type = device_type or ("cuda" if cuda_in_use() else "cpu")
-        mesh = None
+        mesh = flat = None
         if self.ep > 1:  # pp = sp = 1: dp split as (dp_rep, ep), tp outside it
             shape, names = (self.tp, self.dp // self.ep, self.ep), ("tp", "dp_rep", "ep")
             if not self.splits_layers:
                 shape, names = shape[1:], names[1:]
             mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-            mesh["dp_rep", "ep"]._flatten("dp")  # FSDP2's mesh for all but the experts, under the same root
+            flat = mesh["dp_rep", "ep"]._flatten("dp")  # FSDP2's mesh for all but the experts, same root
         elif self.splits_layers:
             mesh = init_device_mesh(
                 device_type, (self.pp, self.tp, self.dp), mesh_dim_names=("pp", "tp", "dp")
             )
         elif self.sp > 1:
             mesh = init_device_mesh(device_type, (self.dp, self.sp), mesh_dim_names=("dp", "sp"))
-        return replace(self, rank=dist.get_rank(), groups=DimGroups(mesh))
+        return replace(self, rank=dist.get_rank(), groups=DimGroups(mesh, flat))
 
     def _built(self) -> DimGroups:
         assert self.groups is not None, "ParallelDims.build() first"
@@ -182,8 +183,10 @@ class ParallelDims:
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         """The data-parallel group losses and metrics are summed over (None: every rank)."""
-        mesh = self._built().mesh
-        return None if mesh is None or not self.splits_layers else mesh["dp"].get_group()
+        groups = self._built()
+        if groups.mesh is None or not self.splits_layers:
+            return None
+        return (groups.dp_mesh or groups.mesh["dp"]).get_group()
 
     @property
     def pp_group(self) -> dist.ProcessGroup | None:
@@ -206,8 +209,10 @@ class ParallelDims:
     @property
     def fsdp_mesh(self) -> DeviceMesh | None:
         """The mesh FSDP2 shards over: the data-parallel ranks (None: every rank, FSDP2 alone or Ulysses)."""
-        mesh = self._built().mesh
-        return mesh["dp"] if self.splits_layers or self.ep > 1 else None
+        groups = self._built()
+        if self.ep > 1:
+            return groups.dp_mesh
+        return groups.mesh["dp"] if self.splits_layers else None
 
     @property
     def ep_mesh(self) -> DeviceMesh | None:
