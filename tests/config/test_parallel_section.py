@@ -48,7 +48,7 @@ def test_a_problem_names_the_size_and_how_it_was_written() -> None:
         (["actor.parallel.ep=2"], "actor.parallel.ep: 2 does not divide the 1 rank"),
         (
             ["trainer.n_gpus_per_node=4", "ref.parallel.ep=4", "ref.parallel.tp=2"],
-            "ref.parallel.ep: is 4 with ref.tensor_parallel_size=2: expert parallelism does not compose with tp",
+            "ref.parallel.ep: 4 does not divide the 2 data-parallel ranks (the 4 ranks",
         ),
         (
             ["trainer.n_gpus_per_node=4", "critic.parallel.ep=2", "critic.parallel.pp=2"],

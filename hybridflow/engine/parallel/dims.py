@@ -184,7 +184,7 @@ class ParallelDims:
     def dp_group(self) -> dist.ProcessGroup | None:
         """The data-parallel group losses and metrics are summed over (None: every rank)."""
         groups = self._built()
-        if groups.mesh is None or not self.splits_layers:
+        if groups.mesh is None or (self.ep > 1 and not self.splits_layers):  # every rank
             return None
         return (groups.dp_mesh or groups.mesh["dp"]).get_group()
 
