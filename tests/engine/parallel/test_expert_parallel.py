@@ -6,6 +6,8 @@ the whole model on every generation rank from the expert shards."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from batches import NORMAL, rollout_batch
@@ -51,9 +53,11 @@ def actor_config() -> ActorConfig:
     return cfg
 
 
-def train_with_ep(rank: int, world: int, views: list[tuple[int, int, str]]) -> list[dict]:
+def train_with_ep(
+    rank: int, world: int, views: list[tuple[int, int, str]], run_dir: str | None = None
+) -> list[dict]:
     """Per (tp, ep, arch): log-probs, one update's metrics, the updated full weights (rank 0), the experts
-    held, the generation replica the switch refreshed."""
+    held, the generation replica the switch refreshed; the first view's checkpoint in ``run_dir``."""
     from hybridflow.engine.hybrid.switch import held_box
     from hybridflow.engine.parallel.dims import ParallelDims, train_box
     from hybridflow.engine.parallel.ep import ExpertShard, is_expert
@@ -82,7 +86,23 @@ def train_with_ep(rank: int, world: int, views: list[tuple[int, int, str]]) -> l
             {"log_probs": logp, "metrics": metrics, "state": state, "shards": len(shards), "held": held}
         )
         out[-1]["generation"] = generation_weights(engine.module.lm, world, rank) if world > 1 else None
+        if world == 1:  # the one-rank engine's log-probs after the update, for the checkpoint's
+            out[-1]["updated"] = engine.compute_log_prob(fixed_batch(), micro_batch_size=3)["log_probs"]
+        if run_dir is not None and len(out) == 1:
+            from hybridflow.checkpoint import RoleState, save
+
+            save(run_dir, 1, {"actor": RoleState(engine.module, engine.engine.optimizer, "lm.")}, {}, {})
     return out
+
+
+def load_at_one_rank(rank: int, ckpt: str, arch: str) -> torch.Tensor:
+    """A one-rank engine loaded from an expert-parallel checkpoint: its log-probs on the whole batch."""
+    from hybridflow.checkpoint import RoleState, load
+    from hybridflow.engine.roles.actor import ActorEngine
+
+    engine = ActorEngine(tiny_moe(arch), actor_config(), use_remove_padding=True)
+    load(ckpt, {"actor": RoleState(engine.module, engine.engine.optimizer, "lm.")})
+    return engine.compute_log_prob(fixed_batch(), micro_batch_size=3)["log_probs"]
 
 
 def generation_weights(sharded: torch.nn.Module, world: int, rank: int) -> dict:
@@ -120,12 +140,12 @@ VIEWS_BY_WORLD = {
 
 
 @pytest.mark.parametrize("world", sorted(VIEWS_BY_WORLD))
-def test_expert_parallel_training_equals_one_rank(one_rank: list[dict], world: int) -> None:
+def test_expert_parallel_training_equals_one_rank(one_rank: list[dict], world: int, tmp_path: Path) -> None:
     """ep=2 on 2 ranks; ep=2 x dp_rep=2 and ep=4 on 4; tp=2 attention beside whole MoE blocks (ep=1 on 2
     ranks, ep=2 on 4): the same numbers as one rank, each rank 4 / ep experts; the switch to whole generation
     replicas moves each expert from its holders, bit-exact."""
     views = VIEWS_BY_WORLD[world]
-    results = run_world(world, train_with_ep, world, views, timeout=600)
+    results = run_world(world, train_with_ep, world, views, str(tmp_path), timeout=600)
     for (tp, _, arch), got in zip(views, results[0]):
         assert_same(got, one_rank[ARCHS.index(arch)], world // tp)
     for rank, per_view in enumerate(results):
@@ -143,6 +163,9 @@ def test_expert_parallel_training_equals_one_rank(one_rank: list[dict], world: i
             rows = -(-local // (world // tp // ep))
             first = min(rows, max(local - (dp_rank // ep) * rows, 0))
             assert all(shape[0] == first for shape in got["held"]), (rank, got["held"])
+    if world == 2:  # the ep=2 checkpoint loads into one rank holding every expert: the updated weights
+        (logp,) = run_world_kept(1, load_at_one_rank, str(tmp_path / "global_step_1"), views[0][2])
+        torch.testing.assert_close(logp, one_rank[ARCHS.index(views[0][2])]["updated"], rtol=0, atol=1e-5)
 
 
 def dispatch_against_whole(rank: int, skewed: bool) -> dict:
