@@ -32,6 +32,13 @@ MAPPED: list[tuple[str, list[str], str, Any]] = [
     (f"{A}.actor.megatron.pp_size=2", TWO, "actor.parallel.pp", 2),
     ("critic.megatron.tp_size=2", TWO, "critic.parallel.tp", 2),
     (f"{A}.ref.megatron.pp_size=2", TWO, "ref.parallel.pp", 2),
+    ("megatron.ep_size=2", TWO, "actor.parallel.ep", 2),
+    ("actor.megatron.ep_size=2", TWO, "actor.parallel.ep", 2),
+    (f"{A}.actor.megatron.ep_size=2", TWO, "actor.parallel.ep", 2),
+    (f"{A}.actor.megatron.expert_model_parallel_size=2", TWO, "actor.parallel.ep", 2),
+    (f"{A}.actor.megatron.expert_model_parallel_size=1", [], "actor.parallel.ep", 1),
+    ("critic.megatron.expert_model_parallel_size=2", TWO, "critic.parallel.ep", 2),
+    (f"{A}.ref.megatron.expert_model_parallel_size=2", TWO, "ref.parallel.ep", 2),
 ]
 
 # (spelling=value): accepted, changing nothing, with one notice (the value asks for what hybridflow does)
@@ -40,12 +47,13 @@ NO_OPS = [
     f"{A}.actor.fsdp_config.mixed_precision.buffer_dtype=float32",
     "rollout.quantization=null",
     f"{A}.rollout.kv_cache_dtype=auto",
-    f"{A}.actor.megatron.expert_model_parallel_size=1",
-    "megatron.ep_size=1",
+    "expert_model_parallel_size=1",
+    f"{A}.actor.megatron.expert_tensor_parallel_size=1",
 ]
 
 FP8 = "FP8 rollout is not supported yet (issue 45)"
-EP = "expert parallelism is not supported yet (issue 42)"
+EP = "expert parallelism is a size of each role's training view"
+ETP = "expert tensor parallelism is not supported"
 # (spelling=value, words of the message, words of the fix: the key to use)
 REFUSED: list[tuple[str, str, str]] = [
     (
@@ -61,12 +69,9 @@ REFUSED: list[tuple[str, str, str]] = [
     (f"{A}.actor.fsdp_config.mixed_precision.buffer_dtype=fp16", "FSDP2", "actor.fsdp.param_dtype"),
     ("critic.model.fsdp_config.mixed_precision.buffer_dtype=bf16", "FSDP2", "critic.fsdp.param_dtype"),
     (f"{A}.ref.fsdp_config.mixed_precision.buffer_dtype=bf16", "FSDP2", "ref.fsdp.param_dtype"),
-    ("megatron.ep_size=2", EP, "remove megatron.ep_size (or set it to 1)"),
-    ("actor.megatron.ep_size=4", EP, "(or set it to 1)"),
-    (f"{A}.actor.megatron.ep_size=2", EP, "(or set it to 1)"),
-    (f"{A}.actor.megatron.expert_model_parallel_size=8", EP, "(or set it to 1)"),
-    ("expert_model_parallel_size=2", EP, "remove expert_model_parallel_size (or set it to 1)"),
-    ("critic.megatron.expert_model_parallel_size=2", EP, "(or set it to 1)"),
+    ("expert_model_parallel_size=2", EP, "set actor.parallel.ep=2 and remove expert_model_parallel_size"),
+    ("critic.ep_size=2", EP, "set critic.parallel.ep=2"),
+    (f"{A}.actor.megatron.expert_tensor_parallel_size=2", ETP, "(or set it to 1)"),
     ("rollout.quantization=fp8", FP8, "the rollout generates in rollout.dtype"),
     (f"{A}.rollout.quantization=fp8", FP8, "rollout.dtype"),
     ("rollout.kv_cache_dtype=fp8", FP8, "rollout.dtype"),

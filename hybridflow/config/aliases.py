@@ -173,6 +173,7 @@ def _short_forms() -> dict[str, str]:
         for short, long, ours in (
             ("tp_size", "tensor_model_parallel_size", "parallel.tp"),
             ("pp_size", "pipeline_model_parallel_size", "parallel.pp"),
+            ("ep_size", "expert_model_parallel_size", "parallel.ep"),
         ):
             out[f"{prefix}megatron.{short}"] = f"{role}.{ours}"
             if f"{prefix}megatron.{long}" not in VERL_ALIASES:

@@ -1,10 +1,11 @@
 """A role's parallel section (``actor.parallel``, ``critic.parallel``, ``ref.parallel``) and its sizes.
 
 One dataclass for the three roles: tensor parallelism (``tp``), pipeline stages (``pp``), Ulysses sequence
-parallelism (``sp``) and, reserved for the mixture-of-experts issue, expert parallelism (``ep``). The
-reference's null sizes are the actor's. Each size keeps its older flat spelling as an accepted key
+parallelism (``sp``) and expert parallelism (``ep``: a mixture of experts' experts split over groups of ep
+data-parallel ranks). The reference's null sizes are the actor's. Each size keeps its older flat spelling as an accepted key
 (``actor.tensor_parallel_size`` is ``actor.parallel.tp``; verl's ``megatron.*`` and
-``ulysses_sequence_parallel_size`` map onto the same fields), and messages name the sizes by those long
+``ulysses_sequence_parallel_size`` map onto the same fields, and ``megatron.expert_model_parallel_size``
+onto ``ep``), and messages name the sizes by those long
 spellings, which every verl user knows. How the sizes fit the world is checked in ``views``; how they fit the
 model (heads, KV heads, layers) once the model config is known, by the engine (``ParallelDims.check_model``).
 """
@@ -37,7 +38,9 @@ class ParallelConfig:
     sp: int | None = option(
         1, "Ulysses sequence parallelism: groups of sp ranks split each packed micro-batch."
     )
-    ep: int | None = option(1, "Expert parallelism: reserved (issue 42); only 1 for now.")
+    ep: int | None = option(
+        1, "Expert parallelism (MoE): each group of ep data-parallel ranks splits every layer's experts."
+    )
 
 
 class ParallelSizes:

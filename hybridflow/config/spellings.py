@@ -1,8 +1,8 @@
 """Keys judged by their last name wherever they appear, and keys refused with a pointer to the one to write.
 
 The HybridFlow write-ups and verl's configs use keys hybridflow has no field for: FP8 rollout
-(``rollout.quantization``, ``rollout.kv_cache_dtype``), expert parallelism (``*.expert_model_parallel_size``,
-``*.ep_size``), FSDP1's ``mixed_precision.buffer_dtype``, and ``algorithm.grpo_n`` and ``critic.hybrid_engine``, which are
+(``rollout.quantization``, ``rollout.kv_cache_dtype``), expert parallelism outside a role's megatron section
+(``expert_model_parallel_size``, ``*.ep_size``: it is ``<role>.parallel.ep``), expert tensor parallelism, FSDP1's ``mixed_precision.buffer_dtype``, and ``algorithm.grpo_n`` and ``critic.hybrid_engine``, which are
 nobody's keys.
 Each is judged here only when it is not one of our own keys, verl's keys or a key inside a free-form mapping
 (``model.override_config.quantization_config`` stays the model's). A value that asks for what hybridflow does
@@ -18,7 +18,10 @@ from hybridflow.config.aliases import IgnoredKey, Refusal
 
 _DTYPE_WORDS = {"float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half", "float"}
 FP8_ISSUE = "FP8 rollout is not supported yet (issue 45)"
-EP_ISSUE = "expert parallelism is not supported yet (issue 42)"
+EP_WHERE = "expert parallelism is a size of each role's training view, not a key of its own here"
+ETP_ISSUE = (
+    "expert tensor parallelism is not supported: experts are split over ranks whole (actor.parallel.ep)"
+)
 
 
 def _is_fp8(value: Any) -> bool:
@@ -83,17 +86,19 @@ BY_NAME: dict[str, IgnoredKey] = {
     ),
     **{
         name: IgnoredKey(
-            "no expert parallelism: each rank holds every expert of its layers",
+            "expert parallelism is a size of each role: actor.parallel.ep (ref.parallel.ep, critic.parallel.ep)",
             (None, 1),
-            refusals=(Refusal(_anything, EP_ISSUE, "remove {key} (or set it to 1)", "any other"),),
+            refusals=(
+                Refusal(_anything, EP_WHERE, "set {role}.parallel.ep={value} and remove {key}", "any other"),
+            ),
         )
-        for name in (
-            "expert_model_parallel_size",
-            "expert_tensor_parallel_size",
-            "expert_parallel_size",
-            "ep_size",
-        )
+        for name in ("expert_model_parallel_size", "expert_parallel_size", "ep_size")
     },
+    "expert_tensor_parallel_size": IgnoredKey(
+        "experts are not split over tensor-parallel ranks in training: each expert is whole on its rank",
+        (None, 1),
+        refusals=(Refusal(_anything, ETP_ISSUE, "remove {key} (or set it to 1)", "any other"),),
+    ),
 }
 
 # last name of a key that is nobody's -> (what to write instead, '{value}' the value given; why)

@@ -1,7 +1,8 @@
 """How each role's parallel sizes fit the world: the one check of the sizes against the ranks.
 
 ``world_problems`` is the check: tp x pp must divide the ranks, sp must divide them and (for now) come with
-tp = pp = 1, ep must be 1 (issue 42). The config's validation runs it for every role (``check_train_views``),
+tp = pp = 1, ep must divide the data-parallel ranks (its groups are sub-groups of dp) and, for now, come with
+pp = sp = 1. The config's validation runs it for every role (``check_train_views``),
 the engine's ``ParallelDims`` when it is built, and the rollout's tensor-parallel size uses its
 ``not_dividing`` message. Each problem names the field that breaks it (by the long spelling, ``size_key``)
 and a fix that works. What the sizes need of the model (heads, KV heads, layers) is checked once the model
@@ -15,7 +16,6 @@ from typing import Any
 
 from hybridflow.config.errors import Problem
 from hybridflow.config.parallel import DIMS, ROLES, own_dims, role_sizes, size_key
-from hybridflow.config.spellings import EP_ISSUE
 
 
 def divisors(n: int) -> list[int]:
@@ -82,6 +82,32 @@ def _sp(role: str, sizes: Mapping[str, int], world: int, own: Collection[str]) -
     return out
 
 
+def _ep(role: str, sizes: Mapping[str, int], world: int, own: Collection[str]) -> list[Problem]:
+    """ep divides the data-parallel ranks (each expert group is ep of them) and, for now, comes without pp
+    and sp (tp splits the attention beside it)."""
+    ep, tp, path = sizes["ep"], sizes["tp"], size_key(role, "ep")
+    others = [d for d in ("pp", "sp") if sizes[d] > 1 and ("ep" in own or d in own)]
+    out = []
+    for dim in others:
+        name = size_key(role, dim)
+        message = f"is {ep} with {name}={sizes[dim]}: expert parallelism does not compose with {dim} yet"
+        out.append(
+            Problem(path, message, f"set {name}=1 (experts over FSDP2's data-parallel ranks), or {path}=1")
+        )
+    if "ep" in own and not others and world % tp == 0 and (world // tp) % ep:
+        if tp == 1:
+            out.append(not_dividing(path, ep, world))
+        else:
+            dp, tp_key = world // tp, size_key(role, "tp")
+            message = (
+                f"{ep} does not divide the {dp} data-parallel ranks ({ranks_text(world)} / {tp_key}={tp})"
+            )
+            out.append(
+                Problem(path, message, f"use one of {divisors(dp)}, or run on a multiple of {ep * tp} ranks")
+            )
+    return out
+
+
 def world_problems(
     role: str, sizes: Mapping[str, int], world: int, own: Collection[str] = DIMS, with_sp: bool = True
 ) -> list[Problem]:
@@ -95,10 +121,8 @@ def world_problems(
     out = _tp_pp(role, sizes["tp"], sizes["pp"], world, own)
     if with_sp and sizes["sp"] > 1:
         out += _sp(role, sizes, world, own)
-    if sizes["ep"] > 1 and "ep" in own:
-        out.append(
-            Problem(size_key(role, "ep"), f"is {sizes['ep']}: {EP_ISSUE}", "remove it (or set it to 1)")
-        )
+    if sizes["ep"] > 1:
+        out += _ep(role, sizes, world, own)
     return out
 
 

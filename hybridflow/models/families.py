@@ -4,7 +4,8 @@ The built-in rollout engine and every tensor-parallel shard rule (rollout and tr
 family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3). Any other causal LM (GPT-2, a mixture of experts, ...) still
 trains with FSDP2 over every rank and generates with HF ``generate`` on a whole replica per rank; only the
 layouts that need shard rules (tensor parallelism) are refused, at start, naming the family. Mixtures of
-experts get their own engine path and expert parallelism in issue 42; until then this module says so.
+experts train with expert parallelism (``parallel.ep``, checked here against the model) and get their own
+engine path in issue 42; until then this module says so.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 LLAMA_LAYOUT = (*LLAMA_FAMILY, "qwen2_moe", "qwen3_moe", "mixtral")
 MOE_ISSUE = "issue 42, mixture-of-experts models with expert parallelism"
 MOE_NOT_YET = (
-    f"not there yet for MoE ({MOE_ISSUE}): the built-in rollout engine, expert parallelism, tensor-parallel "
-    "training and a tensor-parallel rollout"
+    f"not there yet for MoE ({MOE_ISSUE}): the built-in rollout engine and a tensor-parallel rollout (expert "
+    "parallelism and tensor-parallel attention in training are: actor.parallel.ep, actor.tensor_parallel_size)"
 )
 
 
@@ -46,9 +47,14 @@ def has_shard_rules(config: Any) -> bool:
     return model_type(config) in LLAMA_FAMILY and not is_moe(config)
 
 
-def check_tensor_parallel(config: Any, key: str, size: int) -> None:
-    """Refuse ``key=size`` > 1 for a family without tensor-parallel shard rules (UserError naming both)."""
+def check_tensor_parallel(config: Any, key: str, size: int, experts_whole: bool = False) -> None:
+    """Refuse ``key=size`` > 1 for a family without tensor-parallel shard rules (UserError naming both).
+
+    ``experts_whole``: a mixture of experts with a Llama-style decoder passes (training: attention split over
+    tp, the MoE block and its experts replicated over tp)."""
     if size <= 1 or has_shard_rules(config):
+        return
+    if experts_whole and is_moe(config) and model_type(config) in LLAMA_LAYOUT:
         return
     family = model_type(config)
     if is_moe(config):
@@ -61,6 +67,23 @@ def check_tensor_parallel(config: Any, key: str, size: int) -> None:
         f"not for {family!r}; set {key}=1 (this model trains with FSDP2 over every rank and generates with HF "
         "generate on a whole replica per rank)"
     )
+
+
+def check_expert_parallel(config: Any, key: str, size: int) -> None:
+    """Refuse ``key=size`` > 1 for a dense model, or a size that does not divide the routed experts."""
+    if size <= 1:
+        return
+    experts = num_experts(config)
+    if not experts:
+        raise UserError(
+            f"{key}={size}: expert parallelism splits a mixture of experts' experts, and {model_type(config)!r} "
+            f"is a dense model; set {key}=1"
+        )
+    if experts % size:
+        raise UserError(
+            f"{key}={size} does not divide the model's {experts} routed experts; use one of "
+            f"{[d for d in range(1, experts + 1) if experts % d == 0]} (each rank of a group holds experts / {key})"
+        )
 
 
 def check_layer_split(config: Any, key: str, size: int, what: str) -> None:

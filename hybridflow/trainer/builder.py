@@ -78,8 +78,8 @@ def check_data_sources(dataset: RLDataset, cfg: Config, reward_fn: Any) -> None:
 
 def check_rollout_view(cfg: Config, model: torch.nn.Module | None) -> None:
     """Refuse, before any rank starts, a tensor-parallel size (rollout or training) that cannot split the
-    policy's heads and MLP, a sequence-parallel size that cannot split its heads, or more pipeline stages
-    than it has layers: each role's view (``ParallelDims.check_model``). A critic with a model of its own
+    policy's heads and MLP, a sequence-parallel size that cannot split its heads, more pipeline stages than it
+    has layers, or an expert-parallel size without experts to split: each role's view (``ParallelDims.check_model``). A critic with a model of its own
     (``critic.model.path``) is checked by its worker, against that model."""
     from hybridflow.engine import ParallelDims
 
@@ -88,7 +88,7 @@ def check_rollout_view(cfg: Config, model: torch.nn.Module | None) -> None:
     if cfg.use_critic and cfg.critic.model.path is None:
         policy_shaped.append("critic")  # a value head on the policy's body
     views = [ParallelDims.of(cfg, role, cfg.trainer.world_size) for role in policy_shaped]
-    if tp == 1 and all(v.world == v.dp for v in views):
+    if tp == 1 and all(v.world == v.dp and v.ep == 1 for v in views):
         return
     from hybridflow.engine import check_tp
     from hybridflow.models.loader import load_config as load_model_config

@@ -1,8 +1,8 @@
 """Layouts a model family cannot take are refused at start, naming the key, the family and what runs.
 
-GPT-2 and the mixtures of experts have no tensor-parallel shard rules (and GPT-2 no Llama-style decoder for
-pipeline stages or Ulysses): they train with FSDP2 over every rank and generate with HF generate on whole
-replicas. Asking for more is a user error (exit 2, one line), never a missing-rule crash on some rank.
+GPT-2 has no tensor-parallel shard rules (nor a Llama-style decoder for pipeline stages or Ulysses, nor
+experts for expert parallelism), and the mixtures of experts no tensor-parallel rollout: they generate with
+HF generate on whole replicas. Asking for more is a user error (exit 2, one line), never a missing-rule crash on some rank.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _swept(env: cli_cases.Env, arch: str, extra: list[str], named: str, says: st
             "rollout.tensor_model_parallel_size=2",
             "issue 42",
         ),
-        ("mixtral", ["actor.tensor_parallel_size=2"], "actor.tensor_parallel_size=2", "issue 42"),
+        ("gpt2", ["actor.parallel.ep=2"], "actor.parallel.ep=2", "'gpt2' is a dense model"),
         ("gpt2", ["actor.tensor_parallel_size=2"], "actor.tensor_parallel_size=2", "Llama family only"),
         ("gpt2", ["actor.pipeline_parallel_size=2"], "actor.pipeline_parallel_size=2", "not 'gpt2'"),
         (

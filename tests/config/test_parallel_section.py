@@ -45,11 +45,15 @@ def test_a_problem_names_the_size_and_how_it_was_written() -> None:
 @pytest.mark.parametrize(
     ("overrides", "start"),
     [
+        (["actor.parallel.ep=2"], "actor.parallel.ep: 2 does not divide the 1 rank"),
         (
-            ["actor.parallel.ep=2"],
-            "actor.parallel.ep: is 2: expert parallelism is not supported yet (issue 42)",
+            ["trainer.n_gpus_per_node=4", "ref.parallel.ep=4", "ref.parallel.tp=2"],
+            "ref.parallel.ep: 4 does not divide the 2 data-parallel ranks (the 4 ranks",
         ),
-        (["ref.parallel.ep=4"], "ref.parallel.ep: is 4: expert parallelism is not supported yet (issue 42)"),
+        (
+            ["trainer.n_gpus_per_node=4", "critic.parallel.ep=2", "critic.parallel.pp=2"],
+            "critic.parallel.ep: is 2 with critic.pipeline_parallel_size=2: expert parallelism does not compose",
+        ),
         (["critic.parallel.tp=null"], "critic.tensor_parallel_size (given as 'critic.parallel.tp'): is null"),
         (
             ["actor.parallel.sp=0"],

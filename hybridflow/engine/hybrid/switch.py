@@ -89,15 +89,19 @@ class RolloutShard:
             )
         lay = layouts(skeleton, view.tp)
         self.names = list(whole)
-        specs = [ParamSpec(n, tuple(whole[n].shape), None, lay[n]) for n in self.names]
+        self.layouts = [lay[n] for n in self.names]  # the plan's coordinates: fused experts as (E, 2, I, H)
+        specs = [ParamSpec(n, lay[n].plan_shape, None, lay[n]) for n in self.names]
         for spec in specs:  # the buffers' shapes are what the plan writes into
             got = tuple(generation[spec.name].shape)
             assert got == spec.layout.local_shape(), f"{spec.name}: buffer {got}, layout {spec.layout}"
         elem = torch.empty((), dtype=dtype).element_size()
-        holdings = holdings_of(ours, self.names)
+        holdings = [
+            [lay.to_plan(box) for lay, box in zip(self.layouts, boxes)]
+            for boxes in holdings_of(ours, self.names)
+        ]
         self.plan = ReshardPlan(specs, view, elem, bucket_bytes, holdings, train_view)
         self.resharder = Resharder(self.plan, rank, device, dtype)
-        self.targets = [generation[n] for n in self.names]
+        self.targets = [lay.plan_view(generation[n]) for lay, n in zip(self.layouts, self.names)]
         logger.info(
             "HybridEngine initialized: train_view=%s, generate_view=%s, %s; this rank holds %s of generation "
             "weights (a whole copy: %s) and receives %s at every switch",
@@ -134,7 +138,10 @@ class RolloutShard:
         self.storages.restore()
         params = dict(sharded.named_parameters())
         nothing = torch.empty(0)  # another pipeline stage's parameter: the plan never reads it here
-        sources = [local_shard(params[n]) if n in params else nothing for n in self.names]
+        sources = [
+            lay.plan_view(local_shard(params[n])) if n in params else nothing
+            for lay, n in zip(self.layouts, self.names)
+        ]
         return self.resharder.run(sources, self.targets)
 
 

@@ -39,9 +39,14 @@ def shard_model(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
     mesh: DeviceMesh | None = None,
+    experts: list[nn.Module] | None = None,
+    experts_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Apply ``fully_shard`` to each decoder layer, then to the root, over ``mesh`` (None: all ranks of the
     default group; a training view passes its data-parallel mesh).
+
+    ``experts``: modules sharded first, each on its own over ``experts_mesh`` (expert parallelism: the ranks
+    holding the same experts); the layers around them then leave their parameters alone.
 
     Parameters are sharded on dim 0, or on the dim a layout function marked them with (``FSDP_SHARD_DIM``).
 
@@ -54,6 +59,8 @@ def shard_model(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     root.to(device)
     place = _marked_placement
+    for module in experts or []:
+        fully_shard(module, mesh=experts_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for layer in layers:
         fully_shard(
             layer,

@@ -28,8 +28,11 @@ def _sharded_groups(grad: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
     if mesh is None:
         return ()
     # Not ``is_shard()``: FSDP2's dp placement of a tensor-parallel weight is a _StridedShard, which says no.
+    # A dim of one rank sums nothing (FSDP2 over dp_rep = 1 beside tp x ep): no collective for it.
     return tuple(
-        mesh.get_group(i) for i, p in enumerate(grad.placements) if not (p.is_replicate() or p.is_partial())
+        mesh.get_group(i)
+        for i, p in enumerate(grad.placements)
+        if not (p.is_replicate() or p.is_partial()) and mesh.size(i) > 1
     )
 
 

@@ -11,6 +11,12 @@ The shard is an ordinary Hugging Face module of the same class whose config has 
 intermediate / tp, ceil(vocab / tp)); the rollout runner binds it as it binds any model and adds the
 collectives (``RolloutTP``). ``ShardLayout`` says, per parameter, which box of the full tensor a rank holds:
 the data the reshard plan is computed from.
+
+A mixture of experts' layers follow the same rules (router replicated, shared expert as the dense MLP), and
+the fused experts are sliced on their intermediate dim: down_proj (E, H, I) on dim 2, gate_up_proj (E, 2I, H)
+in each of its halves (gate first, then up), so a rank's gate_up holds ``[gate_t; up_t]``, two boxes of the
+full tensor. The plan sees it as (E, 2, I, H) (``plan_shape``, ``to_plan``, ``plan_view``), where the slice is
+one box again.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from hybridflow.engine.parallel.fsdp import FSDP_SHARD_DIM
@@ -28,7 +35,7 @@ from hybridflow.utils.errors import UserError
 # One (start, stop) per dimension of a tensor: the part of a full parameter a rank holds or needs.
 Box = tuple[tuple[int, int], ...]
 
-KINDS = ("replicated", "column", "kv", "row", "vocab", "first")
+KINDS = ("replicated", "column", "kv", "row", "vocab", "first", "experts_column", "experts_row")
 _RULES = (  # (name pattern, kind) for the Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3)
     (r"(^|\.)embed_tokens\.weight$|(^|\.)lm_head\.weight$", "vocab"),
     (r"\.self_attn\.q_proj\.(weight|bias)$", "column"),
@@ -37,7 +44,15 @@ _RULES = (  # (name pattern, kind) for the Llama family (Llama 2/3, Mistral, Qwe
     (r"\.self_attn\.o_proj\.bias$|\.mlp\.down_proj\.bias$", "first"),
     (r"\.mlp\.(gate|up)_proj\.(weight|bias)$", "column"),
     (r"(norm|layernorm)\.weight$", "replicated"),
+    # mixtures of experts (Qwen2/3-MoE, Mixtral): the router replicated, the experts on their intermediate dim
+    (r"\.mlp\.experts\.gate_up_proj$", "experts_column"),
+    (r"\.mlp\.experts\.down_proj$", "experts_row"),
+    (r"\.mlp\.gate\.weight$|\.mlp\.shared_expert_gate\.weight$", "replicated"),
+    (r"\.mlp\.shared_experts?\.(gate|up)_proj\.weight$", "column"),
+    (r"\.mlp\.shared_experts?\.down_proj\.weight$", "row"),
 )
+# the dim of the plan's shape (``ShardLayout.plan_shape``) each kind slices over tp
+_SPLIT_DIM = {"row": 1, "experts_row": 2, "experts_column": 2}
 
 
 def _whole(shape: tuple[int, ...]) -> Box:
@@ -53,10 +68,41 @@ class ShardLayout:
     tp: int
     head_rows: int = 1  # rows of one KV head (kind "kv")
 
+    @property
+    def plan_shape(self) -> tuple[int, ...]:
+        """The shape the plan sees: fused experts (E, 2I, H) as (E, 2, I, H), every other one as it is."""
+        if self.kind != "experts_column":
+            return self.shape
+        e, two_i, *rest = self.shape
+        return (e, 2, two_i // 2, *rest)
+
+    def to_plan(self, box: Box | None) -> Box | None:
+        """A box of the full tensor in the plan's coordinates (a fused-experts box spans its halves whole or
+        lies inside one of them, as the training views hold it: whole experts)."""
+        if box is None or self.kind != "experts_column":
+            return box
+        (lo, hi), half = box[1], self.shape[1] // 2
+        if (lo, hi) == (0, 2 * half):
+            return (box[0], (0, 2), (0, half), *box[2:])
+        if hi - lo > 0 and lo // half == (hi - 1) // half:
+            h = lo // half
+            return (box[0], (h, h + 1), (lo - h * half, hi - h * half), *box[2:])
+        raise ValueError(f"a box {box} of fused experts {self.shape} spans parts of both halves")
+
+    def plan_view(self, t: torch.Tensor) -> torch.Tensor:
+        """A rank's tensor (a training shard holding its experts' whole dim 1, or a generation buffer) viewed
+        in the plan's coordinates."""
+        if self.kind != "experts_column" or t.numel() == 0:
+            return t
+        return t.view(t.shape[0], 2, t.shape[1] // 2, *t.shape[2:])
+
     def local_shape(self) -> tuple[int, ...]:
         """The shape of a rank's buffer (the same on every rank; the last vocabulary slice is padded)."""
         if self.tp == 1 or self.kind in ("replicated", "first"):
             return self.shape
+        if self.kind.startswith("experts"):  # the intermediate dim (of each half) over tp
+            dim = 1 if self.kind == "experts_column" else 2
+            return tuple(n // self.tp if d == dim else n for d, n in enumerate(self.shape))
         dim = 1 if self.kind == "row" else 0
         rows = self.shape[dim]
         if self.kind == "vocab":
@@ -68,9 +114,14 @@ class ShardLayout:
         return tuple(part if d == dim else n for d, n in enumerate(self.shape))
 
     def box(self, t: int) -> Box | None:
-        """The box of the full tensor tensor-parallel rank ``t`` holds; None: none (its buffer is zeros)."""
+        """The box of the full tensor tensor-parallel rank ``t`` holds, in the plan's coordinates; None: none
+        (its buffer is zeros)."""
         if self.tp == 1 or self.kind == "replicated":
-            return _whole(self.shape)
+            return _whole(self.plan_shape)
+        if self.kind.startswith("experts"):
+            shape, dim = self.plan_shape, _SPLIT_DIM[self.kind]
+            part = shape[dim] // self.tp
+            return tuple((t * part, (t + 1) * part) if d == dim else (0, n) for d, n in enumerate(shape))
         if self.kind == "first":
             return _whole(self.shape) if t == 0 else None
         dim = 1 if self.kind == "row" else 0

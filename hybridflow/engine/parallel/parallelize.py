@@ -8,11 +8,14 @@ As torchtitan's ``parallelize_llama`` does it, one function applies each dimensi
 2. the masters' dtype (float32 trained, the compute dtype frozen), cast while the weights are plain tensors:
    a tensor-parallel weight is a DTensor after the next step, which an in-place cast would not reach;
 3. tensor parallelism: each decoder layer's projections split over the ``tp`` mesh (``tp.apply_tp``);
-4. Ulysses: the attention modules and the scoring root's input and output hooked to the ``sp`` group
+4. expert parallelism: each MoE block's experts split over the ``ep`` mesh, tokens dispatched to them by
+   all-to-all (``ep.apply_ep``);
+5. Ulysses: the attention modules and the scoring root's input and output hooked to the ``sp`` group
    (``ulysses.apply_ulysses``; the model must already run the packed attention);
-5. per-layer ``torch.compile`` (on CUDA by default), in place, so FSDP2 still finds the layers;
-6. FSDP2 over the view's data-parallel ranks (every rank under FSDP2 alone and Ulysses), with mixed
-   precision: the compute and reduce dtypes (``fsdp.shard_model``).
+6. per-layer ``torch.compile`` (on CUDA by default), in place, so FSDP2 still finds the layers;
+7. FSDP2 over the view's data-parallel ranks (every rank under FSDP2 alone and Ulysses), with mixed
+   precision: the compute and reduce dtypes (``fsdp.shard_model``); the experts of an expert-parallel view
+   over the ranks holding the same experts (``dp_rep``).
 
 A pipelined view then gets its tied head's gradient pair (``pipeline.TiedWeights``). What comes back
 (``Parallelized``) is what a ``train.TrainEngine`` is built on; a new parallel dimension is a new step here.
@@ -31,6 +34,7 @@ from hybridflow.engine.ops.dtypes import to_dtype
 from hybridflow.engine.ops.modules import decoder_layers
 from hybridflow.engine.ops.packed_attention import use_packed_attention
 from hybridflow.engine.parallel.dims import ParallelDims
+from hybridflow.engine.parallel.ep import apply_ep
 from hybridflow.engine.parallel.fsdp import shard_model
 from hybridflow.engine.parallel.pipeline import (
     StageScorer,
@@ -167,11 +171,17 @@ def parallelize(
     cast_parameters(scorer, master_dtype(fsdp.master_dtype, trainable, compute))  # 2. the masters' dtype
     if dims.tp_mesh is not None:
         apply_tp(layers, dims.tp_mesh)  # 3. tensor parallelism inside the layers
+    experts = []
+    if dims.ep > 1:
+        dims.check_model(model.config)
+        experts = apply_ep(model, dims.ep_mesh)  # 4. experts split over the ep group
     if dims.sp > 1:
-        apply_ulysses(scorer, layers, dims.sp_group, dims.role)  # 4. sequences split over the sp group
-    compiled = compile_layers(layers, compile, device)  # 5. per-layer compile
+        apply_ulysses(scorer, layers, dims.sp_group, dims.role)  # 5. sequences split over the sp group
+    compiled = compile_layers(layers, compile, device)  # 6. per-layer compile
     reduce, reshard = to_dtype(fsdp.reduce_dtype), reshard_after_forward(fsdp, trainable)
-    module = shard_model(scorer, layers, device, compute, reduce, reshard, dims.fsdp_mesh)  # 6. FSDP2
+    module = shard_model(  # 7. FSDP2
+        scorer, layers, device, compute, reduce, reshard, dims.fsdp_mesh, experts, dims.experts_fsdp_mesh
+    )
     tied = None
     if stage is not None:  # the tied head's two copies (collective: every rank builds every pair)
         tied = TiedWeights(model, dims, dims.rank, stage.tied_head)

@@ -28,7 +28,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from hybridflow.config.parallel import size_key
-from hybridflow.models.families import check_tensor_parallel
+from hybridflow.models.families import check_tensor_parallel, is_moe
+from hybridflow.models.moe import MoEBlock
 from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -50,20 +51,15 @@ def check_train_tp(config: Any, tp: int, role: str = "actor") -> None:
     KV heads must divide by tp, as Megatron requires of its query groups. Families without shard rules
     (GPT-2, mixtures of experts) are refused first, naming the family.
     """
-    check_tensor_parallel(config, size_key(role, "tp"), tp)
+    check_tensor_parallel(config, size_key(role, "tp"), tp, experts_whole=True)
     if tp == 1:  # nothing to split (and a family without shard rules may lack the fields below)
         return
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
-    problems = [
-        f"{name}={value}"
-        for name, value in (
-            ("num_attention_heads", heads),
-            ("num_key_value_heads", kv),
-            ("intermediate_size", config.intermediate_size),
-        )
-        if value % tp
-    ]
+    sizes = [("num_attention_heads", heads), ("num_key_value_heads", kv)]
+    if not is_moe(config):  # a mixture of experts keeps its MLPs whole on every tp rank
+        sizes.append(("intermediate_size", config.intermediate_size))
+    problems = [f"{name}={value}" for name, value in sizes if value % tp]
     if problems:
         raise UserError(
             f"{size_key(role, 'tp')}={tp} does not split this model for training: {', '.join(problems)} "
@@ -72,16 +68,20 @@ def check_train_tp(config: Any, tp: int, role: str = "actor") -> None:
 
 
 def _plan(layer: nn.Module) -> dict[str, Any]:
-    """The layer's tensor-parallel plan: the Llama family's seven projections, and Qwen3's q/k norms."""
+    """The layer's tensor-parallel plan: the Llama family's seven projections, and Qwen3's q/k norms; a MoE
+    layer's attention only (its router, experts and shared expert stay whole on every tp rank: their input,
+    the residual stream after o's all-reduce, is the same there, so their gradients are too)."""
     names = {name for name, _ in layer.named_modules()}
-    missing = [n for n in (*_COLUMN, *_ROW) if n not in names]
+    moe = isinstance(getattr(layer, "mlp", None), MoEBlock)
+    wanted = [n for n in (*_COLUMN, *_ROW) if not (moe and n.startswith("mlp."))]
+    missing = [n for n in wanted if n not in names]
     if missing:
         raise UserError(
             f"{type(layer).__name__} has no {missing}: tensor-parallel training covers Llama-family layers "
             "(q/k/v/o and gate/up/down projections); set tensor_parallel_size=1 for this model"
         )
-    plan: dict[str, Any] = {name: ColwiseParallel() for name in _COLUMN}
-    plan.update({name: RowwiseParallel() for name in _ROW})
+    plan: dict[str, Any] = {name: ColwiseParallel() for name in _COLUMN if name in wanted}
+    plan.update({name: RowwiseParallel() for name in _ROW if name in wanted})
     plan.update(
         {n: SequenceParallel(sequence_dim=2, use_local_output=True) for n in _HEAD_NORMS if n in names}
     )

@@ -55,7 +55,8 @@ def test_ranks_are_dp_innermost_and_replicas_hold_every_stage() -> None:
     [
         (dict(tp=3), "actor.tensor_parallel_size: 3 does not divide the 4 ranks"),
         (dict(tp=2, pp=4), "actor.pipeline_parallel_size: 4 x actor.tensor_parallel_size=2 does not divide"),
-        (dict(ep=2), "actor.parallel.ep: is 2: expert parallelism is not supported yet (issue 42)"),
+        (dict(ep=3), "actor.parallel.ep: 3 does not divide the 4 ranks"),
+        (dict(ep=2, sp=2), "actor.parallel.ep: is 2 with actor.ulysses_sequence_parallel_size=2: expert"),
         (dict(pp=0), "actor.pipeline_parallel_size: must be at least 1"),
     ],
 )

@@ -77,16 +77,13 @@ def test_the_plan_splits_every_projection_column_then_row(arch: str) -> None:
     assert set(plan) == {*COLUMN, *ROW, *(HEAD_NORMS if arch == "qwen3" else ())}
 
 
-@pytest.mark.parametrize(
-    "arch,missing",
-    [("gpt2", "'self_attn.q_proj'"), ("qwen3_moe", "'mlp.gate_proj'"), ("mixtral", "'mlp.up_proj'")],
-)
+@pytest.mark.parametrize("arch,missing", [("gpt2", "'self_attn.q_proj'")])
 def test_families_without_shard_rules_are_refused_by_the_check_and_by_the_plan(
     arch: str, missing: str
 ) -> None:
-    """GPT-2 (fused c_attn, no KV groups) and mixtures of experts: the config check refuses tp > 1 first,
-    naming the family and the fix (tests/models/test_families.py covers every such family); a layer that
-    reaches ``_plan`` anyway is refused naming the projections it lacks, never split in part."""
+    """GPT-2 (fused c_attn, no KV groups): the config check refuses tp > 1 first, naming the family and the
+    fix (tests/models/test_families.py covers every such family); a layer that reaches ``_plan`` anyway is
+    refused naming the projections it lacks, never split in part."""
     model = tiny(arch, vocab_size=64)
     check_train_tp(model.config, 1)  # tp = 1 splits nothing and needs no rule
     with pytest.raises(UserError) as err:
@@ -99,6 +96,23 @@ def test_families_without_shard_rules_are_refused_by_the_check_and_by_the_plan(
         _plan(layer)
     message = str(err.value)
     assert missing in message and "tensor_parallel_size=1" in message and type(layer).__name__ in message
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_a_mixture_of_experts_splits_its_attention_and_keeps_its_moe_blocks_whole(arch: str) -> None:
+    """Training tp for a MoE: q/k/v/o (and Qwen3's q/k norms) split, the router and experts whole on every tp
+    rank; an HF sparse block not swapped for a ``MoEBlock`` is refused naming what it lacks."""
+    from hybridflow.models.moe import install_moe
+
+    model = tiny(arch, vocab_size=64)
+    layer = model.get_decoder().layers[0]
+    with pytest.raises(UserError, match=r"'mlp\.gate_proj'"):
+        _plan(layer)
+    install_moe(model)
+    check_train_tp(model.config, TP)  # heads and KV heads divide; the experts are not split
+    plan = _plan(model.get_decoder().layers[0])
+    assert not any(name.startswith("mlp.") for name in plan)
+    assert {"self_attn.q_proj", "self_attn.o_proj"} <= plan.keys()
 
 
 # --------------------------------------------------------------------------------- the model-size check
