@@ -44,6 +44,15 @@ PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 SEQ_KEYS = (*PROMPT_KEYS, "responses")  # what every pass over (prompt + response) reads
 
 
+def routing_writers(replay: str, old_source: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Who writes ``routed_experts`` for MoE router replay: (the rollout's keys, the old-log-prob pass's).
+
+    r3: the rollout records its experts; r2: the old-log-prob pass does (without that pass the update's own
+    forward is the old policy's and there is nothing to replay)."""
+    key = ("routed_experts",)
+    return (key if replay == "r3" else ()), (key if replay == "r2" and old_source == "recompute" else ())
+
+
 def old_log_prob_source(cfg: Config, prompts: int | None = None) -> str:
     """Where the update's ``old_log_probs`` come from: "recompute", "rollout" or "update".
 
@@ -130,11 +139,7 @@ class PPOTrainer(TrainingLoop):
     def _stages(self, old_source: str) -> list[Stage]:
         cfg = self.cfg
         scores = ("token_level_scores", "acc")
-        # MoE router replay: the experts the policy passes replay, recorded by the rollout (r3) or by the
-        # old-log-prob pass (r2; without that pass the update's own forward is the old policy's).
-        replay = cfg.actor.router_replay
-        by_rollout = ("routed_experts",) if replay == "r3" else ()
-        by_old_pass = ("routed_experts",) if replay == "r2" and old_source == "recompute" else ()
+        by_rollout, by_old_pass = routing_writers(cfg.actor.router_replay, old_source)
         routed = by_rollout or by_old_pass
         stages = [
             Stage(
