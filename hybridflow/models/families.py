@@ -1,11 +1,12 @@
 """What hybridflow does with each model family: the built-in engine's Llama family, the rest, and MoE.
 
-The built-in rollout engine and every tensor-parallel shard rule (rollout and training) cover the dense Llama
-family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3). Any other causal LM (GPT-2, a mixture of experts, ...) still
-trains with FSDP2 over every rank and generates with HF ``generate`` on a whole replica per rank; only the
-layouts that need shard rules (tensor parallelism) are refused, at start, naming the family. Mixtures of
-experts train with expert parallelism (``parallel.ep``, checked here against the model) and get their own
-engine path in issue 42; until then this module says so.
+The built-in rollout engine and the tensor-parallel shard rules cover Llama-style decoders: the dense Llama
+family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) and the mixtures of experts Qwen2-MoE, Qwen3-MoE and Mixtral (a
+tensor-parallel rollout slices every expert on its intermediate dim; training splits their attention and keeps
+the MoE blocks whole, or splits the experts with expert parallelism, ``parallel.ep``, checked here against the
+model). Any other causal LM (GPT-2, DeepSeek-V3, ...) still trains with FSDP2 over every rank and generates
+with HF ``generate`` on a whole replica per rank; only the layouts that need shard rules (tensor parallelism)
+are refused, at start, naming the family.
 """
 
 from __future__ import annotations
@@ -25,11 +26,8 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 # Families whose HF module is a Llama-style decoder (model.embed_tokens, model.layers of self_attn + mlp,
 # model.norm, model.rotary_emb): pipeline stages and Ulysses split these, dense or mixture of experts.
 LLAMA_LAYOUT = (*LLAMA_FAMILY, "qwen2_moe", "qwen3_moe", "mixtral")
-MOE_ISSUE = "issue 42, mixture-of-experts models with expert parallelism"
-MOE_NOT_YET = (
-    f"not there yet for MoE ({MOE_ISSUE}): the built-in rollout engine and a tensor-parallel rollout (expert "
-    "parallelism and tensor-parallel attention in training are: actor.parallel.ep, actor.tensor_parallel_size)"
-)
+SHARD_RULES_FAMILY = LLAMA_LAYOUT  # tensor-parallel shard rules: these decoders, dense or mixture of experts
+MOE_FAMILY = ("qwen2_moe", "qwen3_moe", "mixtral")  # the mixtures of experts with shard rules
 
 
 def model_type(config: Any) -> str:
@@ -43,29 +41,21 @@ def is_moe(config: Any) -> bool:
 
 
 def has_shard_rules(config: Any) -> bool:
-    """Whether tensor-parallel shard rules exist for this family (dense Llama family only)."""
-    return model_type(config) in LLAMA_FAMILY and not is_moe(config)
+    """Whether tensor-parallel shard rules exist for this family (Llama-style decoders, dense or MoE)."""
+    return model_type(config) in SHARD_RULES_FAMILY
 
 
-def check_tensor_parallel(config: Any, key: str, size: int, experts_whole: bool = False) -> None:
+def check_tensor_parallel(config: Any, key: str, size: int) -> None:
     """Refuse ``key=size`` > 1 for a family without tensor-parallel shard rules (UserError naming both).
 
-    ``experts_whole``: a mixture of experts with a Llama-style decoder passes (training: attention split over
-    tp, the MoE block and its experts replicated over tp)."""
+    Whether the sizes divide is each side's own check (``layout.check_tp``, ``tp.check_train_tp``)."""
     if size <= 1 or has_shard_rules(config):
         return
-    if experts_whole and is_moe(config) and model_type(config) in LLAMA_LAYOUT:
-        return
     family = model_type(config)
-    if is_moe(config):
-        raise UserError(
-            f"{key}={size}: {family!r} is a mixture-of-experts model; {MOE_NOT_YET}. Set {key}=1: MoE models "
-            "train data-parallel with FSDP2 over every rank and generate with HF generate on a whole replica"
-        )
     raise UserError(
-        f"{key}={size}: tensor parallelism has shard rules for the Llama family only ({', '.join(LLAMA_FAMILY)}), "
-        f"not for {family!r}; set {key}=1 (this model trains with FSDP2 over every rank and generates with HF "
-        "generate on a whole replica per rank)"
+        f"{key}={size}: tensor parallelism has shard rules for the Llama family only ({', '.join(LLAMA_FAMILY)}, "
+        f"and the mixtures of experts {', '.join(MOE_FAMILY)}), not for {family!r}; set {key}=1 (this model "
+        "trains with FSDP2 over every rank and generates with HF generate on a whole replica per rank)"
     )
 
 
@@ -99,16 +89,14 @@ def check_layer_split(config: Any, key: str, size: int, what: str) -> None:
 def fallback_notice(config: Any, reason: str) -> str:
     """The one warning of a model the built-in rollout engine does not run: what runs instead and why."""
     family = model_type(config)
-    if is_moe(config):
-        return (
-            f"model family {family!r} is a mixture of experts: it trains data-parallel (FSDP2 over every rank) "
-            f"and generates with HF generate on a whole replica per rank, much slower; {MOE_NOT_YET}"
+    if is_moe(config) and family not in MOE_FAMILY:
+        why = (
+            f"which runs dense {', '.join(LLAMA_FAMILY)} and the mixtures of experts {', '.join(MOE_FAMILY)}"
         )
-    why = (
-        f"which runs dense {', '.join(LLAMA_FAMILY)}"
-        if family not in LLAMA_FAMILY
-        else f"this {family} model: {reason}"
-    )
+    elif family not in SHARD_RULES_FAMILY:
+        why = f"which runs dense {', '.join(LLAMA_FAMILY)}"
+    else:
+        why = f"this {family} model: {reason}"
     return (
         f"model family {family!r} is outside the built-in rollout engine ({why}): generating with HF "
         "generate on a whole replica per rank, much slower"

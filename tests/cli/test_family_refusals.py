@@ -1,8 +1,8 @@
 """Layouts a model family cannot take are refused at start, naming the key, the family and what runs.
 
 GPT-2 has no tensor-parallel shard rules (nor a Llama-style decoder for pipeline stages or Ulysses, nor
-experts for expert parallelism), and the mixtures of experts no tensor-parallel rollout: they generate with
-HF generate on whole replicas. Asking for more is a user error (exit 2, one line), never a missing-rule crash on some rank.
+experts for expert parallelism), and a mixture of experts' tensor-parallel rollout needs sizes that slice every
+expert. Asking for more is a user error (exit 2, one line), never a missing-rule crash on some rank.
 """
 
 from __future__ import annotations
@@ -30,10 +30,13 @@ TWO_RANKS = (
 
 
 def model_of(folder: Path, arch: str) -> Path:
-    """A tiny model of ``arch`` (two layers) saved under ``folder`` (once per folder)."""
-    out = folder / arch
+    """A tiny model of ``arch`` (two layers) saved under ``folder`` (once per folder); ``arch:N``: with
+    intermediate size N."""
+    name, _, inter = arch.partition(":")
+    out = folder / arch.replace(":", "-")
     if not (out / "config.json").exists():
-        build_tiny_model_and_tokenizer(out_dir=out, arch=arch, hidden_size=32, num_hidden_layers=2)
+        sizes = {"intermediate_size": int(inter)} if inter else {}
+        build_tiny_model_and_tokenizer(out_dir=out, arch=name, hidden_size=32, num_hidden_layers=2, **sizes)
     return out
 
 
@@ -51,11 +54,11 @@ def _swept(env: cli_cases.Env, arch: str, extra: list[str], named: str, says: st
     "arch,extra,named,says",
     [
         ("gpt2", ["rollout.tensor_model_parallel_size=2"], "rollout.tensor_model_parallel_size=2", "'gpt2'"),
-        (
-            "qwen2_moe",
+        (  # experts of 33 rows (moe_intermediate_size): tp = 2 cannot slice them
+            "qwen2_moe:66",
             ["rollout.tensor_model_parallel_size=2"],
             "rollout.tensor_model_parallel_size=2",
-            "issue 42",
+            "moe_intermediate_size=33",
         ),
         ("gpt2", ["actor.parallel.ep=2"], "actor.parallel.ep=2", "'gpt2' is a dense model"),
         ("gpt2", ["actor.tensor_parallel_size=2"], "actor.tensor_parallel_size=2", "Llama family only"),

@@ -22,6 +22,7 @@ from hybridflow.utils.errors import UserError
 
 DENSE = ("qwen2", "qwen3", "llama")
 OTHERS = ("gpt2", "qwen2_moe", "qwen3_moe", "mixtral")
+MOE = ("qwen2_moe", "qwen3_moe", "mixtral")
 
 
 def tiny(arch: str, **kw) -> torch.nn.Module:
@@ -49,22 +50,44 @@ def test_which_family_runs_where(models: dict[str, torch.nn.Module]) -> None:
         assert has_shard_rules(config) and not is_moe(config)
         assert fallback_reason(models[arch]) is None  # the built-in engine runs it
     assert not is_moe(models["gpt2"].config) and not has_shard_rules(models["gpt2"].config)
-    for arch in ("qwen2_moe", "qwen3_moe", "mixtral"):
-        assert is_moe(models[arch].config) and not has_shard_rules(models[arch].config)
+    for arch in ("qwen2_moe", "qwen3_moe", "mixtral"):  # a tensor-parallel rollout slices their experts
+        assert is_moe(models[arch].config) and has_shard_rules(models[arch].config)
     # The built-in engine runs the mixtures of experts too (issue 42); GPT-2 falls back to HF generate.
     for arch in ("qwen2_moe", "qwen3_moe", "mixtral"):
         assert fallback_reason(models[arch]) is None
     assert "not in the Llama family" in fallback_reason(models["gpt2"])
 
 
-def test_the_fallback_warning_names_the_family_and_for_moe_what_is_not_there_yet(
-    models: dict[str, torch.nn.Module],
-) -> None:
+def test_the_fallback_warning_names_the_family_and_why(models: dict[str, torch.nn.Module]) -> None:
     gpt2 = fallback_notice(models["gpt2"].config, fallback_reason(models["gpt2"]))
     assert "'gpt2' is outside the built-in rollout engine" in gpt2 and "HF generate" in gpt2
-    moe = fallback_notice(models["mixtral"].config, fallback_reason(models["mixtral"]))
-    assert "'mixtral' is a mixture of experts" in moe and "FSDP2" in moe
-    assert "issue 42" in moe and "expert parallelism" in moe and "tensor-parallel rollout" in moe
+    moe = fallback_notice(models["mixtral"].config, "a reason of this model")  # a family it runs: the reason
+    assert "'mixtral' is outside the built-in rollout engine (this mixtral model: a reason" in moe
+
+
+def test_a_tensor_parallel_moe_rollout_needs_sizes_that_divide_every_expert() -> None:
+    # tp = 2 slices every expert (and the shared expert) on its intermediate dim; an odd one is named.
+    for arch in ("qwen2_moe", "qwen3_moe", "mixtral"):
+        check_tp(tiny(arch).config, 2)
+    odd = tiny("qwen2_moe", intermediate_size=66).config  # moe_intermediate_size = 33, shared 66
+    with pytest.raises(
+        UserError, match=r"tensor_model_parallel_size=2 does not split .*moe_intermediate_size=33"
+    ):
+        check_tp(odd, 2)
+    with pytest.raises(
+        UserError, match=r"=4 does not split .*intermediate_size=66, moe_intermediate_size=33, "
+    ):
+        check_tp(odd, 4)  # 4 heads, 2 KV heads: only the MLP sizes
+
+
+def test_a_mixture_of_experts_without_rules_is_still_refused() -> None:
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(hidden_size=32, num_attention_heads=4, n_routed_experts=4)
+    assert is_moe(config) and not has_shard_rules(config)
+    for key in ("rollout.tensor_model_parallel_size", "actor.tensor_parallel_size"):
+        with pytest.raises(UserError, match=rf"{key}=2: .* not for 'deepseek_v3'; set {key}=1"):
+            check_tensor_parallel(config, key, 2)
 
 
 @pytest.mark.parametrize("arch", OTHERS)
@@ -81,15 +104,15 @@ def test_tensor_parallelism_is_refused_for_families_without_shard_rules(
 ) -> None:
     config = models[arch].config
     check(config, 1)  # tp = 1 needs no rule
-    if is_moe(config) and not key.startswith("rollout."):
-        check(config, 2)  # training splits a MoE's attention and keeps its MoE blocks whole on every tp rank
+    if arch in MOE:
+        # training splits a MoE's attention and keeps its MoE blocks whole on every tp rank; the rollout
+        # slices every expert on its intermediate dim
+        check(config, 2)
         return
     with pytest.raises(UserError) as err:
         check(config, 2)
     message = str(err.value)
     assert message.startswith(key) and f"et {key[:-2]}=1" in message and repr(arch) in message
-    if is_moe(config):
-        assert "issue 42" in message and "not there yet" in message
 
 
 def test_pipeline_and_ulysses_are_refused_only_where_the_decoder_is_not_llama_style(

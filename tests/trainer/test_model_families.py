@@ -165,7 +165,7 @@ def test_one_grpo_step_on_two_ranks_for_gpt2_and_the_mixtures_of_experts(
     setup: dict[str, Path], tmp_path: Path
 ) -> None:
     # GPT-2 generates with HF generate (one warning); the mixtures of experts with the built-in engine, on a
-    # whole replica per rank (tensor parallelism has no MoE shard rules in the reshard plan yet).
+    # whole replica per rank (their tensor-parallel rollout: test_moe_rollout_tp.py).
     cases = [("gpt2", True), ("gpt2_untied", False), ("mixtral", True), ("qwen2_moe", False)]
     two = ["trainer.n_gpus_per_node=2", "actor.ppo_micro_batch_size_per_gpu=2"]
     runs = [
@@ -200,9 +200,10 @@ def test_one_grpo_step_on_two_ranks_for_gpt2_and_the_mixtures_of_experts(
 def test_the_automatic_layout_never_gives_a_family_a_split_it_cannot_take(family: str) -> None:
     # The notebook call plans the layout from the model's shape: GPT-2 (no n_inner-free intermediate size,
     # no shard rules) used to crash it. On four 8 GB GPUs a 1.5B model wants splitting: no tensor
-    # parallelism for either family, and no pipeline stages or Ulysses for GPT-2.
+    # parallelism for GPT-2 nor in Mixtral's training, and no pipeline stages or Ulysses for GPT-2.
     from transformers import GPT2Config, MixtralConfig
 
+    from hybridflow.engine.parallel.layout import check_tp
     from hybridflow.trainer.layout import plan_layout
 
     if family == "gpt2":
@@ -214,9 +215,11 @@ def test_the_automatic_layout_never_gives_a_family_a_split_it_cannot_take(family
         )  # fmt: skip
     cfg = load_config(None, ["trainer.n_gpus_per_node=4", "data.train_batch_size=16", "rollout.n=4"])
     layout = plan_layout(cfg, shape, 8 * 10**9)
-    assert layout.tp_train == layout.tp_generate == 1
+    assert layout.tp_train == 1
     if family == "gpt2":
-        assert layout.pp == layout.sp == 1
+        assert layout.pp == layout.sp == 1 and layout.tp_generate == 1
+    else:  # a tensor-parallel rollout slices Mixtral's experts: only a size that divides them
+        check_tp(shape, layout.tp_generate)
     assert layout.phases and layout.views is not None  # estimated and with the switch's figures
 
 

@@ -20,7 +20,7 @@ from hybridflow.engine.parallel.layout import ShardLayout, check_tp, kind_of
 from hybridflow.engine.parallel.pipeline import stage_of_param
 from hybridflow.engine.parallel.tp import check_train_tp
 from hybridflow.engine.parallel.view import GenerateView
-from hybridflow.models.families import has_shard_rules
+from hybridflow.models.families import has_shard_rules, is_moe
 
 MASTER_BYTES = 4  # float32 masters
 GRAD_BYTES = 4  # float32 gradients
@@ -76,9 +76,12 @@ def view_memory(
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     params = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    # A family without shard rules (GPT-2, MoE) only ever has whole weights here: tp = 1 in both views
+    # A family without shard rules (GPT-2) only ever has whole weights here: tp = 1 in both views
     # (unsplit_reason refuses more), so every parameter is whole and needs no rule.
     kinds = [kind_of(n) if has_shard_rules(config) else "replicated" for n, _ in params]
+    # Training keeps a mixture of experts' MoE blocks whole on every tp rank (FSDP2 over dp; ep not modelled).
+    trained = ["replicated" if is_moe(config) and ".mlp." in n else k for k, (n, _) in zip(kinds, params)]
+    lays = [ShardLayout(k, shape, tp_generate, head_dim) for k, (_, shape) in zip(kinds, params)]
     fsdp_dims = [
         1 if view.fsdp_only and tp_generate > 1 and k == "row" and shape[1] % world == 0 else 0
         for k, (_, shape) in zip(kinds, params)
@@ -90,15 +93,12 @@ def view_memory(
     stages = [stage_of_param(n, config.num_hidden_layers, view.pp, tied) for n, _ in params]
     holdings = [
         [
-            train_box(k, shape, view, r, d, st)
-            for k, (_, shape), d, st in zip(kinds, params, fsdp_dims, stages)
+            lay.to_plan(train_box(k, shape, view, r, d, st))  # fused experts in the plan's (E, 2, I, H)
+            for lay, k, (_, shape), d, st in zip(lays, trained, params, fsdp_dims, stages)
         ]
         for r in ranks
     ]
-    specs = [
-        ParamSpec(n, shape, None, ShardLayout(k, shape, tp_generate, head_dim))
-        for k, (n, shape) in zip(kinds, params)
-    ]
+    specs = [ParamSpec(n, lay.plan_shape, None, lay) for lay, (n, _) in zip(lays, params)]
     generate = GenerateView(world, tp_generate)
     received = None
     if switch:

@@ -138,12 +138,13 @@ class ShardLayout:
 
 
 def kind_of(name: str) -> str:
-    """The tensor-parallel kind of a Llama-family parameter, from its name; ValueError when unknown."""
+    """The tensor-parallel kind of a Llama-style decoder's parameter (dense or MoE), from its name; UserError
+    when unknown."""
     for pattern, kind in _RULES:
         if re.search(pattern, name):
             return kind
     raise UserError(
-        f"parameter {name!r} has no tensor-parallel layout for the rollout (Llama-family models only); set "
+        f"parameter {name!r} has no tensor-parallel layout for the rollout (Llama-style decoders only); set "
         "rollout.tensor_model_parallel_size=1"
     )
 
@@ -177,9 +178,19 @@ def follow_rollout_shards(model: nn.Module, world: int, tp: int) -> int:
     return marked
 
 
+def moe_problems(config: Any, tp: int) -> list[str]:
+    """The sparse blocks' sizes ``tp`` does not divide ("field=value" each; none for a dense config)."""
+    fields = ("moe_intermediate_size", "shared_expert_intermediate_size")
+    if getattr(config, "model_type", None) == "mixtral":  # its experts use intermediate_size, checked anyway
+        return []
+    return [
+        f"{f}={getattr(config, f)}" for f in fields if getattr(config, f, None) and getattr(config, f) % tp
+    ]
+
+
 def check_tp(config: Any, tp: int) -> None:
-    """Raise UserError naming the fields when ``tp`` cannot split this model's heads and MLP (or the family
-    has no shard rules)."""
+    """Raise UserError naming the fields when ``tp`` cannot split this model's heads, MLP and experts (or the
+    family has no shard rules)."""
     check_tensor_parallel(config, "rollout.tensor_model_parallel_size", tp)
     if tp == 1:  # nothing to split (and a family without shard rules may lack the fields below)
         return
@@ -192,8 +203,11 @@ def check_tp(config: Any, tp: int) -> None:
         problems.append(f"num_key_value_heads={kv} (a multiple of tp, or a divisor of it)")
     if config.intermediate_size % tp:
         problems.append(f"intermediate_size={config.intermediate_size}")
+    problems += moe_problems(
+        config, tp
+    )  # every expert (and a shared expert) is sliced on its intermediate dim
     if problems:
         raise UserError(
             f"rollout.tensor_model_parallel_size={tp} does not split this model: {', '.join(problems)}; "
-            "use a tensor-parallel size that divides them"
+            "use a tensor-parallel size that divides them, or set rollout.tensor_model_parallel_size=1"
         )

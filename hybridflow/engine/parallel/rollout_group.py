@@ -8,16 +8,33 @@ one of them returns the samples.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import pickle
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from hybridflow.engine.parallel.view import GenerateView, rollout_group
 
 # Rollout groups sample with distinct seeds: seed + stride * group (the stride keeps streams far apart).
 GROUP_SEED_STRIDE = 1_000_003
+
+
+def canonical(x: Any) -> Any:
+    """``x`` with every tensor as (dtype, shape, bytes): pickling a tensor is not byte-stable between
+    processes (equal router-replay records hashed apart), its contents are."""
+    if isinstance(x, torch.Tensor):
+        flat = x.detach().cpu().contiguous().reshape(-1)
+        return ("tensor", str(x.dtype), tuple(x.shape), flat.view(torch.uint8).numpy().tobytes())
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (type(x).__name__, [(f.name, canonical(getattr(x, f.name))) for f in dataclasses.fields(x)])
+    if isinstance(x, (list, tuple)):
+        return [canonical(v) for v in x]
+    if isinstance(x, dict):
+        return sorted((k, canonical(v)) for k, v in x.items())
+    return x
 
 
 class RolloutGroup:
@@ -39,7 +56,7 @@ class RolloutGroup:
         sample the same tokens (their collectives would part)."""
         if self.group is None:
             return
-        mine = tuple(hashlib.sha1(pickle.dumps(x)).hexdigest() for x in (prompts, outputs))
+        mine = tuple(hashlib.sha1(pickle.dumps(canonical(x))).hexdigest() for x in (prompts, outputs))
         digests: list[Any] = [None] * self.view.tp
         dist.all_gather_object(digests, mine, group=self.group)
         ranks = self.view.group_ranks(self.dp_rank)

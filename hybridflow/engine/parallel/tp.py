@@ -48,10 +48,11 @@ def check_train_tp(config: Any, tp: int, role: str = "actor") -> None:
     """Raise UserError naming the fields when ``tp`` cannot split this model's layers for training.
 
     Unlike the rollout, training cannot share a KV head between ranks (its gradient would be split), so the
-    KV heads must divide by tp, as Megatron requires of its query groups. Families without shard rules
-    (GPT-2, mixtures of experts) are refused first, naming the family.
+    KV heads must divide by tp, as Megatron requires of its query groups. A mixture of experts keeps its MoE
+    blocks whole on every tp rank. Families without shard rules (GPT-2, DeepSeek-V3) are refused first, naming
+    the family.
     """
-    check_tensor_parallel(config, size_key(role, "tp"), tp, experts_whole=True)
+    check_tensor_parallel(config, size_key(role, "tp"), tp)
     if tp == 1:  # nothing to split (and a family without shard rules may lack the fields below)
         return
     heads = config.num_attention_heads

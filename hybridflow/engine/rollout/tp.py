@@ -5,7 +5,8 @@ A mixture of experts' sparse blocks shard as ``MOE_RULES`` say: every expert sli
 t holds rows of each expert's gate half and the same rows of its up half, and the matching columns of down), the
 shared expert as a dense MLP, the router and the shared expert's gate replicated. Each rank's experts then give
 a partial sum that the all-reduce after the MLP completes, exactly as a dense MLP's down projection does, and
-every rank routes alike (the router is whole). ``moe_pieces`` is the box data the reshard plan needs.
+every rank routes alike (the router is whole). ``moe_pieces`` is the box data the reshard plan needs;
+``moe_problems`` (``parallel.layout``, checked by ``check_tp``) names the sizes a tp does not divide.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from hybridflow.engine.parallel.layout import check_tp
+from hybridflow.engine.parallel.layout import check_tp, moe_problems  # noqa: F401 (re-exported: the MoE rules)
 
 # (parameter name pattern, kind) of the sparse blocks of Qwen2/3-MoE and Mixtral (HF's names, MoEBlock's too).
 MOE_RULES = (
@@ -56,18 +57,8 @@ def moe_pieces(kind: str, shape: tuple[int, ...], tp: int, t: int) -> list[tuple
             for h in range(halves)]  # fmt: skip
 
 
-def moe_problems(config: Any, tp: int) -> list[str]:
-    """The sparse blocks' sizes ``tp`` does not divide ("field=value" each; none for a dense config)."""
-    fields = ("moe_intermediate_size", "shared_expert_intermediate_size")
-    if config.model_type == "mixtral":  # Mixtral's experts use intermediate_size, checked with the MLP's
-        return []
-    return [
-        f"{f}={getattr(config, f)}" for f in fields if getattr(config, f, None) and getattr(config, f) % tp
-    ]
-
-
 def shard_config(config: Any, tp: int) -> Any:
-    """The config of one rollout rank's shard: local heads, intermediate size and vocabulary."""
+    """The config of one rollout rank's shard (checked): local heads, intermediate sizes and vocabulary."""
     check_tp(config, tp)
     return local_config(config, tp)
 

@@ -101,3 +101,23 @@ def test_the_resharder_fills_expert_slices_bit_exact(world: int, ep: int, tp: in
     box = layout.box(1)  # rank 1's slice: the second half of gate's rows, then of up's
     got = layout.plan_view(whole)[tuple(slice(lo, hi) for lo, hi in box)].reshape(E, INTER, H)
     assert torch.equal(got, torch.cat([whole[:, INTER // 2 : INTER], whole[:, INTER + INTER // 2 :]], dim=1))
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+def test_the_memory_estimate_of_a_tensor_parallel_moe_rollout(arch: str) -> None:
+    # The automatic layout's figures: at tp_g = 2 a rank holds about half of every generation weight (the
+    # router, norms and biases whole), and the plan from FSDP2 (training tp keeps the MoE blocks whole)
+    # covers every needed element (ReshardPlan checks it, in the plan's (E, 2, I, H) for fused experts).
+    from hybridflow.engine.hybrid.memory import unsplit_reason, view_memory
+    from hybridflow.models import build_tiny_model
+
+    model = build_tiny_model(arch, vocab_size=64, hidden_size=32, num_hidden_layers=1)
+    full = sum(p.numel() for p in model.parameters())
+    assert unsplit_reason(model, 2, 2) is None
+    for train in (ParallelDims(4), ParallelDims(4, tp=2)):
+        one, two = (
+            view_memory(model, train, 1, rollout_bytes=4),
+            view_memory(model, train, 2, rollout_bytes=4),
+        )
+        assert one.generation_bytes == 4 * full and 0.5 < two.generation_bytes / (4 * full) < 0.51
+        assert 0 < two.received_bytes < one.received_bytes

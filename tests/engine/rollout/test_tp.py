@@ -148,3 +148,24 @@ def test_the_generation_view_generates_what_one_process_does(world: int, tp: int
             assert drawn[r] == drawn[r % view_groups], arch  # one stream per rollout group
         if view_groups > 1:
             assert drawn[0] != drawn[1], arch  # distinct across groups
+
+
+def test_the_agreement_check_hashes_tensors_by_content() -> None:
+    # Equal router-replay records pickled apart on two ranks: a tensor's pickle is not byte-stable (a view
+    # carries its whole storage), its dtype, shape and contents are.
+    import dataclasses
+
+    import torch
+
+    from hybridflow.engine.parallel.rollout_group import canonical
+
+    @dataclasses.dataclass
+    class Out:
+        ids: list[int]
+        routed: torch.Tensor
+
+    records = torch.arange(12, dtype=torch.uint8).view(4, 3)
+    view = torch.cat([records, torch.full((2, 3), 7, dtype=torch.uint8)])[:4]  # a bigger storage
+    assert canonical([Out([1, 2], records)]) == canonical([Out([1, 2], view)])
+    assert canonical(Out([1], records)) != canonical(Out([1], records.flip(0)))
+    assert canonical(records) != canonical(records.view(3, 4))  # the shape counts too
