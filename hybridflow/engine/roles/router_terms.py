@@ -16,7 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridflow.models.moe import NO_EXPERT, RouterRecord, keep_records, load_balancing_loss, records
+from hybridflow.models.moe import (
+    NO_EXPERT,
+    RouterRecord,
+    keep_records,
+    load_balancing_loss,
+    moe_blocks,
+    records,
+)
 
 
 def aux_loss_coef(setting: float | None, config: Any) -> float:
@@ -58,9 +65,8 @@ class RouterTerms:
     def attach(cls, lm: nn.Module, coef: float) -> RouterTerms:
         """Make ``lm``'s MoE blocks keep their routing and return the terms that read it."""
         keep_records(lm, True)
-        config = lm.config
-        experts = next(b.spec.num_experts for b in lm.modules() if hasattr(b, "spec"))
-        return cls(coef, int(config.num_experts_per_tok), experts)
+        spec = moe_blocks(lm)[0].spec
+        return cls(coef, spec.top_k, spec.num_experts)
 
     def of(self, lm: nn.Module, token_mask: torch.Tensor | None) -> tuple[torch.Tensor | None, dict]:
         """(the auxiliary loss or None, metric values) of ``lm``'s last forward; ``token_mask`` (N,) keeps the
