@@ -2,6 +2,7 @@
 
     python benchmarks/moe_kernel.py [--batches 1 8 64 256] [--repeats 50] [--out moe_kernel.jsonl]
     python benchmarks/moe_kernel.py --device cpu --hidden 64 --experts 8 --top-k 2 --intermediate 32  (smoke)
+    python benchmarks/moe_kernel.py --rollout-tp 2   (+ one rank's share in a tensor-parallel rollout)
 
 One layer of Qwen3-30B-A3B's shape by default (hidden 2048, 128 experts, 8 per token, expert intermediate 768,
 bf16, random weights and a N(0, 0.02) router): the router's logits, ``route`` and the experts, exactly what the
@@ -10,6 +11,11 @@ batch size and implementation; ``grouped_experts`` is captured in a CUDA graph (
 the loop cannot be (``torch.where`` sizes its work from the data) and runs eagerly. Times are the median of
 ``--repeats`` calls after ``--warmup`` calls. "GB/s" is the expert weights the step must read (the experts
 its tokens chose, counted) over its time: at small batches the step is bound by these bytes.
+
+``--rollout-tp N`` adds what one rank of a rollout group of N computes per sparse layer, both layouts:
+"sliced" (every expert's intermediate dim / N, ``rollout.expert_parallel_size=1``) and "split" (E / N whole
+experts, the token's other experts masked out, ``rollout.expert_parallel_size=N``), rank 0's share, captured
+alike; the all-reduce that sums the shares is the same for both and not timed here (one GPU).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -66,16 +73,33 @@ def timed(fn: Callable[[], None], device: torch.device, warmup: int, repeats: in
     return statistics.median(times)
 
 
-def run_one(args, w, spec, x: torch.Tensor, impl: str, graphs: bool) -> tuple[float, torch.Tensor, bool]:
+def rank_shares(w: dict[str, torch.Tensor], tp: int) -> dict[str, tuple[Callable, dict[str, torch.Tensor]]]:
+    """Rank 0's experts in a rollout group of ``tp``: every expert sliced on its intermediate dim, or E / tp
+    whole experts (an expert-parallel rollout, its other experts masked by ``offset``)."""
+    i = w["down"].shape[-1]
+    part = i // tp
+    sliced = dict(
+        router=w["router"],
+        gate_up=torch.cat([w["gate_up"][:, :part], w["gate_up"][:, i : i + part]], dim=1).contiguous(),
+        down=w["down"][:, :, :part].contiguous(),
+    )
+    e = w["gate_up"].shape[0] // tp
+    split = dict(router=w["router"], gate_up=w["gate_up"][:e].contiguous(), down=w["down"][:e].contiguous())
+    return {"sliced": (grouped_experts, sliced), "split": (partial(grouped_experts, offset=0), split)}
+
+
+def run_one(
+    args, w, spec, x: torch.Tensor, impl: str, graphs: bool, fn: Callable | None = None
+) -> tuple[float, torch.Tensor, bool]:
     """(median seconds, output, captured) of one implementation at x's batch."""
-    fn = IMPLS[impl]
+    fn = IMPLS[impl] if fn is None else fn
     out = torch.empty_like(x)
 
     def step() -> None:
         out.copy_(block(x, w, spec, fn))
 
     captured = False
-    if graphs and x.is_cuda and impl == "grouped":
+    if graphs and x.is_cuda and impl != "loop":
         step()  # warm up kernels and workspaces outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -108,6 +132,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--no-graphs", action="store_true", help="run grouped_experts eagerly too")
+    ap.add_argument("--rollout-tp", type=int, default=1, help="also time one rank's share in a group of N")
     ap.add_argument("--out", default=None, help="append one JSON line per row to this file")
     args = ap.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -117,6 +142,7 @@ def main() -> None:
     print(f"GPU: {gpu}  torch {torch.__version__}  {args.dtype}")
     spec = RouterSpec(args.experts, args.top_k, renormalize=True)  # Qwen3-MoE's norm_topk_prob
     w = make_layer(args, device, dtype)
+    shares = rank_shares(w, args.rollout_tp) if args.rollout_tp > 1 else {}
     print(f"{'batch':>6} {'impl':>8} {'graph':>6} {'us':>10} {'GB/s':>8}")
     rows = []
     g = torch.Generator(device="cpu").manual_seed(1)
@@ -138,6 +164,12 @@ def main() -> None:
         gap = (outs["grouped"].float() - outs["loop"].float()).abs().max().item()
         print(f"{'':>6} grouped vs loop: max |diff| {gap:.3g}", flush=True)
         rows[-2]["max_diff_vs_loop"] = gap  # the grouped row's
+        for name, (fn, part) in shares.items():
+            seconds, _, captured = run_one(args, part, spec, x, name, not args.no_graphs, fn)
+            row = dict(rows[-1], impl=f"tp{args.rollout_tp}-{name}", graph=captured, us=seconds * 1e6)
+            row["gb_per_s"] = moved / args.rollout_tp / seconds / 1e9  # a rank reads about 1/tp of the bytes
+            rows.append(row)
+            print(f"{batch:>6} {row['impl']:>8} {captured!s:>6} {row['us']:>10.1f} {row['gb_per_s']:>8.1f}")
     if args.out:
         with open(args.out, "a") as f:
             for row in rows:

@@ -12,6 +12,10 @@ view (tp_g; for pp > 1 the tp_g of tp_t and of tp_t x pp), per rank:
   recv   the most any rank receives at a switch, from the reshard plan of the two views' boxes;
   peak   train + gen: what a rank holds during a rollout before the KV cache (the switch frees nothing
          of the training state; param/optimizer offload would take ``train`` off the device).
+Mixtures of experts (``--moe-size``, on ``--moe-world`` ranks): training views with expert parallelism (ep
+whole experts per group of ep data-parallel ranks, FSDP2 over the rest; the MoE blocks whole on every tp rank)
+into generation views whose experts are sliced over tp_g or split whole over it (ep_g = tp_g), among them the
+write-ups' mapping train (tp=8, ep=2) -> generate tp=4 at 16 ranks.
 Timing on several GPUs belongs to the multi-GPU issue.
 """
 
@@ -20,6 +24,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+import torch
 
 try:
     import hybridflow  # noqa: F401
@@ -31,8 +37,51 @@ from switch import PLAN_SHAPES, meta_model
 
 from hybridflow.engine.hybrid.memory import unsplit_reason, view_memory
 from hybridflow.engine.parallel.dims import ParallelDims
+from hybridflow.engine.parallel.view import GenerateView
+from hybridflow.utils.errors import UserError
 
 GB = 1e9
+MOE_SIZES = ("mixtral-8x7b", "qwen3-30b-a3b")  # ``hybridflow plan --model-shape``'s mixtures of experts
+
+
+def moe_meta_model(size: str):
+    """A mixture of experts of ``model_shapes.MODEL_SHAPES`` on the meta device (shapes only)."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.trainer.model_shapes import shape_config
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(shape_config(size))
+
+
+def moe_views(world: int) -> list[tuple[int, int, int, int]]:
+    """(tp_t, ep, tp_g, ep_g) rows: FSDP2 alone, ep = 2 into a sliced and an expert-parallel rollout, and
+    train (tp = W/2, ep = 2) -> generate tp = W/4 both ways (the write-ups' mapping at W = 16)."""
+    rows = [(1, 1, 1, 1), (1, 2, 2, 1), (1, 2, 2, 2), (1, world, world, world)]
+    if world >= 4:
+        rows += [(world // 2, 2, world // 4, 1), (world // 2, 2, world // 4, world // 4)]
+    return list(dict.fromkeys(rows))
+
+
+def moe_row(size: str, model, world: int, tp_t: int, ep: int, tp_g: int, ep_g: int) -> str:
+    """One table row of a mixture of experts (columns as ``view_row``'s)."""
+    generate = f"(tp={tp_g}, ep={ep_g})" if ep_g > 1 else f"(tp={tp_g})"
+    try:
+        train = ParallelDims(world, tp_t, ep=ep)
+        GenerateView(world, tp_g, ep_g)
+        bad = unsplit_reason(model, tp_t, tp_g, ep_g)
+    except (UserError, ValueError) as e:
+        train, bad = f"(tp={tp_t}, ep={ep})", str(e)
+    if bad:
+        return (
+            f"| {size} | {train} | {generate} | - | - | - | - | - | {bad.split(': ', 1)[-1].split(';')[0]} |"
+        )
+    m = view_memory(model, train, tp_g, ep_generate=ep_g)
+    state, gen = m.state_bytes(), m.generation_bytes
+    return (
+        f"| {size} | {train} | {generate} | {state / GB:.2f} | {m.layer_bytes / GB:.3f} | {gen / GB:.2f} | "
+        f"{m.received_bytes / GB:.3f} | {(state + gen) / GB:.2f} | |"
+    )
 
 
 def view_row(size: str, model, world: int, tp_t: int, tp_g: int, pp: int = 1) -> str:
@@ -53,8 +102,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model-size", nargs="+", default=["1.5b", "7b"], choices=sorted(PLAN_SHAPES))
+    parser.add_argument("--model-size", nargs="*", default=["1.5b", "7b"], choices=sorted(PLAN_SHAPES))
     parser.add_argument("--world", type=int, default=8, help="ranks (GPUs) of the role")
+    parser.add_argument("--moe-size", nargs="*", default=["mixtral-8x7b"], choices=MOE_SIZES)
+    parser.add_argument("--moe-world", type=int, default=16, help="ranks of the mixture-of-experts rows")
     args = parser.parse_args()
     sizes = [tp for tp in (1, 2, 4, 8) if tp <= args.world and args.world % tp == 0]
     print(
@@ -71,6 +122,10 @@ def main() -> None:
             for tp_t in [t for t in sizes if args.world % (t * pp) == 0]:
                 for tp_g in sorted({tp_t, tp_t * pp}):
                     print(view_row(size, model, args.world, tp_t, tp_g, pp))
+    for size in args.moe_size:
+        model = moe_meta_model(size)
+        for tp_t, ep, tp_g, ep_g in moe_views(args.moe_world):
+            print(moe_row(size, model, args.moe_world, tp_t, ep, tp_g, ep_g))
 
 
 if __name__ == "__main__":

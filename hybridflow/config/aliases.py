@@ -110,6 +110,7 @@ VERL_ALIASES: dict[str, str] = {
     f"{_ARR}.rollout.max_num_batched_tokens": "rollout.max_num_batched_tokens",
     f"{_ARR}.rollout.max_model_len": "rollout.max_model_len",
     f"{_ARR}.rollout.tensor_model_parallel_size": "rollout.tensor_model_parallel_size",
+    f"{_ARR}.rollout.expert_parallel_size": "rollout.expert_parallel_size",
     f"{_ARR}.rollout.update_weights_bucket_megabytes": "rollout.update_weights_bucket_megabytes",
     f"{_ARR}.hybrid_engine": "actor.hybrid_engine",
     f"{_ARR}.rollout.free_cache_engine": "rollout.free_cache_engine",
@@ -166,6 +167,7 @@ def _short_forms() -> dict[str, str]:
     """The HybridFlow write-ups' and verl's short spellings of training-view, FSDP and rollout keys."""
     out = {"rollout.tp_size": "rollout.tensor_model_parallel_size"}
     out[f"{_ARR}.rollout.tp_size"] = "rollout.tensor_model_parallel_size"
+    out["rollout.ep_size"] = out[f"{_ARR}.rollout.ep_size"] = "rollout.expert_parallel_size"
     # megatron.tp_size / pp_size: a top-level megatron section is the actor's (the reference follows it)
     megatron = {"": "actor", "actor.": "actor", f"{_ARR}.actor.": "actor", "critic.": "critic"}
     megatron |= {"ref.": "ref", f"{_ARR}.ref.": "ref"}

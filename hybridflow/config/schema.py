@@ -138,6 +138,10 @@ class RolloutConfig:
     tensor_model_parallel_size: int = option(
         1, "Ranks per rollout group (Megatron-style shards); divides the world; 1 = a whole replica per rank."
     )
+    expert_parallel_size: int = option(
+        1,
+        "MoE rollout: 1 = every expert sliced over a rollout group; = tensor_model_parallel_size: split whole.",
+    )
     update_weights_bucket_megabytes: int = option(
         512, "Train -> generate switch: MiB of generation weights moved per all-to-all bucket."
     )

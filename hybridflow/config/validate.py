@@ -44,7 +44,7 @@ _RANGES: dict[str, list[str]] = {
         "data.task_train_size", "data.task_val_size", "data.max_prompt_length", "data.max_response_length",
         "data.train_batch_size", "data.val_batch_size", "data.gen_batch_size",
         "rollout.n", "rollout.val_kwargs.n", "rollout.max_num_seqs", "rollout.max_num_batched_tokens",
-        "rollout.max_model_len", "rollout.tensor_model_parallel_size",
+        "rollout.max_model_len", "rollout.tensor_model_parallel_size", "rollout.expert_parallel_size",
         "rollout.log_prob_micro_batch_size_per_gpu", "rollout.log_prob_max_token_len_per_gpu",
         "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_max_token_len_per_gpu",
         "actor.ppo_epochs",
@@ -61,7 +61,7 @@ _RANGES: dict[str, list[str]] = {
         "actor.clip_ratio", "actor.clip_ratio_low", "actor.clip_ratio_high", "actor.kl_loss_coef",
         "actor.optim.weight_decay", "critic.optim.weight_decay", "critic.cliprange_value",
         "actor.optim.lr", "critic.optim.lr",  # lr=0 is the no-learning control run
-        "actor.policy_loss.ppo_kl_coef",
+        "actor.policy_loss.ppo_kl_coef", "actor.router_aux_loss_coef",
         "reward.num_workers", "reward.overlong_buffer.len", "reward.overlong_buffer.penalty_factor",
         "algorithm.kl_ctrl.kl_coef", "trainer.critic_warmup", "trainer.log_val_generations",
         "preference.sft_coef", "preference.desirable_weight", "preference.undesirable_weight",
@@ -197,12 +197,24 @@ def _check_unimplemented(cfg: Config, out: list[Problem]) -> None:
 
 
 def _check_rollout_tp(cfg: Config, out: list[Problem]) -> None:
-    """A tensor-parallel rollout: groups of tp ranks of the world, the built-in engine, the hybrid engine."""
+    """A tensor-parallel rollout: groups of tp ranks of the world, the built-in engine, the hybrid engine;
+    experts split over a group (``rollout.expert_parallel_size``) only whole over the group."""
     tp, world, path = (
         cfg.rollout.tensor_model_parallel_size,
         cfg.trainer.world_size,
         "rollout.tensor_model_parallel_size",
     )
+    ep = cfg.rollout.expert_parallel_size
+    if ep > 1 and ep != tp:  # below 1: the range check's
+        out.append(
+            Problem(
+                "rollout.expert_parallel_size",
+                f"is {ep} with {path}={tp}: experts are split over the ranks of one rollout group only "
+                "(groups decode independently, so experts are not split across them)",
+                "set rollout.expert_parallel_size=1 (each expert sliced over the group) or "
+                + (f"={tp} (whole experts per rank)" if tp > 1 else f"{path}={ep} with it (groups of {ep})"),
+            )
+        )
     if tp == 1:
         return
     if world % tp:

@@ -193,26 +193,51 @@ def sort_by_expert(ids: torch.Tensor, num: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def grouped_experts(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    offset: int | None = None,
 ) -> torch.Tensor:
     """Each token's experts through two grouped GEMMs: x (N, H), ids/weights (N, k), gate_up (E, 2I, H),
-    down (E, H, I) -> (N, H), summed per token in expert order."""
-    order, tokens, ends = sort_by_expert(ids, gate_up.shape[0])
+    down (E, H, I) -> (N, H), summed per token in expert order.
+
+    ``offset``: gate_up and down hold the model's experts offset .. offset + E - 1 only (a rank of an
+    expert-parallel rollout); a token's other experts add nothing here (their ranks add them)."""
+    num = gate_up.shape[0]
+    keep = None
+    if offset is None:
+        order, tokens, ends = sort_by_expert(ids, num)
+    else:
+        local = ids - offset  # (N, k)
+        mine = (local >= 0) & (local < num)
+        # Another rank's experts sort last, as group ``num``, which no GEMM reads (ends has num entries).
+        order, tokens, ends = sort_by_expert(torch.where(mine, local, num), num + 1)
+        ends, keep = ends[:num], mine.reshape(-1)[order]  # (E,), (N*k,)
     xs = x[tokens]  # (N*k, H)
     h = _grouped_mm(xs, gate_up.transpose(1, 2), ends)  # (N*k, 2I)
     gate, up = h.chunk(2, dim=-1)
     y = _grouped_mm(F.silu(gate) * up, down.transpose(1, 2), ends)  # (N*k, H)
     y = (y * weights.reshape(-1)[order, None]).to(x.dtype)
+    if keep is not None:  # rows past the last group were never written: select, never multiply, them away
+        y = torch.where(keep[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
     return torch.zeros_like(x).index_add_(0, tokens, y)
 
 
 def loop_experts(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    offset: int | None = None,
 ) -> torch.Tensor:
-    """The reference: a loop over experts with the tokens routed to each (HF's eager order), same shapes."""
+    """The reference: a loop over experts with the tokens routed to each (HF's eager order), same shapes
+    (``offset`` as ``grouped_experts``: these are experts offset .. offset + E - 1 of the model)."""
     out = torch.zeros_like(x)
     for e in range(gate_up.shape[0]):
-        token, slot = torch.where(ids == e)
+        token, slot = torch.where(ids == e + (offset or 0))
         if token.numel() == 0:
             continue
         gate, up = F.linear(x[token], gate_up[e]).chunk(2, dim=-1)

@@ -25,15 +25,24 @@ import torch
 
 from hybridflow.config import Config, ConfigError, validate_config
 from hybridflow.config.aliases import resolve_alias
+from hybridflow.config.parallel import role_sizes
 from hybridflow.config.validate import get_path
 from hybridflow.config.views import divisors
 from hybridflow.engine import (
+    GenerateView,
     ParallelDims,
     ViewMemory,
     unsplit_reason,
     view_memory,
 )
-from hybridflow.trainer.layout_memory import estimate_phases, estimate_seconds, generation_slots, host_bytes
+from hybridflow.trainer.layout_memory import (  # noqa: F401 (the machine's memory: re-exported)
+    estimate_phases,
+    estimate_seconds,
+    generation_slots,
+    gpu_memory_bytes,
+    host_bytes,
+    host_memory_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +102,15 @@ class Layout:
     reason: str = ""
     params: int = 0
     kept: dict[str, Any] = field(default_factory=dict)  # the layout keys the config set (not planned)
+    ep: int = 1  # actor.parallel.ep, as the config sets it (not searched)
+    ep_generate: int = (
+        1  # rollout.expert_parallel_size, as the config sets it: the rollout's tp must equal it
+    )
 
     def dims(self, with_sp: bool = True) -> ParallelDims:
         """The actor's training view of this layout (the one place the planner builds it); without sp for the
         memory views, which Ulysses does not change."""
-        return ParallelDims(self.world, self.tp_train, self.pp, self.sp if with_sp else 1)
+        return ParallelDims(self.world, self.tp_train, self.pp, self.sp if with_sp else 1, self.ep)
 
     @property
     def peak(self) -> int:
@@ -138,7 +151,7 @@ class Layout:
             if value is not None
         )
         return (
-            f"train_view={train}, generate_view=(tp={self.tp_generate}, dp={self.world // self.tp_generate}), "
+            f"train_view={train}, generate_view={GenerateView(self.world, self.tp_generate, self.ep_generate)}, "
             f"sp={self.sp}, offload={offload}{levers}"
         )
 
@@ -226,17 +239,19 @@ def _candidates(cfg: Config, model: torch.nn.Module, world: int, fixed: dict[str
     pps = divisors(world) if _accepted("actor.pipeline_parallel_size") else [1]
     sps = divisors(world) if _accepted("actor.ulysses_sequence_parallel_size") else [1]
     checkpointing = _unique([cfg.model.enable_gradient_checkpointing, True])
+    ep, ep_g = role_sizes(cfg, "actor")["ep"], cfg.rollout.expert_parallel_size  # kept, not searched
     out = []
     for tp_t in divisors(world):
         for pp in pps:  # sizes that do not fit the world are refused by their ParallelDims (``_splits``)
-            for tp_g in divisors(world):
+            for tp_g in [t for t in divisors(world) if ep_g == 1 or t == ep_g]:
                 for sp in sps:
-                    if not _splits(model, Layout(world, tp_t, pp, sp, tp_g)):
+                    if not _splits(model, Layout(world, tp_t, pp, sp, tp_g, ep=ep, ep_generate=ep_g)):
                         continue
                     for offload in OFFLOADS:
                         for ckpt in checkpointing:
                             for micro, budget in _micro_levers(cfg, world // (tp_t * pp)):
                                 layout = Layout(world, tp_t, pp, sp, tp_g, *offload, ckpt, micro, budget)
+                                layout.ep, layout.ep_generate = ep, ep_g
                                 layout.dynamic = cfg.actor.use_dynamic_bsz
                                 layout.max_seqs = fixed.get("rollout.max_num_seqs")
                                 if all(layout.overrides()[k] == v for k, v in fixed.items()):
@@ -281,7 +296,7 @@ def _simplicity(cfg: Config, x: Layout) -> tuple:
 
 def _splits(model: torch.nn.Module, layout: Layout) -> bool:
     """Whether the model splits as the layout asks (heads and MLP over tp, layers over pp, heads over sp)."""
-    if unsplit_reason(model, layout.tp_train, layout.tp_generate) is not None:
+    if unsplit_reason(model, layout.tp_train, layout.tp_generate, layout.ep_generate) is not None:
         return False
     try:  # the view the actor would build (sizes that do not fit the world are refused here too)
         layout.dims().check_model(model.config)
@@ -380,7 +395,9 @@ def _fit_generation_waves(cfg: Config, mc: Any, model: torch.nn.Module, layout: 
 def _with_switch(model: torch.nn.Module, layout: Layout) -> Layout:
     """The chosen layout with the bytes its switch moves (from the reshard plan; up to 64 ranks)."""
     if layout.world <= 64:
-        layout.views = view_memory(model, layout.dims(with_sp=False), layout.tp_generate)
+        layout.views = view_memory(
+            model, layout.dims(with_sp=False), layout.tp_generate, ep_generate=layout.ep_generate
+        )
     return layout
 
 
@@ -461,25 +478,6 @@ def _short_of(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout, usab
                     f"rollout tp={trial.tp_generate})"
                 )
     return "it does not fit on up to 512 such GPUs"
-
-
-def host_memory_bytes() -> int | None:
-    """This machine's host memory (physical pages), or None where the OS does not say."""
-    import os
-
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def gpu_memory_bytes(cap_gb: float | None = None) -> int | None:
-    """This machine's GPU memory (the first device), at most ``cap_gb`` GB (``trainer.gpu_memory_gb``); None
-    without CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    total = int(torch.cuda.get_device_properties(0).total_memory)
-    return total if cap_gb is None else min(total, int(cap_gb * 1e9))
 
 
 def apply_layout(cfg: Config, layout: Layout) -> Config:

@@ -111,14 +111,14 @@ def _activation_bytes(cfg: Config, mc: Any, layout: Layout, backward: bool) -> i
 
 
 @functools.lru_cache(maxsize=64)
-def _views(model: torch.nn.Module, dims: ParallelDims, tp_generate: int) -> ViewMemory:
+def _views(model: torch.nn.Module, dims: ParallelDims, tp_generate: int, ep_generate: int = 1) -> ViewMemory:
     """The views' figures without the switch's transfers (offload does not change them)."""
-    return view_memory(model, dims, tp_generate, switch=False)
+    return view_memory(model, dims, tp_generate, switch=False, ep_generate=ep_generate)
 
 
 def estimate_phases(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout) -> dict[str, int]:
     """Bytes per GPU of each phase of a step under ``layout`` (the actor; a colocated reference added)."""
-    v = _views(model, layout.dims(with_sp=False), layout.tp_generate)  # sp: no change
+    v = _views(model, layout.dims(with_sp=False), layout.tp_generate, layout.ep_generate)  # sp: no change
     layout.views, layout.params = v, v.full_elements
     held = v.held_elements
     masters, moments, grads = held * MASTER_BYTES, held * MOMENT_BYTES, held * GRAD_BYTES
@@ -199,3 +199,22 @@ def host_bytes(cfg: Config, layout: Layout) -> int:
     per_element += HOST_BYTES["cpu_step"] * bool(layout.value(cfg, "actor.fsdp.optimizer_step_on_cpu"))
     gpus = min(cfg.trainer.n_gpus_per_node, layout.world)
     return per_element * layout.views.held_elements * gpus
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's host memory (physical pages), or None where the OS does not say."""
+    import os
+
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def gpu_memory_bytes(cap_gb: float | None = None) -> int | None:
+    """This machine's GPU memory (the first device), at most ``cap_gb`` GB (``trainer.gpu_memory_gb``); None
+    without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    total = int(torch.cuda.get_device_properties(0).total_memory)
+    return total if cap_gb is None else min(total, int(cap_gb * 1e9))

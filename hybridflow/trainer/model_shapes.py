@@ -16,6 +16,14 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
                        num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False),
     "llama-3-70b": dict(model_type="llama", hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
                         num_key_value_heads=8, intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False),
+    # mixtures of experts: Mixtral's 32 heads / 8 KV heads split over tp = 8 (the write-ups' train tp=8, ep=2)
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+                         vocab_size=32000, tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936,
+                          tie_word_embeddings=False),
 }  # fmt: skip
 
 

@@ -89,12 +89,12 @@ class ActorWorker:
         init_distributed()
         r = cfg.rollout
         max_len = r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
-        view = GenerateView(world_size(), r.tensor_model_parallel_size)
+        view = GenerateView(world_size(), r.tensor_model_parallel_size, r.expert_parallel_size)
         native = self._pick_engine(model, view, max_len)
         dims = ParallelDims.of(cfg, "actor", world_size(), dist_rank())
         dims.check_model(model.config)
         if view.tp > 1:
-            check_tp(model.config, view.tp)
+            check_tp(model.config, view.tp, view.ep)
             if dims.fsdp_only:  # a tensor-parallel training view has its own row split
                 follow_rollout_shards(model, view.world, view.tp)  # row-parallel weights sharded on dim 1
         self.engine = ActorEngine(

@@ -100,6 +100,21 @@ def test_hybridflow_plan_prints_the_plan(capsys) -> None:
     assert peak * GB == pytest.approx(_plan("qwen2.5-7b", 8, 141).peak, rel=1e-3)
 
 
+@pytest.mark.parametrize("ep_generate", [1, 4])
+def test_hybridflow_plan_shows_the_write_ups_moe_mapping(ep_generate: int, capsys) -> None:
+    # train tp=8, ep=2 -> generate tp=4 on 16 GPUs (Mixtral-8x7B: its 8 KV heads split 8 ways), the experts
+    # sliced over the rollout group or split whole over it: the same generation bytes either way
+    moe = ["actor.parallel.tp=8", "actor.parallel.ep=2", "rollout.tensor_model_parallel_size=4"]
+    moe.append(f"rollout.expert_parallel_size={ep_generate}")
+    assert main(["plan", "--model-shape", "mixtral-8x7b", "--gpus", "16", "--gpu-memory-gb", "141", *moe]) == 0
+    out = capsys.readouterr().out
+    generate = "(tp=4, ep=4, dp=4)" if ep_generate > 1 else "(tp=4, dp=4)"
+    assert out.startswith(f"auto layout: train_view=(tp=8, pp=1, dp=2, ep=2), generate_view={generate}")
+    assert "generation weights 23.35 GB" in out  # 46.7B parameters in bf16 over 4 ranks
+    # training keeps every MoE block whole on its tp ranks, half of the experts per ep rank: far over 141 GB
+    assert "training state 364.23 GB" in out
+
+
 def test_hybridflow_plan_without_a_gpu_asks_for_its_memory(capsys) -> None:
     if layout_mod.gpu_memory_bytes() is not None:
         pytest.skip("this machine has a GPU")

@@ -1,7 +1,9 @@
 """A mixture of experts generates tensor-parallel through the trainer: GRPO on four gloo ranks, training with
 expert parallelism (``actor.parallel.ep=2`` x dp_rep=2) and the rollout in groups of two ranks
-(``rollout.tensor_model_parallel_size=2``), each rank generating with its slice of every expert (filled by
-the reshard plan from the expert-parallel shards) and the router whole, with router replay r3 on top.
+(``rollout.tensor_model_parallel_size=2``), each rank generating with its slice of every expert (Qwen2-MoE)
+or with half of the experts whole (Mixtral, ``rollout.expert_parallel_size=2``: expert parallelism in
+generation), filled by the reshard plan from the expert-parallel shards, the router whole, with router
+replay r3 on top.
 
 One step on chat prompts of very different lengths: every rank exits 0, the first on-policy step has
 ppo_kl == 0, the rollout's log-probs equal the trainer's recomputation in float32 (the partial sums of the
@@ -50,7 +52,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_grpo_with_expert_parallel_training_and_a_tensor_parallel_moe_rollout(
     setup: dict[str, Path], tmp_path: Path
 ) -> None:
-    runs = [["train", *overrides(setup, name, tmp_path / name, *FOUR)] for name in FAMILIES]
+    ep_generate = {"qwen2_moe": [], "mixtral": ["rollout.expert_parallel_size=2"]}
+    runs = [
+        ["train", *overrides(setup, name, tmp_path / name, *FOUR, *ep_generate[name])] for name in FAMILIES
+    ]
     ranks = run_world_kept(4, train_rank, runs, timeout=600)
     for i, name in enumerate(FAMILIES):
         assert [r[i]["code"] for r in ranks] == [0, 0, 0, 0], (name, [r[i]["messages"][-3:] for r in ranks])
@@ -58,6 +63,8 @@ def test_grpo_with_expert_parallel_training_and_a_tensor_parallel_moe_rollout(
         check_step(metrics)  # ppo_kl == 0, rollout log-probs within 1e-5 of the trainer's
         assert 0.9 < metrics["moe/router_agreement"] <= 1.0, name
         infos = [m for _, m in ranks[0][i]["messages"]]
-        assert any("train_view=(fsdp=4, ep=2)" in m and "tp=2" in m for m in infos), name
+        generate = "generate_view=(tp=2, ep=2, dp=2)" if ep_generate[name] else "generate_view=(tp=2, dp=2)"
+        assert any("train_view=(fsdp=4, ep=2)" in m and generate in m for m in infos), (name, infos[:3])
         (switch,) = [m for m in infos if m.startswith("Stage switch")]
         assert "received per rank into a 1/2 tensor-parallel shard" in switch, (name, switch)
+        assert ("experts split whole, 2 ways" in switch) == bool(ep_generate[name]), (name, switch)

@@ -39,7 +39,7 @@ def test_the_timing_needs_a_gpu() -> None:
 def test_the_views_table_gives_each_training_view_its_memory_and_switch() -> None:
     script = SCRIPT.parent / "views.py"
     done = subprocess.run(
-        [sys.executable, str(script), "--model-size", "0.5b", "--world", "2"],
+        [sys.executable, str(script), "--model-size", "0.5b", "--world", "2", "--moe-size"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -63,3 +63,18 @@ def test_the_views_table_gives_each_training_view_its_memory_and_switch() -> Non
     assert rows[("(tp=2, pp=1, dp=1)", "(tp=2)")][6] == "0.000"
     # a whole replica per rank needs the half of every weight the other rank holds
     assert float(rows[("(fsdp=2)", "(tp=1)")][6]) > 0
+
+
+def test_the_views_table_shows_expert_parallel_training_into_sliced_or_split_experts() -> None:
+    script = SCRIPT.parent / "views.py"
+    argv = [sys.executable, str(script), "--model-size", "--moe-size", "mixtral-8x7b", "--moe-world", "16"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {(r[1], r[2]): r for r in (line.split(" | ") for line in done.stdout.splitlines()) if len(r) > 3}
+    sliced = rows[("(tp=8, pp=1, dp=2, ep=2)", "(tp=4)")]  # the write-ups' train tp=8, ep=2 -> generate tp=4
+    split = rows[("(tp=8, pp=1, dp=2, ep=2)", "(tp=4, ep=4)")]
+    assert sliced[5] == split[5] == "23.35"  # a quarter of the bf16 weights either way
+    # the ep = 2 training ranks hold half of the experts whole: the sliced rollout gathers a quarter of every
+    # expert's slice from them, the split one whole experts (each rank's two, of which it holds none or all)
+    assert 0 < float(sliced[6]) < float(split[6])
+    assert "num_local_experts=8" in rows[("(fsdp=16, ep=16)", "(tp=16, ep=16)")][-1]

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
 from hybridflow.engine.hybrid.plan import ParamSpec, ReshardPlan, volume
 from hybridflow.engine.parallel.dims import ParallelDims, train_box
-from hybridflow.engine.parallel.layout import ShardLayout, check_tp, kind_of
+from hybridflow.engine.parallel.ep import is_expert
+from hybridflow.engine.parallel.layout import ShardLayout, check_tp, generation_kind
 from hybridflow.engine.parallel.pipeline import stage_of_param
 from hybridflow.engine.parallel.tp import check_train_tp
 from hybridflow.engine.parallel.view import GenerateView
@@ -46,14 +48,23 @@ class ViewMemory:
         return self.held_elements * (master + grad + moments)
 
 
-def unsplit_reason(model: nn.Module, tp_train: int, tp_generate: int) -> str | None:
-    """None when both tensor-parallel sizes split the model's heads and MLP, else what they do not split."""
-    for check, tp in ((check_train_tp, tp_train), (check_tp, tp_generate)):
-        try:
-            check(model.config, tp)
-        except ValueError as e:
-            return str(e)
+def unsplit_reason(model: nn.Module, tp_train: int, tp_generate: int, ep_generate: int = 1) -> str | None:
+    """None when both tensor-parallel sizes split the model's heads and MLP (and the generation view its
+    experts, sliced or, with ``ep_generate`` = tp_generate, whole), else what they do not split."""
+    try:
+        check_train_tp(model.config, tp_train)
+        check_tp(model.config, tp_generate, ep_generate)
+    except ValueError as e:
+        return str(e)
     return None
+
+
+def _trained_kind(config: Any, name: str, kind: str) -> str:
+    """The kind ``train_box`` lays a parameter out by: a mixture of experts' blocks whole on every tp rank,
+    its fused experts split over ep (``experts``, whole at ep = 1)."""
+    if not is_moe(config) or ".mlp." not in name:
+        return kind
+    return "experts" if is_expert(name) else "replicated"
 
 
 def view_memory(
@@ -63,14 +74,18 @@ def view_memory(
     rollout_bytes: int = 2,
     compute_bytes: int = 2,
     switch: bool = True,
+    ep_generate: int = 1,
 ) -> ViewMemory:
     """The per-rank figures of ``view`` switching into generation groups of ``tp_generate`` ranks.
 
     As the engine lays them out: each pipeline stage holding its own layers (the embedding on the first, the
     norm and head on the last, a tied head on both), FSDP2 over dp, the projections split over tp (embedding,
     norms and head replicated), row-parallel weights sharded by FSDP2 on dim 1 when training is FSDP2 alone
-    and the rollout tensor-parallel (``follow_rollout_shards``). ``switch=False`` leaves out the reshard
-    plan's transfers (``received_bytes`` is then None): at hundreds of ranks they are what takes the time.
+    and the rollout tensor-parallel (``follow_rollout_shards``). A mixture of experts' blocks train whole on
+    every tp rank, its experts split whole over ``view.ep`` (FSDP2 over the rest), and generate with every
+    expert sliced over tp_generate or, with ``ep_generate`` = tp_generate, E / tp_generate whole experts per
+    rank. ``switch=False`` leaves out the reshard plan's transfers (``received_bytes`` is then None): at
+    hundreds of ranks they are what takes the time.
     """
     world = view.world
     config = model.config
@@ -78,9 +93,8 @@ def view_memory(
     params = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     # A family without shard rules (GPT-2) only ever has whole weights here: tp = 1 in both views
     # (unsplit_reason refuses more), so every parameter is whole and needs no rule.
-    kinds = [kind_of(n) if has_shard_rules(config) else "replicated" for n, _ in params]
-    # Training keeps a mixture of experts' MoE blocks whole on every tp rank (FSDP2 over dp; ep not modelled).
-    trained = ["replicated" if is_moe(config) and ".mlp." in n else k for k, (n, _) in zip(kinds, params)]
+    kinds = [generation_kind(n, ep_generate) if has_shard_rules(config) else "replicated" for n, _ in params]
+    trained = [_trained_kind(config, n, k) for k, (n, _) in zip(kinds, params)]
     lays = [ShardLayout(k, shape, tp_generate, head_dim) for k, (_, shape) in zip(kinds, params)]
     fsdp_dims = [
         1 if view.fsdp_only and tp_generate > 1 and k == "row" and shape[1] % world == 0 else 0
@@ -99,7 +113,7 @@ def view_memory(
         for r in ranks
     ]
     specs = [ParamSpec(n, lay.plan_shape, None, lay) for lay, (n, _) in zip(lays, params)]
-    generate = GenerateView(world, tp_generate)
+    generate = GenerateView(world, tp_generate, ep_generate)
     received = None
     if switch:
         plan = ReshardPlan(specs, generate, rollout_bytes, 512 * 2**20, holdings, str(view))

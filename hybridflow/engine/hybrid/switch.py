@@ -75,7 +75,7 @@ class RolloutShard:
         """``sharded`` is the HF causal LM of the training view (FSDP2 shards, tensor-parallel or not);
         ``train_view`` names that view in the logs."""
         self.view, self.rank = view, rank
-        self.module = build_shard(sharded, view.tp, dtype, device)
+        self.module = build_shard(sharded, view.tp, dtype, device, view.ep)
         self.storages = Storages(self.module.parameters())
         # The whole model's parameters: a pipeline stage holds only its own layers, the generation view all.
         skeleton = meta_model(sharded)
@@ -87,7 +87,7 @@ class RolloutShard:
                 f"the rollout shard's parameters differ: {sorted(whole.keys() ^ generation.keys())}, "
                 f"{sorted(ours.keys() - whole.keys())}"
             )
-        lay = layouts(skeleton, view.tp)
+        lay = layouts(skeleton, view.tp, view.ep)
         self.names = list(whole)
         self.layouts = [lay[n] for n in self.names]  # the plan's coordinates: fused experts as (E, 2, I, H)
         specs = [ParamSpec(n, lay[n].plan_shape, None, lay[n]) for n in self.names]
@@ -130,6 +130,8 @@ class RolloutShard:
         most = format_bytes(max(received))
         amount = most if min(received) == max(received) else f"up to {most}"
         shard = "a whole replica" if self.view.tp == 1 else f"a 1/{self.view.tp} tensor-parallel shard"
+        if self.view.ep > 1:
+            shard += f" (experts split whole, {self.view.ep} ways)"
         return f"Stage switch: {amount} received per rank into {shard} (a whole copy is {whole})"
 
     @torch.no_grad()

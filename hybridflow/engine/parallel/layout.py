@@ -16,7 +16,9 @@ A mixture of experts' layers follow the same rules (router replicated, shared ex
 the fused experts are sliced on their intermediate dim: down_proj (E, H, I) on dim 2, gate_up_proj (E, 2I, H)
 in each of its halves (gate first, then up), so a rank's gate_up holds ``[gate_t; up_t]``, two boxes of the
 full tensor. The plan sees it as (E, 2, I, H) (``plan_shape``, ``to_plan``, ``plan_view``), where the slice is
-one box again.
+one box again. With expert parallelism in the rollout (``rollout.expert_parallel_size`` = tp) the experts are
+instead split whole (kind ``experts_split``): rank t holds experts t * E / tp .. (t + 1) * E / tp - 1 of both
+fused tensors, a box on dim 0, and adds only their share of each token's output before the same all-reduce.
 """
 
 from __future__ import annotations
@@ -30,12 +32,23 @@ from torch import nn
 
 from hybridflow.engine.parallel.fsdp import FSDP_SHARD_DIM
 from hybridflow.models.families import check_tensor_parallel
+from hybridflow.models.moe import num_experts
 from hybridflow.utils.errors import UserError
 
 # One (start, stop) per dimension of a tensor: the part of a full parameter a rank holds or needs.
 Box = tuple[tuple[int, int], ...]
 
-KINDS = ("replicated", "column", "kv", "row", "vocab", "first", "experts_column", "experts_row")
+KINDS = (
+    "replicated",
+    "column",
+    "kv",
+    "row",
+    "vocab",
+    "first",
+    "experts_column",
+    "experts_row",
+    "experts_split",
+)
 _RULES = (  # (name pattern, kind) for the Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3)
     (r"(^|\.)embed_tokens\.weight$|(^|\.)lm_head\.weight$", "vocab"),
     (r"\.self_attn\.q_proj\.(weight|bias)$", "column"),
@@ -51,8 +64,10 @@ _RULES = (  # (name pattern, kind) for the Llama family (Llama 2/3, Mistral, Qwe
     (r"\.mlp\.shared_experts?\.(gate|up)_proj\.weight$", "column"),
     (r"\.mlp\.shared_experts?\.down_proj\.weight$", "row"),
 )
+# the config field of the number of routed experts, by family (messages name it)
+EXPERT_FIELD = {"qwen2_moe": "num_experts", "qwen3_moe": "num_experts", "mixtral": "num_local_experts"}
 # the dim of the plan's shape (``ShardLayout.plan_shape``) each kind slices over tp
-_SPLIT_DIM = {"row": 1, "experts_row": 2, "experts_column": 2}
+_SPLIT_DIM = {"row": 1, "experts_row": 2, "experts_column": 2, "experts_split": 0}
 
 
 def _whole(shape: tuple[int, ...]) -> Box:
@@ -100,6 +115,8 @@ class ShardLayout:
         """The shape of a rank's buffer (the same on every rank; the last vocabulary slice is padded)."""
         if self.tp == 1 or self.kind in ("replicated", "first"):
             return self.shape
+        if self.kind == "experts_split":  # whole experts over tp
+            return (self.shape[0] // self.tp, *self.shape[1:])
         if self.kind.startswith("experts"):  # the intermediate dim (of each half) over tp
             dim = 1 if self.kind == "experts_column" else 2
             return tuple(n // self.tp if d == dim else n for d, n in enumerate(self.shape))
@@ -149,15 +166,23 @@ def kind_of(name: str) -> str:
     )
 
 
-def layouts(model: nn.Module, tp: int) -> dict[str, ShardLayout]:
-    """The ``ShardLayout`` of every parameter of ``model`` (names as ``named_parameters`` gives them)."""
+def layouts(model: nn.Module, tp: int, ep: int = 1) -> dict[str, ShardLayout]:
+    """The ``ShardLayout`` of every parameter of ``model`` (names as ``named_parameters`` gives them); ``ep``
+    = tp splits a mixture of experts' experts whole over the group instead of slicing each one."""
     if tp == 1:  # a whole replica: every parameter whole, whatever the family (no shard rule needed)
         return {name: ShardLayout("replicated", tuple(p.shape), 1) for name, p in model.named_parameters()}
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return {
-        name: ShardLayout(kind_of(name), tuple(p.shape), tp, head_dim) for name, p in model.named_parameters()
+        name: ShardLayout(generation_kind(name, ep), tuple(p.shape), tp, head_dim)
+        for name, p in model.named_parameters()
     }
+
+
+def generation_kind(name: str, ep: int = 1) -> str:
+    """``kind_of`` for a generation view whose experts are split whole over its group when ``ep`` > 1."""
+    kind = kind_of(name)
+    return "experts_split" if ep > 1 and kind in ("experts_column", "experts_row") else kind
 
 
 def follow_rollout_shards(model: nn.Module, world: int, tp: int) -> int:
@@ -178,20 +203,31 @@ def follow_rollout_shards(model: nn.Module, world: int, tp: int) -> int:
     return marked
 
 
-def moe_problems(config: Any, tp: int) -> list[str]:
-    """The sparse blocks' sizes ``tp`` does not divide ("field=value" each; none for a dense config)."""
-    fields = ("moe_intermediate_size", "shared_expert_intermediate_size")
+def moe_problems(config: Any, tp: int, ep: int = 1) -> list[str]:
+    """The sparse blocks' sizes ``tp`` does not divide ("field=value" each; none for a dense config): every
+    expert's intermediate dim, or with ``ep`` > 1 (experts split whole) their number; a shared expert's."""
+    experts = num_experts(config)
+    if ep > 1:
+        problems = [f"{EXPERT_FIELD.get(config.model_type, 'num_experts')}={experts}"] if experts % tp else []
+        fields: tuple[str, ...] = ("shared_expert_intermediate_size",)
+    else:
+        problems, fields = [], ("moe_intermediate_size", "shared_expert_intermediate_size")
     if getattr(config, "model_type", None) == "mixtral":  # its experts use intermediate_size, checked anyway
-        return []
-    return [
+        return problems
+    return problems + [
         f"{f}={getattr(config, f)}" for f in fields if getattr(config, f, None) and getattr(config, f) % tp
     ]
 
 
-def check_tp(config: Any, tp: int) -> None:
+def check_tp(config: Any, tp: int, ep: int = 1) -> None:
     """Raise UserError naming the fields when ``tp`` cannot split this model's heads, MLP and experts (or the
-    family has no shard rules)."""
+    family has no shard rules); ``ep`` = tp: the experts split whole (``rollout.expert_parallel_size``)."""
     check_tensor_parallel(config, "rollout.tensor_model_parallel_size", tp)
+    if ep > 1 and not num_experts(config):
+        raise UserError(
+            f"rollout.expert_parallel_size={ep} splits a mixture of experts' experts, but this model is dense "
+            f"({getattr(config, 'model_type', '?')}): set rollout.expert_parallel_size=1"
+        )
     if tp == 1:  # nothing to split (and a family without shard rules may lack the fields below)
         return
     heads = config.num_attention_heads
@@ -201,11 +237,10 @@ def check_tp(config: Any, tp: int) -> None:
         problems.append(f"num_attention_heads={heads}")
     if kv % tp and tp % kv:
         problems.append(f"num_key_value_heads={kv} (a multiple of tp, or a divisor of it)")
-    if config.intermediate_size % tp:
+    experts_use_it = ep > 1 and getattr(config, "model_type", None) == "mixtral"  # Mixtral's experts' size
+    if config.intermediate_size % tp and not experts_use_it:
         problems.append(f"intermediate_size={config.intermediate_size}")
-    problems += moe_problems(
-        config, tp
-    )  # every expert (and a shared expert) is sliced on its intermediate dim
+    problems += moe_problems(config, tp, ep)  # each expert sliced on its intermediate dim, or split whole
     if problems:
         raise UserError(
             f"rollout.tensor_model_parallel_size={tp} does not split this model: {', '.join(problems)}; "

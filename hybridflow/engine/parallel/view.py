@@ -20,16 +20,27 @@ from hybridflow.utils.errors import UserError
 
 @dataclass(frozen=True)
 class GenerateView:
-    """``world`` ranks generating in ``world // tp`` groups of ``tp`` (tp = 1: a whole replica per rank)."""
+    """``world`` ranks generating in ``world // tp`` groups of ``tp`` (tp = 1: a whole replica per rank).
+
+    ``ep``: a mixture of experts' experts split whole over each group (ep = tp) rather than each expert sliced
+    over it (ep = 1). Expert parallelism across groups (ep = tp x dp) would make the groups, which decode
+    independently, step together every layer: not built."""
 
     world: int
     tp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if self.tp < 1:
             raise UserError(f"rollout.tensor_model_parallel_size must be at least 1, got {self.tp}")
         if self.world % self.tp:
             raise ConfigError([not_dividing("rollout.tensor_model_parallel_size", self.tp, self.world)])
+        if self.ep not in (1, self.tp):
+            raise UserError(
+                f"rollout.expert_parallel_size={self.ep} with rollout.tensor_model_parallel_size={self.tp}: "
+                "experts split over ranks of one rollout group only (groups decode independently); set it "
+                f"to 1 (each expert sliced over the group) or {self.tp} (whole experts per rank)"
+            )
 
     @property
     def dp(self) -> int:
@@ -49,6 +60,8 @@ class GenerateView:
         return [dp_rank + t * self.dp for t in range(self.tp)]
 
     def __str__(self) -> str:
+        if self.ep > 1:
+            return f"(tp={self.tp}, ep={self.ep}, dp={self.dp})"
         return f"(tp={self.tp}, dp={self.dp})"
 
 

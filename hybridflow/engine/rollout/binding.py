@@ -13,6 +13,7 @@ shared expert the same way; HF's sparse block and the trainer's ``MoEBlock`` hav
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -47,10 +48,18 @@ class WeightBinding:
     """
 
     def __init__(
-        self, hf_model: nn.Module, dtype: torch.dtype, device: torch.device, dims: LayerDims
+        self,
+        hf_model: nn.Module,
+        dtype: torch.dtype,
+        device: torch.device,
+        dims: LayerDims,
+        expert_rank: int = 0,
     ) -> None:
+        """``expert_rank``: this rank's place in an expert-parallel rollout group, whose sparse blocks hold
+        E / size whole experts each (``tp.split_experts``): it holds experts expert_rank * E / size onward."""
         self._model = hf_model
         self.dtype, self.device, self.dims = dtype, device, dims
+        self.expert_rank = expert_rank
         self.bind()
 
     def _bind(self, parts: list[tuple[nn.Module, str]], fuse: bool | None = None) -> list[torch.Tensor]:
@@ -107,6 +116,8 @@ class WeightBinding:
         x = torch.empty(0, hidden, dtype=self.dtype, device=self.device)  # what the forward will feed
         fits = grouped_mm_fits(x, gate_up, down) and gate_up.dtype == self.dtype
         moe.experts = grouped_experts if fits else loop_experts  # run_experts' choice, made once
+        if e < spec.num_experts:  # an expert-parallel rollout rank: its whole experts, one block of them
+            moe.experts = functools.partial(moe.experts, offset=self.expert_rank * e)
         self._sparse += 1
         shared = getattr(mlp, "shared_expert", None)
         if shared is not None:

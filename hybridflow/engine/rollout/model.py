@@ -117,7 +117,9 @@ class LlamaRunner(PagedForward):
             ),
             mlp_splits=(config.intermediate_size,) * 2,
         )
-        self.weights = WeightBinding(hf_model, self.dtype, self.device, self.dims)
+        self.weights = WeightBinding(
+            hf_model, self.dtype, self.device, self.dims, 0 if tp is None else tp.rank
+        )
         self.router = router_spec(config)  # None: dense
         # Decode's projections as batched GEMMs over slices of K whose float32 partials the next fused kernel
         # sums (blocks.split_linear); all 1 leaves them to cuBLAS. Worth it only under torch.compile.
@@ -154,7 +156,8 @@ class LlamaRunner(PagedForward):
     def graph_safe(self) -> bool:
         """Whether a decode step has fixed shapes and no host sync (CUDA graphs): dense, or experts run as
         grouped GEMMs here (``moe.grouped_mm_fits``: CPU, or CUDA bf16 on SM90+; else the loop over experts)."""
-        return all(w.moe.experts is grouped_experts for w in self.layers if w.moe is not None)
+        fns = (getattr(w.moe.experts, "func", w.moe.experts) for w in self.layers if w.moe is not None)
+        return all(fn is grouped_experts for fn in fns)  # a partial: an expert-parallel rank's experts
 
     def refresh(self) -> bool:
         """Copy the module's current weights into the cast buffers (``WeightBinding.refresh``); True when the

@@ -7,6 +7,9 @@ shared expert as a dense MLP, the router and the shared expert's gate replicated
 a partial sum that the all-reduce after the MLP completes, exactly as a dense MLP's down projection does, and
 every rank routes alike (the router is whole). ``moe_pieces`` is the box data the reshard plan needs;
 ``moe_problems`` (``parallel.layout``, checked by ``check_tp``) names the sizes a tp does not divide.
+With ``rollout.expert_parallel_size`` = tp the experts are split whole instead (``split_experts``: rank t keeps
+experts t * E / tp onward); the runner then adds only its experts' share of each token, before the same
+all-reduce.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from hybridflow.engine.parallel.layout import check_tp, moe_problems  # noqa: F401 (re-exported: the MoE rules)
+from hybridflow.models.moe import is_sparse_block
 
 # (parameter name pattern, kind) of the sparse blocks of Qwen2/3-MoE and Mixtral (HF's names, MoEBlock's too).
 MOE_RULES = (
@@ -57,22 +61,25 @@ def moe_pieces(kind: str, shape: tuple[int, ...], tp: int, t: int) -> list[tuple
             for h in range(halves)]  # fmt: skip
 
 
-def shard_config(config: Any, tp: int) -> Any:
+def shard_config(config: Any, tp: int, ep: int = 1) -> Any:
     """The config of one rollout rank's shard (checked): local heads, intermediate sizes and vocabulary."""
-    check_tp(config, tp)
-    return local_config(config, tp)
+    check_tp(config, tp, ep)
+    return local_config(config, tp, ep)
 
 
-def local_config(config: Any, tp: int) -> Any:
-    """``shard_config`` without the checks: local heads, intermediate sizes (experts' too) and vocabulary."""
+def local_config(config: Any, tp: int, ep: int = 1) -> Any:
+    """``shard_config`` without the checks: local heads, intermediate sizes (experts' too unless ``ep`` > 1
+    splits them whole: ``split_experts`` then keeps E / ep of them) and vocabulary."""
     local = copy.deepcopy(config)
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     local.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     local.num_attention_heads = heads // tp
     local.num_key_value_heads = max(kv // tp, 1)
-    local.intermediate_size = config.intermediate_size // tp
-    for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # Qwen2/3-MoE's experts
+    whole = ep > 1 and config.model_type == "mixtral"  # Mixtral's experts use intermediate_size
+    local.intermediate_size = config.intermediate_size // (1 if whole else tp)
+    sliced = ("shared_expert_intermediate_size",) + (() if ep > 1 else ("moe_intermediate_size",))
+    for field in sliced:  # a shared expert, and Qwen2/3-MoE's experts when each one is sliced
         if getattr(config, field, None):
             setattr(local, field, getattr(config, field) // tp)
     local.vocab_size = -(-config.vocab_size // tp)
@@ -86,19 +93,23 @@ def meta_model(model: nn.Module) -> nn.Module:
         return type(model)(copy.deepcopy(model.config))
 
 
-def build_shard(model: nn.Module, tp: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_shard(
+    model: nn.Module, tp: int, dtype: torch.dtype, device: torch.device, ep: int = 1
+) -> nn.Module:
     """An empty module of ``model``'s class in the shape of one rollout rank's shard (never the whole model).
 
     Built on the meta device and allocated on ``device`` in ``dtype`` without weight init (the reshard fills
     every weight). Buffers (the rotary frequencies) are the full model's own, in their own dtype (float32,
-    as the trainer computes RoPE).
+    as the trainer computes RoPE). ``ep`` = tp: each sparse block keeps E / tp whole experts.
     """
-    config = shard_config(model.config, tp) if tp > 1 else copy.deepcopy(model.config)
+    config = shard_config(model.config, tp, ep) if tp > 1 else copy.deepcopy(model.config)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
             shard = type(model)(config)
+            if ep > 1:
+                split_experts(shard, ep)
     finally:
         torch.set_default_dtype(default)
     shard.to_empty(device=device)
@@ -112,6 +123,22 @@ def build_shard(model: nn.Module, tp: int, dtype: torch.dtype, device: torch.dev
     for p in shard.parameters():
         p.requires_grad_(False)
     return shard.eval()
+
+
+def split_experts(model: nn.Module, ep: int) -> int:
+    """Shrink every sparse block's fused experts to E / ep (on their device, the meta one when building a
+    shard): a rank of an expert-parallel rollout holds whole experts, the router stays whole. Returns how
+    many blocks."""
+    blocks = [m for m in model.modules() if is_sparse_block(m)]
+    for block in blocks:
+        experts = block.experts
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(experts, name)
+            local = torch.empty((full.shape[0] // ep, *full.shape[1:]), dtype=full.dtype, device=full.device)
+            setattr(experts, name, nn.Parameter(local, requires_grad=False))
+        if hasattr(experts, "num_experts"):
+            experts.num_experts = experts.gate_up_proj.shape[0]
+    return len(blocks)
 
 
 class RolloutTP:

@@ -1,8 +1,8 @@
 """The reshard plan from an expert-parallel training view (ep whole experts per group, FSDP2 over the rest)
-into generation views whose ranks hold whole replicas (tp_g = 1) or slices of every expert on its
-intermediate dim (tp_g = 2: gate_up's two halves sliced alike, down on its last dim, the router replicated):
-every rank receives exactly the elements it lacks, each from one holder, and on gloo processes the
-resharder fills the buffers bit-exact."""
+into generation views whose ranks hold whole replicas (tp_g = 1), slices of every expert on its
+intermediate dim (tp_g = 2: gate_up's two halves sliced alike, down on its last dim, the router replicated),
+or whole experts split over the group (EP generation, ep_g = tp_g): every rank receives exactly the
+elements it lacks, each from one holder, and on gloo processes the resharder fills the buffers bit-exact."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 from dist_util import run_world_kept as run_world
 
-from hybridflow.engine.hybrid.plan import ParamSpec, ReshardPlan
+from hybridflow.engine.hybrid.plan import ParamSpec, ReshardPlan, volume
 from hybridflow.engine.parallel.dims import ParallelDims, train_box
 from hybridflow.engine.parallel.ep import is_expert
-from hybridflow.engine.parallel.layout import ShardLayout, kind_of
+from hybridflow.engine.parallel.layout import ShardLayout, generation_kind
 from hybridflow.engine.parallel.view import GenerateView
 
 E, H, INTER = 4, 16, 12  # experts, hidden, expert intermediate (gate_up is (E, 2I, H))
@@ -30,19 +30,21 @@ SHAPES = {
     "model.norm.weight": (H,),
 }
 VIEWS = [(2, 2, 1), (2, 2, 2), (4, 2, 1), (4, 2, 2), (4, 4, 2), (4, 4, 4)]  # (world, ep, tp_g)
+EP_VIEWS = [(2, 2, 2), (4, 2, 2), (4, 2, 4), (4, 4, 2), (4, 4, 4)]  # (world, ep, tp_g = ep_g)
 
 
-def plan_for(world: int, ep: int, tp: int) -> ReshardPlan:
-    """The plan of SHAPES from ``ParallelDims(world, ep=ep)`` (its boxes as the DTensors hold them) to tp_g."""
+def plan_for(world: int, ep: int, tp: int, ep_g: int = 1) -> ReshardPlan:
+    """The plan of SHAPES from ``ParallelDims(world, ep=ep)`` (its boxes as the DTensors hold them) to tp_g
+    (``ep_g`` = tp_g: the experts split whole over each generation group)."""
     view = ParallelDims(world, ep=ep)
     specs, holdings = [], [[] for _ in range(world)]
     for name, shape in SHAPES.items():
-        layout = ShardLayout(kind_of(name) if tp > 1 else "replicated", shape, tp)
+        layout = ShardLayout(generation_kind(name, ep_g) if tp > 1 else "replicated", shape, tp)
         specs.append(ParamSpec(name, layout.plan_shape, None, layout))
         kind = "experts" if is_expert(name) else "replicated"
         for rank in range(world):
             holdings[rank].append(layout.to_plan(train_box(kind, shape, view, rank)))
-    return ReshardPlan(specs, GenerateView(world, tp), 4, 1 << 12, holdings, str(view))
+    return ReshardPlan(specs, GenerateView(world, tp, ep_g), 4, 1 << 12, holdings, str(view))
 
 
 def elements(box) -> set[tuple[int, ...]]:
@@ -68,7 +70,28 @@ def test_each_generation_rank_receives_its_experts_or_slices_once_from_a_holder(
     assert f"train_view=(fsdp={world}, ep={ep})" in str(plan)
 
 
-def reshard_experts(rank: int, world: int, ep: int, tp: int) -> dict[str, bool]:
+def test_ep_generation_ranks_receive_whole_experts_once_from_a_holder() -> None:
+    for world, ep, tp in EP_VIEWS:
+        plan = plan_for(world, ep, tp, ep_g=tp)
+        assert f"generate_view=(tp={tp}, ep={tp}, dp={world // tp})" in str(plan)
+        for rank in range(world):
+            for i, p in enumerate(plan.params):
+                got = []
+                for t in (t for t in plan.transfers if t.param == i and t.dst == rank):
+                    assert elements(t.box) <= elements(plan.held(i, t.src))
+                    got += elements(t.box)
+                assert sorted(got) == sorted(elements(plan.needed(i, rank))), (world, ep, tp, p.name)
+        gate_up, down = plan.params[3], plan.params[4]  # whole experts: native (E, 2I, H), a box on dim 0
+        t = plan.view.tp_rank(world - 1)
+        assert gate_up.layout.local_shape() == (E // tp, 2 * INTER, H)
+        assert plan.needed(3, world - 1) == ((t * E // tp, (t + 1) * E // tp), (0, 2 * INTER), (0, H))
+        assert down.layout.local_shape() == (E // tp, H, INTER)
+        if ep == tp:  # train and generate split the experts alike: the ep peers' copies, no slicing
+            sizes = {volume(x.box) for x in plan.transfers if x.param == 3}
+            assert sizes <= {E // tp * 2 * INTER * H // (world // ep), E // tp * 2 * INTER * H}
+
+
+def reshard_experts(rank: int, world: int, ep: int, tp: int, ep_g: int = 1) -> dict[str, bool]:
     """Each rank's training boxes cut from known full tensors, resharded into its generation buffers: whether
     each buffer is exactly its slice of the full tensor (gate_up: ``[gate_t; up_t]``)."""
     import torch.distributed as dist
@@ -76,7 +99,7 @@ def reshard_experts(rank: int, world: int, ep: int, tp: int) -> dict[str, bool]:
     from hybridflow.engine.hybrid.resharder import Resharder
 
     dist.init_process_group("gloo")
-    plan = plan_for(world, ep, tp)
+    plan = plan_for(world, ep, tp, ep_g)
     sources, targets, want = [], [], {}
     for i, p in enumerate(plan.params):
         shape, layout = p.layout.shape, p.layout
@@ -101,6 +124,13 @@ def test_the_resharder_fills_expert_slices_bit_exact(world: int, ep: int, tp: in
     box = layout.box(1)  # rank 1's slice: the second half of gate's rows, then of up's
     got = layout.plan_view(whole)[tuple(slice(lo, hi) for lo, hi in box)].reshape(E, INTER, H)
     assert torch.equal(got, torch.cat([whole[:, INTER // 2 : INTER], whole[:, INTER + INTER // 2 :]], dim=1))
+
+
+@pytest.mark.parametrize(("world", "ep", "tp"), [(2, 2, 2), (4, 2, 2), (4, 2, 4)])
+def test_the_resharder_fills_ep_generation_buffers_bit_exact(world: int, ep: int, tp: int) -> None:
+    # From (fsdp, ep = 2) into whole experts split over the generation group, each rank's E / tp of them.
+    for rank, same in enumerate(run_world(world, reshard_experts, world, ep, tp, tp)):
+        assert all(same.values()), (rank, [n for n, ok in same.items() if not ok])
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])

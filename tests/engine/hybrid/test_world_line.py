@@ -45,6 +45,19 @@ from hybridflow.engine.hybrid.world import world_line
             "generate_view=(tp=1, dp=8) (baseline: a kept copy per rank); critic train_view=(fsdp=8) "
             "on 8 ranks of its own",
         ),
+        (  # the HybridFlow write-ups' mixture-of-experts mapping: train tp=8, ep=2 -> generate tp=4
+            [
+                "trainer.device=cpu",
+                "trainer.nnodes=2",
+                "trainer.n_gpus_per_node=8",
+                "actor.parallel.tp=8",
+                "megatron.expert_model_parallel_size=2",
+                "rollout.tensor_model_parallel_size=4",
+                "actor_rollout_ref.rollout.expert_parallel_size=4",
+            ],
+            "world: 16 ranks (2 nodes x 8, cpu/gloo, local backend); actor train_view=(tp=8, pp=1, dp=2, ep=2) "
+            "generate_view=(tp=4, ep=4, dp=4) (hybrid engine)",
+        ),
     ],
 )
 def test_the_world_line_names_every_view(overrides: list[str], line: str) -> None:

@@ -251,21 +251,27 @@ def test_the_sparse_decode_step_traces_whole_and_records_in_place() -> None:
     assert caches[0].routing[0].any() and not caches[0].routing[4].any()  # row 1's went to scratch
 
 
-def tp_shard(full: torch.nn.Module, tp: int, t: int) -> torch.nn.Module:
+def tp_shard(full: torch.nn.Module, tp: int, t: int, ep: int = 1) -> torch.nn.Module:
     """Rank t's tensor-parallel shard of ``full``: the Llama family's rules (``parallel.layout``) for attention,
-    norms and vocabulary, ``tp.MOE_RULES`` for the sparse blocks (what the reshard plan will move)."""
-    from hybridflow.engine.parallel.layout import ShardLayout, kind_of
-    from hybridflow.engine.rollout.tp import local_config, moe_kind, moe_pieces
+    norms and vocabulary, ``tp.MOE_RULES`` for the sparse blocks (what the reshard plan will move); ``ep`` =
+    tp: whole experts t * E / tp onward instead (``layout``'s ``experts_split``)."""
+    from hybridflow.engine.parallel.layout import ShardLayout, generation_kind, kind_of
+    from hybridflow.engine.rollout.tp import local_config, moe_kind, moe_pieces, split_experts
 
     torch.manual_seed(0)
-    shard = type(full)(local_config(full.config, tp)).eval()
+    shard = type(full)(local_config(full.config, tp, ep)).eval()
+    if ep > 1:
+        split_experts(shard, ep)
     config = full.config
     head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     sources = dict(full.named_parameters())
     with torch.no_grad():
         for name, p in shard.named_parameters():
             src, kind = sources[name], moe_kind(name)
-            if kind is not None:
+            if generation_kind(name, ep) == "experts_split":
+                box = ShardLayout("experts_split", tuple(src.shape), tp).box(t)
+                pieces = [(box, tuple((0, b - a) for a, b in box))]
+            elif kind is not None:
                 pieces = moe_pieces(kind, tuple(src.shape), tp, t)
             else:
                 box = ShardLayout(kind_of(name), tuple(src.shape), tp, head).box(t)
@@ -276,8 +282,9 @@ def tp_shard(full: torch.nn.Module, tp: int, t: int) -> torch.nn.Module:
     return shard
 
 
-def moe_tp_on_ranks(rank: int, world: int) -> dict:
-    """Each MoE family at tp = world (gloo) against one process: tokens, log-probs and routing records."""
+def moe_tp_on_ranks(rank: int, world: int, ep: int = 1) -> dict:
+    """Each MoE family at tp = world (gloo) against one process: tokens, log-probs and routing records;
+    ``ep`` = world: the experts split whole over the ranks instead of sliced."""
     import torch.distributed as dist
 
     from hybridflow.engine.rollout.tp import RolloutTP
@@ -287,10 +294,11 @@ def moe_tp_on_ranks(rank: int, world: int) -> dict:
     out = {}
     for arch in MOE_ARCHS:
         full = lively_moe(arch, scale=0.2)  # smaller logits: float32 rounding well within 1e-5 (see above)
-        shard = tp_shard(full, world, rank)
+        shard = tp_shard(full, world, rank, ep)
+        dim = 0 if ep > 1 else -1  # whole experts, or a slice of every one
         assert (
-            shard.model.layers[0].mlp.experts.down_proj.shape[-1] * world
-            == (full.model.layers[0].mlp.experts.down_proj.shape[-1])
+            shard.model.layers[0].mlp.experts.down_proj.shape[dim] * world
+            == (full.model.layers[0].mlp.experts.down_proj.shape[dim])
         )
         params = greedy(10, n=2)
         kw = dict(block_size=4, record_routing=True)
@@ -315,6 +323,16 @@ def test_tensor_parallel_experts_generate_what_one_process_does() -> None:
         for arch, r in by_arch.items():
             assert r["equal"] and r["gap"] < 1e-5 and r["routing"], (rank, arch, r)
             assert r["preempted"] > 0, (rank, arch)
+
+
+def test_experts_split_whole_over_the_group_generate_what_one_process_does() -> None:
+    """Expert parallelism in the rollout (``rollout.expert_parallel_size`` = tp = 2): each rank holds two of
+    the four experts whole, adds only their share of each token, and the all-reduce completes the sum."""
+    from dist_util import run_world_kept
+
+    for rank, by_arch in enumerate(run_world_kept(2, moe_tp_on_ranks, 2, 2)):
+        for arch, r in by_arch.items():
+            assert r["equal"] and r["gap"] < 1e-5 and r["routing"], (rank, arch, r)
 
 
 def test_the_expert_shard_rules() -> None:

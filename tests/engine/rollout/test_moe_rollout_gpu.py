@@ -52,3 +52,34 @@ def test_float32_decodes_without_graphs_and_equals_hf() -> None:
     engine = PagedEngine(on_cpu.cuda(), block_size=4)
     assert not engine.use_graphs  # the loop over experts has data-dependent shapes
     assert [g[0].token_ids for g in engine.generate(PROMPTS, greedy(8))] == want
+
+
+def test_an_expert_parallel_ranks_share_captures_and_the_shares_sum_to_the_whole() -> None:
+    # What each rank of an expert-parallel rollout (rollout.expert_parallel_size) runs: its E / 2 experts'
+    # share of every token, with fixed shapes (no host sync), so it captures in a CUDA graph; the two shares
+    # sum to the whole block's output (the all-reduce's job across ranks).
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("grouped GEMMs on CUDA need SM90 or newer")
+    from hybridflow.models.moe import grouped_experts
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, h, i, e, k = 64, 256, 128, 8, 2
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    ids = torch.rand(n, e, device="cuda", generator=g).topk(k, dim=-1)[1]  # (N, k), distinct experts
+    w = torch.rand(n, k, device="cuda", generator=g).to(torch.bfloat16)
+    gate_up = (torch.randn(e, 2 * i, h, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+    down = (torch.randn(e, h, i, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+    halves = [(gate_up[r * 4 : (r + 1) * 4], down[r * 4 : (r + 1) * 4], r * 4) for r in range(2)]
+    eager = [grouped_experts(x, ids, w, a, b, offset=o) for a, b, o in halves]
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # warm up off the default stream, as graph capture wants
+        grouped_experts(x, ids, w, *halves[0][:2], offset=0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = grouped_experts(x, ids, w, *halves[1][:2], offset=4)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager[1])
+    whole = grouped_experts(x, ids, w, gate_up, down)
+    assert (eager[0].float() + eager[1].float() - whole.float()).abs().max().item() < 0.02
