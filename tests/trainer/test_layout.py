@@ -106,7 +106,9 @@ def test_hybridflow_plan_shows_the_write_ups_moe_mapping(ep_generate: int, capsy
     # sliced over the rollout group or split whole over it: the same generation bytes either way
     moe = ["actor.parallel.tp=8", "actor.parallel.ep=2", "rollout.tensor_model_parallel_size=4"]
     moe.append(f"rollout.expert_parallel_size={ep_generate}")
-    assert main(["plan", "--model-shape", "mixtral-8x7b", "--gpus", "16", "--gpu-memory-gb", "141", *moe]) == 0
+    assert (
+        main(["plan", "--model-shape", "mixtral-8x7b", "--gpus", "16", "--gpu-memory-gb", "141", *moe]) == 0
+    )
     out = capsys.readouterr().out
     generate = "(tp=4, ep=4, dp=4)" if ep_generate > 1 else "(tp=4, dp=4)"
     assert out.startswith(f"auto layout: train_view=(tp=8, pp=1, dp=2, ep=2), generate_view={generate}")
