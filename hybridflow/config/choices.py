@@ -114,6 +114,8 @@ CHOICES: dict[str, list[str]] = {
     "trainer.device": ["auto", "cuda", "cpu"],
     "trainer.backend": ["local", "ray"],
     "trainer.placement": ["colocated", "split"],
+    "trainer.async_mode": ["sync", "colocate", "separate"],
+    "trainer.staleness_policy": ["wait", "drop"],
     "preference.loss_type": ["sigmoid", "ipo"],
     "preference.truncation": ["error", "left", "right", "filter"],
 }

@@ -258,6 +258,13 @@ class TrainerConfig:
     backend: str = option("local", "Worker backend: local (in-process, one rank) or ray.")
     ray_address: str | None = option(None, "Ray cluster to join; null starts a local Ray instance.")
     placement: str = option("colocated", "Role placement: colocated (share devices) or split.")
+    async_mode: str = option(
+        "sync", "sync (each step waits for its batch), colocate (partial rollouts carried over) or separate."
+    )
+    max_staleness: int = option(1, "Async: weight versions a trained token may lag the policy, 1 to 8.")
+    staleness_policy: str = option(
+        "wait", "Async: a group about to exceed max_staleness: wait (finish it now) or drop it."
+    )
     nccl_timeout: int = option(600, "Timeout of collectives in seconds.")
     auto_layout: bool = option(
         True,

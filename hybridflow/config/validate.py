@@ -22,6 +22,7 @@ from hybridflow.config.validate_algos import (
     check_policy_loss,
     check_rollout_correction,
 )
+from hybridflow.config.validate_async import check_async
 from hybridflow.config.views import check_train_views, not_dividing
 
 logger = logging.getLogger(__name__)
@@ -161,6 +162,7 @@ def _check_consistency(cfg: Config, out: list[Problem]) -> None:
     _check_trainer(cfg, out)
     _check_offload(cfg, out)
     _check_unimplemented(cfg, out)
+    check_async(cfg, out)
 
 
 def _check_unimplemented(cfg: Config, out: list[Problem]) -> None:

@@ -50,6 +50,8 @@ def trainer_state(trainer: Any) -> dict[str, Any]:
         "global_step": trainer.global_step,
         "sampler": trainer.sampler.state_dict() if trainer.sampler is not None else None,  # step-wise: none
         "kl_ctrl": trainer.kl_ctrl.state_dict() if trainer.kl_ctrl is not None else None,
+        # trainer.async_mode=colocate: the groups in flight, continued after a resume (never trained twice)
+        "in_flight": trainer.inflight.state_dict() if getattr(trainer, "inflight", None) else None,
     }
 
 
@@ -60,6 +62,15 @@ def restore_trainer_state(trainer: Any, state: dict[str, Any]) -> None:
         trainer.sampler.load_state_dict(state["sampler"])
     if trainer.kl_ctrl is not None and state.get("kl_ctrl") is not None:
         trainer.kl_ctrl.load_state_dict(state["kl_ctrl"])
+    flights = state.get("in_flight")
+    if getattr(trainer, "inflight", None) is not None and flights is not None:
+        trainer.inflight.load_state_dict(flights)
+    elif flights and flights["flights"]:
+        logger.warning(
+            "the checkpoint holds %d prompt groups in flight (trainer.async_mode=colocate); this run is "
+            "synchronous, so they are not continued (their prompts come round again next epoch)",
+            len(flights["flights"]),
+        )
 
 
 def save_checkpoint(trainer: Any, metrics: dict[str, float] | None = None) -> Path:

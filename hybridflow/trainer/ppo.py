@@ -200,10 +200,8 @@ class PPOTrainer(TrainingLoop):
     def step(self) -> dict[str, float]:
         """One training step: the dataflow over a fresh batch of prompts, then the step's metrics."""
         start = time.perf_counter()
-        indices = self.sampler.next_batch()
-        batch = collate_prompts([self.c.train[i] for i in indices], self.c.pad_token_id)
         metrics: dict[str, float] = {"training/global_step": float(self.global_step)}
-        batch = self.dataflow.run(batch, metrics)
+        batch = self.dataflow.run(self._next_prompts(), metrics)
         elapsed = time.perf_counter() - start
         memory = self.c.actor.memory()
         metrics.update(memory)
@@ -213,11 +211,15 @@ class PPOTrainer(TrainingLoop):
         self.clip_watch.update(metrics)
         return metrics
 
-    # ----- stages -----------------------------------------------------------------------------------------
-    def _generate(self, prompts: Batch, metrics: dict[str, float]) -> Batch:
-        """Sample rollout.n responses per prompt; the prompts' non-tensor fields repeat alongside."""
+    def _next_prompts(self) -> Batch:
+        """The step's prompts: the sampler's next batch, collated (left-padded)."""
+        indices = self.sampler.next_batch()
+        return collate_prompts([self.c.train[i] for i in indices], self.c.pad_token_id)
+
+    def _sampling_params(self) -> Any:
+        """The rollout's sampling settings of this step (its seed moves with the step)."""
         r = self.cfg.rollout
-        params = self.c.actor.sampling_params(
+        return self.c.actor.sampling_params(
             r.n,
             r.temperature,
             r.top_p,
@@ -226,6 +228,12 @@ class PPOTrainer(TrainingLoop):
             self.c.eos_token_ids,
             seed=self.cfg.trainer.seed + self.global_step,
         )
+
+    # ----- stages -----------------------------------------------------------------------------------------
+    def _generate(self, prompts: Batch, metrics: dict[str, float]) -> Batch:
+        """Sample rollout.n responses per prompt; the prompts' non-tensor fields repeat alongside."""
+        r = self.cfg.rollout
+        params = self._sampling_params()
         out = self.c.actor.generate(prompts.select(PROMPT_KEYS, non_tensor_keys=[]), params)
         add_rollout_stats(metrics, out.meta.pop("rollout_stats", None))
         add_reshard_stats(metrics, out.meta.pop("reshard", None))

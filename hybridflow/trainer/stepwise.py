@@ -144,6 +144,11 @@ class Trainer:
 
     def _start(self) -> None:
         """The loop's stages and state (resumed when the run directory holds a checkpoint), and the tracker."""
+        if self.cfg.trainer.async_mode != "sync":
+            raise UserError(
+                f"trainer.async_mode={self.cfg.trainer.async_mode}: the step-wise API trains on the prompts "
+                "each call brings, synchronously; use trainer.async_mode=sync (or hybridflow train)"
+            )
         self.loop = PPOTrainer(self.cfg, self.components)  # no prompt sampler: the caller brings the prompts
         start = self.loop.resume()
         self._updates = self._rollouts = start

@@ -16,7 +16,9 @@ from hybridflow.engine import (
     ActorEngine,
     BroadcastReplica,
     GenerateView,
+    GroupState,
     HFRollout,
+    PagedEngine,
     ParallelDims,
     RolloutGroup,
     RolloutShard,
@@ -30,6 +32,7 @@ from hybridflow.engine import (
     pack_prompt_response,
     pack_routing,
     pad_rows,
+    roll_partial,
     to_dtype,
     update_preference,
 )
@@ -298,6 +301,36 @@ class ActorWorker:
         if reshard is not None:
             batch.meta["reshard"] = reshard
         return batch
+
+    def generate_partial(
+        self,
+        groups: list[GroupState],
+        params: SamplingParams,
+        quota: int,
+        version: int,
+        finish: frozenset[int],
+    ) -> tuple[list[GroupState], dict[str, Any]]:
+        """One phase of a partial rollout (``trainer.async_mode=colocate``, ``engine.rollout.partial``): this
+        rollout group's ``groups`` until ``quota`` are done (and those keyed in ``finish``), the rest handed
+        back unfinished. Every rank of a rollout group gets the same groups and returns the same states.
+        Returns the groups and the phase's meta (``rollout_stats``, ``reshard``)."""
+        if not isinstance(self.rollout, PagedEngine):
+            raise UserError(
+                "trainer.async_mode=colocate continues partial samples with the built-in paged engine; this "
+                f"model generates with {type(self.rollout).__name__} (see the warning above): use "
+                "trainer.async_mode=sync"
+            )
+        reshard = self._switch_to_generation()
+        self._log_switch()
+        params = dataclasses.replace(params, seed=self.group.seed(params.seed))
+        with Progress("rollout (partial)", total=quota, unit="groups"):
+            groups = roll_partial(self.rollout, groups, params, quota, version, finish)
+        if self.weights is not None and self.cfg.rollout.free_cache_engine:
+            self.weights.release()
+        meta: dict[str, Any] = {"rollout_stats": dataclasses.asdict(self.rollout.last_stats)}
+        if reshard is not None:
+            meta["reshard"] = reshard
+        return groups, meta
 
     def _switch_to_generation(self) -> dict[str, float] | None:
         """Refresh the rollout's own weights from the shards (every rank together); the switch's figures.

@@ -185,6 +185,20 @@ class ActorHandle(RoleHandle):
         out["uid"] = np.repeat(np.array([str(i) for i in range(len(prompts))], dtype=object), params.n)
         return out
 
+    def generate_partial(
+        self, groups: list[list[Any]], params: Any, quotas: list[int], version: int, finish: frozenset[int]
+    ) -> list[tuple[list[Any], dict[str, Any]]]:
+        """One partial-rollout phase (``trainer.async_mode=colocate``): rollout group d runs ``groups[d]``
+        until ``quotas[d]`` are done; per rollout group, its updated groups and the phase's meta."""
+        layout = self.group.layout(self.role, "generate")
+        assert len(groups) == len(quotas) == layout.dp, "one list of groups and one quota per rollout group"
+        per_rank = [
+            (self.role, "generate_partial", groups[d], params, quotas[d], version, finish)
+            for d in layout.replica_of
+        ]
+        results = self.group.run_each("call", per_rank)
+        return [results[s] for s in layout.sources]
+
     def compute_log_prob(self, batch: Batch) -> Batch:
         """``old_log_probs`` and ``entropys``."""
         return self._split("compute_log_prob", batch, POLICY_KEYS)

@@ -81,11 +81,10 @@ def view_memory(
     As the engine lays them out: each pipeline stage holding its own layers (the embedding on the first, the
     norm and head on the last, a tied head on both), FSDP2 over dp, the projections split over tp (embedding,
     norms and head replicated), row-parallel weights sharded by FSDP2 on dim 1 when training is FSDP2 alone
-    and the rollout tensor-parallel (``follow_rollout_shards``). A mixture of experts' blocks train whole on
-    every tp rank, its experts split whole over ``view.ep`` (FSDP2 over the rest), and generate with every
-    expert sliced over tp_generate or, with ``ep_generate`` = tp_generate, E / tp_generate whole experts per
-    rank. ``switch=False`` leaves out the reshard plan's transfers (``received_bytes`` is then None): at
-    hundreds of ranks they are what takes the time.
+    and the rollout tensor-parallel (``follow_rollout_shards``). MoE blocks train whole on every tp rank, experts
+    split over ``view.ep``, and generate sliced over tp_generate or split whole (``ep_generate`` = tp_generate).
+    ``switch=False`` leaves out the plan's transfers (``received_bytes`` None): at hundreds of ranks they are
+    what takes the time.
     """
     world = view.world
     config = model.config

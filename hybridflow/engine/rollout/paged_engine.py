@@ -109,8 +109,9 @@ class PagedEngine:
 
     # ---- the step API ----------------------------------------------------------------------------------
 
-    def add(self, prompt: list[int], params: SamplingParams) -> list[int]:
-        """Queue a prompt's ``params.n`` samples; returns their sequence ids."""
+    def add(self, prompt: list[int], params: SamplingParams, max_new: int | None = None) -> list[int]:
+        """Queue a prompt's ``params.n`` samples; returns their sequence ids. ``max_new``: a response budget
+        below ``params.max_new_tokens`` (a sample continued from a partial rollout has spent the rest)."""
         if params.n > self.max_num_seqs:
             raise UserError(
                 f"n={params.n} samples cannot run at once with max_num_seqs={self.max_num_seqs}; raise "
@@ -128,6 +129,8 @@ class PagedEngine:
             check_params(self.session.params, params)
         room = limit - len(prompt)  # the response stops at the context's end, as the slot engine's do
         budget = room if room < params.max_new_tokens else 0
+        if max_new is not None:
+            budget = min(max_new, room)
         group = [
             Sequence(next(self._ids), list(prompt), len(prompt), params, max_new=budget)
             for _ in range(params.n)
@@ -217,6 +220,10 @@ class PagedEngine:
             self._close()
         return out
 
+    def reset_stats(self) -> None:
+        """Start the figures of a new call (``stats``): preemptions and the decode batch sizes."""
+        self.preemptions, self._concurrent = 0, []
+
     @property
     def has_work(self) -> bool:
         """Whether any sequence is waiting or running."""
@@ -270,7 +277,7 @@ class PagedEngine:
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        self.preemptions, self._concurrent = 0, []
+        self.reset_stats()
         ids = [self.add(p, params) for p in prompts]
         for k, group in enumerate(self.waiting if lengths is not None else []):
             for s, limit in zip(group, lengths[k]):

@@ -1,0 +1,62 @@
+"""Asynchronous training (``trainer.async_mode``): the settings it needs and the features it does not take yet."""
+
+from __future__ import annotations
+
+from hybridflow.config.errors import Problem
+from hybridflow.config.schema import Config
+
+MODE = "trainer.async_mode"
+
+
+def check_async(cfg: Config, out: list[Problem]) -> None:
+    """``colocate`` needs the built-in engine's step API and a batch made of whole groups; ``separate`` is
+    refused until its pools land; staleness is 1 to 8 versions."""
+    t = cfg.trainer
+    if not 1 <= t.max_staleness <= 8:
+        out.append(
+            Problem(
+                "trainer.max_staleness", f"is {t.max_staleness}; it must be 1 to 8", "e.g. 1 (the default)"
+            )
+        )
+    if t.async_mode == "sync":
+        return
+    if t.async_mode == "separate":
+        out.append(
+            Problem(
+                MODE,
+                "is separate, whose rollout and trainer pools are not built yet",
+                "use trainer.async_mode=colocate (one pool, partial rollouts) or sync",
+            )
+        )
+        return
+    a = cfg.algorithm
+    refusals = [
+        (cfg.rollout.engine != "native", "rollout.engine", "needs the built-in engine's step API", "native"),
+        (
+            a.filter_groups.enable,
+            "algorithm.filter_groups.enable",
+            "draws its own rounds of prompts",
+            "false",
+        ),
+        (
+            a.adv_estimator == "remax",
+            "algorithm.adv_estimator",
+            "generates a greedy baseline mid-step",
+            "grpo",
+        ),
+        (
+            cfg.actor.router_replay == "r3",
+            "actor.router_replay",
+            "records experts per phase only",
+            "r2 or off",
+        ),
+    ]
+    for bad, key, why, fix in refusals:  # each feature colocate does not take yet, and why
+        if bad:
+            out.append(
+                Problem(
+                    key,
+                    f"with {MODE}={t.async_mode}: it {why}",
+                    f"set {key}={fix}, or {MODE}=sync",
+                )
+            )

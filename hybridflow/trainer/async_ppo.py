@@ -1,0 +1,61 @@
+"""PPO-family training with partial rollouts on one pool (``trainer.async_mode=colocate``).
+
+The step is the synchronous one (``PPOTrainer``'s dataflow) but for its rollout stage, which advances the
+groups in flight (``async_rollout.ColocateRollout``) and hands on the done ones. Their tokens may come from
+earlier weights, so the update is AReaL's decoupled PPO: the old-log-prob pass recomputes the proximal
+policy (the weights before this update), and token-level truncated importance weights pi_prox / pi_behav
+(``algorithm.rollout_correction.rollout_is=token``, threshold 2 unless set) weigh the clipped ratio
+pi / pi_prox; the behaviour policy's log-probs are the rollout's. With ``bypass_old_logprob_for_rollout``
+(verl's bypass mode) the rollout's log-probs are the old policy instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from hybridflow.config.schema import Config
+from hybridflow.protocol import Batch
+from hybridflow.trainer.async_rollout import ColocateRollout
+from hybridflow.trainer.ppo import PROMPT_KEYS, PPOTrainer
+from hybridflow.trainer.tracking import Tracker
+
+logger = logging.getLogger(__name__)
+
+
+def decoupled_correction(cfg: Config) -> None:
+    """Asynchronous runs weigh stale tokens: token-level TIS unless the config chose its own correction."""
+    rc = cfg.algorithm.rollout_correction
+    if rc.rollout_is is None and not rc.bypass_old_logprob_for_rollout:
+        rc.rollout_is = "token"
+        logger.info(
+            "trainer.async_mode=%s: decoupled PPO, token-level importance weights pi_prox / pi_rollout "
+            "truncated at %s (algorithm.rollout_correction.rollout_is=token)",
+            cfg.trainer.async_mode,
+            rc.rollout_is_threshold,
+        )
+
+
+class ColocatePPOTrainer(PPOTrainer):
+    """``PPOTrainer`` whose rollout stage is a partial-rollout phase over the groups in flight."""
+
+    def __init__(self, cfg: Config, components: Any, tracker: Tracker | None = None) -> None:
+        decoupled_correction(cfg)
+        super().__init__(cfg, components, tracker)
+        self.inflight = ColocateRollout(cfg, components, self.sampler)
+
+    @property
+    def version(self) -> int:
+        """The weights' version at this step's rollout: the actor updates before it (none in critic warm-up)."""
+        return max(self.global_step - 1 - self.cfg.trainer.critic_warmup, 0)
+
+    def _next_prompts(self) -> Batch:
+        """No prompts up front: the rollout stage draws them as groups leave the flight (zero rows)."""
+        empty = torch.zeros((0, 1), dtype=torch.long)
+        return Batch({key: empty for key in PROMPT_KEYS})
+
+    def _generate(self, prompts: Batch, metrics: dict[str, float]) -> Batch:
+        """One phase of the partial rollout; the done groups' samples."""
+        return self.inflight.next_batch(self.version, self._sampling_params(), metrics)
