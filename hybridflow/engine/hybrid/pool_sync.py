@@ -68,8 +68,8 @@ class PoolSync:
         self.receives = view.generates(self.rank)
         skeleton = meta_model(model)  # every parameter's name and full shape, whatever this rank holds
         self.names = [n for n, _ in skeleton.named_parameters()]
-        lay = layouts(skeleton, view.tp, view.ep)
-        self.layouts: list[ShardLayout] = [lay[n] for n in self.names]
+        by_name = layouts(skeleton, view.tp, view.ep)
+        self.layouts: list[ShardLayout] = [by_name[n] for n in self.names]
         table = self._gather(model, skeleton)
         holdings = [
             [lay.to_plan(box) for lay, box in zip(self.layouts, row["held"])]  # fused experts as (E, 2, I, H)
@@ -120,8 +120,11 @@ class PoolSync:
         table: list[Any] = [None] * self.world
         dist.all_gather_object(table, mine, group=self.group)
         for rank, row in enumerate(table):
-            if (row is None) != self.view.generates(rank):
-                raise ValueError(f"rank {rank} of the group is {'not ' if row is None else ''}a trainer rank")
+            if (row is None) != self.view.generates(rank):  # the ranks were given different views
+                raise ValueError(
+                    f"rank {rank} of the group {'sent no' if row is None else 'sent'} training boxes, but this "
+                    f"rank's rollout pool is {self.view}: every rank must be given the same pools"
+                )
             wrong = sorted(n for n, s in (row or {}).get("shapes", {}).items() if whole.get(n) != s)
             if wrong:
                 raise ValueError(f"the trainer pool's rank {rank} holds another model: {wrong[:8]} differ")
