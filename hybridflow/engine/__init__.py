@@ -12,8 +12,8 @@
 - ``roles``: the actor, critic and preference updates over the training engine. Imports ``ops``, ``parallel``,
   ``train``.
 - ``hybrid``: the switch between the two views: the reshard plan, the resharder, the rollout's weights (shard,
-  or the baseline's broadcast copy), the memory account, the world line. Imports ``ops``, ``parallel``,
-  ``rollout``.
+  or the baseline's broadcast copy), the stream into a separate rollout pool, the memory account, the world
+  line. Imports ``ops``, ``parallel``, ``rollout``.
 
 This package exports the surface the workers and the trainer use; each name is imported on first use, so
 ``import hybridflow.engine`` stays light.
@@ -32,6 +32,7 @@ SURFACE: dict[str, str] = {
     "ViewMemory": "hybrid.memory",
     "unsplit_reason": "hybrid.memory",
     "view_memory": "hybrid.memory",
+    "PoolSync": "hybrid.pool_sync",
     "BroadcastReplica": "hybrid.switch",
     "RolloutShard": "hybrid.switch",
     "world_line": "hybrid.world",

@@ -6,6 +6,11 @@ Inputs are data: every parameter's full shape, the dimension FSDP2 shards it on 
 receiver needs with what a sender holds; what a rank holds itself it copies locally. So every rank receives
 exactly the elements of its generation shard that it does not already hold, each from the one rank that
 holds it: the minimum any layout switch can move. ``print(plan)`` shows the bytes per rank.
+
+The same plan streams weights across two pools (``trainer.async_mode=separate``): the holdings cover every
+rank of the group the plan runs over, the generation view only the rollout pool's (``GenerateView.first``).
+Ranks of the trainer pool hold boxes and need none, ranks of the rollout pool hold none and need their shard,
+so every transfer goes from a trainer rank to a rollout rank and nothing is copied locally.
 """
 
 from __future__ import annotations
@@ -74,7 +79,9 @@ class ReshardPlan:
 
     ``holdings[rank][param]``: the box of each parameter each training rank holds, for any training view
     (tensor-parallel shards split again by FSDP2, parameters of other pipeline stages as None). Without it,
-    FSDP2 alone over every rank: each ``ParamSpec.train_dim`` chunked W ways.
+    FSDP2 alone over every rank: each ``ParamSpec.train_dim`` chunked W ways. The plan's ranks are the
+    holdings' (the view's without them): a view on a pool of them (``view.first``) makes a cross-pool plan,
+    whose other ranks only send (their rows of ``holdings``) and whose pool's ranks only receive.
     """
 
     def __init__(
@@ -88,7 +95,14 @@ class ReshardPlan:
     ) -> None:
         self.params, self.view, self.elem_size = params, view, elem_size
         self.holdings = holdings
-        self.train_view = train_view or f"(fsdp={view.world})"
+        self.world = view.world if holdings is None else len(holdings)  # every rank of the plan's group
+        if view.end > self.world:
+            raise ValueError(
+                f"the generation view {view} covers ranks up to {view.end - 1}, the plan's holdings only "
+                f"{self.world} ranks (a plan across pools needs every rank's holdings)"
+            )
+        default = f"({self.world - view.world} trainer ranks)" if self.cross_pool else f"(fsdp={view.world})"
+        self.train_view = train_view or default
         self.transfers: list[Transfer] = [t for i in range(len(params)) for t in self._transfers_of(i)]
         self.buckets = self._buckets(bucket_bytes)
 
@@ -100,8 +114,16 @@ class ReshardPlan:
         return chunk_box(p.shape, p.train_dim, self.view.world, rank)
 
     def needed(self, param: int, rank: int) -> Box | None:
-        """The box of ``param`` generation rank ``rank`` needs (None: its buffer stays zeros)."""
+        """The box of ``param`` generation rank ``rank`` needs (None: its buffer stays zeros, or the rank is
+        not one of the view's: a trainer rank of a cross-pool plan)."""
+        if not self.view.generates(rank):
+            return None
         return self.params[param].layout.box(self.view.tp_rank(rank))
+
+    @property
+    def cross_pool(self) -> bool:
+        """Whether some ranks of the plan only send: the generation view covers a pool of them."""
+        return self.view.world < self.world
 
     def _transfers_of(self, i: int) -> Iterator[Transfer]:
         """Each element a rank needs, from one rank that holds it: itself first, else the next ranks.
@@ -109,7 +131,7 @@ class ReshardPlan:
         Training views hold some parameters on several ranks (the embedding and norms are replicated over
         the tensor-parallel ranks): a replica's copy of a box already taken is not sent again.
         """
-        world = self.view.world
+        world = self.world
         for dst in range(world):
             need = self.needed(i, dst)
             if need is None:
@@ -138,6 +160,18 @@ class ReshardPlan:
                 size = 0
         return out
 
+    def uncovered(self) -> list[str]:
+        """``name@rank`` of every needed box the holders do not fully cover (empty: every buffer is filled)."""
+        got: dict[tuple[int, int], int] = {}
+        for t in self.transfers:
+            got[t.param, t.dst] = got.get((t.param, t.dst), 0) + volume(t.box)
+        return [
+            f"{p.name}@{rank}"
+            for rank in range(self.world)
+            for i, p in enumerate(self.params)
+            if got.get((i, rank), 0) < volume(self.needed(i, rank))
+        ]
+
     def bytes_received(self, rank: int) -> int:
         """Bytes ``rank`` receives from other ranks at every switch (its own part is a local copy)."""
         return sum(volume(t.box) for t in self.transfers if t.dst == rank and t.src != rank) * self.elem_size
@@ -147,7 +181,8 @@ class ReshardPlan:
         return sum(volume(t.box) for t in self.transfers if t.src == rank and t.dst != rank) * self.elem_size
 
     def generation_bytes(self) -> int:
-        """Bytes of one rank's generation buffers (every parameter's local shape; the same on every rank)."""
+        """Bytes of one rank's generation buffers (every parameter's local shape; the same on every rank of the
+        generation view)."""
         shapes = (p.layout.local_shape() for p in self.params)
         return sum(volume(tuple((0, n) for n in s)) for s in shapes) * self.elem_size
 
@@ -162,10 +197,11 @@ class ReshardPlan:
             f"{len(self.params)} parameters in {len(self.buckets)} bucket(s); per rank: generation buffers "
             f"{self.generation_bytes() / gib:.3f} GiB of a {self.full_bytes() / gib:.3f} GiB copy"
         ]
-        for rank in range(self.view.world):
+        for rank in range(self.world):
             sources = sorted({t.src for t in self.transfers if t.dst == rank and t.src != rank})
+            pool = ("rollout" if self.view.generates(rank) else "trainer") if self.cross_pool else ""
             lines.append(
-                f"  rank {rank}: receives {self.bytes_received(rank) / gib:.4f} GiB from ranks {sources}, "
-                f"sends {self.bytes_sent(rank) / gib:.4f} GiB"
+                f"  rank {rank}{f' ({pool})' if pool else ''}: receives {self.bytes_received(rank) / gib:.4f} "
+                f"GiB from ranks {sources}, sends {self.bytes_sent(rank) / gib:.4f} GiB"
             )
         return "\n".join(lines)

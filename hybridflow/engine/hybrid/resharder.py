@@ -5,7 +5,8 @@ masters in bf16), into one flat buffer ordered by receiver; ``all_to_all_single`
 bytes; the receiver unpacks them into its generation buffers in place, so tensors bound by the rollout
 runner (and CUDA graphs captured on them) stay valid. A rank's own part never leaves it (a local copy).
 Buffers the plan leaves partly unfilled (the padding rows of the last vocabulary slice, a row-parallel bias
-off rank 0) are zeroed first.
+off rank 0) are zeroed first. Across pools (a cross-pool plan) a trainer rank only packs and sends, a rollout
+rank only receives; the collective runs over the process group of the two pools.
 """
 
 from __future__ import annotations
@@ -25,11 +26,22 @@ def _part(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
 
 
 class Resharder:
-    """This rank's side of a ``ReshardPlan``: what it sends, receives and copies, bucket by bucket."""
+    """This rank's side of a ``ReshardPlan``: what it sends, receives and copies, bucket by bucket.
 
-    def __init__(self, plan: ReshardPlan, rank: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.plan, self.rank, self.device, self.dtype = plan, rank, device, dtype
-        self.world = plan.view.world
+    ``rank``: this rank in ``group``, the process group of the plan's ranks (None: the default group)."""
+
+    def __init__(
+        self,
+        plan: ReshardPlan,
+        rank: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.plan, self.rank, self.device, self.dtype, self.group = plan, rank, device, dtype, group
+        self.world = plan.world
+        if self.world > 1 and dist.get_world_size(group) != self.world:
+            raise ValueError(f"a plan of {self.world} ranks over a group of {dist.get_world_size(group)}")
         by_param = defaultdict(list)
         for t in plan.transfers:
             if rank in (t.src, t.dst):
@@ -38,19 +50,22 @@ class Resharder:
         self.partial = [  # buffers the plan does not fill completely: zeroed before every refresh
             i
             for i, p in enumerate(plan.params)
-            if volume(plan.needed(i, rank)) < volume(tuple((0, n) for n in p.layout.local_shape()))
+            if plan.view.generates(rank)  # a trainer rank of a cross-pool plan has no buffers
+            and volume(plan.needed(i, rank)) < volume(tuple((0, n) for n in p.layout.local_shape()))
         ]
         self.received_bytes = plan.bytes_received(rank)
 
     @torch.no_grad()
     def run(self, sources: list[torch.Tensor], targets: list[torch.Tensor]) -> int:
         """Fill ``targets`` (this rank's generation buffers, by parameter) from ``sources`` (its training
-        shards, by parameter; host tensors are moved over piece by piece); returns the bytes received."""
+        shards, by parameter; host tensors are moved over piece by piece); returns the bytes received.
+
+        A rank that only sends (a trainer rank of a cross-pool plan) passes no targets, one that only
+        receives no sources: the plan never reads them."""
         for i in self.partial:
             targets[i].zero_()
-        for transfers in self.buckets:
-            self._bucket(transfers, sources, targets)
-        return self.received_bytes
+        received = sum(self._bucket(transfers, sources, targets) for transfers in self.buckets)
+        return received * torch.empty((), dtype=self.dtype).element_size()
 
     def _source(self, t: Transfer, sources: list[torch.Tensor]) -> torch.Tensor:
         held = self.plan.held(t.param, self.rank)
@@ -62,7 +77,8 @@ class Resharder:
 
     def _bucket(
         self, transfers: list[Transfer], sources: list[torch.Tensor], targets: list[torch.Tensor]
-    ) -> None:
+    ) -> int:
+        """Run one bucket: local copies, then one all-to-all; returns the elements received from others."""
         sends = sorted(
             (t for t in transfers if t.src == self.rank and t.dst != self.rank), key=lambda t: t.dst
         )
@@ -73,7 +89,7 @@ class Resharder:
             if t.src == t.dst == self.rank:
                 self._target(t, targets).copy_(self._source(t, sources))
         if self.world == 1:
-            return
+            return 0
         send_splits, recv_splits = [0] * self.world, [0] * self.world
         for t in sends:
             send_splits[t.dst] += volume(t.box)
@@ -83,10 +99,11 @@ class Resharder:
         send = torch.cat(pieces) if pieces else torch.empty(0, dtype=self.dtype, device=self.device)
         recv = torch.empty(sum(recv_splits), dtype=self.dtype, device=self.device)
         # Every rank calls this for every bucket, with its own splits (zeros included), so the calls match.
-        dist.all_to_all_single(recv, send, recv_splits, send_splits)
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
         offset = 0
         for t in recvs:
             target = self._target(t, targets)
             n = target.numel()
             target.copy_(recv[offset : offset + n].view(target.shape))
             offset += n
+        return recv.numel()

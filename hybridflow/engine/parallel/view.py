@@ -5,6 +5,11 @@ FSDP2 gives rank r the r-th of W equal slices of every weight (along its shard d
 holds the t-th of tp slices along the same dim, which is the union of the FSDP slices of ranks t*dp .. t*dp +
 dp - 1. So each rank's generation shard contains its own training shard, and the rest of it comes from the dp
 ranks of the same tensor-parallel rank: small gathers, no rank ever holding more than its generation shard.
+
+A view may also sit on a pool of ranks beside the trainer's (``trainer.async_mode=separate``): ``first`` is the
+pool's first rank, the same ordering holds inside the pool (rank r is tensor-parallel rank ``(r - first) //
+dp``), and a rank outside the pool generates nothing (``generates``). Ranks are those of the process group the
+plan runs over (the default group: global ranks).
 """
 
 from __future__ import annotations
@@ -24,11 +29,15 @@ class GenerateView:
 
     ``ep``: a mixture of experts' experts split whole over each group (ep = tp) rather than each expert sliced
     over it (ep = 1). Expert parallelism across groups (ep = tp x dp) would make the groups, which decode
-    independently, step together every layer: not built."""
+    independently, step together every layer: not built.
+
+    ``first``: the rank the view starts at, so that it covers ranks ``first .. first + world - 1`` (a rollout
+    pool beside a trainer pool; 0: the colocated view of every rank)."""
 
     world: int
     tp: int = 1
     ep: int = 1
+    first: int = 0
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -41,32 +50,52 @@ class GenerateView:
                 "experts split over ranks of one rollout group only (groups decode independently); set it "
                 f"to 1 (each expert sliced over the group) or {self.tp} (whole experts per rank)"
             )
+        if self.first < 0:
+            raise ValueError(f"a generation view's first rank must be at least 0, got {self.first}")
 
     @property
     def dp(self) -> int:
         """The number of rollout groups (data parallelism of the generation view)."""
         return self.world // self.tp
 
+    @property
+    def end(self) -> int:
+        """One past the view's last rank."""
+        return self.first + self.world
+
+    def generates(self, rank: int) -> bool:
+        """Whether ``rank`` is one of the view's ranks (False: a rank of another pool, the trainer's)."""
+        return self.first <= rank < self.end
+
+    def _local(self, rank: int) -> int:
+        """``rank``'s place inside the view (ValueError for a rank outside it: it has no rollout group)."""
+        if not self.generates(rank):
+            raise ValueError(
+                f"rank {rank} is not one of the generation view's ranks {self.first}..{self.end - 1}"
+            )
+        return rank - self.first
+
     def tp_rank(self, rank: int) -> int:
         """The tensor-parallel rank of ``rank`` inside its rollout group."""
-        return rank // self.dp
+        return self._local(rank) // self.dp
 
     def dp_rank(self, rank: int) -> int:
         """The rollout group of ``rank`` (its sampling stream and its share of the prompts)."""
-        return rank % self.dp
+        return self._local(rank) % self.dp
 
     def group_ranks(self, dp_rank: int) -> list[int]:
         """The ranks of rollout group ``dp_rank``, in tensor-parallel order."""
-        return [dp_rank + t * self.dp for t in range(self.tp)]
+        return [self.first + dp_rank + t * self.dp for t in range(self.tp)]
 
     def __str__(self) -> str:
-        if self.ep > 1:
-            return f"(tp={self.tp}, ep={self.ep}, dp={self.dp})"
-        return f"(tp={self.tp}, dp={self.dp})"
+        ep = f", ep={self.ep}" if self.ep > 1 else ""
+        pool = f", ranks {self.first}-{self.end - 1}" if self.first else ""
+        return f"(tp={self.tp}{ep}, dp={self.dp}{pool})"
 
 
 def rollout_group(view: GenerateView, rank: int) -> dist.ProcessGroup | None:
-    """This rank's rollout-group process group (None at tp = 1); every rank must call it, in the same order.
+    """This rank's rollout-group process group (None at tp = 1, or for a rank outside the view); every rank
+    must call it, in the same order.
 
     ``dist.new_group`` is collective over the whole world, so each rank creates every group and keeps its own.
     """
@@ -75,6 +104,6 @@ def rollout_group(view: GenerateView, rank: int) -> dist.ProcessGroup | None:
     mine = None
     for g in range(view.dp):
         group = dist.new_group(view.group_ranks(g))
-        if g == view.dp_rank(rank):
+        if view.generates(rank) and g == view.dp_rank(rank):
             mine = group
     return mine

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -94,13 +95,20 @@ def meta_model(model: nn.Module) -> nn.Module:
 
 
 def build_shard(
-    model: nn.Module, tp: int, dtype: torch.dtype, device: torch.device, ep: int = 1
+    model: nn.Module,
+    tp: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    ep: int = 1,
+    buffers: Mapping[str, torch.Tensor] | None = None,
 ) -> nn.Module:
     """An empty module of ``model``'s class in the shape of one rollout rank's shard (never the whole model).
 
     Built on the meta device and allocated on ``device`` in ``dtype`` without weight init (the reshard fills
     every weight). Buffers (the rotary frequencies) are the full model's own, in their own dtype (float32,
-    as the trainer computes RoPE). ``ep`` = tp: each sparse block keeps E / tp whole experts.
+    as the trainer computes RoPE): ``model``'s, or ``buffers`` by name when ``model`` is a skeleton on the
+    meta device (a rollout pool's rank, which holds no training module). ``ep`` = tp: each sparse block keeps
+    E / tp whole experts.
     """
     config = shard_config(model.config, tp, ep) if tp > 1 else copy.deepcopy(model.config)
     default = torch.get_default_dtype()
@@ -115,7 +123,7 @@ def build_shard(
     shard.to_empty(device=device)
     if getattr(config, "tie_word_embeddings", False):  # to_empty allocates the two apart
         shard.get_output_embeddings().weight = shard.get_input_embeddings().weight
-    sources = dict(model.named_buffers())
+    sources = dict(model.named_buffers()) if buffers is None else dict(buffers)
     for name, _ in list(shard.named_buffers()):
         module_name, _, attr = name.rpartition(".")
         owner = shard.get_submodule(module_name) if module_name else shard
