@@ -115,6 +115,7 @@ CHOICES: dict[str, list[str]] = {
     "trainer.backend": ["local", "ray"],
     "trainer.placement": ["colocated", "split"],
     "trainer.async_mode": ["sync", "colocate", "separate"],
+    "rollout.multi_turn.format": ["hermes", "plain"],
     "trainer.staleness_policy": ["wait", "drop"],
     "preference.loss_type": ["sigmoid", "ipo"],
     "preference.truncation": ["error", "left", "right", "filter"],

@@ -106,6 +106,24 @@ class SamplingConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tools (verl's ``rollout.multi_turn``): an agent loop, token in, token out."""
+
+    enable: bool = option(False, "Generate episodes of assistant turns and tool outputs (tools below).")
+    format: str = option(
+        "hermes", "Tool-call format: hermes (<tool_call>{json}</tool_call>) or plain ([[name: arg]])."
+    )
+    tools: list[str] = option(
+        [], "Built-in tools: calc (arithmetic), code_interpreter (a sandboxed subprocess)."
+    )
+    max_assistant_turns: int = option(5, "Most assistant turns per episode.")
+    max_tool_response_length: int = option(256, "A tool's output is cut to this many characters.")
+    tool_timeout_s: float = option(
+        10.0, "Seconds a tool call may run before it is stopped (an error result)."
+    )
+
+
+@dataclass
 class RolloutConfig:
     """The built-in rollout engine and its sampling settings."""
 
@@ -161,6 +179,7 @@ class RolloutConfig:
         16384, "Token budget per GPU per forward with dynamic batch size."
     )
     val_kwargs: SamplingConfig = section(SamplingConfig, "Sampling settings used for validation.")
+    multi_turn: MultiTurnConfig = section(MultiTurnConfig, "Multi-turn rollouts with tools.")
 
 
 @dataclass

@@ -22,7 +22,7 @@ from hybridflow.config.validate_algos import (
     check_policy_loss,
     check_rollout_correction,
 )
-from hybridflow.config.validate_async import check_async
+from hybridflow.config.validate_async import check_async, check_multi_turn
 from hybridflow.config.views import check_train_views, not_dividing
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ _RANGES: dict[str, list[str]] = {
         "data.train_batch_size", "data.val_batch_size", "data.gen_batch_size",
         "rollout.n", "rollout.val_kwargs.n", "rollout.max_num_seqs", "rollout.max_num_batched_tokens",
         "rollout.max_model_len", "rollout.tensor_model_parallel_size", "rollout.expert_parallel_size",
+        "rollout.multi_turn.max_assistant_turns", "rollout.multi_turn.max_tool_response_length",
         "rollout.log_prob_micro_batch_size_per_gpu", "rollout.log_prob_max_token_len_per_gpu",
         "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_max_token_len_per_gpu",
         "actor.ppo_epochs",
@@ -63,6 +64,7 @@ _RANGES: dict[str, list[str]] = {
         "actor.optim.weight_decay", "critic.optim.weight_decay", "critic.cliprange_value",
         "actor.optim.lr", "critic.optim.lr",  # lr=0 is the no-learning control run
         "actor.policy_loss.ppo_kl_coef", "actor.router_aux_loss_coef",
+        "rollout.multi_turn.tool_timeout_s",
         "reward.num_workers", "reward.overlong_buffer.len", "reward.overlong_buffer.penalty_factor",
         "algorithm.kl_ctrl.kl_coef", "trainer.critic_warmup", "trainer.log_val_generations",
         "preference.sft_coef", "preference.desirable_weight", "preference.undesirable_weight",
@@ -163,6 +165,7 @@ def _check_consistency(cfg: Config, out: list[Problem]) -> None:
     _check_offload(cfg, out)
     _check_unimplemented(cfg, out)
     check_async(cfg, out)
+    check_multi_turn(cfg, out)
 
 
 def _check_unimplemented(cfg: Config, out: list[Problem]) -> None:

@@ -1,4 +1,5 @@
-"""Asynchronous training (``trainer.async_mode``): the settings it needs and the features it does not take yet."""
+"""The rollout's modes: asynchronous training (``trainer.async_mode``) and multi-turn rollouts with tools
+(``rollout.multi_turn``): the settings each needs and the features it does not take yet."""
 
 from __future__ import annotations
 
@@ -59,4 +60,42 @@ def check_async(cfg: Config, out: list[Problem]) -> None:
                     f"with {MODE}={t.async_mode}: it {why}",
                     f"set {key}={fix}, or {MODE}=sync",
                 )
+            )
+
+
+BUILTIN_TOOLS = ("calc", "code_interpreter")
+
+
+def check_multi_turn(cfg: Config, out: list[Problem]) -> None:
+    """``rollout.multi_turn`` needs the built-in engine, known tools, and a synchronous, single-turn-free step."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return
+    key = "rollout.multi_turn.enable"
+    unknown = [t for t in mt.tools if t not in BUILTIN_TOOLS]
+    if unknown or not mt.tools:
+        what = f"names unknown tools {unknown}" if unknown else "is empty"
+        out.append(
+            Problem("rollout.multi_turn.tools", what, f"use some of {', '.join(BUILTIN_TOOLS)}, e.g. [calc]")
+        )
+    refusals = [
+        (cfg.rollout.engine != "native", "rollout.engine", "runs episodes on the built-in engine", "native"),
+        (cfg.trainer.async_mode != "sync", MODE, "episodes are not carried across steps yet", "sync"),
+        (
+            cfg.algorithm.adv_estimator == "remax",
+            "algorithm.adv_estimator",
+            "scores a single-turn greedy baseline",
+            "grpo",
+        ),
+        (
+            cfg.actor.router_replay == "r3",
+            "actor.router_replay",
+            "records the experts of one turn",
+            "r2 or off",
+        ),
+    ]
+    for bad, path, why, fix in refusals:
+        if bad:
+            out.append(
+                Problem(path, f"with {key}=true: multi-turn {why}", f"set {path}={fix}, or {key}=false")
             )

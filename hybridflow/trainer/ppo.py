@@ -236,6 +236,7 @@ class PPOTrainer(TrainingLoop):
         params = self._sampling_params()
         out = self.c.actor.generate(prompts.select(PROMPT_KEYS, non_tensor_keys=[]), params)
         add_rollout_stats(metrics, out.meta.pop("rollout_stats", None))
+        metrics.update({k: float(v) for k, v in out.meta.pop("multi_turn", {}).items()})  # rollout.multi_turn
         add_reshard_stats(metrics, out.meta.pop("reshard", None))
         for key, values in prompts.non_tensors.items():
             out[key] = np.repeat(values, r.n)

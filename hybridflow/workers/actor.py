@@ -42,6 +42,7 @@ from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.errors import UserError, format_bytes
 from hybridflow.utils.logging import rank as dist_rank
 from hybridflow.utils.progress import Progress
+from hybridflow.workers.agent_env import MultiTurn
 from hybridflow.workers.dispatch import DataCoord, generate_coord, train_coord
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,7 @@ class ActorWorker:
             **({"record_routing": True} if cfg.actor.router_replay == "r3" else {}),  # router replay
         )
         self.switch_line = self._switch_line(dtype)
+        self.multi_turn: MultiTurn | None = None  # attach_tokenizer builds it when rollout.multi_turn is on
         self._last_switch_line: str | None = None
         # Engines whose moments may leave the GPU for a rollout short of room (optimizer_offload=auto); the
         # builder adds a critic on the same devices.
@@ -253,6 +255,16 @@ class ActorWorker:
         """This rank's rollout group: the driver hands its ranks one share of the prompts."""
         return generate_coord(self.group.view, dist_rank())
 
+    def attach_tokenizer(self, tokenizer: Any) -> None:
+        """The policy's tokenizer: multi-turn rollouts decode each turn and render tool turns with it."""
+        if self.cfg.rollout.multi_turn.enable:
+            if not isinstance(self.rollout, PagedEngine):
+                raise UserError(
+                    "rollout.multi_turn runs episodes on the built-in paged engine; this model generates with "
+                    f"{type(self.rollout).__name__}: set rollout.multi_turn.enable=false"
+                )
+            self.multi_turn = MultiTurn(self.cfg, tokenizer)
+
     def sampling_params(self, *args: Any, **kwargs: Any) -> SamplingParams:
         """``make_sampling_params`` with this worker's config."""
         return make_sampling_params(self.cfg, *args, **kwargs)
@@ -273,8 +285,12 @@ class ActorWorker:
         ids = [row[m].tolist() for row, m in zip(prompts["input_ids"], mask)]
         if self.room_donors:
             self._make_room(ids, params)
+        masks, turn_metrics = None, None
         with Progress(desc, total=len(ids) * params.n, unit="samples") as bar:
-            outputs = self.rollout.generate(ids, params, progress=bar.update)
+            if self.multi_turn is not None:  # episodes of turns and tool outputs (rollout.multi_turn)
+                outputs, masks, turn_metrics = self.multi_turn.generate(self.rollout, ids, params, self.group)
+            else:
+                outputs = self.rollout.generate(ids, params, progress=bar.update)
         self.group.check_agreement(outputs, ids)
         if self.weights is not None and self.cfg.rollout.free_cache_engine:
             self.weights.release()  # the update needs its memory; the next sync() allocates it again
@@ -285,6 +301,10 @@ class ActorWorker:
         )
         logps, _ = pad_rows([s.logprobs for s in flat], R, 0.0, torch.float32)  # (B*n, R)
         batch["rollout_log_probs"] = logps
+        if masks is not None:  # a tool's output is never trained on
+            sampled, _ = pad_rows(masks, R, 0, torch.float32)  # (B*n, R)
+            batch["response_mask"] = batch["response_mask"] * sampled
+            batch.meta["multi_turn"] = turn_metrics
         routed = [getattr(s, "routed_experts", None) for s in flat]
         if flat and all(r is not None for r in routed):  # MoE router replay (r3): the rollout's experts
             P = batch["input_ids"].shape[1] - R

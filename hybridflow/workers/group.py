@@ -175,6 +175,9 @@ class ActorHandle(RoleHandle):
         generate switch when the rollout has weights of its own.
         """
         pieces, results, pad = self._call("generate", prompts, params, desc, view="generate")
+        turns = [p.meta.get("multi_turn") for p in pieces]  # per rollout group (multi-turn rollouts)
+        for r in results:
+            r.meta.pop("multi_turn", None)
         stats = [r.meta.pop("rollout_stats", None) for r in results]  # per rank: they differ, so not merged
         reshard = [r.meta.pop("reshard", None) for r in results]
         out = merge_batches(pieces, pad * params.n, self.widths)  # each group pads to its longest prompt
@@ -183,6 +186,13 @@ class ActorHandle(RoleHandle):
         if reshard[0] is not None:
             out.meta["reshard"] = reshard  # every rank's switch: its time, bytes received and peak
         out["uid"] = np.repeat(np.array([str(i) for i in range(len(prompts))], dtype=object), params.n)
+        if turns[0] is not None:  # equal shares: means average, the bounds take the extremes
+            out.meta["multi_turn"] = {
+                k: (min if k.endswith("/min") else max if k.endswith("/max") else np.mean)(
+                    [t[k] for t in turns]
+                )
+                for k in turns[0]
+            }
         return out
 
     def generate_partial(

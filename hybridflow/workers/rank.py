@@ -37,6 +37,8 @@ class RankWorker:
     def __init__(self, roles: dict[str, Any], tokenizer: Any = None, group: str = "main") -> None:
         self.roles = {name: role for name, role in roles.items() if role is not None}
         self.tokenizer = tokenizer
+        if tokenizer is not None and "actor" in self.roles:
+            self.roles["actor"].attach_tokenizer(tokenizer)  # multi-turn rollouts decode and render with it
         self.group = group
         self.eos_token_ids: list[int] = []  # set by the builder: the policy's stop tokens
         self.peaks: dict[str, float] = {}
