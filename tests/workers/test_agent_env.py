@@ -19,9 +19,8 @@ def test_the_tool_turn_continues_the_conversation_token_for_token(tokenizer) -> 
     env = ToolEnvironment(tokenizer, builtin_toolset(["calc"]), "plain", 256, 5.0)
     question = [{"role": "user", "content": "What is 12*34?"}]
     prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True, tokenize=True)
-    turn = tokenizer.encode("[[calc: 12*34]]", add_special_tokens=False) + [
-        tokenizer.convert_tokens_to_ids("<|im_end|>")
-    ]
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    turn = [*tokenizer.encode("[[calc: 12*34]]", add_special_tokens=False), end]
     answer = env.respond(Episode(list(prompt)), turn)
     assert answer is not None and answer.calls == 1 and answer.errors == 0
     whole = tokenizer.apply_chat_template(

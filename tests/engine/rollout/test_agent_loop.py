@@ -151,7 +151,7 @@ def agent_loop_on_ranks(rank: int, world: int) -> dict:
             for x, y in zip(g, h)
             for a, b, m in zip(x.logprobs, y.logprobs, x.mask)
             if m
-        ),  # fmt: skip
+        ),
     }
 
 
