@@ -17,14 +17,16 @@ ALLOWED: dict[str, set[str]] = {
     "config": L0,
     "algos": L0,
     "rewards": L0,
+    "tools": L0,
     "data": L0 | {"config"},
     "models": L0 | {"config"},
-    "engine": L0 | {"config", "algos", "rewards", "data", "models"},
-    "checkpoint": L0 | {"config", "algos", "rewards", "data", "models"},
-    "workers": L0 | {"config", "algos", "rewards", "data", "models", "engine", "checkpoint"},
-    "trainer": L0 | {"config", "algos", "rewards", "data", "models", "engine", "checkpoint", "workers"},
+    "engine": L0 | {"config", "algos", "rewards", "tools", "data", "models"},
+    "checkpoint": L0 | {"config", "algos", "rewards", "tools", "data", "models"},
+    "workers": L0 | {"config", "algos", "rewards", "tools", "data", "models", "engine", "checkpoint"},
+    "trainer": L0
+    | {"config", "algos", "rewards", "tools", "data", "models", "engine", "checkpoint", "workers"},
     "cli": L0
-    | {"config", "trainer", "algos", "rewards", "data", "models", "engine", "checkpoint", "workers"},
+    | {"config", "trainer", "algos", "rewards", "tools", "data", "models", "engine", "checkpoint", "workers"},
 }
 # Third-party packages a low layer must not reach for (config is stdlib + yaml only).
 FORBIDDEN_THIRD_PARTY = {
@@ -33,6 +35,7 @@ FORBIDDEN_THIRD_PARTY = {
     "config": {"torch", "transformers", "ray", "numpy"},
     "algos": {"transformers", "ray", "yaml"},
     "rewards": {"transformers", "ray", "yaml"},
+    "tools": {"transformers", "ray", "yaml"},
 }
 
 
