@@ -4,7 +4,7 @@ their output into the tokens of a tool turn.
 ``ToolEnvironment.respond`` decodes an assistant turn, parses its tool calls (``tools.find_calls``: the
 Hermes/Qwen ``<tool_call>{json}</tool_call>`` format, or the plain ``[[name: argument]]`` one for tiny models),
 runs each (``ToolSet.run``: errors, timeouts and malformed calls come back as text and are counted, never
-raised), and renders the results as one tool message through the chat template: the tokens from the end of
+raised; a code-interpreter run that failed inside its sandbox is an ordinary result whose text says so), and renders the results as one tool message through the chat template: the tokens from the end of
 the assistant turn (its end-of-turn token, which the policy sampled) to the next assistant header, found as
 the difference between the template's rendering with and without the tool message. Each result is cut to
 ``max_tool_response_length`` characters first (verl's unit).
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridflow.engine.rollout.agent_loop import Episode, ToolTurn
+from hybridflow.engine import AgentLoop, Episode, GenerationOutput, LoopLimits, ToolTurn
 
 _DUMMY = [{"role": "user", "content": "_"}, {"role": "assistant", "content": "_"}]
 
@@ -28,10 +28,8 @@ class ToolEnvironment:
 
     def respond(self, episode: Episode, turn: list[int]) -> ToolTurn | None:
         """The tool turn's tokens after ``turn``, or None when the turn calls no tool (the episode ends)."""
-        from hybridflow.tools import find_calls
-
         text = self.tokenizer.decode(turn, skip_special_tokens=False)
-        parsed = find_calls(text, self.fmt)
+        parsed = self.toolset.parse(text, self.fmt)  # plain calls bound to their tool's parameter
         if not parsed.calls and not parsed.errors:
             return None
         results = [f"error: {e}" for e in parsed.errors]
@@ -105,7 +103,6 @@ class MultiTurn:
     """The actor's multi-turn rollouts: the environment, the loop's limits, and the packing of episodes."""
 
     def __init__(self, cfg: Any, tokenizer: Any) -> None:
-        from hybridflow.engine.rollout.agent_loop import LoopLimits
 
         mt = cfg.rollout.multi_turn
         self.env = ToolEnvironment(
@@ -118,8 +115,6 @@ class MultiTurn:
     ) -> tuple[list[list[Any]], list[list[int]], dict[str, float]]:
         """Episodes as ``GenerationOutput`` groups (log-prob 0 on tool tokens), their masks (flat, 1 on
         sampled tokens) and the rollout's multi-turn metrics."""
-        from hybridflow.engine.rollout.agent_loop import AgentLoop
-        from hybridflow.engine.rollout.types import GenerationOutput
 
         agree = group_agree(group)
         loop = AgentLoop(engine, self.env, self.limits, **({"agree": agree} if agree else {}))

@@ -18,15 +18,25 @@ def tokenizer():
 def test_the_tool_turn_continues_the_conversation_token_for_token(tokenizer) -> None:
     env = ToolEnvironment(tokenizer, builtin_toolset(["calc"]), "plain", 256, 5.0)
     question = [{"role": "user", "content": "What is 12*34?"}]
-    prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True, tokenize=True)
+    prompt = tokenizer.encode(
+        tokenizer.apply_chat_template(question, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     turn = [*tokenizer.encode("[[calc: 12*34]]", add_special_tokens=False), end]
     answer = env.respond(Episode(list(prompt)), turn)
     assert answer is not None and answer.calls == 1 and answer.errors == 0
-    whole = tokenizer.apply_chat_template(
-        [*question, {"role": "assistant", "content": "[[calc: 12*34]]"}, {"role": "tool", "content": "408"}],
-        add_generation_prompt=True,
-        tokenize=True,
+    whole = tokenizer.encode(
+        tokenizer.apply_chat_template(
+            [
+                *question,
+                {"role": "assistant", "content": "[[calc: 12*34]]"},
+                {"role": "tool", "content": "408"},
+            ],
+            add_generation_prompt=True,
+            tokenize=False,
+        ),
+        add_special_tokens=False,
     )
     assert list(prompt) + turn + answer.tokens == list(whole)  # nothing before the tool turn re-tokenised
 
