@@ -113,6 +113,7 @@ VERL_ALIASES: dict[str, str] = {
     f"{_ARR}.rollout.expert_parallel_size": "rollout.expert_parallel_size",
     f"{_ARR}.rollout.multi_turn.enable": "rollout.multi_turn.enable",
     f"{_ARR}.rollout.multi_turn.format": "rollout.multi_turn.format",
+    f"{_ARR}.rollout.multi_turn.tool_config_path": "rollout.multi_turn.tool_config_path",
     f"{_ARR}.rollout.multi_turn.max_assistant_turns": "rollout.multi_turn.max_assistant_turns",
     f"{_ARR}.rollout.multi_turn.max_tool_response_length": "rollout.multi_turn.max_tool_response_length",
     f"{_ARR}.rollout.update_weights_bucket_megabytes": "rollout.update_weights_bucket_megabytes",

@@ -116,6 +116,9 @@ class MultiTurnConfig:
     tools: list[str] = option(
         [], "Built-in tools: calc (arithmetic), code_interpreter (a sandboxed subprocess)."
     )
+    tool_config_path: str | None = option(
+        None, "A YAML file of your own tools: tools: [{name, description, parameters, function}]."
+    )
     max_assistant_turns: int = option(5, "Most assistant turns per episode.")
     max_tool_response_length: int = option(256, "A tool's output is cut to this many characters.")
     tool_timeout_s: float = option(

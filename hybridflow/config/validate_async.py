@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 from hybridflow.config.errors import Problem
 from hybridflow.config.schema import Config
 
@@ -73,10 +75,21 @@ def check_multi_turn(cfg: Config, out: list[Problem]) -> None:
         return
     key = "rollout.multi_turn.enable"
     unknown = [t for t in mt.tools if t not in BUILTIN_TOOLS]
-    if unknown or not mt.tools:
-        what = f"names unknown tools {unknown}" if unknown else "is empty"
+    if unknown or not (mt.tools or mt.tool_config_path):
+        what = (
+            f"names unknown tools {unknown}"
+            if unknown
+            else "is empty and no rollout.multi_turn.tool_config_path"
+        )
+        fix = f"use some of {', '.join(BUILTIN_TOOLS)}, e.g. [calc], or declare yours in a tool_config_path file"
+        out.append(Problem("rollout.multi_turn.tools", what, fix))
+    if mt.tool_config_path and not os.path.isfile(mt.tool_config_path):
         out.append(
-            Problem("rollout.multi_turn.tools", what, f"use some of {', '.join(BUILTIN_TOOLS)}, e.g. [calc]")
+            Problem(
+                "rollout.multi_turn.tool_config_path",
+                f"{mt.tool_config_path!r} is not a file",
+                "point it to a YAML file",
+            )
         )
     refusals = [
         (cfg.rollout.engine != "native", "rollout.engine", "runs episodes on the built-in engine", "native"),

@@ -75,12 +75,36 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     }
 
 
-def builtin_toolset(names: list[str]) -> Any:
-    """The ``ToolSet`` of ``rollout.multi_turn.tools``: ``calc`` and ``code_interpreter``."""
-    from hybridflow.tools import ToolSet, calculator_tool, code_interpreter_tool
+def builtin_toolset(names: list[str], config_path: str | None = None) -> Any:
+    """The ``ToolSet`` of ``rollout.multi_turn``: the built-in ``tools`` (``calc``, ``code_interpreter``) and
+    those declared in ``tool_config_path`` (a YAML file: ``tools:`` a list of ``tools.tool_from_spec`` specs)."""
+    from hybridflow.tools import ToolSet, calculator_tool, code_interpreter_tool, tool_from_spec
 
     makers = {"calc": calculator_tool, "code_interpreter": code_interpreter_tool}
-    return ToolSet([makers[name]() for name in names])
+    tools = [makers[name]() for name in names]
+    if config_path:
+        tools += [tool_from_spec(spec) for spec in _tool_specs(config_path)]
+    return ToolSet(tools)
+
+
+def _tool_specs(path: str) -> list[Any]:
+    """The ``tools:`` list of a tool config file (UserError naming the file and the fix otherwise)."""
+    import yaml
+
+    from hybridflow.utils.errors import UserError
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"rollout.multi_turn.tool_config_path={path!r}: cannot read it ({exc})") from exc
+    specs = data.get("tools") if isinstance(data, dict) else None
+    if not isinstance(specs, list) or not specs:
+        raise UserError(
+            f"rollout.multi_turn.tool_config_path={path!r} has no 'tools:' list; write tools: followed by one "
+            "mapping per tool with name, description, parameters and function ('module.path:function_name')"
+        )
+    return specs
 
 
 def group_agree(group: Any) -> Any:
@@ -106,7 +130,11 @@ class MultiTurn:
 
         mt = cfg.rollout.multi_turn
         self.env = ToolEnvironment(
-            tokenizer, builtin_toolset(mt.tools), mt.format, mt.max_tool_response_length, mt.tool_timeout_s
+            tokenizer,
+            builtin_toolset(mt.tools, mt.tool_config_path),
+            mt.format,
+            mt.max_tool_response_length,
+            mt.tool_timeout_s,
         )
         self.limits = LoopLimits(mt.max_assistant_turns, cfg.data.max_response_length)
 

@@ -7,6 +7,7 @@ import pytest
 
 from hybridflow.engine.rollout.agent_loop import Episode
 from hybridflow.models import build_tiny_model_and_tokenizer
+from hybridflow.utils.errors import UserError
 from hybridflow.workers.agent_env import ToolEnvironment, builtin_toolset, episode_metrics
 
 
@@ -64,3 +65,27 @@ def test_the_metrics_carry_verls_names() -> None:
         "tool_errors/mean": 0.0,
         "response_length/tool_fraction": 0.4,
     }
+
+
+def test_tools_declared_in_a_yaml_file_join_the_built_in_ones(tokenizer, tmp_path, monkeypatch) -> None:
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))  # tool_funcs.py
+    path = tmp_path / "tools.yaml"
+    path.write_text(
+        "tools:\n"
+        "  - name: echo\n"
+        "    description: says the text back\n"
+        "    parameters: {type: object, properties: {text: {type: string}}, required: [text]}\n"
+        "    function: tool_funcs:echo\n"
+    )
+    env = ToolEnvironment(tokenizer, builtin_toolset(["calc"], str(path)), "plain", 256, 5.0)
+    end = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    answer = env.respond(Episode([1]), [*tokenizer.encode("[[echo: hi]] [[calc: 6*7]]"), *end])
+    assert answer is not None and answer.calls == 2 and answer.errors == 0
+    shown = tokenizer.decode(answer.tokens)
+    assert "echo: hi" in shown and "42" in shown
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tools: []\n")
+    with pytest.raises(UserError, match="tool_config_path"):
+        builtin_toolset([], str(bad))
