@@ -258,12 +258,16 @@ class ActorWorker:
     def attach_tokenizer(self, tokenizer: Any) -> None:
         """The policy's tokenizer: multi-turn rollouts decode each turn and render tool turns with it."""
         if self.cfg.rollout.multi_turn.enable:
-            if not isinstance(self.rollout, PagedEngine):
-                raise UserError(
-                    "rollout.multi_turn runs episodes on the built-in paged engine; this model generates with "
-                    f"{type(self.rollout).__name__}: set rollout.multi_turn.enable=false"
-                )
+            self._need_paged_engine("rollout.multi_turn runs episodes", "rollout.multi_turn.enable=false")
             self.multi_turn = MultiTurn(self.cfg, tokenizer)
+
+    def _need_paged_engine(self, what: str, fix: str) -> None:
+        """UserError when this model generates with HF ``generate`` (a family the built-in engine lacks)."""
+        if not isinstance(self.rollout, PagedEngine):
+            raise UserError(
+                f"{what} on the built-in paged engine; this model generates with {type(self.rollout).__name__} "
+                f"(see the warning above): set {fix}"
+            )
 
     def sampling_params(self, *args: Any, **kwargs: Any) -> SamplingParams:
         """``make_sampling_params`` with this worker's config."""
@@ -334,16 +338,13 @@ class ActorWorker:
         rollout group's ``groups`` until ``quota`` are done (and those keyed in ``finish``), the rest handed
         back unfinished. Every rank of a rollout group gets the same groups and returns the same states.
         Returns the groups and the phase's meta (``rollout_stats``, ``reshard``)."""
-        if not isinstance(self.rollout, PagedEngine):
-            raise UserError(
-                "trainer.async_mode=colocate continues partial samples with the built-in paged engine; this "
-                f"model generates with {type(self.rollout).__name__} (see the warning above): use "
-                "trainer.async_mode=sync"
-            )
+        self._need_paged_engine(
+            "trainer.async_mode=colocate continues partial samples", "trainer.async_mode=sync"
+        )
         reshard = self._switch_to_generation()
         self._log_switch()
         params = dataclasses.replace(params, seed=self.group.seed(params.seed))
-        with Progress("rollout (partial)", total=quota, unit="groups"):
+        with Progress("rollout (partial)"):
             groups = roll_partial(self.rollout, groups, params, quota, version, finish)
         if self.weights is not None and self.cfg.rollout.free_cache_engine:
             self.weights.release()

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from hybridflow.engine.rollout.paged_engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
-from hybridflow.utils.errors import UserError
 
 
 @dataclass
@@ -95,8 +93,8 @@ class AgentLoop:
             while running or pending:
                 self._take_answers(flat, pending, running, one)
                 if not running:
-                    if pending:
-                        time.sleep(0.001)  # every episode waits for a tool: nothing to decode meanwhile
+                    if pending:  # every episode waits for a tool: nothing to decode meanwhile
+                        wait(list(pending.values()), timeout=0.05, return_when=FIRST_COMPLETED)
                     continue
                 for seq in self.engine.step(max_tokens=self.engine.cfg.sync_interval, fetch_all=False):
                     if seq.finish_reason is None or seq.id not in running:
@@ -146,12 +144,3 @@ class AgentLoop:
                 e.finish_reason = "length"  # the tool's output spent the response budget
                 continue
             running[self._add(e, params)] = i
-
-
-def check_limits(limits: LoopLimits) -> None:
-    """The loop's bounds are positive (UserError naming ``rollout.multi_turn``'s keys)."""
-    if limits.max_assistant_turns < 1 or limits.max_response_length < 1:
-        raise UserError(
-            "rollout.multi_turn.max_assistant_turns and data.max_response_length must be at least 1; got "
-            f"{limits.max_assistant_turns} and {limits.max_response_length}"
-        )

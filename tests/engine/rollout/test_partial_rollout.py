@@ -4,8 +4,10 @@ newer weights; every token's log-prob is its own version's (the trainer's recomp
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_engine import PROMPTS, lively_model
+from test_moe_rollout import lively_moe
 
 from hybridflow.engine.rollout.paged_engine import PagedEngine
 from hybridflow.engine.rollout.partial import new_group, roll_partial
@@ -20,11 +22,19 @@ def token_logprobs(model: torch.nn.Module, prompt: list[int], response: list[int
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])[:, 0]
 
 
-def test_samples_continue_across_a_weight_change_with_every_tokens_version_and_logprob() -> None:
-    model = lively_model("qwen2")
+def policy(arch: str) -> torch.nn.Module:
+    """A lively tiny model of ``arch`` (a mixture of experts' routers drawn so that tokens spread)."""
+    return lively_moe(arch, scale=0.2) if arch.endswith("moe") else lively_model(arch)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama", "qwen3_moe"])
+def test_samples_continue_across_a_weight_change_with_every_tokens_version_and_logprob(arch: str) -> None:
+    model = policy(arch)
     old = {k: v.clone() for k, v in model.state_dict().items()}
     engine = PagedEngine(model, num_blocks=64, block_size=4, sync_interval=2)
-    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, eos_token_ids=[29, 49], seed=11)
+    params = SamplingParams(
+        n=2, temperature=1.0, max_new_tokens=24, eos_token_ids=list(range(24, 40)), seed=11
+    )
     groups = [new_group(k, p, 2) for k, p in enumerate(PROMPTS)]
     roll_partial(engine, groups, params, quota=1, version=4)
     assert not engine.has_work and engine.pool.num_free == len(engine.pool.blocks)
