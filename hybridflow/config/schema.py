@@ -281,7 +281,11 @@ class TrainerConfig:
     ray_address: str | None = option(None, "Ray cluster to join; null starts a local Ray instance.")
     placement: str = option("colocated", "Role placement: colocated (share devices) or split.")
     async_mode: str = option(
-        "sync", "sync (each step waits for its batch), colocate (partial rollouts carried over) or separate."
+        "sync",
+        "sync (each step waits), colocate (partial rollouts carried over) or separate (a rollout pool; ray).",
+    )
+    rollout_pool_size: int = option(
+        0, "async_mode=separate: ranks (devices) of the rollout pool, beside the trainer's world_size."
     )
     max_staleness: int = option(1, "Async: weight versions a trained token may lag the policy, 1 to 8.")
     staleness_policy: str = option(

@@ -12,8 +12,8 @@ MODE = "trainer.async_mode"
 
 
 def check_async(cfg: Config, out: list[Problem]) -> None:
-    """``colocate`` needs the built-in engine's step API and a batch made of whole groups; ``separate`` is
-    refused until its pools land; staleness is 1 to 8 versions."""
+    """``colocate`` needs the built-in engine's step API and a batch made of whole groups; ``separate`` a Ray
+    rollout pool that splits into rollout groups; staleness is 1 to 8 versions."""
     t = cfg.trainer
     if not 1 <= t.max_staleness <= 8:
         out.append(
@@ -21,16 +21,17 @@ def check_async(cfg: Config, out: list[Problem]) -> None:
                 "trainer.max_staleness", f"is {t.max_staleness}; it must be 1 to 8", "e.g. 1 (the default)"
             )
         )
-    if t.async_mode == "sync":
-        return
     if t.async_mode == "separate":
+        check_separate(cfg, out)
+    elif t.rollout_pool_size:
         out.append(
             Problem(
-                MODE,
-                "is separate, whose rollout and trainer pools are not built yet",
-                "use trainer.async_mode=colocate (one pool, partial rollouts) or sync",
+                "trainer.rollout_pool_size",
+                f"is {t.rollout_pool_size} with {MODE}={t.async_mode}: only a separate run has a rollout pool",
+                f"set {MODE}=separate, or trainer.rollout_pool_size=0",
             )
         )
+    if t.async_mode == "sync":
         return
     a = cfg.algorithm
     refusals = [
@@ -48,13 +49,13 @@ def check_async(cfg: Config, out: list[Problem]) -> None:
             "grpo",
         ),
         (
-            cfg.actor.router_replay == "r3",
+            cfg.actor.router_replay == "r3" and t.async_mode == "colocate",
             "actor.router_replay",
             "records experts per phase only",
             "r2 or off",
         ),
     ]
-    for bad, key, why, fix in refusals:  # each feature colocate does not take yet, and why
+    for bad, key, why, fix in refusals:  # each feature the async modes do not take yet, and why
         if bad:
             out.append(
                 Problem(
@@ -63,6 +64,38 @@ def check_async(cfg: Config, out: list[Problem]) -> None:
                     f"set {key}={fix}, or {MODE}=sync",
                 )
             )
+
+
+def check_separate(cfg: Config, out: list[Problem]) -> None:
+    """``separate``: Ray worker groups, a pool of whole rollout groups, whole batches (nothing to drop)."""
+    t, r = cfg.trainer, cfg.rollout
+    if t.backend != "ray":
+        out.append(
+            Problem(
+                "trainer.backend",
+                f"is {t.backend} with {MODE}=separate: the rollout pool is a worker group of its own",
+                f"set trainer.backend=ray, or {MODE}=colocate (one pool)",
+            )
+        )
+    pool, tp = t.rollout_pool_size, r.tensor_model_parallel_size
+    if pool < 1 or pool % tp:
+        out.append(
+            Problem(
+                "trainer.rollout_pool_size",
+                f"is {pool} with {MODE}=separate: it must be a positive multiple of "
+                f"rollout.tensor_model_parallel_size={tp}",
+                f"e.g. trainer.rollout_pool_size={tp}",
+            )
+        )
+    if t.staleness_policy == "drop":
+        out.append(
+            Problem(
+                "trainer.staleness_policy",
+                f"is drop with {MODE}=separate: each batch is generated whole by weights at most "
+                "trainer.max_staleness versions old, so nothing is ever too stale to train",
+                "set trainer.staleness_policy=wait",
+            )
+        )
 
 
 BUILTIN_TOOLS = ("calc", "code_interpreter")

@@ -33,6 +33,7 @@ SURFACE: dict[str, str] = {
     "unsplit_reason": "hybrid.memory",
     "view_memory": "hybrid.memory",
     "PoolSync": "hybrid.pool_sync",
+    "Bridge": "hybrid.bridge",
     "BroadcastReplica": "hybrid.switch",
     "RolloutShard": "hybrid.switch",
     "world_line": "hybrid.world",

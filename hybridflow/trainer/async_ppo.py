@@ -38,13 +38,12 @@ def decoupled_correction(cfg: Config) -> None:
         )
 
 
-class ColocatePPOTrainer(PPOTrainer):
-    """``PPOTrainer`` whose rollout stage is a partial-rollout phase over the groups in flight."""
+class AsyncPPOTrainer(PPOTrainer):
+    """``PPOTrainer`` whose rollout stage draws its own prompts and may hand on samples of older weights."""
 
     def __init__(self, cfg: Config, components: Any, tracker: Tracker | None = None) -> None:
         decoupled_correction(cfg)
         super().__init__(cfg, components, tracker)
-        self.inflight = ColocateRollout(cfg, components, self.sampler)
 
     @property
     def version(self) -> int:
@@ -52,10 +51,28 @@ class ColocatePPOTrainer(PPOTrainer):
         return max(self.global_step - 1 - self.cfg.trainer.critic_warmup, 0)
 
     def _next_prompts(self) -> Batch:
-        """No prompts up front: the rollout stage draws them as groups leave the flight (zero rows)."""
+        """No prompts up front: the rollout stage draws them itself (zero rows)."""
         empty = torch.zeros((0, 1), dtype=torch.long)
         return Batch({key: empty for key in PROMPT_KEYS})
+
+
+class ColocatePPOTrainer(AsyncPPOTrainer):
+    """``PPOTrainer`` whose rollout stage is a partial-rollout phase over the groups in flight."""
+
+    def __init__(self, cfg: Config, components: Any, tracker: Tracker | None = None) -> None:
+        super().__init__(cfg, components, tracker)
+        self.inflight = ColocateRollout(cfg, components, self.sampler)
 
     def _generate(self, prompts: Batch, metrics: dict[str, float]) -> Batch:
         """One phase of the partial rollout; the done groups' samples."""
         return self.inflight.next_batch(self.version, self._sampling_params(), metrics)
+
+    def step(self) -> dict[str, float]:
+        """The synchronous step's metrics and ``async/rollout_idle_fraction``: on one pool the rollout is idle
+        for every part of the step outside its phase."""
+        metrics = super().step()
+        busy = metrics.get("timing_s/wait_for_rollout", 0.0)
+        metrics["async/rollout_idle_fraction"] = max(
+            1.0 - busy / max(metrics["perf/time_per_step"], 1e-9), 0.0
+        )
+        return metrics

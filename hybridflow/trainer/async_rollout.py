@@ -17,6 +17,7 @@ Done groups are trained oldest first. The groups in flight are the driver's stat
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,8 @@ class Flight:
 
 class ColocateRollout:
     """The groups in flight of a ``colocate`` run and the phase that advances them (see the module doc)."""
+
+    mode = "colocate"
 
     def __init__(self, cfg: Any, components: Any, sampler: Any) -> None:
         self.cfg, self.c, self.sampler = cfg, components, sampler
@@ -97,13 +100,19 @@ class ColocateRollout:
         if sum(quotas) < quota:  # a share too small for its part: the others take the rest
             for d in range(dp):
                 quotas[d] = min(len(shares[d]), quotas[d] + quota - sum(quotas))
+        start = time.perf_counter()
         results = self.c.actor.generate_partial(shares, params, quotas, version, finish)
+        metrics["timing_s/wait_for_rollout"] = (
+            time.perf_counter() - start
+        )  # one pool: the trainer waits it all
         by_key = {g.key: g for groups, _ in results for g in groups}
         for f in self.flights:
             f.group = by_key.get(f.group.key, f.group)
         meta = results[0][1]
         add_rollout_stats(metrics, meta.get("rollout_stats"))
         add_reshard_stats(metrics, [m.get("reshard") for _, m in results] if "reshard" in meta else None)
+        if "timing_s/reshard" in metrics:  # the weights' refresh is the hybrid engine's switch
+            metrics["timing_s/weight_sync"] = metrics["timing_s/reshard"]
 
     def _drop_stale(self, version: int) -> int:
         """``drop``: discard the unfinished groups that would be too stale at the next step; how many."""
@@ -156,6 +165,7 @@ class ColocateRollout:
     def state_dict(self) -> dict[str, Any]:
         """The groups in flight (plain lists: the checkpoint's JSON), and the next group key."""
         return {
+            "mode": self.mode,
             "next_key": self.next_key,
             "flights": [
                 {

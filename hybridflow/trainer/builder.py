@@ -49,11 +49,12 @@ class Components:
     scorer: Scorer
     total_steps: int
     groups: list[WorkerGroup] = field(default_factory=list)  # the main group (with the actor) first
+    pool: WorkerGroup | None = None  # trainer.async_mode=separate: the rollout pool (no checkpoint state)
 
     def close(self) -> None:
         """Stop the scorer's pool and the worker groups' processes."""
         self.scorer.close()
-        for group in self.groups:
+        for group in [*self.groups, *([self.pool] if self.pool is not None else [])]:
             group.shutdown()
 
 
@@ -151,7 +152,8 @@ def _ray_groups(cfg: Config, steps: int) -> list[WorkerGroup]:
 
     t = cfg.trainer
     split = t.placement == "split" and cfg.use_critic
-    ray = ensure_ray(t.ray_address, min_cpus=t.world_size * (2 if split else 1))
+    pool = t.rollout_pool_size if t.async_mode == "separate" else 0
+    ray = ensure_ray(t.ray_address, min_cpus=t.world_size * (2 if split else 1) + pool)
     use_gpu = t.device == "cuda" or (t.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
     main_roles = ("actor", "ref") if split else COLOCATED
     groups: list[WorkerGroup] = [RayGroup(cfg, steps, main_roles, "main", t.world_size, use_gpu)]
@@ -173,6 +175,18 @@ def _groups(cfg: Config, model: torch.nn.Module | None, tokenizer: Any, steps: i
     if cfg.trainer.backend == "ray":
         return _ray_groups(cfg, steps)
     return _local_groups(cfg, model, tokenizer, steps)
+
+
+def _rollout_pool(cfg: Config, groups: list[WorkerGroup], steps: int) -> WorkerGroup | None:
+    """``trainer.async_mode=separate``: a Ray group of ``trainer.rollout_pool_size`` ranks that only generate,
+    on devices of their own (the same kind as the main group's)."""
+    t = cfg.trainer
+    if t.async_mode != "separate":
+        return None
+    from hybridflow.workers.ray_group import RayGroup
+
+    use_gpu = getattr(groups[0], "use_gpu", t.device == "cuda")
+    return RayGroup(cfg, steps, ("rollout",), "rollout", t.rollout_pool_size, use_gpu)
 
 
 def _handles(
@@ -230,6 +244,7 @@ def build_components(
         steps = total_training_steps(cfg, len(train))
         data = f"{len(train)} prompts from {train.source}, {steps} steps"
     groups = _groups(cfg, model, tokenizer, steps)
+    pool = _rollout_pool(cfg, groups, steps)
     eos = groups[0].run_all("stop_tokens")[0]
     actor, ref, critic = _handles(cfg, groups, pad_id_of(tokenizer))
     vocab = len(tokenizer) if model is None else model.config.vocab_size
@@ -243,7 +258,7 @@ def build_components(
         " + ".join(name for name, h in (("actor", actor), ("reference", ref), ("critic", critic)) if h),
     )
     return Components(
-        tokenizer, pad_id_of(tokenizer), eos, actor, ref, critic, train, val, scorer, steps, groups
+        tokenizer, pad_id_of(tokenizer), eos, actor, ref, critic, train, val, scorer, steps, groups, pool
     )
 
 

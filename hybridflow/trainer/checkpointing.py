@@ -50,7 +50,8 @@ def trainer_state(trainer: Any) -> dict[str, Any]:
         "global_step": trainer.global_step,
         "sampler": trainer.sampler.state_dict() if trainer.sampler is not None else None,  # step-wise: none
         "kl_ctrl": trainer.kl_ctrl.state_dict() if trainer.kl_ctrl is not None else None,
-        # trainer.async_mode=colocate: the groups in flight, continued after a resume (never trained twice)
+        # trainer.async_mode=colocate: the groups in flight, continued after a resume (never trained twice);
+        # separate: where the sampler stood before the batches in flight (drawn again after a resume)
         "in_flight": trainer.inflight.state_dict() if getattr(trainer, "inflight", None) else None,
     }
 
@@ -63,12 +64,19 @@ def restore_trainer_state(trainer: Any, state: dict[str, Any]) -> None:
     if trainer.kl_ctrl is not None and state.get("kl_ctrl") is not None:
         trainer.kl_ctrl.load_state_dict(state["kl_ctrl"])
     flights = state.get("in_flight")
-    if getattr(trainer, "inflight", None) is not None and flights is not None:
+    mode = (flights or {}).get("mode", "colocate")
+    if (
+        getattr(trainer, "inflight", None) is not None
+        and flights is not None
+        and trainer.inflight.mode == mode
+    ):
         trainer.inflight.load_state_dict(flights)
+    elif flights and flights.get("sampler") is not None and trainer.sampler is not None:
+        trainer.sampler.load_state_dict(flights["sampler"])  # separate's batches in flight: drawn again
     elif flights and flights["flights"]:
         logger.warning(
-            "the checkpoint holds %d prompt groups in flight (trainer.async_mode=colocate); this run is "
-            "synchronous, so they are not continued (their prompts come round again next epoch)",
+            "the checkpoint holds %d prompt groups in flight (trainer.async_mode=colocate); this run does "
+            "not carry partial groups, so they are not continued (their prompts come round again next epoch)",
             len(flights["flights"]),
         )
 

@@ -19,6 +19,7 @@ from hybridflow.data import load_split_rows
 from hybridflow.engine import full_state_dict
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.trainer.async_ppo import ColocatePPOTrainer
+from hybridflow.trainer.async_separate import SeparatePPOTrainer
 from hybridflow.trainer.builder import (
     Components,
     build_components,
@@ -158,7 +159,8 @@ def rl_job(
     save_config(cfg, run_dir / "config.yaml")
     owned = components is None  # close only what this job built: a caller may go on using its components
     components = components or build_components(cfg, reward_fn=reward_fn)
-    trainer = (ColocatePPOTrainer if cfg.trainer.async_mode == "colocate" else PPOTrainer)(cfg, components)
+    drivers = {"colocate": ColocatePPOTrainer, "separate": SeparatePPOTrainer}
+    trainer = drivers.get(cfg.trainer.async_mode, PPOTrainer)(cfg, components)
     history = run_loop(trainer, run_dir, close=owned)
     logger.info("saved the trained policy to %s", run_dir / "final_model")
     return history

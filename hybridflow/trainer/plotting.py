@@ -28,7 +28,7 @@ Record = Mapping[str, Any]  # one metrics.jsonl line: "step" plus metric name ->
 
 _VAL_KEY = re.compile(r"^val-core/(?P<source>.+)/(?P<var>acc|reward)/mean@(?P<n>\d+)$")
 # timing_s/* keys that are parts of a stage (or waits for one), not stages of their own
-_SUB_STAGES = {"gen_prefill", "gen_decode", "reshard"}
+_SUB_STAGES = {"gen_prefill", "gen_decode", "reshard", "wait_for_rollout", "weight_sync"}
 _NO_KL = "no KL to the reference in this run\n(actor.use_kl_loss, algorithm.use_kl_in_reward)"
 
 

@@ -7,7 +7,6 @@ import logging
 import time
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -28,10 +27,6 @@ from hybridflow.engine import (
     check_tp,
     fallback_reason,
     follow_rollout_shards,
-    make_rollout,
-    pack_prompt_response,
-    pack_routing,
-    pad_rows,
     roll_partial,
     to_dtype,
     update_preference,
@@ -44,6 +39,8 @@ from hybridflow.utils.logging import rank as dist_rank
 from hybridflow.utils.progress import Progress
 from hybridflow.workers.agent_env import MultiTurn
 from hybridflow.workers.dispatch import DataCoord, generate_coord, train_coord
+from hybridflow.workers.rollout_batch import build_rollout, max_model_len, sample_batch
+from hybridflow.workers.rollout_pool import connect_pools
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +89,7 @@ class ActorWorker:
         self.pad_token_id = pad_token_id
         init_distributed()
         r = cfg.rollout
-        max_len = r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
+        max_len = max_model_len(cfg)
         view = GenerateView(world_size(), r.tensor_model_parallel_size, r.expert_parallel_size)
         native = self._pick_engine(model, view, max_len)
         dims = ParallelDims.of(cfg, "actor", world_size(), dist_rank())
@@ -120,22 +117,9 @@ class ActorWorker:
         self.weights = self._generation_weights(view, native, dtype, device)
         target = self.weights.module if self.weights is not None else self.hf_model
         tp = RolloutTP(self.group.group, model.config.vocab_size) if view.tp > 1 else None
-        self.rollout = make_rollout(
-            target,
-            "native" if native else "hf",
-            pad_token_id=pad_token_id,
-            dtype=dtype,
-            max_num_seqs=r.max_num_seqs,
-            max_num_batched_tokens=r.max_num_batched_tokens,
-            max_model_len=max_len,
-            gpu_memory_utilization=r.gpu_memory_utilization,
-            enforce_eager=r.enforce_eager,
-            compile_decode=r.compile_decode,
-            free_cache_engine=r.free_cache_engine,
-            device=device,  # the GPU, also while offloaded parameters sit on the host
-            **({"tp": tp} if tp is not None else {}),
-            **({"record_routing": True} if cfg.actor.router_replay == "r3" else {}),  # router replay
-        )
+        self.rollout = build_rollout(cfg, target, native, pad_token_id, dtype, device, tp)
+        self.rollout_dtype = dtype
+        self.pool_sync: Any = None  # trainer.async_mode=separate: the stream into the rollout pool
         self.switch_line = self._switch_line(dtype)
         self.multi_turn: MultiTurn | None = None  # attach_tokenizer builds it when rollout.multi_turn is on
         self._last_switch_line: str | None = None
@@ -284,44 +268,19 @@ class ActorWorker:
         """
         reshard = self._switch_to_generation()
         self._log_switch()
-        params = dataclasses.replace(params, seed=self.group.seed(params.seed))
-        mask = prompts["attention_mask"].bool()
-        ids = [row[m].tolist() for row, m in zip(prompts["input_ids"], mask)]
-        if self.room_donors:
-            self._make_room(ids, params)
-        masks, turn_metrics = None, None
-        with Progress(desc, total=len(ids) * params.n, unit="samples") as bar:
-            if self.multi_turn is not None:  # episodes of turns and tool outputs (rollout.multi_turn)
-                outputs, masks, turn_metrics = self.multi_turn.generate(self.rollout, ids, params, self.group)
-            else:
-                outputs = self.rollout.generate(ids, params, progress=bar.update)
-        self.group.check_agreement(outputs, ids)
+        batch = sample_batch(
+            self.rollout,
+            self.group,
+            prompts,
+            params,
+            self.cfg.data.max_response_length,
+            self.pad_token_id,
+            desc,
+            self.multi_turn,
+            self._make_room if self.room_donors else None,
+        )
         if self.weights is not None and self.cfg.rollout.free_cache_engine:
             self.weights.release()  # the update needs its memory; the next sync() allocates it again
-        flat = [s for group in outputs for s in group]
-        R = self.cfg.data.max_response_length
-        batch = pack_prompt_response(
-            [p for p in ids for _ in range(params.n)], [s.token_ids for s in flat], R, self.pad_token_id
-        )
-        logps, _ = pad_rows([s.logprobs for s in flat], R, 0.0, torch.float32)  # (B*n, R)
-        batch["rollout_log_probs"] = logps
-        if masks is not None:  # a tool's output is never trained on
-            sampled, _ = pad_rows(masks, R, 0, torch.float32)  # (B*n, R)
-            batch["response_mask"] = batch["response_mask"] * sampled
-            batch.meta["multi_turn"] = turn_metrics
-        routed = [getattr(s, "routed_experts", None) for s in flat]
-        if flat and all(r is not None for r in routed):  # MoE router replay (r3): the rollout's experts
-            P = batch["input_ids"].shape[1] - R
-            batch["routed_experts"] = pack_routing(
-                [len(p) for p in ids for _ in range(params.n)], routed, P, R
-            )
-        for key, values in prompts.non_tensors.items():
-            batch[key] = np.repeat(values, params.n)
-        batch["uid"] = np.repeat(np.array([f"{i}" for i in range(len(ids))], dtype=object), params.n)
-        batch["finish_reason"] = np.array([s.finish_reason for s in flat], dtype=object)
-        stats = getattr(self.rollout, "last_stats", None)  # the built-in engine's; HF generate keeps none
-        if stats is not None:
-            batch.meta["rollout_stats"] = dataclasses.asdict(stats)
         if reshard is not None:
             batch.meta["reshard"] = reshard
         return batch
@@ -374,6 +333,32 @@ class ActorWorker:
         if cuda:
             out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         return out
+
+    def rollout_dtype_name(self) -> str:
+        """The rollout's dtype (``rollout.dtype`` resolved): a separate rollout pool generates in it too."""
+        return str(self.rollout_dtype).removeprefix("torch.")
+
+    def join_rollout_pool(self, address: tuple[str, int], pool: int) -> None:
+        """``trainer.async_mode=separate``: join the bridge to a rollout pool of ``pool`` ranks (this pool's
+        ranks first) and plan the stream of the training shards into its generation shards."""
+        self.pool_sync = connect_pools(
+            self.hf_model,
+            self.cfg,
+            address,
+            dist_rank(),
+            world_size(),
+            pool,
+            self.rollout_dtype,
+            self.engine.device,
+            str(self.dims),
+        )
+
+    def push_weights(self) -> dict[str, float]:
+        """Stream the current weights into the rollout pool (the collective with its ``receive``)."""
+        start = time.perf_counter()
+        with self.engine.engine.onloaded():  # offloaded shards come back to the device to be sent
+            self.pool_sync.sync(self.hf_model)
+        return {"seconds": time.perf_counter() - start}
 
     def compute_log_prob(self, batch: Batch) -> Batch:
         """Trainer log-probs (``old_log_probs``) and entropies of the responses under the current weights."""

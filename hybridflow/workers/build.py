@@ -19,6 +19,7 @@ from hybridflow.workers.actor import ActorWorker
 from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.rank import RankWorker
 from hybridflow.workers.reference import ReferenceWorker
+from hybridflow.workers.rollout_pool import RolloutWorker, rollout_skeleton
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,21 @@ def build_rank_worker(cfg: Config, total_steps: int, roles: tuple[str, ...], gro
 
         import_reward_module(cfg.reward.custom_function.path)
     set_seed(cfg.trainer.seed)
+    if roles == ("rollout",):  # a separate rollout pool: no training weights, a skeleton to stream into
+        return build_rollout_rank(cfg, group)
     model, tokenizer = load_policy(cfg)
     worker = RankWorker(build_roles(cfg, model, total_steps, pad_id_of(tokenizer), roles), tokenizer, group)
     worker.eos_token_ids = eos_ids_of(model, tokenizer)
     return worker
+
+
+def build_rollout_rank(cfg: Config, group: str) -> RankWorker:
+    """A rank of a separate rollout pool (``trainer.async_mode=separate``): the policy's skeleton on the meta
+    device and its tokenizer; the weights come from the trainer pool's stream."""
+    from hybridflow.models.loader import load_config
+
+    m = cfg.model
+    tokenizer = load_policy_tokenizer(cfg)
+    config = load_config(m.path, m.trust_remote_code, dict(m.override_config))
+    worker = RolloutWorker(rollout_skeleton(config), cfg, pad_id_of(tokenizer))
+    return RankWorker({"rollout": worker}, tokenizer, group)

@@ -129,6 +129,31 @@ CRITIC_UPDATE_KEYS = (*SEQ_KEYS, "values", "returns")
 PREFERENCE_KEYS = (*SEQ_KEYS, "ref_seq_logps", "labels")
 
 
+def merge_rollout(
+    pieces: list[Batch], results: list[Any], pad: int, prompts: int, n: int, widths: dict[str, Any]
+) -> Batch:
+    """One batch from the rollout groups' samples (``pieces``, by group; ``results``: every rank's, whose
+    metas are taken): ``uid`` numbers the ``prompts`` of the whole batch, ``meta["rollout_stats"]`` is rank
+    0's, ``meta["reshard"]`` every rank's switch and ``meta["multi_turn"]`` the groups' episode metrics."""
+    turns = [p.meta.get("multi_turn") for p in pieces]  # per rollout group (multi-turn rollouts)
+    for r in results:
+        r.meta.pop("multi_turn", None)
+    stats = [r.meta.pop("rollout_stats", None) for r in results]  # per rank: they differ, so not merged
+    reshard = [r.meta.pop("reshard", None) for r in results]
+    out = merge_batches(pieces, pad * n, widths)  # each group pads to its longest prompt
+    if stats[0] is not None:
+        out.meta["rollout_stats"] = stats[0]  # rank 0's, like the memory report
+    if reshard[0] is not None:
+        out.meta["reshard"] = reshard  # every rank's switch: its time, bytes received and peak
+    out["uid"] = np.repeat(np.array([str(i) for i in range(prompts)], dtype=object), n)
+    if turns[0] is not None:  # equal shares: means average, the bounds take the extremes
+        out.meta["multi_turn"] = {
+            k: (min if k.endswith("/min") else max if k.endswith("/max") else np.mean)([t[k] for t in turns])
+            for k in turns[0]
+        }
+    return out
+
+
 class RoleHandle:
     """The driver's view of one role in a group; ``pad_token_id`` fills token ids when shares widen."""
 
@@ -175,25 +200,7 @@ class ActorHandle(RoleHandle):
         generate switch when the rollout has weights of its own.
         """
         pieces, results, pad = self._call("generate", prompts, params, desc, view="generate")
-        turns = [p.meta.get("multi_turn") for p in pieces]  # per rollout group (multi-turn rollouts)
-        for r in results:
-            r.meta.pop("multi_turn", None)
-        stats = [r.meta.pop("rollout_stats", None) for r in results]  # per rank: they differ, so not merged
-        reshard = [r.meta.pop("reshard", None) for r in results]
-        out = merge_batches(pieces, pad * params.n, self.widths)  # each group pads to its longest prompt
-        if stats[0] is not None:
-            out.meta["rollout_stats"] = stats[0]  # rank 0's, like the memory report
-        if reshard[0] is not None:
-            out.meta["reshard"] = reshard  # every rank's switch: its time, bytes received and peak
-        out["uid"] = np.repeat(np.array([str(i) for i in range(len(prompts))], dtype=object), params.n)
-        if turns[0] is not None:  # equal shares: means average, the bounds take the extremes
-            out.meta["multi_turn"] = {
-                k: (min if k.endswith("/min") else max if k.endswith("/max") else np.mean)(
-                    [t[k] for t in turns]
-                )
-                for k in turns[0]
-            }
-        return out
+        return merge_rollout(pieces, results, pad, len(prompts), params.n, self.widths)
 
     def generate_partial(
         self, groups: list[list[Any]], params: Any, quotas: list[int], version: int, finish: frozenset[int]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.config.schema import Config
@@ -46,6 +47,14 @@ def ensure_ray(address: str | None, min_cpus: int = 1) -> Any:
         ray.init(address=address, num_cpus=cpus, runtime_env=env, log_to_driver=True, include_dashboard=False)
         logger.info("Ray: %s", "joined " + address if address else "started a local instance")
     return ray
+
+
+@dataclass
+class Pending:
+    """Calls submitted to a group's ranks and not yet collected: Ray object references by rank."""
+
+    refs: dict[int, Any]
+    what: str
 
 
 class RankProcess:
@@ -106,7 +115,7 @@ class RayGroup(WorkerGroup):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         super().__init__()
-        self.ray, self.name, self.world, self.roles = ray, name, world, roles
+        self.ray, self.name, self.world, self.roles, self.use_gpu = ray, name, world, roles, use_gpu
         bundle = {"CPU": 1, "GPU": 1} if use_gpu else {"CPU": 1}
         self.pg = placement_group([bundle] * world, strategy="PACK")
         ray.get(self.pg.ready(), timeout=cfg.trainer.nccl_timeout)
@@ -183,25 +192,43 @@ class RayGroup(WorkerGroup):
 
     def run_each(self, method: str, per_rank_args: list[tuple], **kwargs: Any) -> list[Any]:
         """Call ``RankWorker.method`` on the ranks that have arguments; results in rank order."""
+        return self.collect(self.submit_each(method, per_rank_args, **kwargs))
+
+    def submit_each(self, method: str, per_rank_args: list[tuple], **kwargs: Any) -> Pending:
+        """``run_each`` without waiting: the calls, to ``collect`` later (a rank runs its calls in order)."""
         refs = {
             r: actor.run.remote(method, args, kwargs)
             for r, (actor, args) in enumerate(zip(self.actors, per_rank_args))
             if args is not None
         }
         first = next(a for a in per_rank_args if a is not None)
-        return self._wait(refs, f"{first[0]}.{first[1]}" if method == "call" else method)
+        return Pending(refs, f"{first[0]}.{first[1]}" if method == "call" else method)
+
+    def collect(self, pending: Pending) -> list[Any]:
+        """The results of submitted calls, in rank order (None for a rank without a call)."""
+        return self._wait(pending.refs, pending.what)
 
     def call_shares(
         self, role: str, method: str, shares: list[Any], layout: DataLayout, *args: Any
     ) -> list[Any]:
         """Each share goes into the object store once and the ranks of its replica all read that copy."""
+        return self.collect(self.submit_shares(role, method, shares, layout, *args))
+
+    def submit_shares(
+        self, role: str, method: str, shares: list[Any], layout: DataLayout, *args: Any
+    ) -> Pending:
+        """``call_shares`` without waiting."""
         refs = [self.ray.put(share) for share in shares]
         calls = {}
         for r, actor in enumerate(self.actors):
             replica = layout.replica_of[r]
             source = layout.sources[replica] == r
             calls[r] = actor.run_share.remote(role, method, refs[replica], source, args)
-        return self._wait(calls, f"{role}.{method}")
+        return Pending(calls, f"{role}.{method}")
+
+    def address(self) -> tuple[str, int]:
+        """The node of rank 0 and a free port there (a rendezvous another group can join)."""
+        return self.ray.get(self.actors[0].address.remote())
 
     def barrier(self) -> None:
         """The driver is one process: nothing to line up."""

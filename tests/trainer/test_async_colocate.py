@@ -159,7 +159,20 @@ def test_kill_and_resume_continues_the_groups_in_flight(setup: dict[str, Path], 
 @pytest.mark.parametrize(
     ("extra", "key"),
     [
-        (["trainer.async_mode=separate"], "trainer.async_mode"),
+        (["trainer.async_mode=separate"], "trainer.backend"),
+        (["trainer.async_mode=separate", "trainer.backend=ray"], "trainer.rollout_pool_size"),
+        (
+            ["trainer.async_mode=separate", "trainer.backend=ray", "trainer.rollout_pool_size=3"]
+            + ["rollout.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"],
+            "trainer.rollout_pool_size",
+        ),
+        (
+            ["trainer.async_mode=separate", "trainer.backend=ray", "trainer.rollout_pool_size=1"]
+            + ["trainer.staleness_policy=drop"],
+            "trainer.staleness_policy",
+        ),
+        (["trainer.rollout_pool_size=2"], "trainer.rollout_pool_size"),
+        (["trainer.async_mode=separate", "algorithm.adv_estimator=remax"], "algorithm.adv_estimator"),
         (["trainer.async_mode=colocate", "algorithm.adv_estimator=remax"], "algorithm.adv_estimator"),
         (["trainer.async_mode=colocate", "algorithm.filter_groups.enable=true"], "algorithm.filter_groups"),
         (["trainer.async_mode=colocate", "rollout.engine=hf"], "rollout.engine"),
@@ -167,7 +180,7 @@ def test_kill_and_resume_continues_the_groups_in_flight(setup: dict[str, Path], 
         (["trainer.staleness_policy=keep"], "trainer.staleness_policy"),
     ],
 )
-def test_what_colocate_does_not_take_is_refused_naming_the_key(extra: list[str], key: str) -> None:
+def test_what_the_async_modes_do_not_take_is_refused_naming_the_key(extra: list[str], key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, extra)
 

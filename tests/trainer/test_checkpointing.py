@@ -38,7 +38,7 @@ RUN = [
     "actor.optim.lr_warmup_steps=2",
     "trainer.logger=[console]",
 ]
-VOLATILE = ("timing_s/", "perf/")  # wall-clock figures differ between any two runs
+VOLATILE = ("timing_s/", "perf/", "async/rollout_idle_fraction")  # wall-clock figures differ between runs
 
 
 @pytest.fixture(scope="module")

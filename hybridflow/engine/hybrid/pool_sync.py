@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridflow.engine.hybrid.bridge import Link, as_link
 from hybridflow.engine.hybrid.plan import ParamSpec, ReshardPlan
 from hybridflow.engine.hybrid.resharder import Resharder
 from hybridflow.engine.hybrid.switch import held_box
@@ -51,15 +52,16 @@ class PoolSync:
         dtype: torch.dtype,
         device: torch.device,
         bucket_bytes: int,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | Link | None = None,
         train_view: str | None = None,
     ) -> None:
         """``model``: a trainer rank's training module, or on a rollout rank any model of the same class and
         config (a skeleton on the meta device). ``view``: the rollout pool in ``group``'s ranks (``first``:
-        its first rank). ``group``: the two pools' process group (None: the default group). ``train_view``
+        its first rank). ``group``: the two pools' process group (None: the default group), or a ``Bridge``
+        when each pool has a world of its own (Ray worker groups). ``train_view``
         names the trainer's view in the logs."""
-        self.view, self.group = view, group
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.view, self.link = view, as_link(group)
+        self.rank, self.world = self.link.rank(), self.link.size()
         if view.end > self.world or view.world == self.world:
             raise ValueError(
                 f"the rollout pool {view} must lie inside the group of {self.world} ranks and leave some for the "
@@ -83,7 +85,7 @@ class PoolSync:
         gaps = self.plan.uncovered()
         if gaps:
             raise ValueError(f"the trainer pool holds no copy of parts of: {gaps[:8]}")
-        self.resharder = Resharder(self.plan, self.rank, device, dtype, group)
+        self.resharder = Resharder(self.plan, self.rank, device, dtype, self.link)
         self.module: nn.Module | None = None
         self.targets: list[torch.Tensor] = []
         if self.receives:
@@ -117,8 +119,7 @@ class PoolSync:
                 "shapes": {n: tuple(p.shape) for n, p in ours.items()},  # a DTensor's shape: the full one
                 "buffers": {n: b.detach().cpu() for n, b in model.named_buffers()},
             }
-        table: list[Any] = [None] * self.world
-        dist.all_gather_object(table, mine, group=self.group)
+        table = self.link.gather_objects(mine)
         for rank, row in enumerate(table):
             if (row is None) != self.view.generates(rank):  # the ranks were given different views
                 raise ValueError(

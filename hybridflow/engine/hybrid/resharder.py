@@ -16,6 +16,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from hybridflow.engine.hybrid.bridge import Link, as_link
 from hybridflow.engine.hybrid.plan import ReshardPlan, Transfer, volume
 from hybridflow.engine.parallel.layout import Box
 
@@ -28,7 +29,8 @@ def _part(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
 class Resharder:
     """This rank's side of a ``ReshardPlan``: what it sends, receives and copies, bucket by bucket.
 
-    ``rank``: this rank in ``group``, the process group of the plan's ranks (None: the default group)."""
+    ``rank``: this rank in ``group``, the process group of the plan's ranks (None: the default group; or a
+    ``Bridge`` across two worlds)."""
 
     def __init__(
         self,
@@ -36,12 +38,13 @@ class Resharder:
         rank: int,
         device: torch.device,
         dtype: torch.dtype,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | Link | None = None,
     ) -> None:
-        self.plan, self.rank, self.device, self.dtype, self.group = plan, rank, device, dtype, group
+        self.plan, self.rank, self.device, self.dtype = plan, rank, device, dtype
+        self.link = as_link(group)
         self.world = plan.world
-        if self.world > 1 and dist.get_world_size(group) != self.world:
-            raise ValueError(f"a plan of {self.world} ranks over a group of {dist.get_world_size(group)}")
+        if self.world > 1 and self.link.size() != self.world:
+            raise ValueError(f"a plan of {self.world} ranks over a group of {self.link.size()}")
         by_param = defaultdict(list)
         for t in plan.transfers:
             if rank in (t.src, t.dst):
@@ -99,7 +102,7 @@ class Resharder:
         send = torch.cat(pieces) if pieces else torch.empty(0, dtype=self.dtype, device=self.device)
         recv = torch.empty(sum(recv_splits), dtype=self.dtype, device=self.device)
         # Every rank calls this for every bucket, with its own splits (zeros included), so the calls match.
-        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
+        self.link.all_to_all(recv, send, recv_splits, send_splits)
         offset = 0
         for t in recvs:
             target = self._target(t, targets)

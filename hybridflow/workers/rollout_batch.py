@@ -1,0 +1,114 @@
+"""A rollout group's samples packed as the training-layout batch: what the actor's ``generate`` returns, also
+from a rollout pool of its own (``trainer.async_mode=separate``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridflow.engine import (
+    RolloutGroup,
+    SamplingParams,
+    make_rollout,
+    pack_prompt_response,
+    pack_routing,
+    pad_rows,
+)
+from hybridflow.protocol import Batch
+from hybridflow.utils.progress import Progress
+from hybridflow.workers.agent_env import MultiTurn
+
+
+def sample_batch(
+    rollout: Any,
+    group: RolloutGroup,
+    prompts: Batch,
+    params: SamplingParams,
+    max_response_length: int,
+    pad_token_id: int,
+    desc: str = "rollout",
+    multi_turn: MultiTurn | None = None,
+    before: Callable[[list[list[int]], SamplingParams], None] | None = None,
+) -> Batch:
+    """Sample ``params.n`` responses per prompt with ``rollout``; samples interleaved, responses padded to
+    ``max_response_length``.
+
+    Every rank of a rollout group is handed the group's prompts and returns the whole group's samples. Adds
+    ``rollout_log_probs`` (B*n, R), the prompts' non-tensor fields repeated, ``uid`` (the prompt's group),
+    ``finish_reason`` and ``meta["rollout_stats"]`` (the built-in engine's ``GenerationStats``). ``before``
+    sees the prompts' ids and the group's params first (the actor makes room for the KV cache there).
+    """
+    params = dataclasses.replace(params, seed=group.seed(params.seed))
+    mask = prompts["attention_mask"].bool()
+    ids = [row[m].tolist() for row, m in zip(prompts["input_ids"], mask)]
+    if before is not None:
+        before(ids, params)
+    masks, turn_metrics = None, None
+    with Progress(desc, total=len(ids) * params.n, unit="samples") as bar:
+        if multi_turn is not None:  # episodes of turns and tool outputs (rollout.multi_turn)
+            outputs, masks, turn_metrics = multi_turn.generate(rollout, ids, params, group)
+        else:
+            outputs = rollout.generate(ids, params, progress=bar.update)
+    group.check_agreement(outputs, ids)
+    flat = [s for samples in outputs for s in samples]
+    R = max_response_length
+    batch = pack_prompt_response(
+        [p for p in ids for _ in range(params.n)], [s.token_ids for s in flat], R, pad_token_id
+    )
+    logps, _ = pad_rows([s.logprobs for s in flat], R, 0.0, torch.float32)  # (B*n, R)
+    batch["rollout_log_probs"] = logps
+    if masks is not None:  # a tool's output is never trained on
+        sampled, _ = pad_rows(masks, R, 0, torch.float32)  # (B*n, R)
+        batch["response_mask"] = batch["response_mask"] * sampled
+        batch.meta["multi_turn"] = turn_metrics
+    routed = [getattr(s, "routed_experts", None) for s in flat]
+    if flat and all(r is not None for r in routed):  # MoE router replay (r3): the rollout's experts
+        P = batch["input_ids"].shape[1] - R
+        batch["routed_experts"] = pack_routing([len(p) for p in ids for _ in range(params.n)], routed, P, R)
+    for key, values in prompts.non_tensors.items():
+        batch[key] = np.repeat(values, params.n)
+    batch["uid"] = np.repeat(np.array([f"{i}" for i in range(len(ids))], dtype=object), params.n)
+    batch["finish_reason"] = np.array([s.finish_reason for s in flat], dtype=object)
+    stats = getattr(rollout, "last_stats", None)  # the built-in engine's; HF generate keeps none
+    if stats is not None:
+        batch.meta["rollout_stats"] = dataclasses.asdict(stats)
+    return batch
+
+
+def build_rollout(
+    cfg: Any,
+    target: Any,
+    native: bool,
+    pad_token_id: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: Any = None,
+) -> Any:
+    """The rollout engine over ``target`` (the generation weights) with the config's ``rollout.*`` limits:
+    the built-in paged engine (``native``), else HF generate."""
+    r = cfg.rollout
+    return make_rollout(
+        target,
+        "native" if native else "hf",
+        pad_token_id=pad_token_id,
+        dtype=dtype,
+        max_num_seqs=r.max_num_seqs,
+        max_num_batched_tokens=r.max_num_batched_tokens,
+        max_model_len=max_model_len(cfg),
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        enforce_eager=r.enforce_eager,
+        compile_decode=r.compile_decode,
+        free_cache_engine=r.free_cache_engine,
+        device=device,  # the GPU, also while offloaded parameters sit on the host
+        **({"tp": tp} if tp is not None else {}),
+        **({"record_routing": True} if cfg.actor.router_replay == "r3" else {}),  # router replay
+    )
+
+
+def max_model_len(cfg: Any) -> int:
+    """The longest sequence the rollout holds: ``rollout.max_model_len``, else prompt + response limits."""
+    return cfg.rollout.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
