@@ -26,6 +26,7 @@ from hybridflow.engine import (
     SamplingParams,
     check_tp,
     default_device,
+    fallback_reason,
     to_dtype,
 )
 from hybridflow.models.families import check_tensor_parallel
@@ -34,7 +35,7 @@ from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.logging import rank as dist_rank
 from hybridflow.workers.dispatch import DataCoord, generate_coord
-from hybridflow.workers.rollout_batch import build_rollout, sample_batch
+from hybridflow.workers.rollout_batch import build_rollout, max_model_len, sample_batch
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,12 @@ class RolloutWorker:
         """``skeleton``: the policy on the meta device (its class, config and parameter names)."""
         init_distributed()
         r = cfg.rollout
+        reason = fallback_reason(skeleton, max_model_len(cfg))
+        if reason is not None:  # before any shard rule is looked up: the pool has no HF generate to fall to
+            raise UserError(
+                f"trainer.async_mode=separate generates on the built-in engine, which does not run this model "
+                f"({reason}); set trainer.async_mode=sync (HF generate on the trainer's ranks)"
+            )
         self.cfg, self.skeleton, self.pad_token_id = cfg, skeleton, pad_token_id
         self.view = GenerateView(world_size(), r.tensor_model_parallel_size, r.expert_parallel_size)
         if self.view.tp > 1:
@@ -100,11 +107,6 @@ class RolloutWorker:
         self.rollout = build_rollout(
             self.cfg, self.sync.module, True, self.pad_token_id, to_dtype(dtype), self.device, tp
         )
-        if not hasattr(self.rollout, "last_stats"):
-            raise UserError(
-                "trainer.async_mode=separate generates on the built-in engine, which does not run this model "
-                "(see the warning above); set trainer.async_mode=colocate or sync"
-            )
         if me == 0:
             logger.info("%s", self.sync.sync_line())
 

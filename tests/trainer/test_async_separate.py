@@ -157,3 +157,29 @@ def test_kill_and_resume_draws_the_batch_in_flight_again(
     flat = [p for s in sorted(prompts) for p in prompts[s]]
     assert len(set(flat)) == len(flat) == 16  # each prompt once: none lost, none twice
     assert got[1] == want[1] and got[2] == want[2]  # before the kill: the same run
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "mixtral", "gpt2"])
+def test_every_family_streams_into_the_pool_or_is_refused_in_one_line(
+    setup: dict[str, Path], cluster: str, tmp_path: Path, arch: str
+) -> None:
+    """Qwen3, Llama and Mixtral (fused experts) train two steps with the pool; GPT-2, a family the built-in
+    engine does not run, stops at start with one line naming the fix (the pool has no HF generate)."""
+    from hybridflow.models import build_tiny_model_and_tokenizer
+
+    model = tmp_path / arch
+    build_tiny_model_and_tokenizer(out_dir=model, arch=arch, hidden_size=32, num_hidden_layers=1)
+    argv = [*args(setup, tmp_path / "run", "sixteen", "trainer.total_training_steps=2", *separate(cluster))]
+    argv = [a for a in argv if not a.startswith(("model.path=", "rollout.stop_token_ids="))]
+    argv += [f"model.path={model}", "rollout.n=2", "rollout.do_sample=true", "algorithm.adv_estimator=grpo"]
+    log = tmp_path / "run.log"
+    proc = start_cli(argv, log, clean_env())
+    code, text = proc.wait(timeout=400), log.read_text()
+    if arch == "gpt2":
+        assert code == 2, text[-3000:]
+        assert "trainer.async_mode=sync" in text and "Traceback" not in text
+        return
+    assert code == 0, text[-4000:]
+    m = metrics(tmp_path / "run")
+    assert m[1]["rollout_corr/log_prob_abs_diff_max"] <= 1e-5  # the pool's shard is the trainer's weights
+    assert m[2]["async/staleness_max"] == 1.0
