@@ -45,13 +45,13 @@ MAPPED: list[tuple[str, list[str], str, Any]] = [
 NO_OPS = [
     "actor.fsdp_config.mixed_precision.buffer_dtype=fp32",
     f"{A}.actor.fsdp_config.mixed_precision.buffer_dtype=float32",
-    "rollout.quantization=null",
+    "actor.quantization=null",
     f"{A}.rollout.kv_cache_dtype=auto",
     "expert_model_parallel_size=1",
     f"{A}.actor.megatron.expert_tensor_parallel_size=1",
 ]
 
-FP8 = "FP8 rollout is not supported yet (issue 45)"
+FP8 = "an FP8 KV cache is not supported yet (issue 45)"
 EP = "expert parallelism is a size of each role's training view"
 ETP = "expert tensor parallelism is not supported"
 # (spelling=value, words of the message, words of the fix: the key to use)
@@ -72,10 +72,9 @@ REFUSED: list[tuple[str, str, str]] = [
     ("expert_model_parallel_size=2", EP, "set actor.parallel.ep=2 and remove expert_model_parallel_size"),
     ("critic.ep_size=2", EP, "set critic.parallel.ep=2"),
     (f"{A}.actor.megatron.expert_tensor_parallel_size=2", ETP, "(or set it to 1)"),
-    ("rollout.quantization=fp8", FP8, "the rollout generates in rollout.dtype"),
-    (f"{A}.rollout.quantization=fp8", FP8, "rollout.dtype"),
+    ("actor.quantization=fp8", "only the rollout quantises its weights", "set rollout.quantization=fp8"),
     ("rollout.kv_cache_dtype=fp8", FP8, "rollout.dtype"),
     (f"{A}.rollout.kv_cache_dtype=fp8_e4m3", FP8, "rollout.dtype"),
     ("rollout.kv_cache_dtype=bfloat16", "it is held in rollout.dtype", "set rollout.dtype=bfloat16"),
-    ("rollout.quantization=awq", "a quantized rollout is not supported", "rollout.dtype"),
+    ("rollout.quantization=awq", "quantises to FP8 (e4m3, rowwise scales) or not at all", "fp8, or null"),
 ]

@@ -146,6 +146,9 @@ class RolloutConfig:
         "Generation dtype: auto (the training compute dtype, actor.fsdp.param_dtype), bfloat16, float16, "
         "float32.",
     )
+    quantization: str | None = option(
+        None, "Rollout weights: null (rollout.dtype) or fp8 (projections in e4m3, rowwise scales)."
+    )
     allow_dtype_mismatch: bool = option(
         False,
         "Run a rollout.dtype other than the training compute dtype (refused unless true: log-probs drift).",

@@ -1,7 +1,7 @@
 """Keys judged by their last name wherever they appear, and keys refused with a pointer to the one to write.
 
-The HybridFlow write-ups and verl's configs use keys hybridflow has no field for: FP8 rollout
-(``rollout.quantization``, ``rollout.kv_cache_dtype``), expert parallelism outside a role's megatron section
+The HybridFlow write-ups and verl's configs use keys hybridflow has no field for: an FP8 KV cache
+(``rollout.kv_cache_dtype``; FP8 weights are ``rollout.quantization``, our own key), expert parallelism outside a role's megatron section
 (``expert_model_parallel_size``, ``*.ep_size``: it is ``<role>.parallel.ep``), expert tensor parallelism, FSDP1's ``mixed_precision.buffer_dtype``, and ``algorithm.grpo_n`` and ``critic.hybrid_engine``, which are
 nobody's keys.
 Each is judged here only when it is not one of our own keys, verl's keys or a key inside a free-form mapping
@@ -17,7 +17,7 @@ from typing import Any
 from hybridflow.config.aliases import IgnoredKey, Refusal
 
 _DTYPE_WORDS = {"float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half", "float"}
-FP8_ISSUE = "FP8 rollout is not supported yet (issue 45)"
+FP8_ISSUE = "an FP8 KV cache is not supported yet (issue 45): FP8 weights are rollout.quantization=fp8"
 EP_WHERE = "expert parallelism is a size of each role's training view, not a key of its own here"
 ETP_ISSUE = (
     "expert tensor parallelism is not supported: experts are split over ranks whole (actor.parallel.ep)"
@@ -48,7 +48,12 @@ BY_NAME: dict[str, IgnoredKey] = {
         "the rollout generates from the trainer's own weights in rollout.dtype, unquantized",
         (None, "none"),
         refusals=(
-            _FP8,
+            Refusal(
+                _is_fp8,
+                "only the rollout quantises its weights",
+                "remove {key} and set rollout.quantization=fp8",
+                "fp8, fp8_e4m3, fp8_e5m2, ...",
+            ),
             Refusal(
                 _anything,
                 "a quantized rollout is not supported: the rollout reads the trainer's weights in "

@@ -98,6 +98,38 @@ def check_separate(cfg: Config, out: list[Problem]) -> None:
         )
 
 
+def check_quantization(cfg: Config, out: list[Problem]) -> None:
+    """``rollout.quantization``: null or fp8, on the built-in engine (HF generate runs no FP8 module)."""
+    q = cfg.rollout.quantization
+    if q is None or str(q).lower() == "none":
+        cfg.rollout.quantization = None
+        return
+    if q != "fp8":
+        out.append(
+            Problem(
+                "rollout.quantization",
+                f"is {q!r}: the rollout quantises to FP8 (e4m3, rowwise scales) or not at all",
+                "set rollout.quantization=fp8, or null (the rollout in rollout.dtype)",
+            )
+        )
+    elif cfg.rollout.engine != "native":
+        out.append(
+            Problem(
+                "rollout.engine",
+                "is hf with rollout.quantization=fp8: the FP8 matmuls are the built-in engine's",
+                "set rollout.engine=native, or rollout.quantization=null",
+            )
+        )
+    elif not cfg.actor.hybrid_engine:
+        out.append(
+            Problem(
+                "actor.hybrid_engine",
+                "is false with rollout.quantization=fp8: the weights are quantised on the hybrid engine's switch",
+                "set actor.hybrid_engine=true, or rollout.quantization=null",
+            )
+        )
+
+
 BUILTIN_TOOLS = ("calc", "code_interpreter")
 
 

@@ -25,25 +25,8 @@ from hybridflow.trainer.tracking import Tracker
 logger = logging.getLogger(__name__)
 
 
-def decoupled_correction(cfg: Config) -> None:
-    """Asynchronous runs weigh stale tokens: token-level TIS unless the config chose its own correction."""
-    rc = cfg.algorithm.rollout_correction
-    if rc.rollout_is is None and not rc.bypass_old_logprob_for_rollout:
-        rc.rollout_is = "token"
-        logger.info(
-            "trainer.async_mode=%s: decoupled PPO, token-level importance weights pi_prox / pi_rollout "
-            "truncated at %s (algorithm.rollout_correction.rollout_is=token)",
-            cfg.trainer.async_mode,
-            rc.rollout_is_threshold,
-        )
-
-
 class AsyncPPOTrainer(PPOTrainer):
     """``PPOTrainer`` whose rollout stage draws its own prompts and may hand on samples of older weights."""
-
-    def __init__(self, cfg: Config, components: Any, tracker: Tracker | None = None) -> None:
-        decoupled_correction(cfg)
-        super().__init__(cfg, components, tracker)
 
     @property
     def version(self) -> int:

@@ -75,6 +75,29 @@ def old_log_prob_source(cfg: Config, prompts: int | None = None) -> str:
     return "update" if on_policy and not read_before_update else "recompute"
 
 
+def default_correction(cfg: Config) -> None:
+    """Weigh tokens the trainer's policy did not sample: token-level truncated importance weights
+    (``algorithm.rollout_correction.rollout_is=token``, threshold 2 unless set) when the rollout is
+    asynchronous (decoupled PPO: pi_prox / pi_behav) or quantised (FP8: pi_trainer / pi_fp8), unless the
+    config chose its own correction."""
+    rc = cfg.algorithm.rollout_correction
+    why = [
+        f"trainer.async_mode={cfg.trainer.async_mode} (decoupled PPO)"
+        if cfg.trainer.async_mode != "sync"
+        else "",
+        "rollout.quantization=fp8 (the rollout samples from FP8 weights)" if cfg.rollout.quantization else "",
+    ]
+    if not any(why) or rc.rollout_is is not None or rc.bypass_old_logprob_for_rollout:
+        return
+    rc.rollout_is = "token"
+    logger.info(
+        "%s: token-level importance weights pi_old / pi_rollout truncated at %s "
+        "(algorithm.rollout_correction.rollout_is=token)",
+        " and ".join(w for w in why if w),
+        rc.rollout_is_threshold,
+    )
+
+
 def score_batch(scorer: Any, batch: Batch, metrics: dict[str, float]) -> Batch:
     """The reward stage's output: each sample's score on its last response token, ``acc``, and the reward
     function's extras as ``reward_extra/{key}/mean`` metrics."""
@@ -91,6 +114,7 @@ class PPOTrainer(TrainingLoop):
     """Drives the workers: rollout, reward, log-probs, values, advantages, critic and actor updates."""
 
     def __init__(self, cfg: Config, components: Any, tracker: Tracker | None = None) -> None:
+        default_correction(cfg)
         super().__init__(cfg, components, tracker)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         # With dynamic sampling a round draws data.gen_batch_size prompts (verl's oversampling), else one batch.

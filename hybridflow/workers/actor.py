@@ -145,6 +145,11 @@ class ActorWorker:
                     f"does not run this model ({reason}); set rollout.tensor_model_parallel_size=1 (HF "
                     "generate on a whole replica per rank)"
                 )
+        if reason is not None and r.quantization == "fp8":
+            raise UserError(
+                f"rollout.quantization=fp8 runs FP8 matmuls in the built-in rollout engine, which does not run "
+                f"this model ({reason}); set rollout.quantization=null"
+            )
         if reason is not None and self.cfg.actor.router_replay == "r3":
             raise UserError(
                 f"actor.router_replay=r3 needs the built-in rollout engine to record the experts, which does not "
@@ -183,7 +188,8 @@ class ActorWorker:
         """
         if not self.cfg.actor.hybrid_engine:
             return BroadcastReplica(self.hf_model, dtype, device, self.dims.pp_group)
-        if view.world == 1 and native:
+        fp8 = self.cfg.rollout.quantization == "fp8"  # the switch quantises: generation weights of its own
+        if view.world == 1 and native and not fp8:
             logger.info(
                 "HybridEngine initialized: train_view=(fsdp=1), generate_view=%s: the rollout reads the training "
                 "weights in place (a cast buffer when the dtypes differ)",
@@ -191,7 +197,7 @@ class ActorWorker:
             )
             return None
         bucket = self.cfg.rollout.update_weights_bucket_megabytes * 2**20
-        return RolloutShard(self.hf_model, view, dist_rank(), dtype, device, bucket, str(self.dims))
+        return RolloutShard(self.hf_model, view, dist_rank(), dtype, device, bucket, str(self.dims), fp8)
 
     def _release_rollout_weights(self) -> int:
         """Free the rollout's own copy of the weights (a replica, or the engine's cast buffers); bytes freed.

@@ -58,7 +58,8 @@ def connect_pools(
     bridge = Bridge(address, bridge_rank, trainers + pool, device, cfg.trainer.nccl_timeout)
     view = GenerateView(pool, r.tensor_model_parallel_size, r.expert_parallel_size, first=trainers)
     bucket = r.update_weights_bucket_megabytes * 2**20
-    return PoolSync(model, view, dtype, device, bucket, bridge, train_view)
+    fp8 = r.quantization == "fp8"  # projections in FP8 on the wire and in the pool's shards
+    return PoolSync(model, view, dtype, device, bucket, bridge, train_view, fp8)
 
 
 class RolloutWorker:

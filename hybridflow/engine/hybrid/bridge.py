@@ -44,6 +44,11 @@ class Link:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def all_reduce_max(self, t: torch.Tensor) -> None:
+        """``t`` becomes the elementwise maximum over the ranks, in place."""
+        if self.size() > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+
 
 class Bridge(Link):
     """A group of ``size`` ranks spanning worker groups with worlds of their own (see the module doc).
@@ -92,6 +97,12 @@ class Bridge(Link):
         parts = [torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in range(self._size)]
         self.backend.allgather([parts], [padded]).wait()
         return [pickle.loads(p[: int(s.item())].cpu().numpy().tobytes()) for p, s in zip(parts, sizes)]
+
+    def all_reduce_max(self, t: torch.Tensor) -> None:
+        """``t`` becomes the elementwise maximum over both pools' ranks, in place."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self.backend.allreduce([t], opts).wait()
 
     def close(self) -> None:
         """Drop the backend and the store (the pools' processes end with the run)."""

@@ -27,6 +27,7 @@ from hybridflow.engine.hybrid.bridge import Link, as_link
 from hybridflow.engine.hybrid.plan import ParamSpec, ReshardPlan
 from hybridflow.engine.hybrid.resharder import Resharder
 from hybridflow.engine.hybrid.switch import held_box
+from hybridflow.engine.ops.fp8 import fp8_parameters, quantisable
 from hybridflow.engine.ops.tensors import local_shard
 from hybridflow.engine.parallel.layout import ShardLayout, layouts
 from hybridflow.engine.parallel.view import GenerateView
@@ -54,6 +55,7 @@ class PoolSync:
         bucket_bytes: int,
         group: dist.ProcessGroup | Link | None = None,
         train_view: str | None = None,
+        fp8: bool = False,
     ) -> None:
         """``model``: a trainer rank's training module, or on a rollout rank any model of the same class and
         config (a skeleton on the meta device). ``view``: the rollout pool in ``group``'s ranks (``first``:
@@ -85,7 +87,12 @@ class PoolSync:
         gaps = self.plan.uncovered()
         if gaps:
             raise ValueError(f"the trainer pool holds no copy of parts of: {gaps[:8]}")
-        self.resharder = Resharder(self.plan, self.rank, device, dtype, self.link)
+        # rollout.quantization=fp8: the dense projections go in FP8 (every rank decides alike from the shapes)
+        self.quantised = [
+            fp8 and quantisable(n, lay.local_shape()) for n, lay in zip(self.names, self.layouts)
+        ]
+        self.resharder = Resharder(self.plan, self.rank, device, dtype, self.link, self.quantised)
+        self.scales: dict[int, torch.Tensor] = {}
         self.module: nn.Module | None = None
         self.targets: list[torch.Tensor] = []
         if self.receives:
@@ -148,11 +155,19 @@ class PoolSync:
         if absent:
             raise ValueError(f"no trainer rank has the model's buffers {absent[:8]}")
         self.module = build_shard(skeleton, self.view.tp, dtype, device, self.view.ep, buffers)
+        fp8_names = set(fp8_parameters(self.module)) if any(self.quantised) else set()
+        assert fp8_names == {n for n, q in zip(self.names, self.quantised) if q}, "FP8 weights differ by rank"
         generation = dict(self.module.named_parameters())
         for name, lay in zip(self.names, self.layouts):  # the buffers' shapes are what the plan writes into
             got = tuple(generation[name].shape)
             assert got == lay.local_shape(), f"{name}: buffer {got}, layout {lay}"
         self.targets = [lay.plan_view(generation[n]) for lay, n in zip(self.layouts, self.names)]
+        modules = dict(self.module.named_modules())
+        self.scales = {
+            i: modules[n.rsplit(".", 1)[0]].weight_scale
+            for i, n in enumerate(self.names)
+            if self.quantised[i]
+        }
 
     @torch.no_grad()
     def sync(self, model: nn.Module | None = None) -> int:
@@ -160,7 +175,7 @@ class PoolSync:
         together): a trainer rank passes its training module, a rollout rank nothing. Returns the bytes this
         rank received (none on a trainer rank)."""
         if self.receives:
-            return self.resharder.run([], self.targets)
+            return self.resharder.run([], self.targets, self.scales)
         if model is None:
             raise ValueError("a trainer rank passes its training module to PoolSync.sync")
         params = dict(model.named_parameters())

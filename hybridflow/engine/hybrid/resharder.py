@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.engine.hybrid.bridge import Link, as_link
+from hybridflow.engine.hybrid.fp8_scales import Fp8Scales
 from hybridflow.engine.hybrid.plan import ReshardPlan, Transfer, volume
+from hybridflow.engine.ops.fp8 import FP8
 from hybridflow.engine.parallel.layout import Box
 
 
@@ -39,9 +41,14 @@ class Resharder:
         device: torch.device,
         dtype: torch.dtype,
         group: dist.ProcessGroup | Link | None = None,
+        quantised: list[bool] | None = None,
     ) -> None:
+        """``quantised``: per parameter, whether it goes in FP8 (rowwise scales, ``fp8_scales``)."""
         self.plan, self.rank, self.device, self.dtype = plan, rank, device, dtype
         self.link = as_link(group)
+        quantised = quantised or [False] * len(plan.params)
+        self.fp8 = Fp8Scales(plan, rank, quantised, self.link, device) if any(quantised) else None
+        self.dtypes = [FP8 if q else dtype for q in quantised]  # each parameter's wire and buffer dtype
         self.world = plan.world
         if self.world > 1 and self.link.size() != self.world:
             raise ValueError(f"a plan of {self.world} ranks over a group of {self.link.size()}")
@@ -59,21 +66,34 @@ class Resharder:
         self.received_bytes = plan.bytes_received(rank)
 
     @torch.no_grad()
-    def run(self, sources: list[torch.Tensor], targets: list[torch.Tensor]) -> int:
+    def run(
+        self,
+        sources: list[torch.Tensor],
+        targets: list[torch.Tensor],
+        scales: dict[int, torch.Tensor] | None = None,
+    ) -> int:
         """Fill ``targets`` (this rank's generation buffers, by parameter) from ``sources`` (its training
         shards, by parameter; host tensors are moved over piece by piece); returns the bytes received.
 
         A rank that only sends (a trainer rank of a cross-pool plan) passes no targets, one that only
-        receives no sources: the plan never reads them."""
+        receives no sources: the plan never reads them. With FP8 parameters every rank first takes part in
+        the scales' all-reduce, and a receiver's ``scales`` (by parameter, its rows') are filled."""
         for i in self.partial:
             targets[i].zero_()
-        received = sum(self._bucket(transfers, sources, targets) for transfers in self.buckets)
-        return received * torch.empty((), dtype=self.dtype).element_size()
+        if self.fp8 is not None:
+            self.fp8.compute(sources)
+            for i, scale in (scales or {}).items():
+                self.fp8.fill(i, scale)
+        return sum(self._bucket(transfers, sources, targets) for transfers in self.buckets)
 
     def _source(self, t: Transfer, sources: list[torch.Tensor]) -> torch.Tensor:
+        """The box ``t`` sends (or copies), on this rank's device in its wire dtype (FP8 quantised with its
+        rows' scales, or the rollout dtype)."""
         held = self.plan.held(t.param, self.rank)
-        piece = _part(sources[t.param], t.box, held)
-        return piece.to(self.device, non_blocking=True)  # a DMA for a pinned, offloaded shard
+        piece = _part(sources[t.param], t.box, held).to(self.device, non_blocking=True)  # DMA if offloaded
+        if self.dtypes[t.param] == FP8:
+            return self.fp8.quantise(t.param, t.box, piece)
+        return piece.to(self.dtype)
 
     def _target(self, t: Transfer, targets: list[torch.Tensor]) -> torch.Tensor:
         return _part(targets[t.param], t.box, self.plan.needed(t.param, self.rank))
@@ -95,18 +115,19 @@ class Resharder:
             return 0
         send_splits, recv_splits = [0] * self.world, [0] * self.world
         for t in sends:
-            send_splits[t.dst] += volume(t.box)
+            send_splits[t.dst] += volume(t.box) * self.dtypes[t.param].itemsize
         for t in recvs:
-            recv_splits[t.src] += volume(t.box)
-        pieces = [self._source(t, sources).reshape(-1).to(self.dtype) for t in sends]
-        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=self.dtype, device=self.device)
-        recv = torch.empty(sum(recv_splits), dtype=self.dtype, device=self.device)
+            recv_splits[t.src] += volume(t.box) * self.dtypes[t.param].itemsize
+        # Bytes on the wire: FP8 projections and rollout-dtype tensors travel in one buffer per bucket.
+        pieces = [self._source(t, sources).reshape(-1).view(torch.uint8) for t in sends]
+        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=self.device)
+        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=self.device)
         # Every rank calls this for every bucket, with its own splits (zeros included), so the calls match.
         self.link.all_to_all(recv, send, recv_splits, send_splits)
         offset = 0
         for t in recvs:
             target = self._target(t, targets)
-            n = target.numel()
-            target.copy_(recv[offset : offset + n].view(target.shape))
+            n = target.numel() * target.element_size()
+            target.copy_(recv[offset : offset + n].view(target.dtype).view(target.shape))
             offset += n
         return recv.numel()

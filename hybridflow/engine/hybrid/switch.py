@@ -28,6 +28,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from hybridflow.engine.hybrid.plan import ParamSpec, ReshardPlan
 from hybridflow.engine.hybrid.resharder import Resharder
+from hybridflow.engine.ops.fp8 import fp8_parameters
 from hybridflow.engine.ops.tensors import Storages, local_shard
 from hybridflow.engine.parallel.fsdp import full_state_dict
 from hybridflow.engine.parallel.layout import Box, layouts
@@ -71,11 +72,14 @@ class RolloutShard:
         device: torch.device,
         bucket_bytes: int,
         train_view: str | None = None,
+        fp8: bool = False,
     ) -> None:
         """``sharded`` is the HF causal LM of the training view (FSDP2 shards, tensor-parallel or not);
-        ``train_view`` names that view in the logs."""
+        ``train_view`` names that view in the logs. ``fp8``: the dense projections are delivered in FP8
+        with rowwise scales (``rollout.quantization=fp8``), the rest in ``dtype``."""
         self.view, self.rank = view, rank
         self.module = build_shard(sharded, view.tp, dtype, device, view.ep)
+        fp8_names = set(fp8_parameters(self.module)) if fp8 else set()
         self.storages = Storages(self.module.parameters())
         # The whole model's parameters: a pipeline stage holds only its own layers, the generation view all.
         skeleton = meta_model(sharded)
@@ -100,14 +104,22 @@ class RolloutShard:
             for boxes in holdings_of(ours, self.names)
         ]
         self.plan = ReshardPlan(specs, view, elem, bucket_bytes, holdings, train_view)
-        self.resharder = Resharder(self.plan, rank, device, dtype)
+        quantised = [n in fp8_names for n in self.names]
+        self.resharder = Resharder(self.plan, rank, device, dtype, quantised=quantised)
+        generation = dict(self.module.named_parameters())  # the FP8 weights replaced the empty ones
         self.targets = [lay.plan_view(generation[n]) for lay, n in zip(self.layouts, self.names)]
+        modules = dict(self.module.named_modules())
+        self.scales = {
+            i: modules[n.rsplit(".", 1)[0]].weight_scale for i, n in enumerate(self.names) if quantised[i]
+        }
         logger.info(
             "HybridEngine initialized: train_view=%s, generate_view=%s, %s; this rank holds %s of generation "
             "weights (a whole copy: %s) and receives %s at every switch",
             self.plan.train_view,
             view,
-            dtype,
+            f"{dtype} ({len(fp8_names)} projections in FP8, rowwise scales; the sizes below count {dtype})"
+            if fp8_names
+            else dtype,
             format_bytes(self.plan.generation_bytes()),
             format_bytes(self.plan.full_bytes()),
             format_bytes(self.plan.bytes_received(rank)),
@@ -144,7 +156,7 @@ class RolloutShard:
             lay.plan_view(local_shard(params[n])) if n in params else nothing
             for lay, n in zip(self.layouts, self.names)
         ]
-        return self.resharder.run(sources, self.targets)
+        return self.resharder.run(sources, self.targets, self.scales)
 
 
 class BroadcastReplica:

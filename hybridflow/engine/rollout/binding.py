@@ -19,6 +19,7 @@ import logging
 import torch
 from torch import nn
 
+from hybridflow.engine.ops.fp8 import FP8, Fp8Weight
 from hybridflow.engine.ops.tensors import Storages
 from hybridflow.engine.parallel.fsdp import reshard_fsdp
 from hybridflow.engine.rollout.blocks import LayerDims, LayerWeights, MoEWeights
@@ -72,6 +73,10 @@ class WeightBinding:
         """
         params = [getattr(m, n) for m, n in parts]
         key = (fuse, tuple(id(p) for p in params))
+        if key not in self._memo and params[0].dtype == FP8:  # delivered in FP8 by the switch, with scales
+            srcs = [local_tensor(p) for p in params]
+            self._aliases += [(s, m, n) for s, (m, n) in zip(srcs, parts)]
+            self._memo[key] = [Fp8Weight(s, m.weight_scale) for s, (m, _) in zip(srcs, parts)]
         if key not in self._memo:
             srcs = [local_tensor(p) for p in params]
             cast = any(s.dtype != self.dtype or s.device != self.device for s in srcs)
@@ -250,5 +255,6 @@ class WeightBinding:
         seen: dict[int, torch.Tensor] = {}
         for tensors in self._memo.values():
             for t in tensors:
-                seen.setdefault(id(t), t)
+                for part in (t.data, t.scale) if isinstance(t, Fp8Weight) else (t,):
+                    seen.setdefault(id(part), part)
         return list(seen.values())

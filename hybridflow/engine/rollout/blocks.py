@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridflow.engine.ops.fp8 import Fp8Weight, fp8_linear
 from hybridflow.models.moe import RouterSpec, route, router_logits, run_experts
 
 # experts(x (N, H), ids (N, k), weights (N, k), gate_up (E, 2I, H), down (E, H, I)) -> (N, H)
@@ -135,10 +136,20 @@ def project(
     """
     if len(weights) == 1:
         bias = None if biases is None else biases[0]
-        y = F.linear(x, weights[0], bias) if k_splits == 1 else split_linear(x, weights[0], bias, k_splits)
+        w = weights[0]
+        y = (
+            linear(x, w, bias)
+            if k_splits == 1 or isinstance(w, Fp8Weight)
+            else split_linear(x, w, bias, k_splits)
+        )
         return list(y.split(list(splits), dim=-1)) if len(splits) > 1 else [y]
     biases = biases if biases is not None else [None] * len(weights)
-    return [F.linear(x, w, b) for w, b in zip(weights, biases)]
+    return [linear(x, w, b) for w, b in zip(weights, biases)]
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, or the FP8 scaled GEMM for a weight the switch delivered in FP8 (``rollout.quantization``)."""
+    return fp8_linear(x, w, bias) if isinstance(w, Fp8Weight) else F.linear(x, w, bias)
 
 
 def attention_inputs(
