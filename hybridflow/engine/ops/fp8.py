@@ -93,3 +93,17 @@ def fp8_parameters(module: torch.nn.Module) -> list[str]:
         owner.register_buffer("weight_scale", torch.ones(param.shape[0], device=param.device))
         names.append(name)
     return names
+
+
+@torch.no_grad()
+def quantise_module(module: torch.nn.Module) -> list[str]:
+    """Quantise ``module``'s dense projections in place (FP8 weights with their rows' scales, as the switch
+    delivers them); returns their names. For benchmarks and tests of a module that is not refreshed."""
+    weights = {n: p.detach().clone() for n, p in module.named_parameters()}
+    names = fp8_parameters(module)
+    for name in names:
+        q = quantise_rows(weights[name])
+        owner = module.get_submodule(name.rsplit(".", 1)[0])
+        owner.weight.data.copy_(q.data)
+        owner.weight_scale.copy_(q.scale)
+    return names

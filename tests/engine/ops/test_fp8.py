@@ -92,3 +92,38 @@ def test_a_generation_shard_gets_fp8_projections_and_scale_buffers(arch: str) ->
         assert owner.weight_scale.shape == (params[n].shape[0],)
     if arch == "mixtral":  # the experts stay in the rollout dtype; the attention is quantised
         assert not any("experts" in n for n in names) and any("q_proj" in n for n in names)
+
+
+def test_the_fp8_decode_benchmark_runs_on_cpu(tmp_path) -> None:
+    """benchmarks/fp8_decode.py on a tiny shape (the GPU runs are the lead's): a row per batch, both variants."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[3] / "benchmarks" / "fp8_decode.py"
+    out = tmp_path / "rows.jsonl"
+    args = [
+        "--device",
+        "cpu",
+        "--shapes",
+        "tiny",
+        "--batches",
+        "2",
+        "3",
+        "--new-tokens",
+        "4",
+        "--repeats",
+        "1",
+    ]
+    done = subprocess.run(
+        [sys.executable, str(script), *args, "--out", str(out)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["batch"] for r in rows] == [2, 3]
+    assert all(
+        r["bf16_tok_s"] > 0 and r["fp8_tok_s"] > 0 and r["fp8_weight_gib"] < r["bf16_weight_gib"]
+        for r in rows
+    )
+    assert all(0 < r["fp8_logprob_gap"] < 0.1 for r in rows)

@@ -1,0 +1,135 @@
+"""Decode tokens/s of the paged engine with bf16 weights against FP8 projections (``rollout.quantization=fp8``).
+
+    python benchmarks/fp8_decode.py [--shapes 0.5b 1.5b 7b] [--batches 16 64 256] [--prompt-len 128]
+        [--new-tokens 256] [--repeats 3] [--out results.jsonl]
+    python benchmarks/fp8_decode.py --device cpu --shapes tiny --batches 2 --new-tokens 4   (a smoke run)
+
+Qwen2.5 shapes (``shapes.SHAPES``) with random weights in bf16, CUDA graphs on (no compiled decode), fixed
+lengths (``ignore_eos``). The FP8 variant quantises the dense projections the way the switch delivers them
+(e4m3, rowwise float32 scales; embeddings, LM head and norms in bf16) and runs them through
+``torch._scaled_mm`` with per-token activation scales. Each configuration is warmed up once and timed
+``--repeats`` times; the median is reported, with the weights' bytes and the mean |log-prob| gap of the
+FP8 engine's sampled tokens against the bf16 model on the same tokens (a quality check, not a timing).
+An FP8 KV cache is not built: that column of the issue is not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from shapes import SHAPES, build_model
+
+from hybridflow.engine.ops.fp8 import quantise_module
+from hybridflow.engine.rollout.paged_engine import PagedEngine
+from hybridflow.engine.rollout.sampling import SamplingParams
+
+SHAPES.setdefault(
+    "tiny",
+    dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+         intermediate_size=128, vocab_size=512),
+)  # fmt: skip
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(
+    engine: PagedEngine, prompts: list[list[int]], params: SamplingParams, repeats: int, device
+) -> tuple:
+    """(tokens/s median, the last run's outputs) after one warm-up run."""
+    engine.generate(prompts, params)
+    times, out = [], None
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        out = engine.generate(prompts, params)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    tokens = sum(len(s.token_ids) for g in out for s in g)
+    return tokens / statistics.median(times), out
+
+
+def logprob_gap(model: torch.nn.Module, prompts: list[list[int]], out: list, rows: int = 8) -> float:
+    """Mean |FP8 engine log-prob - bf16 model log-prob| over the sampled tokens of the first ``rows``."""
+    gaps = []
+    for prompt, group in list(zip(prompts, out))[:rows]:
+        s = group[0]
+        ids = torch.tensor([prompt + s.token_ids], device=next(model.parameters()).device)
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # (R, V)
+        ref = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None]).squeeze(1)
+        gaps.append((ref.cpu() - torch.tensor(s.logprobs)).abs().mean().item())
+    return statistics.mean(gaps)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def run_shape(size: str, args: argparse.Namespace, device: torch.device) -> list[dict]:
+    bf16 = build_model(size, "sdpa", device).to(torch.bfloat16).eval()
+    fp8 = copy.deepcopy(bf16)
+    quantised = quantise_module(fp8)
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for batch in args.batches:
+        vocab = bf16.config.vocab_size
+        prompts = torch.randint(
+            min(100, vocab // 2), vocab - 1, (batch, args.prompt_len), generator=g
+        ).tolist()
+        params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=0)
+        row = {
+            "shape": size,
+            "batch": batch,
+            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        }
+        for name, model in (("bf16", bf16), ("fp8", fp8)):
+            engine = PagedEngine(
+                model, max_num_seqs=batch, gpu_memory_utilization=args.gpu_memory_utilization,
+                compile_decode=False, device=device, dtype=torch.bfloat16,
+            )  # fmt: skip
+            tps, out = timed(engine, prompts, params, args.repeats, device)
+            row[f"{name}_tok_s"] = tps
+            row[f"{name}_weight_gib"] = weight_bytes(model) / 2**30
+            if name == "fp8":
+                row["fp8_logprob_gap"] = logprob_gap(bf16, prompts, out)
+            del engine
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        row["speedup"] = row["fp8_tok_s"] / row["bf16_tok_s"]
+        row["fp8_projections"] = len(quantised)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    del bf16, fp8
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["0.5b", "1.5b", "7b"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", type=Path, default=None, help="append the JSON lines here")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    for size in args.shapes:
+        rows = run_shape(size, args, device)
+        if args.out is not None:
+            with args.out.open("a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+if __name__ == "__main__":
+    main()
