@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from shapes import SHAPES, build_model
 
-from hybridflow.engine.ops.fp8 import quantise_module
+from hybridflow.engine.ops.fp8 import fp8_probe, quantise_module
 from hybridflow.engine.rollout.paged_engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 
@@ -78,6 +78,8 @@ def run_shape(size: str, args: argparse.Namespace, device: torch.device) -> list
     bf16 = build_model(size, "sdpa", device).to(torch.bfloat16).eval()
     fp8 = copy.deepcopy(bf16)
     quantised = quantise_module(fp8)
+    cfg = bf16.config
+    probe = fp8_probe(cfg.hidden_size, cfg.intermediate_size, device) if device.type == "cuda" else (0.0, 0.0)
     rows = []
     g = torch.Generator().manual_seed(0)
     for batch in args.batches:
@@ -106,6 +108,7 @@ def run_shape(size: str, args: argparse.Namespace, device: torch.device) -> list
                 torch.cuda.empty_cache()
         row["speedup"] = row["fp8_tok_s"] / row["bf16_tok_s"]
         row["fp8_projections"] = len(quantised)
+        row["probe_fp8_us"], row["probe_bf16_us"] = probe  # the engine's start-up choice (64 tokens)
         print(json.dumps(row), flush=True)
         rows.append(row)
     del bf16, fp8

@@ -149,6 +149,9 @@ class RolloutConfig:
     quantization: str | None = option(
         None, "Rollout weights: null (rollout.dtype) or fp8 (projections in e4m3, rowwise scales)."
     )
+    quantization_force: bool = option(
+        False, "fp8 even where the start-up probe finds FP8 GEMMs no faster than bf16 on this GPU."
+    )
     allow_dtype_mismatch: bool = option(
         False,
         "Run a rollout.dtype other than the training compute dtype (refused unless true: log-probs drift).",

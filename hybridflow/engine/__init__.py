@@ -38,6 +38,7 @@ SURFACE: dict[str, str] = {
     "RolloutShard": "hybrid.switch",
     "world_line": "hybrid.world",
     "to_dtype": "ops.dtypes",
+    "fp8_probe": "ops.fp8",
     "decoder_of": "ops.modules",
     "layout_padding": "ops.sequences",
     "pack_prompt_response": "ops.sequences",
