@@ -22,7 +22,7 @@ from hybridflow.config.validate_algos import (
     check_policy_loss,
     check_rollout_correction,
 )
-from hybridflow.config.validate_async import check_async, check_multi_turn
+from hybridflow.config.validate_async import check_async, check_multi_turn, check_tool_task
 from hybridflow.config.views import check_train_views, not_dividing
 
 logger = logging.getLogger(__name__)
@@ -166,6 +166,7 @@ def _check_consistency(cfg: Config, out: list[Problem]) -> None:
     _check_unimplemented(cfg, out)
     check_async(cfg, out)
     check_multi_turn(cfg, out)
+    check_tool_task(cfg, out)
 
 
 def _check_unimplemented(cfg: Config, out: list[Problem]) -> None:
