@@ -68,8 +68,7 @@ class DataConfig:
     )
     task: str = option(
         "arithmetic",
-        "Built-in synthetic task used when train_files is null (multiply is answered with the calc tool: "
-        "rollout.multi_turn).",
+        "Built-in task used when train_files is null (multiply: with rollout.multi_turn and calc).",
     )
     task_train_size: int = option(2000, "Number of generated training problems of the built-in task.")
     task_val_size: int = option(200, "Number of generated held-out problems of the built-in task.")

@@ -220,6 +220,7 @@ def make_multiply(
     call_fraction: float = 1.0,
     call_format: str = "plain",
     style: str = "short",
+    full_width: bool = True,
 ) -> list[dict[str, Any]]:
     """Products of ``factors`` numbers of ``digits`` digits, answered as '#### <int>': a task where a tool pays.
 
@@ -228,7 +229,9 @@ def make_multiply(
     ``call_fraction`` of the rows (a stable hash of the problem decides which) the assistant calls ``calc``
     (``call_format`` "plain": ``[[calc: 347*581]]``, or "hermes"), reads the tool turn and answers; the other
     rows answer at once (with the right number, which a tiny model cannot learn: RL finds that the tool pays).
-    ``style`` is "short" ('347*581=') or "question". Ground truth: the product as a str.
+    ``style`` is "short" ('347*581=') or "question". ``full_width`` keeps only products of exactly
+    ``digits * factors`` digits: every answer has the same width, so a tiny model copies it by position.
+    Ground truth: the product as a str.
     """
     _check_args(size, split, "*")
     if not isinstance(digits, int) or digits < 1 or not isinstance(factors, int) or factors < 2:
@@ -244,8 +247,10 @@ def make_multiply(
         )
     lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
 
-    def draw(rng: random.Random) -> tuple[str, list[int]]:
+    def draw(rng: random.Random) -> tuple[str, list[int]] | None:
         nums = [rng.randint(lo, hi) for _ in range(factors)]
+        if full_width and len(str(math.prod(nums))) < digits * factors:
+            return None
         return "*".join(map(str, nums)), nums
 
     rows = []
