@@ -1,7 +1,7 @@
 """Throughput of multi-turn episodes with a slow tool against single-turn generation of the same tokens.
 
     python benchmarks/agent_loop.py [--prompts 32] [--n 8] [--turns 4] [--turn-tokens 128] [--tool-tokens 32]
-        [--max-response 1024] [--sleep-ms 10 100] [--workers 64] [--out results.jsonl]
+        [--max-response 1024] [--sleep-ms 10 100] [--workers 64] [--compile] [--out results.jsonl]
     python benchmarks/agent_loop.py --tiny          (a CPU smoke run: tiny model, a few episodes)
 
 The Qwen2.5-0.5B shape (random weights, bf16) on the paged engine (``rollout.multi_turn``'s ``AgentLoop``).
@@ -11,7 +11,9 @@ every turn but the last (``--turns``) with ``--tool-tokens`` tokens after sleepi
 loop's thread pool, as real tools run). The single-turn baseline then generates, for the same prompts, exactly
 as many tokens per sample as its episode sampled (``ignore_eos``, per-sample lengths), in one ``generate`` call.
 Both are timed after a warm-up run; the line printed (and appended to ``--out``) is one JSON object:
-sampled tokens/s of each, their ratio, the turns and calls per episode, the tool's sleep and prefix-cache hits.
+sampled tokens/s of each, their ratio, the turns and calls per episode, the tool's sleep, the prefix-cache hits
+and how many engine sessions the loop went through (the engine frees its KV pool, cached prefixes included,
+whenever no sequence is left: in the loop, whenever every live episode waits for its tool).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from hybridflow.engine.rollout import paged_session
 from hybridflow.engine.rollout.agent_loop import AgentLoop, Episode, LoopLimits, ToolTurn
 from hybridflow.engine.rollout.paged_engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
@@ -58,6 +61,36 @@ class SleepyTool:
             self.calls += 1
         time.sleep(pause)
         return ToolTurn(answer, calls=1)
+
+
+class SessionTally:
+    """Counts the engine's sessions and sums their prefix-cache lookups while active (a session closes, freeing
+    the KV pool and its cached prefixes, whenever no sequence is left: in the loop, when every live episode
+    waits for its tool)."""
+
+    def __init__(self) -> None:
+        self.sessions = self.queried = self.hits = 0
+
+    def __enter__(self) -> SessionTally:
+        self.close = paged_session.Session.close
+        tally = self
+
+        def close(session: Any) -> None:
+            tally.sessions += 1
+            tally.queried += session.pool.stats.queried_blocks
+            tally.hits += session.pool.stats.hit_blocks
+            tally.close(session)
+
+        paged_session.Session.close = close
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        paged_session.Session.close = self.close
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix-cache hits over lookups, over every session."""
+        return self.hits / max(self.queried, 1)
 
 
 def build_model(shape: str, device: str, dtype: torch.dtype) -> Qwen2ForCausalLM:
@@ -122,7 +155,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         n=args.n, max_new_tokens=args.max_response, temperature=1.0, ignore_eos=True, seed=0,
         stop_token_ids=stop_tokens(vocab, args.turn_tokens, 0),
     )  # fmt: skip
-    kw: dict[str, Any] = dict(block_size=args.block_size, max_num_seqs=args.prompts * args.n)
+    kw: dict[str, Any] = dict(
+        block_size=args.block_size, max_num_seqs=args.prompts * args.n, compile_decode=args.compile
+    )
     if args.device == "cpu":
         kw["num_blocks"] = (
             args.prompts * args.n * (args.prompt_len + args.max_response) // args.block_size + 8
@@ -132,8 +167,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     engine = PagedEngine(model, **kw)
     for _ in range(args.warmup):
         run_episodes(engine, args, prompts, params, vocab)
-    episodes, multi_s, tool = run_episodes(engine, args, prompts, params, vocab)
-    hits = engine.stats()["rollout/prefix_cache_hit_rate"]
+    with SessionTally() as tally:
+        episodes, multi_s, tool = run_episodes(engine, args, prompts, params, vocab)
     sampled = sum(sum(e.mask) for e in episodes)
     lengths = [
         [max(1, sum(e.mask)) for e in episodes[i * args.n : (i + 1) * args.n]] for i in range(args.prompts)
@@ -144,6 +179,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "agent_loop",
         "shape": args.shape,
+        "compile_decode": args.compile,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "episodes": len(episodes),
         "num_turns/mean": sum(e.turns for e in episodes) / len(episodes),
@@ -152,7 +188,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "tool_tokens": sum(len(e.mask) - sum(e.mask) for e in episodes),
         "multi_turn/wall_s": multi_s,
         "multi_turn/sampled_tokens_per_s": sampled / multi_s,
-        "multi_turn/prefix_cache_hit_rate": hits,
+        "multi_turn/prefix_cache_hit_rate": tally.hit_rate,
+        "multi_turn/engine_sessions": tally.sessions,
         "tool/sleep_s_total": tool.slept_s,
         "tool/sleep_s_per_episode": tool.slept_s / len(episodes),
         "single_turn/tokens": single_tokens,
@@ -179,6 +216,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=64, help="the loop's tool threads")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--compile", action="store_true", help="compile the decode step (rollout.compile_decode)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", type=Path, default=None, help="append the JSON line here")
     args = p.parse_args(argv)
@@ -205,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"turns/episode {record['num_turns/mean']:.2f}, tool calls/episode {record['tool_call_counts/mean']:.2f}, "
         f"tool sleep/episode {record['tool/sleep_s_per_episode']:.2f} s, prefix hits "
-        f"{record['multi_turn/prefix_cache_hit_rate']:.2f}"
+        f"{record['multi_turn/prefix_cache_hit_rate']:.2f} over {record['multi_turn/engine_sessions']} engine sessions"
     )
     if args.out is not None:
         with args.out.open("a") as f:

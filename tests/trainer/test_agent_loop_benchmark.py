@@ -21,6 +21,7 @@ def test_tiny_run_reports_both_throughputs_over_the_same_tokens(tmp_path: Path, 
     assert record["episodes"] == 4 and record["tool_call_counts/mean"] > 0 and record["num_turns/mean"] > 1
     assert record["single_turn/tokens"] == record["sampled_tokens"] > 0  # the same tokens, single-turn
     assert record["tool_tokens"] > 0 and record["tool/sleep_s_total"] > 0
+    assert record["multi_turn/engine_sessions"] >= 1 and 0 <= record["multi_turn/prefix_cache_hit_rate"] <= 1
     for key in ("multi_turn/sampled_tokens_per_s", "single_turn/tokens_per_s", "multi_over_single"):
         assert record[key] > 0, key
     assert "ratio" in capsys.readouterr().out
