@@ -156,7 +156,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         stop_token_ids=stop_tokens(vocab, args.turn_tokens, 0),
     )  # fmt: skip
     kw: dict[str, Any] = dict(
-        block_size=args.block_size, max_num_seqs=args.prompts * args.n, compile_decode=args.compile
+        block_size=args.block_size,
+        max_num_seqs=args.prompts * args.n,
+        compile_decode=args.compile,
+        max_model_len=args.prompt_len + args.max_response,  # as the actor sizes it (prompt + response)
     )
     if args.device == "cpu":
         kw["num_blocks"] = (
