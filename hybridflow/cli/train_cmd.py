@@ -28,9 +28,13 @@ def run(args: argparse.Namespace) -> int:
 
     path, overrides = split_file_and_overrides(args.args)
     if path is None and not names_a_model(overrides):
-        from hybridflow.trainer.demo import format_table, run_demo
+        from hybridflow.data.tasks import TOOL_TASKS
+        from hybridflow.trainer.demo import demo_task, format_table, run_demo
+        from hybridflow.trainer.tool_demo import run_tool_demo
 
-        print(format_table(run_demo(overrides)))
+        # A task answered with a tool (data.task=multiply) has its own demo: multi-turn SFT, GRPO with the tool.
+        demo = run_tool_demo if demo_task(overrides) in TOOL_TASKS else run_demo
+        print(format_table(demo(overrides)))
         return 0
     from hybridflow.trainer.jobs import rl_job
 

@@ -66,7 +66,10 @@ class DataConfig:
         None,
         "Validation files; null = none with train_files, else the built-in task (an empty list is an error).",
     )
-    task: str = option("arithmetic", "Built-in synthetic task used when train_files is null.")
+    task: str = option(
+        "arithmetic",
+        "Built-in task used when train_files is null (multiply: with rollout.multi_turn and calc).",
+    )
     task_train_size: int = option(2000, "Number of generated training problems of the built-in task.")
     task_val_size: int = option(200, "Number of generated held-out problems of the built-in task.")
     task_kwargs: dict[str, Any] = option(

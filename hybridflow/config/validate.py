@@ -22,7 +22,12 @@ from hybridflow.config.validate_algos import (
     check_policy_loss,
     check_rollout_correction,
 )
-from hybridflow.config.validate_async import check_async, check_multi_turn, check_quantization
+from hybridflow.config.validate_async import (
+    check_async,
+    check_multi_turn,
+    check_quantization,
+    check_tool_task,
+)
 from hybridflow.config.views import check_train_views, not_dividing
 
 logger = logging.getLogger(__name__)
@@ -167,6 +172,7 @@ def _check_consistency(cfg: Config, out: list[Problem]) -> None:
     check_async(cfg, out)
     check_quantization(cfg, out)
     check_multi_turn(cfg, out)
+    check_tool_task(cfg, out)
 
 
 def _check_unimplemented(cfg: Config, out: list[Problem]) -> None:

@@ -177,3 +177,39 @@ def check_multi_turn(cfg: Config, out: list[Problem]) -> None:
             out.append(
                 Problem(path, f"with {key}=true: multi-turn {why}", f"set {path}={fix}, or {key}=false")
             )
+
+
+# Built-in tasks answered with a tool (data.tasks.TOOL_TASKS; a test keeps the two equal): task -> its tool.
+TOOL_TASKS = {"multiply": "calc"}
+
+
+def check_tool_task(cfg: Config, out: list[Problem]) -> None:
+    """A built-in task answered with a tool (``data.task=multiply``) needs multi-turn rollouts with that tool,
+    in the call format of its demonstrations (``data.task_kwargs.call_format``, default plain)."""
+    task = cfg.data.task
+    if task not in TOOL_TASKS or cfg.data.train_files:
+        return  # the built-in task is used only without data.train_files
+    mt, tool = cfg.rollout.multi_turn, TOOL_TASKS[task]
+    call_format = cfg.data.task_kwargs.get("call_format", "plain")
+    keys = f"rollout.multi_turn.enable=true rollout.multi_turn.tools=[{tool}] rollout.multi_turn.format={call_format}"
+    if not mt.enable:
+        out.append(
+            Problem(
+                "rollout.multi_turn.enable",
+                f"is false, but data.task={task} is answered by calling the {tool} tool",
+                f"set {keys}",
+            )
+        )
+        return
+    if tool not in mt.tools:
+        out.append(
+            Problem("rollout.multi_turn.tools", f"lacks {tool}, which data.task={task} calls", f"set {keys}")
+        )
+    if mt.format != call_format:
+        out.append(
+            Problem(
+                "rollout.multi_turn.format",
+                f"is {mt.format}, but data.task={task}'s demonstrations call tools in the {call_format} format",
+                f"set rollout.multi_turn.format={call_format}, or data.task_kwargs.call_format={mt.format}",
+            )
+        )

@@ -1,5 +1,5 @@
 """L2 data: RL prompt datasets (parquet/jsonl, chat templates), SFT datasets, a resumable sampler and
-built-in synthetic tasks (arithmetic, countdown) in verl's row schema.
+built-in synthetic tasks (arithmetic, countdown, multiply: answered with the calc tool) in verl's row schema.
 
     rows = load_rows("train.parquet")           # or make_task("arithmetic", "train", size=2000, seed=0)
     ds = RLDataset(rows, tokenizer, max_prompt_length=128)

@@ -6,7 +6,10 @@ rendering (the reply and the template's end-of-turn token, e.g. ``<|im_end|>``),
 to stop exactly as the rollout engine expects. Text prompts get ``response + eos_token``.
 
 Rows can be prompt/response files or verl-schema rows (built-in tasks, the GSM8K conversion): when
-``response_key`` is absent the reference answer in ``extra_info.answer`` is used.
+``response_key`` is absent the reference answer in ``extra_info.answer`` is used. A row whose ``messages``
+hold tool turns (user, assistant calls, tool results, the answer) and that has no ``response_key`` column is
+a conversation: every assistant turn is trained on and every other token is masked out (``sft_turns``:
+rendered turn by turn, as a rollout is).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybridflow.data.conversations import MESSAGES_KEY
 from hybridflow.data.rl_dataset import encode_prompts, render_prompt, truncate
 from hybridflow.data.rows import (
     DataError,
@@ -27,6 +31,7 @@ from hybridflow.data.rows import (
     row_error,
     source_name,
 )
+from hybridflow.data.sft_turns import check_conversation, encode_conversation, is_conversation
 from hybridflow.protocol import Batch
 from hybridflow.utils.errors import UserError
 
@@ -58,7 +63,8 @@ def render_response(
 
 
 class SFTDataset:
-    """Tokenized prompt/response pairs; ``ds[i]`` has ``input_ids`` and ``loss_mask`` (1 on response tokens)."""
+    """Tokenized prompt/response pairs or conversations; ``ds[i]`` has ``input_ids`` and ``loss_mask`` (1 on the
+    tokens trained on: the response, or a conversation's assistant turns)."""
 
     def __init__(
         self,
@@ -78,14 +84,33 @@ class SFTDataset:
         self.source = source_name(origins, source)
         if not rows:
             raise DataError(f"{self.source}: no rows; the dataset is empty", file=self.source)
-        pairs = [self._validate(r, o, prompt_key, response_key) for r, o in zip(rows, origins)]
+        chats = {i for i, r in enumerate(rows) if is_conversation(r, response_key)}
+        pairs = {
+            i: self._validate(r, o, prompt_key, response_key)
+            for i, (r, o) in enumerate(zip(rows, origins))
+            if i not in chats
+        }
+        encoded = dict(zip(pairs, self._encode_pairs(tokenizer, list(pairs.values()))))
+        for i in sorted(chats):
+            turns = check_conversation(rows[i][MESSAGES_KEY], origins[i])
+            encoded[i] = encode_conversation(tokenizer, turns, origins[i])
+        self.items: list[dict[str, Any]] = []
+        self.num_truncated = 0
+        for i, origin in enumerate(origins):
+            p_ids, r_ids, r_mask = encoded[i]
+            self.items.append(self._item(origin, p_ids, r_ids, r_mask, max_length, truncation))
+
+    @staticmethod
+    def _encode_pairs(
+        tokenizer: PreTrainedTokenizerBase, pairs: list[tuple[Any, str]]
+    ) -> list[tuple[list[int], list[int], list[int]]]:
+        """Prompt ids, response ids and an all-ones response mask of each prompt/response pair."""
+        if not pairs:
+            return []
         prompt_ids = encode_prompts(tokenizer, [p for p, _ in pairs])
         tails = [render_response(tokenizer, p, r) for p, r in pairs]
         response_ids = tokenizer(tails, add_special_tokens=False)["input_ids"]
-        self.items: list[dict[str, Any]] = []
-        self.num_truncated = 0
-        for origin, p_ids, r_ids in zip(origins, prompt_ids, response_ids):
-            self.items.append(self._item(origin, list(p_ids), list(r_ids), max_length, truncation))
+        return [(list(p), list(r), [1] * len(r)) for p, r in zip(prompt_ids, response_ids)]
 
     @staticmethod
     def _validate(row: Any, origin: RowOrigin, prompt_key: str, response_key: str) -> tuple[Any, str]:
@@ -106,9 +131,15 @@ class SFTDataset:
         return prompt, response
 
     def _item(
-        self, origin: RowOrigin, p_ids: list[int], r_ids: list[int], max_length: int, truncation: str
+        self,
+        origin: RowOrigin,
+        p_ids: list[int],
+        r_ids: list[int],
+        r_mask: list[int],
+        max_length: int,
+        truncation: str,
     ) -> dict[str, Any]:
-        ids, mask = p_ids + r_ids, [0] * len(p_ids) + [1] * len(r_ids)
+        ids, mask = p_ids + r_ids, [0] * len(p_ids) + r_mask
         if len(ids) > max_length:
             if truncation == "error":
                 raise row_error(

@@ -7,11 +7,15 @@ seeds and sizes are used; the seed only picks which problems of the split are dr
 Problems are unique within one split.
 
 Prompts are short single user turns because the demo model is character-level (one token per char).
-Each row also carries the reference SFT response in ``extra_info["answer"]``.
+Each row also carries the reference SFT response in ``extra_info["answer"]``; the rows of a task that is
+answered with a tool (``multiply``, see ``TOOL_TASKS``) also carry a demonstration in ``messages`` (the user
+turn, the assistant's call, the tool's result, the answer) for the multi-turn SFT warm-up.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import random
 import zlib
 from collections.abc import Callable
@@ -196,10 +200,88 @@ def make_countdown(
     return rows
 
 
+CALL_FORMATS = ("plain", "hermes")
+
+
+def tool_call_text(expression: str, call_format: str) -> str:
+    """An assistant turn that calls the ``calc`` tool on ``expression``, in ``call_format``."""
+    if call_format == "plain":
+        return f"[[calc: {expression}]]"
+    body = {"name": "calc", "arguments": {"expression": expression}}
+    return f"<tool_call>{json.dumps(body)}</tool_call>"
+
+
+def make_multiply(
+    size: int,
+    seed: int,
+    split: str = "train",
+    digits: int = 3,
+    factors: int = 2,
+    call_fraction: float = 1.0,
+    call_format: str = "plain",
+    style: str = "short",
+    full_width: bool = True,
+) -> list[dict[str, Any]]:
+    """Products of ``factors`` numbers of ``digits`` digits, answered as '#### <int>': a task where a tool pays.
+
+    A tiny model cannot multiply 347 by 581 in its head, but it can copy the expression into a ``calc`` call
+    and copy the result into its answer. ``messages`` holds the demonstration for the SFT warm-up: for a
+    ``call_fraction`` of the rows (a stable hash of the problem decides which) the assistant calls ``calc``
+    (``call_format`` "plain": ``[[calc: 347*581]]``, or "hermes"), reads the tool turn and answers; the other
+    rows answer at once (with the right number, which a tiny model cannot learn: RL finds that the tool pays).
+    ``style`` is "short" ('347*581=') or "question". ``full_width`` keeps only products of exactly
+    ``digits * factors`` digits: every answer has the same width, so a tiny model copies it by position.
+    Ground truth: the product as a str.
+    """
+    _check_args(size, split, "*")
+    if not isinstance(digits, int) or digits < 1 or not isinstance(factors, int) or factors < 2:
+        raise UserError(
+            f"need digits >= 1 and factors >= 2 (ints), got digits={digits!r} factors={factors!r}"
+        )
+    if not isinstance(call_fraction, (int, float)) or not 0 <= call_fraction <= 1:
+        raise UserError(f"call_fraction must be a number in [0, 1], got {call_fraction!r}")
+    if call_format not in CALL_FORMATS or style not in ("question", "short"):
+        raise UserError(
+            f"call_format must be one of {CALL_FORMATS} (as rollout.multi_turn.format) and style 'question' or "
+            f"'short'; got {call_format!r}, {style!r}"
+        )
+    lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+
+    def draw(rng: random.Random) -> tuple[str, list[int]] | None:
+        nums = [rng.randint(lo, hi) for _ in range(factors)]
+        if full_width and len(str(math.prod(nums))) < digits * factors:
+            return None
+        return "*".join(map(str, nums)), nums
+
+    rows = []
+    for i, nums in enumerate(_draw_unique("multiply", size, seed, split, draw)):
+        expr = "*".join(map(str, nums))
+        product = str(math.prod(nums))
+        content = (
+            f"{expr}="
+            if style == "short"
+            else f"What is {' * '.join(map(str, nums))}? Answer as #### <number>."
+        )
+        row = _row("multiply", split, i, content, product, f"#### {product}")
+        calls = zlib.crc32(f"multiply-call:{expr}".encode()) % 1000 < round(1000 * call_fraction)
+        call = [
+            {"role": "assistant", "content": tool_call_text(expr, call_format)},
+            {"role": "tool", "content": product},
+        ]
+        answer = {"role": "assistant", "content": f"#### {product}"}
+        row["messages"] = [*row["prompt"], *(call if calls else []), answer]
+        rows.append(row)
+    return rows
+
+
 TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "arithmetic": make_arithmetic,
     "countdown": make_countdown,
+    "multiply": make_multiply,
 }
+# Built-in tasks answered with a tool: task -> the built-in tool they need (rollout.multi_turn.tools). The
+# config layer keeps its own copy (config.validate_async.TOOL_TASKS); a test checks that they agree.
+TOOL_TASKS: dict[str, str] = {"multiply": "calc"}
 
 
 def make_task(name: str, split: str, size: int, seed: int, **kwargs: Any) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ def extract_answer(solution_str: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-def _ground_truth_int(ground_truth: object) -> int:
+def ground_truth_int(ground_truth: object) -> int:
     """The ground truth as an int (the task stores it as an int or a string of digits)."""
     if isinstance(ground_truth, bool):
         raise ValueError(f"arithmetic ground_truth must be an integer, got {ground_truth!r}")
@@ -29,6 +29,6 @@ def _ground_truth_int(ground_truth: object) -> int:
 
 def compute_score(solution_str: str, ground_truth: int | str) -> float:
     """1.0 when the ``#### <integer>`` answer equals the ground truth, else 0.0 (no format credit)."""
-    truth = _ground_truth_int(ground_truth)
+    truth = ground_truth_int(ground_truth)
     answer = extract_answer(solution_str)
     return 1.0 if answer == truth else 0.0

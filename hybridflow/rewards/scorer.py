@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from hybridflow.rewards import arithmetic, countdown, gsm8k, math_reward
+from hybridflow.rewards import arithmetic, countdown, gsm8k, math_reward, multiply
 from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -21,6 +21,7 @@ SCORERS: dict[str, Callable[..., float]] = {
     "HuggingFaceH4/MATH-500": math_reward.compute_score,
     "countdown": countdown.compute_score,
     "arithmetic": arithmetic.compute_score,
+    "multiply": multiply.compute_score,
 }
 
 

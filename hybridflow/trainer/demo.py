@@ -19,6 +19,7 @@ from typing import Any
 from hybridflow.config import Config, ConfigError, Problem, load_config, parse_overrides
 from hybridflow.config.aliases import resolve_alias
 from hybridflow.data import collate_prompts, load_split_rows
+from hybridflow.data.tasks import TOOL_TASKS
 from hybridflow.models import build_tiny_model_and_tokenizer
 from hybridflow.trainer.builder import build_preference_components, load_policy
 from hybridflow.trainer.dumps import decode_responses
@@ -27,6 +28,7 @@ from hybridflow.trainer.plotting import read_metrics
 from hybridflow.trainer.ppo import PROMPT_KEYS
 from hybridflow.trainer.tracking import METRICS_FILE
 from hybridflow.trainer.validation import validate
+from hybridflow.utils.errors import UserError
 from hybridflow.utils.seed import set_seed
 
 logger = logging.getLogger(__name__)
@@ -110,6 +112,12 @@ DPO_OVERRIDES = [
 ]
 
 
+def demo_task(overrides: list[str]) -> str | None:
+    """The built-in task the user's overrides name (``data.task=...``), or None."""
+    found = _texts_by_path(overrides).get("data.task")
+    return found.split("=", 1)[1].strip() if found else None
+
+
 def accuracy(metrics: dict[str, float]) -> float:
     """The held-out greedy accuracy among validation metrics."""
     return next(v for k, v in metrics.items() if k.endswith("/acc/mean@1"))
@@ -164,14 +172,16 @@ def demo_configs(
     sft_overrides: list[str] | None = None,
     extra: list[str] | None = None,
     rl_extra: list[str] | None = None,
+    base: list[str] | None = None,
 ) -> tuple[Config, Config]:
     """The configs of the demo's RL phase and of its SFT warm-up, with the user's ``overrides``.
 
+    ``base`` replaces the demo's task settings (``DEMO_OVERRIDES``; the tool demo has its own).
     ``extra`` adds demo settings to both, ``rl_extra`` to the RL phase only. A problem says which of the
     values it quotes are the demo's own. The warm-up has no mini-batches: its ``actor.ppo_mini_batch_size``
     is its batch, so the RL phase's batch settings never fail its checks.
     """
-    settings = DEMO_OVERRIDES + list(extra or [])
+    settings = list(DEMO_OVERRIDES if base is None else base) + list(extra or [])
     cfg = _demo_config(settings + list(rl_extra or []), list(overrides), [])
     # The command line's overrides configure the RL phase; the warm-up keeps its own SFT settings.
     sft = SFT_OVERRIDES + list(sft_overrides or [])
@@ -181,10 +191,14 @@ def demo_configs(
 
 
 def warm_up(
-    overrides: list[str], sft_overrides: list[str] | None, extra: list[str], rl_extra: list[str] | None = None
+    overrides: list[str],
+    sft_overrides: list[str] | None,
+    extra: list[str],
+    rl_extra: list[str] | None = None,
+    base: list[str] | None = None,
 ) -> tuple[Any, Path]:
     """Build the tiny model and SFT it on the task's reference answers; returns (config, run directory)."""
-    cfg, sft_cfg = demo_configs(overrides, sft_overrides, extra, rl_extra)
+    cfg, sft_cfg = demo_configs(overrides, sft_overrides, extra, rl_extra, base)
     run_dir = Path(cfg.trainer.run_dir())
     set_seed(cfg.trainer.seed)
     model, tokenizer = build_tiny_model_and_tokenizer(
@@ -198,7 +212,17 @@ def warm_up(
 
 
 def run_demo(overrides: list[str] | None = None, sft_overrides: list[str] | None = None) -> dict[str, Any]:
-    """Run the built-in demo; returns accuracies before/after GRPO, the run directory and the history."""
+    """Run the built-in demo; returns accuracies before/after GRPO, the run directory and the history.
+
+    A task answered with a tool (``data.task=multiply``) has its own demo, ``tool_demo.run_tool_demo``
+    (``hybridflow train data.task=multiply`` runs it).
+    """
+    task = demo_task(overrides or [])
+    if task in TOOL_TASKS:
+        raise UserError(
+            f"data.task={task} is the tool demo: call hybridflow.trainer.tool_demo.run_tool_demo (or run "
+            f"hybridflow train data.task={task})"
+        )
     cfg, run_dir = warm_up(overrides or [], sft_overrides, [], GRPO_OVERRIDES)
     components = load_components_from(run_dir / "sft_model", cfg)
     # With trainer.val_before_train (the demo's default) the run validates at step 0 and at its last step.
@@ -275,6 +299,11 @@ def run_dpo_demo(
 def format_table(result: dict[str, Any], algorithm: str = "GRPO") -> str:
     """The before/after table printed at the end of the demo."""
     n = result["num_val"]
+    calls = []  # the tool demo's held-out tool calls per episode, before and after
+    if result.get("calls_before") is not None and result.get("calls_after") is not None:
+        calls = [
+            f"held-out tool calls per episode: {result['calls_before']:.2f} -> {result['calls_after']:.2f}"
+        ]
     return "\n".join(
         [
             f"held-out greedy accuracy ({n} problems)",
@@ -282,6 +311,7 @@ def format_table(result: dict[str, Any], algorithm: str = "GRPO") -> str:
             f"  after SFT      {100 * result['before']:6.1f}%",
             f"  after {algorithm:<9}{100 * result['after']:6.1f}%",
             f"  change         {100 * (result['after'] - result['before']):+6.1f} points",
+            *calls,
             f"run directory: {result['run_dir']}",
         ]
     )

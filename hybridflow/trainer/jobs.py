@@ -91,7 +91,7 @@ def sft_job(
     base = copy.deepcopy(model)  # a clean module to receive the trained weights for saving
     rows = rows if rows is not None else load_split_rows(cfg.data, "train", cfg.trainer.seed)
     end = eos_ids_of(model, tokenizer)[-1]  # the chat end token for chat models (last of the stop ids)
-    prompts, responses = encode_pairs(tokenizer, rows, end)
+    prompts, responses, masks = encode_pairs(tokenizer, rows, end)
     steps = (
         cfg.trainer.total_training_steps
         or max(1, len(rows) // cfg.data.train_batch_size) * cfg.trainer.total_epochs
@@ -110,6 +110,7 @@ def sft_job(
                 pad,
                 cfg.trainer.seed,
                 on_step=tracker.log,
+                masks=masks,
             )
         tracker.close()
         save_hf_model(actor, tokenizer, base, staged)

@@ -19,6 +19,8 @@ def validate(
     """Per data source: ``reward/mean@N``, ``acc/mean@N`` and, with N > 1, best/worst/maj@N and pass@k.
 
     ``records`` (a list) receives one dict per generation: prompt, response, ground truth, score and acc.
+    With ``rollout.multi_turn`` the episodes' metrics come too, as ``val-aux/num_turns/mean``,
+    ``val-aux/tool_call_counts/mean`` and the others (means over the chunks weighted by their samples).
     """
     v = cfg.rollout.val_kwargs
     params = c.actor.sampling_params(
@@ -29,6 +31,7 @@ def validate(
     rewards: list[float] = []
     answers: list[str] = []
     accs: list[bool] = []
+    turns: list[tuple[int, dict[str, float]]] = []  # (samples, multi-turn metrics) per chunk
     for start in range(0, len(c.val), size):
         prompts = collate_prompts(
             [c.val[i] for i in range(start, min(start + size, len(c.val)))], c.pad_token_id
@@ -40,6 +43,8 @@ def validate(
         )
         for key in ("data_source", "ground_truth", "extra_info"):
             batch[key] = prompts[key].repeat(v.n)
+        if "multi_turn" in batch.meta:
+            turns.append((len(batch), batch.meta["multi_turn"]))
         scores, extras = c.scorer.score(batch)
         texts = decode_responses(c.tokenizer, batch)
         if records is not None:
@@ -48,4 +53,20 @@ def validate(
         rewards += scores.tolist()
         answers += [t.strip() for t in texts]  # the majority vote counts identical responses
         accs += [bool(a) for a in extras["acc"]]
-    return validation_metrics(sources, rewards, answers, accs, v.n, prefix)
+    metrics = validation_metrics(sources, rewards, answers, accs, v.n, prefix)
+    return metrics | episode_summary(turns, prefix.replace("core", "aux"))
+
+
+def episode_summary(turns: list[tuple[int, dict[str, float]]], prefix: str) -> dict[str, float]:
+    """The multi-turn metrics of several rollouts as one: means weighted by samples, extremes of the bounds."""
+    if not turns:
+        return {}
+    total = sum(n for n, _ in turns)
+    out = {}
+    for key in turns[0][1]:
+        values = [m[key] for _, m in turns]
+        if key.endswith("/min") or key.endswith("/max"):
+            out[f"{prefix}/{key}"] = float((min if key.endswith("/min") else max)(values))
+        else:
+            out[f"{prefix}/{key}"] = float(sum(n * m[key] for n, m in turns) / total)
+    return out
