@@ -53,6 +53,17 @@ class ModelConfig:
         False, "Pack sequences without pad tokens for log-prob and update passes."
     )
     custom_chat_template: str | None = option(None, "Jinja chat template that replaces the tokenizer's own.")
+    lora_rank: int = option(
+        0,
+        "LoRA rank r of the actor's adapters; 0 trains every weight (the reference is then the base model).",
+    )
+    lora_alpha: float = option(16.0, "LoRA alpha: the adapters' update is scaled by lora_alpha / lora_rank.")
+    target_modules: list[str] = option(
+        ["all-linear"],
+        "Linear layers of the decoder layers that get adapters: name suffixes (q_proj, mlp.down_proj), or "
+        "all-linear (every nn.Linear of the decoder layers, not the LM head).",
+    )
+    lora_dropout: float = option(0.0, "Dropout on the adapters' input during updates (0: none, as in RL).")
 
 
 @dataclass

@@ -17,6 +17,7 @@ from hybridflow.engine import (
     GenerateView,
     GroupState,
     HFRollout,
+    LoraSpec,
     PagedEngine,
     ParallelDims,
     RolloutGroup,
@@ -31,7 +32,7 @@ from hybridflow.engine import (
     to_dtype,
     update_preference,
 )
-from hybridflow.models.families import check_tensor_parallel, fallback_notice
+from hybridflow.models.families import check_lora_family, check_tensor_parallel, fallback_notice
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.errors import UserError, format_bytes
@@ -73,6 +74,26 @@ def make_sampling_params(
     )
 
 
+def lora_spec(cfg: Config, config: Any, dims: ParallelDims) -> LoraSpec | None:
+    """The actor's adapters from ``model.lora_*`` (None at rank 0), checked against the family and the view."""
+    m = cfg.model
+    if m.lora_rank == 0:
+        return None
+    check_lora_family(config)
+    for dim in (
+        "tp",
+        "pp",
+        "sp",
+        "ep",
+    ):  # a planned view (null sizes) is checked here, a set one in the config
+        if getattr(dims, dim) > 1:
+            raise UserError(
+                f"actor.parallel.{dim}={getattr(dims, dim)} with model.lora_rank={m.lora_rank}: LoRA runs on "
+                f"FSDP2 views only so far; set actor.parallel.{dim}=1, or model.lora_rank=0"
+            )
+    return LoraSpec(m.lora_rank, m.lora_alpha, tuple(m.target_modules), m.lora_dropout)
+
+
 def routed(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``routed_experts`` of a pass's results, where it recorded them."""
     return {"routed_experts": out["routed_experts"]} if "routed_experts" in out else {}
@@ -107,6 +128,7 @@ class ActorWorker:
             total_steps=total_steps,
             trainable=trainable,
             dims=dims,
+            lora=lora_spec(cfg, model.config, dims),
         )
         self.dims = self.engine.dims  # with its process groups
         device = self.engine.device

@@ -15,6 +15,13 @@ broadcast tensor by tensor, so that memory and switch time can be put side by si
 
 At world size 1 the hybrid engine needs neither: the rollout engine reads the training module's own
 parameters (a cast buffer at most).
+
+The one hook for what a parameter's source is (``generation_source``): a module that defines
+``generation_tensor(name)`` gives its parameter's generation value itself (a LoRA linear: W + (alpha / r) B A,
+merged into the shard before it is sent, ``parallel.lora``); the adapters' own parameters are not generation
+weights. Merged sources are computed for every parameter before the plan runs (one shard-sized copy of the
+adapted weights beside the buckets); merging inside each bucket (or an in-place delta on the generation
+buffers) is not built.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from hybridflow.engine.hybrid.resharder import Resharder
 from hybridflow.engine.ops.tensors import Storages, local_shard
 from hybridflow.engine.parallel.fsdp import full_state_dict
 from hybridflow.engine.parallel.layout import Box, layouts
+from hybridflow.engine.parallel.lora import is_adapter_name
 from hybridflow.engine.parallel.view import GenerateView
 from hybridflow.engine.rollout.tp import build_shard, meta_model
 from hybridflow.utils.dist import world_size
@@ -47,6 +55,20 @@ def held_box(param: torch.Tensor) -> Box | None:
     if any(n == 0 for n in shape):
         return None  # FSDP2 pads an uneven split with empty shards at the end
     return tuple((o, o + n) for o, n in zip(offset, shape))
+
+
+def generation_source(sharded: nn.Module, name: str, param: torch.Tensor) -> torch.Tensor:
+    """This rank's training-side value of the generation weight ``name``: its local shard, or what the owning
+    module's ``generation_tensor`` gives (a merged LoRA weight; a collective: every rank asks in order)."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = sharded.get_submodule(owner_name) if owner_name else sharded
+    merge = getattr(owner, "generation_tensor", None)
+    return merge(attr) if merge is not None else local_shard(param)
+
+
+def generation_parameters(sharded: nn.Module) -> dict[str, torch.Tensor]:
+    """``sharded``'s parameters that the generation view holds (the adapters' own are merged in instead)."""
+    return {n: p for n, p in sharded.named_parameters() if not is_adapter_name(n)}
 
 
 def holdings_of(named: dict[str, torch.Tensor], names: list[str]) -> list[list[Box | None]]:
@@ -80,7 +102,7 @@ class RolloutShard:
         # The whole model's parameters: a pipeline stage holds only its own layers, the generation view all.
         skeleton = meta_model(sharded)
         whole = dict(skeleton.named_parameters())
-        ours = dict(sharded.named_parameters())
+        ours = generation_parameters(sharded)
         generation = dict(self.module.named_parameters())
         if whole.keys() != generation.keys() or not ours.keys() <= whole.keys():
             raise ValueError(
@@ -138,10 +160,10 @@ class RolloutShard:
     def sync(self, sharded: nn.Module) -> int:
         """Refresh every generation weight from ``sharded``'s shards (all ranks together); bytes received."""
         self.storages.restore()
-        params = dict(sharded.named_parameters())
+        params = generation_parameters(sharded)
         nothing = torch.empty(0)  # another pipeline stage's parameter: the plan never reads it here
         sources = [
-            lay.plan_view(local_shard(params[n])) if n in params else nothing
+            lay.plan_view(generation_source(sharded, n, params[n])) if n in params else nothing
             for lay, n in zip(self.layouts, self.names)
         ]
         return self.resharder.run(sources, self.targets)
