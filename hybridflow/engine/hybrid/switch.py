@@ -38,9 +38,9 @@ from hybridflow.engine.hybrid.resharder import Resharder
 from hybridflow.engine.ops.tensors import Storages, local_shard
 from hybridflow.engine.parallel.fsdp import full_state_dict
 from hybridflow.engine.parallel.layout import Box, layouts
-from hybridflow.engine.parallel.lora import is_adapter_name
 from hybridflow.engine.parallel.view import GenerateView
 from hybridflow.engine.rollout.tp import build_shard, meta_model
+from hybridflow.models.adapters import is_adapter_name
 from hybridflow.utils.dist import world_size
 from hybridflow.utils.errors import format_bytes
 

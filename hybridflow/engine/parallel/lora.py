@@ -12,7 +12,7 @@ Three switches read the adapter:
 
 - ``adapters_disabled(module)``: the base model (the reference policy: no second copy of the weights);
 - ``LoraLinear.generation_tensor``: W + (alpha / r) B A for this rank's shard of W (the rollout's weights);
-- ``merge_adapter_state``: a whole state dict merged into plain HF names (export).
+- ``models.adapters.merge_adapter_state``: a whole state dict merged into plain HF names (export).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from hybridflow.engine.ops.tensors import local_shard
 from hybridflow.utils.errors import UserError
 
 ALL_LINEAR = "all-linear"
-ADAPTER_PARTS = ("lora_A", "lora_B")
 
 
 @dataclass(frozen=True)
@@ -174,27 +173,3 @@ def adapters_disabled(module: nn.Module) -> Iterator[None]:
     finally:
         for m in mods:
             m.adapter_enabled = True
-
-
-def is_adapter_name(name: str) -> bool:
-    """Whether the parameter ``name`` belongs to an adapter (``...lora_A.weight``, ``...lora_B.weight``)."""
-    parts = name.split(".")
-    return any(p in ADAPTER_PARTS for p in parts)
-
-
-def merge_adapter_state(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
-    """A whole state dict with every adapter merged: W + scaling * B A under W's name, in W's dtype; the
-    adapters' keys dropped (plain Hugging Face names)."""
-    out = {k: v for k, v in state.items() if not is_adapter_name(k)}
-    for key in state:
-        if key.endswith(".lora_A.weight"):
-            stem = key.removesuffix(".lora_A.weight")
-            w = out[f"{stem}.weight"]
-            a, b = state[key].float(), state[f"{stem}.lora_B.weight"].float()
-            out[f"{stem}.weight"] = torch.addmm(w.float(), b, a, alpha=scaling).to(w.dtype)  # (out, in)
-    return out
-
-
-def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The adapters' tensors of a whole state dict (their keys unchanged)."""
-    return {k: v for k, v in state.items() if is_adapter_name(k)}
