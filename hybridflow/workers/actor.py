@@ -28,10 +28,12 @@ from hybridflow.engine import (
     check_tp,
     fallback_reason,
     follow_rollout_shards,
+    full_state_dict,
     roll_partial,
     to_dtype,
     update_preference,
 )
+from hybridflow.models.adapters import merge_adapter_state
 from hybridflow.models.families import check_lora_family, check_tensor_parallel, fallback_notice
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import init_distributed, world_size
@@ -381,6 +383,14 @@ class ActorWorker:
         with self.engine.engine.onloaded():  # offloaded shards come back to the device to be sent
             self.pool_sync.sync(self.hf_model)
         return {"seconds": time.perf_counter() - start}
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """The whole weights on rank 0's host, adapters merged into plain HF names (a collective: all ranks
+        call it; offloaded shards gather on the device)."""
+        engine = self.engine
+        with engine.engine.onloaded():
+            state = full_state_dict(engine.module, engine.engine.pp_group, engine.engine.optimizer)
+        return state if engine.lora is None else merge_adapter_state(state, engine.lora.scaling)
 
     def compute_log_prob(self, batch: Batch) -> Batch:
         """Trainer log-probs (``old_log_probs``) and entropies of the responses under the current weights."""

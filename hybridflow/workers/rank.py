@@ -17,8 +17,7 @@ from hybridflow import checkpoint
 from hybridflow.checkpoint import RoleState
 from hybridflow.checkpoint.export import save_hf_model, write_hf_config
 from hybridflow.checkpoint.manager import HF_CONFIG, user_errors_together
-from hybridflow.engine import full_state_dict
-from hybridflow.models.adapters import merge_adapter_state, target_suffixes
+from hybridflow.models.adapters import target_suffixes
 from hybridflow.protocol import Batch
 from hybridflow.utils.device import cuda_in_use
 from hybridflow.utils.dist import world_size
@@ -127,11 +126,7 @@ class RankWorker:
     def _actor_state(self) -> dict[str, torch.Tensor]:
         """The actor's whole weights on CPU, its adapters merged (a collective: all ranks call it; offloaded
         shards gather on the device)."""
-        engine = self.roles["actor"].engine
-        with engine.engine.onloaded():
-            state = full_state_dict(engine.module, engine.engine.pp_group, engine.engine.optimizer)
-        lora = getattr(engine, "lora", None)
-        return state if lora is None else merge_adapter_state(state, lora.scaling)
+        return self.roles["actor"].hf_state()
 
     def save_checkpoint(self, tmp: str, save_hf: bool) -> dict[str, Any]:
         """Write this rank's shards (all ranks together) and, on rank 0, the export configs; returns meta."""

@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from hybridflow.engine.ops.tensors import local_shard
+from hybridflow.models.adapters import is_adapter_name
 from hybridflow.utils.errors import UserError
 
 ALL_LINEAR = "all-linear"
@@ -120,7 +121,7 @@ def linear_names(layers: list[nn.Module]) -> list[str]:
     seen: dict[str, None] = {}
     for layer in layers:
         for name, mod in layer.named_modules():
-            if isinstance(mod, nn.Linear):
+            if isinstance(mod, nn.Linear) and not is_adapter_name(name):  # not an adapter's own A or B
                 seen.setdefault(name, None)
     return list(seen)
 
