@@ -60,8 +60,7 @@ class ModelConfig:
     lora_alpha: float = option(16.0, "LoRA alpha: the adapters' update is scaled by lora_alpha / lora_rank.")
     target_modules: list[str] = option(
         ["all-linear"],
-        "Linear layers of the decoder layers that get adapters: name suffixes (q_proj, mlp.down_proj), or "
-        "all-linear (every nn.Linear of the decoder layers, not the LM head).",
+        "Decoder-layer linears with adapters: name suffixes (q_proj, mlp.down_proj) or all-linear (no LM head).",
     )
     lora_dropout: float = option(0.0, "Dropout on the adapters' input during updates (0: none, as in RL).")
 
