@@ -179,6 +179,10 @@ class RolloutConfig:
     free_cache_engine: bool = option(
         True, "After generating, free the KV cache and the rollout's weight copies for training."
     )
+    lora_merge: str = option(
+        "buffer",
+        "LoRA at one rank: buffer (merged copies of the adapted weights) or in_place (host restore).",
+    )
     enforce_eager: bool = option(False, "Disable CUDA graphs for decode (debugging).")
     compile_decode: bool = option(
         False,

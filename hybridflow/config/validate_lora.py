@@ -58,3 +58,13 @@ def check_lora(cfg: Config, out: list[Problem]) -> None:
         ),
     ]
     out.extend(Problem(key, what, fix) for key, bad, what, fix in refusals if bad)
+    in_place = cfg.rollout.lora_merge == "in_place"
+    if in_place and (cfg.trainer.world_size > 1 or cfg.rollout.engine != "native"):
+        out.append(
+            Problem(
+                "rollout.lora_merge",
+                "is in_place, which merges into the weights the built-in engine reads at one rank; this run has "
+                f"{cfg.trainer.world_size} rank(s) and rollout.engine={cfg.rollout.engine}",
+                "set rollout.lora_merge=buffer (above one rank the merge goes into the generation shards)",
+            )
+        )

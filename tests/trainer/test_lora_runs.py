@@ -134,15 +134,18 @@ def scoring_batch(vocab: int, rows: int = 4, prompt: int = 5, response: int = 4)
     )
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family,merge", [("qwen2", "buffer"), ("llama", "buffer"), ("qwen2", "in_place")])
 def test_grpo_trains_only_the_adapters_against_the_base_as_reference(
-    setup: dict[str, Path], tmp_path: Path, family: str
+    setup: dict[str, Path], tmp_path: Path, family: str, merge: str
 ) -> None:
-    cfg = load_config(None, grpo_args(setup, family, tmp_path / "run", "trainer.save_freq=1"))
+    # in_place: the rollout reads the base's own storage, merged for the generation and copied back after
+    extra = ("trainer.save_freq=1", f"rollout.lora_merge={merge}")
+    cfg = load_config(None, grpo_args(setup, family, tmp_path / "run", *extra))
     components = build_components(cfg)
     roles = components.groups[0].worker.roles
     actor = roles["actor"]
     assert isinstance(roles["ref"], AdapterReference)  # no second copy of the model
+    assert (actor.in_place is not None) == (merge == "in_place")
     before = local_params(actor.engine.module)
     check_grpo(PPOTrainer(cfg, components).fit())
     after = local_params(actor.engine.module)

@@ -81,6 +81,7 @@ class LoraLinear(nn.Linear):
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.scaling = alpha / rank
         self.adapter_enabled = True
+        self.merged_in_place = False  # InPlaceMerge: the rollout reads the base's own (merged) storage
         self.reset_adapter()
 
     def reset_adapter(self) -> None:
@@ -102,6 +103,11 @@ class LoraLinear(nn.Linear):
         """(out, in) float32: (alpha / r) B A, whole (A and B are gathered where sharded: a collective)."""
         return _full(self.lora_B.weight).float() @ _full(self.lora_A.weight).float() * self.scaling
 
+    @property
+    def computed_for_generation(self) -> bool:
+        """Whether the rollout must compute its weight (``generation_tensor``) rather than read the base's."""
+        return not self.merged_in_place
+
     @torch.no_grad()
     def generation_tensor(self, name: str) -> torch.Tensor:
         """This rank's shard of the generation weight ``name``: W + (alpha / r) B A for ``weight`` (in W's
@@ -114,6 +120,46 @@ class LoraLinear(nn.Linear):
         b = _full(self.lora_B.weight).float()  # (out, r)
         merged = torch.addmm(local.float(), b[rows], a[:, cols], alpha=self.scaling)  # (rows, cols)
         return merged.to(local.dtype)
+
+
+class InPlaceMerge:
+    """One rank's rollout without merge buffers (``rollout.lora_merge=in_place``): W + (alpha / r) B A written
+    into each adapted base weight's own storage for a generation, the base copied back exactly afterwards from
+    a host copy taken once (the base is frozen). Costs a host copy of the adapted weights and one host ->
+    device copy per generation; saves the device copy of them that merge buffers take."""
+
+    def __init__(self, module: nn.Module, pin: bool) -> None:
+        self.mods = lora_modules(module)
+        self.pin = pin
+        self.saved: list[torch.Tensor] | None = None
+        for m in self.mods:
+            m.merged_in_place = True  # the rollout binds the base's storage by reference
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Write the merged weights into the base's storage (the first call keeps the base on the host)."""
+        if self.saved is None:  # pinned host buffers, filled once
+            weights = [local_shard(m.weight) for m in self.mods]
+            self.saved = [torch.empty_like(w, device="cpu", pin_memory=self.pin) for w in weights]
+            for host, w in zip(self.saved, weights):
+                host.copy_(w)
+        for m in self.mods:
+            local_shard(m.weight).copy_(m.generation_tensor("weight"))  # (out, in), rounded once
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Copy the base back (bit for bit) after the generation."""
+        for m, host in zip(self.mods, self.saved or []):
+            local_shard(m.weight).copy_(host, non_blocking=True)
+
+    @contextlib.contextmanager
+    def merged(self) -> Iterator[None]:
+        """The base merged for the block (restored even when it raises)."""
+        self.merge()
+        try:
+            yield
+        finally:
+            self.restore()
 
 
 def linear_names(layers: list[nn.Module]) -> list[str]:
@@ -156,6 +202,19 @@ def apply_lora(model: nn.Module, layers: list[nn.Module], spec: LoraSpec) -> lis
             if isinstance(base, nn.Linear) and not isinstance(base, LoraLinear):
                 setattr(parent, attr, LoraLinear(base, spec.rank, spec.alpha, spec.dropout))
     return chosen
+
+
+def lora_elements(layers: list[nn.Module], spec: LoraSpec) -> tuple[int, int]:
+    """(adapter elements, elements of the adapted base weights) of ``layers`` under ``spec``, from the shapes
+    alone (a model on the meta device will do): what the planner charges for LoRA."""
+    chosen = set(check_targets(layers, spec.targets))
+    adapters = adapted = 0
+    for layer in layers:
+        for name, mod in layer.named_modules():
+            if name in chosen and isinstance(mod, nn.Linear):
+                adapters += spec.rank * (mod.in_features + mod.out_features)
+                adapted += mod.in_features * mod.out_features
+    return adapters, adapted
 
 
 def lora_modules(module: nn.Module) -> list[LoraLinear]:

@@ -188,7 +188,8 @@ def parallelize(
     if dims.sp > 1:
         apply_ulysses(scorer, layers, dims.sp_group, dims.role)  # 5. sequences split over the sp group
     compiled = compile_layers(layers, compile, device)  # 6. per-layer compile
-    reduce, reshard = to_dtype(fsdp.reduce_dtype), reshard_after_forward(fsdp, trainable)
+    # A LoRA base is frozen: gathering a layer again in backward is a copy, not a cast (free each after use)
+    reduce, reshard = to_dtype(fsdp.reduce_dtype), reshard_after_forward(fsdp, trainable and lora is None)
     module = shard_model(  # 7. FSDP2
         scorer, layers, device, compute, reduce, reshard, dims.fsdp_mesh, experts, dims.experts_fsdp_mesh
     )

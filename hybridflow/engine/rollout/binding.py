@@ -43,13 +43,15 @@ def _fill(dst: torch.Tensor, src: torch.Tensor) -> None:
 def _read(module: nn.Module, name: str) -> torch.Tensor:
     """The value the runner generates with for ``module.name``: the module's ``generation_tensor`` where it
     defines one (a LoRA linear: W + (alpha / r) B A, computed fresh), else the parameter's local tensor."""
-    merge = getattr(module, "generation_tensor", None)
-    return merge(name) if merge is not None else local_tensor(getattr(module, name))
+    if _computed(module):
+        return module.generation_tensor(name)
+    return local_tensor(getattr(module, name))
 
 
 def _computed(module: nn.Module) -> bool:
-    """Whether ``module``'s weights are computed for generation (never bound by reference)."""
-    return hasattr(module, "generation_tensor")
+    """Whether ``module``'s weights are computed for generation (never bound by reference): a LoRA linear
+    unless its merge is written into the base's own storage (``InPlaceMerge``)."""
+    return getattr(module, "computed_for_generation", False)
 
 
 class WeightBinding:
