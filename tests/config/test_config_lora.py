@@ -46,6 +46,11 @@ def test_verls_lora_keys_are_aliases() -> None:
             "model.lora_rank=0",
         ),
         (["critic.model.lora_rank=8"], "critic.model.lora_rank", "set it to 0"),
+        (
+            ["model.lora_rank=8", "rollout.lora_merge=in_place", "trainer.n_gpus_per_node=2"],
+            "rollout.lora_merge",
+            "rollout.lora_merge=buffer",
+        ),
     ],
 )
 def test_lora_problems_name_the_key_and_the_fix(overrides: list[str], key: str, fix: str) -> None:

@@ -251,16 +251,18 @@ def run_on_rank(rank: int, runs: list[list[str]]) -> list[int]:
 @pytest.mark.slow
 def test_grpo_dpo_and_kto_with_lora_on_two_ranks(setup: dict[str, Path], tmp_path: Path) -> None:
     two = ["trainer.n_gpus_per_node=2", "actor.ppo_micro_batch_size_per_gpu=2"]
-    cases = [("train", f) for f in FAMILIES] + [("dpo", "qwen2"), ("kto", "llama")]
+    # GRPO with a whole replica per rank, and with a tensor-parallel rollout (tp = 2: merged shards)
+    cases = [("train", f) for f in FAMILIES] + [("tp", "llama"), ("dpo", "qwen2"), ("kto", "llama")]
     runs = []
     for cmd, family in cases:
         run_dir = tmp_path / f"{cmd}-{family}"
-        if cmd == "train":
-            runs.append(["train", *grpo_args(setup, family, run_dir, "trainer.save_freq=-1", *two)])
+        if cmd in ("train", "tp"):
+            tp = "rollout.tensor_model_parallel_size=" + ("2" if cmd == "tp" else "1")
+            runs.append(["train", *grpo_args(setup, family, run_dir, "trainer.save_freq=-1", tp, *two)])
         else:
             runs.append([*preference_args(cmd, setup, family, run_dir), *two])
     codes = run_world_kept(2, run_on_rank, runs, timeout=600)
     assert codes == [[0] * len(cases)] * 2
     for cmd, family in cases:
         steps = metrics(tmp_path / f"{cmd}-{family}")
-        check_grpo(steps) if cmd == "train" else check_preference(cmd, steps)
+        check_grpo(steps) if cmd in ("train", "tp") else check_preference(cmd, steps)
