@@ -134,12 +134,21 @@ def scoring_batch(vocab: int, rows: int = 4, prompt: int = 5, response: int = 4)
     )
 
 
-@pytest.mark.parametrize("family,merge", [("qwen2", "buffer"), ("llama", "buffer"), ("qwen2", "in_place")])
+@pytest.mark.parametrize(
+    "family,merge,engine",
+    [
+        ("qwen2", "buffer", "native"),
+        ("llama", "buffer", "native"),
+        ("qwen2", "in_place", "native"),
+        ("llama", "buffer", "hf"),
+    ],
+)
 def test_grpo_trains_only_the_adapters_against_the_base_as_reference(
-    setup: dict[str, Path], tmp_path: Path, family: str, merge: str
+    setup: dict[str, Path], tmp_path: Path, family: str, merge: str, engine: str
 ) -> None:
-    # in_place: the rollout reads the base's own storage, merged for the generation and copied back after
-    extra = ("trainer.save_freq=1", f"rollout.lora_merge={merge}")
+    # in_place: the rollout reads the base's own storage, merged for the generation and copied back after;
+    # hf: HF generate on the rollout's own replica, refreshed through the switch's merged sources
+    extra = ("trainer.save_freq=1", f"rollout.lora_merge={merge}", f"rollout.engine={engine}")
     cfg = load_config(None, grpo_args(setup, family, tmp_path / "run", *extra))
     components = build_components(cfg)
     roles = components.groups[0].worker.roles

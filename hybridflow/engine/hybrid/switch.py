@@ -16,7 +16,7 @@ broadcast tensor by tensor, so that memory and switch time can be put side by si
 At world size 1 the hybrid engine needs neither: the rollout engine reads the training module's own
 parameters (a cast buffer at most).
 
-The one hook for what a parameter's source is (``generation_source``): a module that defines
+The one hook for what a parameter's source is (``merged_sources``): a module that defines
 ``generation_tensor(name)`` gives its parameter's generation value itself (a LoRA linear: W + (alpha / r) B A,
 merged into the shard before it is sent, ``parallel.lora``); the adapters' own parameters are not generation
 weights. Merged sources are computed for every parameter before the plan runs (one shard-sized copy of the
@@ -26,7 +26,9 @@ buffers) is not built.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -57,13 +59,18 @@ def held_box(param: torch.Tensor) -> Box | None:
     return tuple((o, o + n) for o, n in zip(offset, shape))
 
 
-def generation_source(sharded: nn.Module, name: str, param: torch.Tensor) -> torch.Tensor:
-    """This rank's training-side value of the generation weight ``name``: its local shard, or what the owning
-    module's ``generation_tensor`` gives (a merged LoRA weight; a collective: every rank asks in order)."""
-    owner_name, _, attr = name.rpartition(".")
-    owner = sharded.get_submodule(owner_name) if owner_name else sharded
-    merge = getattr(owner, "generation_tensor", None)
-    return merge(attr) if merge is not None else local_shard(param)
+def merged_sources(sharded: nn.Module, names: list[str]) -> dict[str, Callable[[], torch.Tensor]]:
+    """The generation weights among ``names`` whose training-side value their module computes (its
+    ``generation_tensor``: a LoRA linear's W + (alpha / r) B A for this rank's shard; a collective, every rank
+    computes them in order); found once, at start."""
+    out = {}
+    for name in names:
+        owner_name, _, attr = name.rpartition(".")
+        owner = sharded.get_submodule(owner_name) if owner_name else sharded
+        merge = getattr(owner, "generation_tensor", None)
+        if merge is not None:
+            out[name] = functools.partial(merge, attr)
+    return out
 
 
 def generation_parameters(sharded: nn.Module) -> dict[str, torch.Tensor]:
@@ -124,6 +131,7 @@ class RolloutShard:
         self.plan = ReshardPlan(specs, view, elem, bucket_bytes, holdings, train_view)
         self.resharder = Resharder(self.plan, rank, device, dtype)
         self.targets = [lay.plan_view(generation[n]) for lay, n in zip(self.layouts, self.names)]
+        self.merges = merged_sources(sharded, [n for n in self.names if n in ours])
         logger.info(
             "HybridEngine initialized: train_view=%s, generate_view=%s, %s; this rank holds %s of generation "
             "weights (a whole copy: %s) and receives %s at every switch",
@@ -163,7 +171,9 @@ class RolloutShard:
         params = generation_parameters(sharded)
         nothing = torch.empty(0)  # another pipeline stage's parameter: the plan never reads it here
         sources = [
-            lay.plan_view(generation_source(sharded, n, params[n])) if n in params else nothing
+            lay.plan_view(self.merges[n]() if n in self.merges else local_shard(params[n]))
+            if n in params
+            else nothing
             for lay, n in zip(self.layouts, self.names)
         ]
         return self.resharder.run(sources, self.targets)

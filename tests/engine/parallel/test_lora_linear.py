@@ -102,6 +102,11 @@ def test_parallelize_keeps_the_base_frozen_and_the_optimizer_sees_only_adapters(
     seen = {id(p) for g in opt.param_groups for p in g["params"]}
     assert seen == {id(p) for p in adapters.values()}
     assert len(lora_modules(out.module)) == 2 * 7
+    # FSDP2 computes in bf16 over the mixed dtypes; only the adapters get (float32) gradients
+    loss = out.module(input_ids=torch.randint(0, 40, (2, 9))).logits.float().square().mean()
+    loss.backward()
+    graded = {n for n, p in out.module.named_parameters() if p.grad is not None}
+    assert graded == set(adapters) and all(adapters[n].grad.dtype == torch.float32 for n in graded)
 
 
 def test_merging_a_state_dict_gives_the_wrapped_module(tiny: nn.Module) -> None:
