@@ -231,7 +231,10 @@ class WeightBinding:
         self._storages.restore()  # released after the last generate: allocate again (views stay valid)
         same_device: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for dst, module, name in self._copies:
-            src = _read(module, name)
+            if _computed(module):  # merged one projection at a time: never every merge alive at once
+                dst.copy_(_read(module, name))
+                continue
+            src = local_tensor(getattr(module, name))
             if src.device != dst.device:
                 _fill(dst, src)  # an offloaded host shard: over to the device first, cast there
                 continue
