@@ -68,6 +68,8 @@ class ActorEngine:
         self.actor = actor
         self.rollout_n = rollout_n
         self.last_log_probs: torch.Tensor | None = None  # an on-policy update's own (B, R), see update_policy
+        if keep_params_gathered is None and lora is not None:
+            keep_params_gathered = False  # a frozen bf16 base: gathering again is a copy, not a second base
         self._accumulation = {
             "defer_grad_sync": defer_grad_sync,
             "keep_params_gathered": keep_params_gathered,
