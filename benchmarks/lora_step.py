@@ -109,11 +109,20 @@ def main() -> None:
     args.out = args.out or args.work
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
+    failed = {}
     for name in args.cases:
-        results[name] = run_case(name, args)
+        try:
+            results[name] = run_case(name, args)
+        except SystemExit as exc:  # the run failed (e.g. out of memory: its one error line is in the log)
+            failed[name] = str(exc)
+            print(f"\n## {name}: FAILED\n{exc}")
+            continue
         print(f"\n## {name}: {results[name]['plan']}")
         print(json.dumps(results[name]["median"], indent=1))
     print_table(results)
+    for name, why in failed.items():
+        print(f"| {name} | failed: {why.splitlines()[-1] if why else '?'} |")
+    results.update({name: {"failed": why} for name, why in failed.items()})
     (args.out / "lora_step.json").write_text(json.dumps(results, indent=1))
 
 
