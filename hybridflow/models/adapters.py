@@ -24,11 +24,6 @@ def is_adapter_name(name: str) -> bool:
     return any(p in ADAPTER_PARTS for p in name.split("."))
 
 
-def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The adapters' tensors of a state dict (their keys unchanged)."""
-    return {k: v for k, v in state.items() if is_adapter_name(k)}
-
-
 def merge_adapter_state(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
     """``state`` with every adapter merged: W + scaling * B A under W's name, in W's dtype, rounded once; the
     adapters' keys dropped (plain Hugging Face names)."""

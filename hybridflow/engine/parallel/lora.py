@@ -98,11 +98,6 @@ class LoraLinear(nn.Linear):
         low = self.lora_A(self.lora_dropout(x))  # (..., r)
         return y + self.lora_B(low) * self.scaling
 
-    @torch.no_grad()
-    def delta(self) -> torch.Tensor:
-        """(out, in) float32: (alpha / r) B A, whole (A and B are gathered where sharded: a collective)."""
-        return _full(self.lora_B.weight).float() @ _full(self.lora_A.weight).float() * self.scaling
-
     @property
     def computed_for_generation(self) -> bool:
         """Whether the rollout must compute its weight (``generation_tensor``) rather than read the base's."""
