@@ -16,8 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridflow.checkpoint.identity import weights_digest
 from hybridflow.checkpoint.manager import HF_CONFIG, SHARDS, verify_checkpoint
 from hybridflow.checkpoint.sharded import CheckpointError, check_shapes, load_full_state
+from hybridflow.models.adapters import is_adapter_name, merge_adapter_state, write_peft_adapter
 from hybridflow.models.loader import resolve_dtype
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.storage import staged_dir
@@ -119,6 +121,12 @@ def load_role_model(ckpt_dir: str | os.PathLike, role: str = "actor") -> nn.Modu
     config_dir = ckpt / role / HF_CONFIG
     if not (config_dir / "config.json").is_file():
         raise CheckpointError(f"{config_dir}/config.json is missing: the checkpoint cannot be exported")
+    lora = meta["roles"][role].get("lora")
+    if lora is not None:  # adapters only: the base comes from the model the run started from
+        model, adapters = load_adapted(ckpt, meta, role)
+        state = merge_adapter_state(model.state_dict() | adapters, lora["alpha"] / lora["rank"])
+        model.load_state_dict(state, strict=True)
+        return model
     model = _build(config_dir, role).float()
     prefix = meta["roles"][role].get("prefix", "")
     shapes = {f"{prefix}{name}": list(p.shape) for name, p in model.named_parameters()}
@@ -127,6 +135,56 @@ def load_role_model(ckpt_dir: str | os.PathLike, role: str = "actor") -> nn.Modu
     state = load_full_state(ckpt / role / SHARDS, {f"{prefix}{k}": v for k, v in model.state_dict().items()})
     model.load_state_dict({k.removeprefix(prefix): v for k, v in state.items()}, strict=True)
     return model
+
+
+def base_path(ckpt: Path, meta: dict[str, Any], role: str) -> Path:
+    """The base model directory a LoRA checkpoint was trained on, checked against the recorded weights."""
+    record = meta.get("models", {}).get(role)
+    if record is None:
+        raise CheckpointError(f"{ckpt} holds {role} adapters but does not record the base model they adapt")
+    path = Path(record["path"])
+    digest = weights_digest(path) if path.is_dir() else None
+    if digest is None or (record.get("weights") is not None and digest != record["weights"]):
+        found = "is missing" if digest is None else "holds other weights"
+        raise CheckpointError(
+            f"{ckpt} holds {role} adapters of the base model {path}, which {found} now; put that model "
+            "back at its path (the adapters alone are not the model)"
+        )
+    return path
+
+
+def load_adapted(ckpt: Path, meta: dict[str, Any], role: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """The base model (float32, from the recorded path, with the checkpoint's config) and the adapters'
+    whole tensors (plain HF names) of a LoRA checkpoint."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = base_path(ckpt, meta, role)
+    config = AutoConfig.from_pretrained(ckpt / role / HF_CONFIG)
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32)
+    saved = meta["roles"][role]
+    prefix = saved.get("prefix", "")
+    template = {
+        name: torch.empty(shape, dtype=torch.float32)
+        for name, shape in saved["shapes"].items()
+        if is_adapter_name(name)
+    }
+    adapters = load_full_state(ckpt / role / SHARDS, template)
+    return model, {k.removeprefix(prefix): v for k, v in adapters.items()}
+
+
+def export_adapter(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, role: str = "actor") -> Path:
+    """Write a LoRA checkpoint's adapters in PEFT's format (``adapter_config.json`` and
+    ``adapter_model.safetensors``, which ``peft.PeftModel.from_pretrained(base, dir)`` loads)."""
+    ckpt, out = Path(ckpt_dir), Path(out_dir)
+    meta = verify_checkpoint(ckpt)
+    lora = meta["roles"].get(role, {}).get("lora")
+    if lora is None:
+        raise UserError(f"{ckpt}'s {role} was trained without LoRA: export it without --adapter-only")
+    _, adapters = load_adapted(ckpt, meta, role)
+    with staged_dir(out) as staged:
+        write_peft_adapter(staged, adapters, lora, str(base_path(ckpt, meta, role)))
+    logger.info("exported the %s adapters of %s to %s (PEFT format)", role, ckpt, out)
+    return out
 
 
 def export_hf(

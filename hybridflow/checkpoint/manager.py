@@ -63,6 +63,9 @@ class RoleState:
     module: nn.Module
     optimizer: torch.optim.Optimizer | None = None
     prefix: str = ""  # where the Hugging Face model sits inside ``module`` ("lm." in the actor's wrapper)
+    lora: dict[str, Any] | None = (
+        None  # the adapters (rank, alpha, dropout, target_modules); only they are saved
+    )
 
 
 def _rank_world() -> tuple[int, int]:
@@ -193,6 +196,7 @@ def write_roles(
                 "optimizer": with_optim,
                 "prefix": role.prefix,
                 "shapes": shapes[name],
+                **({"lora": role.lora} if role.lora is not None else {}),
             }
         with disk_full_guard(tmp.parent, tmp, remove=False):
             torch.save(capture_rng(), tmp / "rng" / f"{group}_rank_{rank}.pt")

@@ -97,10 +97,11 @@ def check_shapes(saved: dict[str, list[int]], current: dict[str, list[int]], wha
 
 
 def _model_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """The module's sharded state dict; under the CPU optimizer step, its trained weights are the float32 host
-    masters (``HostAdamW.model_state``), so every checkpoint holds float32 weights whatever the run kept on
-    the device."""
-    state = get_model_state_dict(module)
+    """The module's sharded state dict without its frozen parameters (a LoRA base: the run's model.path holds
+    them, and the checkpoint records which one, ``identity``); under the CPU optimizer step, its trained
+    weights are the float32 host masters (``HostAdamW.model_state``), so every checkpoint holds float32
+    weights whatever the run kept on the device."""
+    state = get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=True))
     return optimizer.model_state(state) if hasattr(optimizer, "model_state") else state
 
 
@@ -109,7 +110,8 @@ def _set_weights(module: nn.Module, optimizer: torch.optim.Optimizer | None, mod
     weights by the optimizer (no host-to-device DTensor copies through the state-dict API)."""
     masters = getattr(optimizer, "masters", None)
     if not masters:
-        set_model_state_dict(module, model, options=StateDictOptions(strict=True))
+        every = all(p.requires_grad for p in module.parameters())  # else the frozen base is not in the state
+        set_model_state_dict(module, model, options=StateDictOptions(strict=every))
         return
     optimizer.masters_to_weights()
     held = {id(m) for m in masters.values()}

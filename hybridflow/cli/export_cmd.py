@@ -25,6 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "float32", "bfloat16", "float16"],
         help="Weight dtype of the export (auto: the model config's dtype, else float32).",
     )
+    parser.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="A LoRA checkpoint's adapters in PEFT's format (adapter_config.json + adapter_model.safetensors) "
+        "instead of the merged model.",
+    )
     add_overwrite_flag(parser, "files in a non-empty --out")
 
 
@@ -45,6 +51,12 @@ def run(args: argparse.Namespace) -> int:
         ckpt = latest
     out = Path(args.out).expanduser()
     check_output_dir(out, args.overwrite)
+    if args.adapter_only:
+        from hybridflow.checkpoint.export import export_adapter
+
+        export_adapter(ckpt, out, role=args.role)
+        print(f"exported the {args.role} adapters of {ckpt} to {out} (PEFT format)")
+        return 0
     export_hf(ckpt, out, role=args.role, dtype=args.dtype)
     print(f"exported the {args.role} of {ckpt} to {out}")
     return 0

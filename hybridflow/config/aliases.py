@@ -27,6 +27,9 @@ VERL_ALIASES: dict[str, str] = {
     f"{_ARR}.model.use_remove_padding": "model.use_remove_padding",
     f"{_ARR}.model.use_rmpad": "model.use_remove_padding",
     f"{_ARR}.model.custom_chat_template": "model.custom_chat_template",
+    f"{_ARR}.model.lora_rank": "model.lora_rank",
+    f"{_ARR}.model.lora_alpha": "model.lora_alpha",
+    f"{_ARR}.model.target_modules": "model.target_modules",
     "data.tokenizer": "model.tokenizer_path",
     # data
     "data.seed": "trainer.seed",
@@ -370,6 +373,12 @@ VERL_IGNORED: dict[str, IgnoredKey] = {
         (False,),
         "Liger kernels are not used (the fused LM head already scores without full logits)",
         "remove {key} or set it to false",
+    ),
+    "critic.model.lora_rank": IgnoredKey(
+        "the critic trains every weight",
+        (0,),
+        "LoRA on the critic is not built (model.lora_rank adapts the actor)",
+        "remove {key} or set it to 0",
     ),
     f"{_ARR}.model.use_fused_kernels": IgnoredKey(
         f"log-probs and entropy always come from the fused, chunked LM head, never full logits ({_SAME})",

@@ -84,6 +84,7 @@ CHOICES: dict[str, list[str]] = {
     "data.task": ["arithmetic", "countdown", "multiply"],
     "data.truncation": ["error", "left", "right", "middle"],
     "rollout.engine": ["native", "hf"],
+    "rollout.lora_merge": ["buffer", "in_place"],
     "rollout.dtype": DTYPES,
     "actor.optim.lr_scheduler_type": ["constant", "cosine"],
     "critic.optim.lr_scheduler_type": ["constant", "cosine"],

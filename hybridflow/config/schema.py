@@ -53,6 +53,16 @@ class ModelConfig:
         False, "Pack sequences without pad tokens for log-prob and update passes."
     )
     custom_chat_template: str | None = option(None, "Jinja chat template that replaces the tokenizer's own.")
+    lora_rank: int = option(
+        0,
+        "LoRA rank r of the actor's adapters; 0 trains every weight (the reference is then the base model).",
+    )
+    lora_alpha: float = option(16.0, "LoRA alpha: the adapters' update is scaled by lora_alpha / lora_rank.")
+    target_modules: list[str] = option(
+        ["all-linear"],
+        "Decoder-layer linears with adapters: name suffixes (q_proj, mlp.down_proj) or all-linear (no LM head).",
+    )
+    lora_dropout: float = option(0.0, "Dropout on the adapters' input during updates (0: none, as in RL).")
 
 
 @dataclass
@@ -177,6 +187,10 @@ class RolloutConfig:
     )
     free_cache_engine: bool = option(
         True, "After generating, free the KV cache and the rollout's weight copies for training."
+    )
+    lora_merge: str = option(
+        "buffer",
+        "LoRA at one rank: buffer (merged copies of the adapted weights) or in_place (host restore).",
     )
     enforce_eager: bool = option(False, "Disable CUDA graphs for decode (debugging).")
     compile_decode: bool = option(

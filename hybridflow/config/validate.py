@@ -28,6 +28,7 @@ from hybridflow.config.validate_async import (
     check_quantization,
     check_tool_task,
 )
+from hybridflow.config.validate_lora import check_lora
 from hybridflow.config.views import check_train_views, not_dividing
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "(0,1]": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
     "[0,1]": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     "[0,0.5)": (lambda v: 0 <= v < 0.5, "must be in [0, 0.5)"),
+    "[0,1)": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
 }
 
 # fmt: off
@@ -73,6 +75,7 @@ _RANGES: dict[str, list[str]] = {
         "reward.num_workers", "reward.overlong_buffer.len", "reward.overlong_buffer.penalty_factor",
         "algorithm.kl_ctrl.kl_coef", "trainer.critic_warmup", "trainer.log_val_generations",
         "preference.sft_coef", "preference.desirable_weight", "preference.undesirable_weight",
+        "model.lora_rank",
     ],
     ">0": [
         "actor.optim.eps", "critic.optim.eps",
@@ -81,11 +84,12 @@ _RANGES: dict[str, list[str]] = {
         "actor.policy_loss.clip_cov_ratio", "actor.policy_loss.kl_cov_ratio", "algorithm.kl_ctrl.target_kl",
         "actor.policy_loss.dro_beta", "actor.policy_loss.tau_pos", "actor.policy_loss.tau_neg",
         "algorithm.rollout_correction.rollout_token_veto_threshold",
-        "preference.beta", "trainer.gpu_memory_gb",
+        "preference.beta", "trainer.gpu_memory_gb", "model.lora_alpha",
     ],
     ">1": ["actor.clip_ratio_c"],
     ">=-1": ["rollout.top_k", "rollout.val_kwargs.top_k"],
     "[0,0.5)": ["preference.label_smoothing"],
+    "[0,1)": ["model.lora_dropout"],
     "(0,1]": ["rollout.gpu_memory_utilization", "rollout.top_p", "rollout.val_kwargs.top_p"],
     "[0,1]": [
         "rollout.min_p", "algorithm.gamma", "algorithm.lam",
@@ -173,6 +177,7 @@ def _check_consistency(cfg: Config, out: list[Problem]) -> None:
     check_quantization(cfg, out)
     check_multi_turn(cfg, out)
     check_tool_task(cfg, out)
+    check_lora(cfg, out)
 
 
 def _check_unimplemented(cfg: Config, out: list[Problem]) -> None:

@@ -154,3 +154,19 @@ def check_router_replay(config: Any, mode: str, engine: str, sizes: dict[str, in
             f"{key} with {', '.join(split)} is not implemented (the replayed experts follow whole sequences); "
             "set them to 1 or actor.router_replay=off"
         )
+
+
+def check_lora_family(config: Any) -> None:
+    """Refuse ``model.lora_rank`` > 0 for a family the adapters are not built for (UserError naming it).
+
+    LoRA wraps the ``nn.Linear`` projections of dense Llama-style decoders; a mixture of experts keeps its
+    experts as fused 3-D weights (no linear to wrap, and an adapted router would move the routing), and other
+    families are not tested (GPT-2's projections are ``Conv1D``)."""
+    family = model_type(config)
+    if family in LLAMA_FAMILY:
+        return
+    why = "its experts are fused 3-D weights, not nn.Linear" if is_moe(config) else "it is not tested"
+    raise UserError(
+        f"model.lora_rank: LoRA is built for the dense Llama family ({', '.join(LLAMA_FAMILY)}), not for "
+        f"{family!r} ({why}); set model.lora_rank=0 to train every weight"
+    )

@@ -16,7 +16,6 @@ from hybridflow.checkpoint.export import save_hf_model as write_hf_model
 from hybridflow.checkpoint.manager import HF_CONFIG
 from hybridflow.config import Config, check_start, save_config
 from hybridflow.data import load_split_rows
-from hybridflow.engine import full_state_dict
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.trainer.async_ppo import ColocatePPOTrainer
 from hybridflow.trainer.async_separate import SeparatePPOTrainer
@@ -70,10 +69,7 @@ def save_hf_model(actor: ActorWorker, tokenizer: Any, base: torch.nn.Module | No
 
     ``base`` is a module of the same architecture to receive the weights; None builds one from the config.
     """
-    with actor.engine.engine.onloaded():  # NCCL gathers offloaded shards only from the device
-        state = full_state_dict(
-            actor.engine.module, actor.engine.engine.pp_group, actor.engine.engine.optimizer
-        )
+    state = actor.hf_state()  # adapters merged
     return write_hf_model(state, actor.hf_model.config, tokenizer, out_dir, prefix="lm.", base=base)
 
 

@@ -99,6 +99,7 @@ class Layout:
     host: int = 0  # host bytes of one node the offload or the CPU step holds
     host_usable: int | None = None  # None: the host's memory is not checked
     views: ViewMemory | None = None
+    state: tuple[int, str, int, int] | None = None  # LoRA: state bytes per GPU, what, adapters, host bytes
     reason: str = ""
     params: int = 0
     kept: dict[str, Any] = field(default_factory=dict)  # the layout keys the config set (not planned)
@@ -193,8 +194,9 @@ class Layout:
             state = "fp32 masters, grads, AdamW moments" + (
                 ", on the host with the CPU step" if self.cpu_step else ""
             )
+            held, state = self.state[:2] if self.state else (v.state_bytes(), state)
             rows.append(
-                f"\nper GPU: training state {v.state_bytes() / GB:.2f} GB ({state}), "
+                f"\nper GPU: training state {held / GB:.2f} GB ({state}), "
                 f"generation weights {v.generation_bytes / GB:.2f} GB{switch}"
             )
         if self.host:

@@ -13,7 +13,17 @@ from typing import Any
 import torch
 
 from hybridflow.config import Config
-from hybridflow.engine import GRAD_BYTES, MASTER_BYTES, MOMENT_BYTES, ParallelDims, ViewMemory, view_memory
+from hybridflow.engine import (
+    GRAD_BYTES,
+    MASTER_BYTES,
+    MOMENT_BYTES,
+    LoraSpec,
+    ParallelDims,
+    ViewMemory,
+    decoder_of,
+    lora_elements,
+    view_memory,
+)
 from hybridflow.trainer.step_time import Levers, Work, step_seconds
 
 # ``layout`` arguments are ``trainer.layout.Layout`` (not imported: that module imports this one)
@@ -116,10 +126,44 @@ def _views(model: torch.nn.Module, dims: ParallelDims, tp_generate: int, ep_gene
     return view_memory(model, dims, tp_generate, switch=False, ep_generate=ep_generate)
 
 
+@functools.lru_cache(maxsize=16)
+def _lora_elements(model: torch.nn.Module, spec: LoraSpec) -> tuple[int, int]:
+    return lora_elements(list(decoder_of(model).layers), spec)
+
+
+def lora_phases(
+    cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout, v: ViewMemory
+) -> dict[str, int]:
+    """Bytes per GPU of each phase with LoRA (``model.lora_rank``): the base frozen in bf16 (no masters,
+    gradients or moments), the adapters' float32 masters, gradients and AdamW moments sharded over the ranks,
+    no reference copy (the reference is the base); the rollout's merge buffers (bf16 adapted projections) at
+    one rank, its generation shard above."""
+    m = cfg.model
+    adapters, adapted = _lora_elements(model, LoraSpec(m.lora_rank, m.lora_alpha, tuple(m.target_modules)))
+    held, mine = v.held_elements, -(-adapters // layout.world)
+    base, opt = held * 2, mine * (MASTER_BYTES + (0 if layout.optimizer_offload else MOMENT_BYTES))
+    # The base is gathered one layer at a time (a frozen layer is freed after its forward, even at one rank),
+    # and the root (embeddings, norm, head) for the whole pass.
+    root = held * 2 - -(-mc.num_hidden_layers // layout.pp) * v.layer_bytes
+    gathered = 2 * v.layer_bytes + root
+    in_place = cfg.rollout.lora_merge == "in_place"  # one rank: merged into the base's storage, no buffers
+    generation = (0 if in_place else adapted * 2) if layout.world == 1 else v.generation_bytes
+    state = mine * (MASTER_BYTES + GRAD_BYTES + MOMENT_BYTES)
+    what = f"LoRA r={m.lora_rank}: fp32 adapters, grads, AdamW moments; base {base / 1e9:.2f} GB bf16"
+    layout.state = (state, what, mine, adapted * 2 if in_place else 0)  # in_place: the base's host copy
+    return {
+        "generate": base + opt + generation + _kv_bytes(cfg, mc, layout),
+        "log_prob": base + opt + gathered + _activation_bytes(cfg, mc, layout, backward=False),
+        "update_actor": base + state + gathered + _activation_bytes(cfg, mc, layout, True),
+    }
+
+
 def estimate_phases(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout) -> dict[str, int]:
     """Bytes per GPU of each phase of a step under ``layout`` (the actor; a colocated reference added)."""
     v = _views(model, layout.dims(with_sp=False), layout.tp_generate, layout.ep_generate)  # sp: no change
     layout.views, layout.params = v, v.full_elements
+    if cfg.model.lora_rank > 0:
+        return lora_phases(cfg, mc, model, layout, v)
     held = v.held_elements
     masters, moments, grads = held * MASTER_BYTES, held * MOMENT_BYTES, held * GRAD_BYTES
     ref = held * 2 if cfg.use_reference and not cfg.ref.fsdp.param_offload else 0
@@ -198,7 +242,10 @@ def host_bytes(cfg: Config, layout: Layout) -> int:
     per_element += HOST_BYTES["optimizer_offload"] * bool(layout.optimizer_offload)
     per_element += HOST_BYTES["cpu_step"] * bool(layout.value(cfg, "actor.fsdp.optimizer_step_on_cpu"))
     gpus = min(cfg.trainer.n_gpus_per_node, layout.world)
-    return per_element * layout.views.held_elements * gpus
+    if layout.state is None:
+        return per_element * layout.views.held_elements * gpus
+    _, _, adapters, host = layout.state  # LoRA: the adapters' state, and in_place's copy of the base
+    return per_element * adapters * gpus + host * gpus
 
 
 def host_memory_bytes() -> int | None:

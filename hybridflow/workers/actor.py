@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -17,6 +18,8 @@ from hybridflow.engine import (
     GenerateView,
     GroupState,
     HFRollout,
+    InPlaceMerge,
+    LoraSpec,
     PagedEngine,
     ParallelDims,
     RolloutGroup,
@@ -28,11 +31,14 @@ from hybridflow.engine import (
     fallback_reason,
     follow_rollout_shards,
     fp8_probe,
+    full_state_dict,
+    lora_modules,
     roll_partial,
     to_dtype,
     update_preference,
 )
-from hybridflow.models.families import check_tensor_parallel, fallback_notice
+from hybridflow.models.adapters import is_adapter_name, merge_adapter_state
+from hybridflow.models.families import check_lora_family, check_tensor_parallel, fallback_notice
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.errors import UserError, format_bytes
@@ -72,6 +78,26 @@ def make_sampling_params(
         ignore_eos=r.ignore_eos,
         seed=seed,
     )
+
+
+def lora_spec(cfg: Config, config: Any, dims: ParallelDims) -> LoraSpec | None:
+    """The actor's adapters from ``model.lora_*`` (None at rank 0), checked against the family and the view."""
+    m = cfg.model
+    if m.lora_rank == 0:
+        return None
+    check_lora_family(config)
+    for dim in (
+        "tp",
+        "pp",
+        "sp",
+        "ep",
+    ):  # a planned view (null sizes) is checked here, a set one in the config
+        if getattr(dims, dim) > 1:
+            raise UserError(
+                f"actor.parallel.{dim}={getattr(dims, dim)} with model.lora_rank={m.lora_rank}: LoRA runs on "
+                f"FSDP2 views only so far; set actor.parallel.{dim}=1, or model.lora_rank=0"
+            )
+    return LoraSpec(m.lora_rank, m.lora_alpha, tuple(m.target_modules), m.lora_dropout)
 
 
 def routed(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -127,6 +153,7 @@ class ActorWorker:
             total_steps=total_steps,
             trainable=trainable,
             dims=dims,
+            lora=lora_spec(cfg, model.config, dims),
         )
         self.dims = self.engine.dims  # with its process groups
         device = self.engine.device
@@ -136,6 +163,8 @@ class ActorWorker:
         self.group = RolloutGroup(view, dist_rank())  # collective: every rank builds every group
         self.fp8 = r.quantization == "fp8" and fp8_pays(cfg, model.config, device)
         self.weights = self._generation_weights(view, native, dtype, device)
+        in_place = self.engine.lora is not None and r.lora_merge == "in_place" and self.weights is None
+        self.in_place = InPlaceMerge(self.hf_model, device.type == "cuda") if in_place else None
         target = self.weights.module if self.weights is not None else self.hf_model
         tp = RolloutTP(self.group.group, model.config.vocab_size) if view.tp > 1 else None
         self.rollout = build_rollout(cfg, target, native, pad_token_id, dtype, device, tp)
@@ -184,13 +213,25 @@ class ActorWorker:
         """The log line of every train -> generate switch: what moves, from the reshard plan."""
         if self.weights is not None:
             return self.weights.switch_line()
+        adapted = {id(m.weight) for m in lora_modules(self.hf_model)}
         cast = sum(  # the runner's cast buffers: weights whose dtype (or device) is not the rollout's
             p.numel() * dtype.itemsize
-            for p in self.hf_model.parameters()
-            if p.dtype != dtype or p.device != self.engine.device
+            for n, p in self.hf_model.named_parameters()
+            if (p.dtype != dtype or p.device != self.engine.device)
+            and not is_adapter_name(n)
+            and id(p) not in adapted
         )
         line = "Stage switch: nothing copied, the rollout reads the training weights in place (one rank)"
-        return line + (f"; {format_bytes(cast)} cast to {dtype} into its buffers" if cast else "")
+        line += f"; {format_bytes(cast)} cast to {dtype} into its buffers" if cast else ""
+        merged = sum(m.weight.numel() * dtype.itemsize for m in lora_modules(self.hf_model))
+        if merged:
+            how = (
+                "in place (the base copied back from the host after)"
+                if self.in_place
+                else "into merge buffers"
+            )
+            line += f"; LoRA: {format_bytes(merged)} of adapted weights merged {how}"
+        return line
 
     def _log_switch(self) -> None:
         """The switch line: INFO on the run's first switch and when its figure changes, DEBUG otherwise."""
@@ -295,17 +336,18 @@ class ActorWorker:
         """
         reshard = self._switch_to_generation()
         self._log_switch()
-        batch = sample_batch(
-            self.rollout,
-            self.group,
-            prompts,
-            params,
-            self.cfg.data.max_response_length,
-            self.pad_token_id,
-            desc,
-            self.multi_turn,
-            self._make_room if self.room_donors else None,
-        )
+        with self._merged():
+            batch = sample_batch(
+                self.rollout,
+                self.group,
+                prompts,
+                params,
+                self.cfg.data.max_response_length,
+                self.pad_token_id,
+                desc,
+                self.multi_turn,
+                self._make_room if self.room_donors else None,
+            )
         if self.weights is not None and self.cfg.rollout.free_cache_engine:
             self.weights.release()  # the update needs its memory; the next sync() allocates it again
         if reshard is not None:
@@ -330,7 +372,7 @@ class ActorWorker:
         reshard = self._switch_to_generation()
         self._log_switch()
         params = dataclasses.replace(params, seed=self.group.seed(params.seed))
-        with Progress("rollout (partial)"):
+        with Progress("rollout (partial)"), self._merged():
             groups = roll_partial(self.rollout, groups, params, quota, version, finish)
         if self.weights is not None and self.cfg.rollout.free_cache_engine:
             self.weights.release()
@@ -338,6 +380,11 @@ class ActorWorker:
         if reshard is not None:
             meta["reshard"] = reshard
         return groups, meta
+
+    def _merged(self) -> contextlib.AbstractContextManager:
+        """``rollout.lora_merge=in_place``: the adapters merged into the base's storage while the rollout runs
+        (the base restored after); otherwise nothing to do."""
+        return self.in_place.merged() if self.in_place is not None else contextlib.nullcontext()
 
     def _switch_to_generation(self) -> dict[str, float] | None:
         """Refresh the rollout's own weights from the shards (every rank together); the switch's figures.
@@ -386,6 +433,14 @@ class ActorWorker:
         with self.engine.engine.onloaded():  # offloaded shards come back to the device to be sent
             self.pool_sync.sync(self.hf_model)
         return {"seconds": time.perf_counter() - start}
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """The whole weights on rank 0's host, adapters merged into plain HF names (a collective: all ranks
+        call it; offloaded shards gather on the device)."""
+        engine = self.engine
+        with engine.engine.onloaded():
+            state = full_state_dict(engine.module, engine.engine.pp_group, engine.engine.optimizer)
+        return state if engine.lora is None else merge_adapter_state(state, engine.lora.scaling)
 
     def compute_log_prob(self, batch: Batch) -> Batch:
         """Trainer log-probs (``old_log_probs``) and entropies of the responses under the current weights."""

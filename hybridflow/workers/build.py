@@ -18,7 +18,7 @@ from hybridflow.utils.seed import set_seed
 from hybridflow.workers.actor import ActorWorker
 from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.rank import RankWorker
-from hybridflow.workers.reference import ReferenceWorker
+from hybridflow.workers.reference import AdapterReference, ReferenceWorker
 from hybridflow.workers.rollout_pool import RolloutWorker, rollout_skeleton
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,9 @@ def build_roles(
             "dropout off for RL (the update must see what the rollout sampled): %s", ", ".join(turned_off)
         )
     # The reference and critic start from the initial policy: copy it before the actor's engine shards it.
-    ref_model = copy.deepcopy(model) if cfg.use_reference and "ref" in roles else None
+    # With LoRA the reference is the actor's base (its adapters off): no copy.
+    adapted = cfg.model.lora_rank > 0
+    ref_model = copy.deepcopy(model) if cfg.use_reference and "ref" in roles and not adapted else None
     critic_model = None
     if cfg.use_critic and "critic" in roles:
         path = cfg.critic.model.path
@@ -94,6 +96,8 @@ def build_roles(
     out: dict[str, Any] = {}
     if "actor" in roles:
         out["actor"] = ActorWorker(model, cfg, total_steps, pad_id)
+        if adapted and cfg.use_reference and "ref" in roles:
+            ref = AdapterReference(out["actor"], cfg)
     if ref is not None:
         out["ref"] = ref
     if critic_model is not None:

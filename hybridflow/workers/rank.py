@@ -17,7 +17,7 @@ from hybridflow import checkpoint
 from hybridflow.checkpoint import RoleState
 from hybridflow.checkpoint.export import save_hf_model, write_hf_config
 from hybridflow.checkpoint.manager import HF_CONFIG, user_errors_together
-from hybridflow.engine import full_state_dict
+from hybridflow.models.adapters import target_suffixes
 from hybridflow.protocol import Batch
 from hybridflow.utils.device import cuda_in_use
 from hybridflow.utils.dist import world_size
@@ -29,6 +29,17 @@ logger = logging.getLogger(__name__)
 
 HF_DIR = "huggingface"  # verl's name for the HF copy inside a checkpoint's actor folder
 ROLE_PREFIX = {"actor": "lm.", "critic": "model."}  # where the HF model sits inside each role's FSDP module
+
+
+def lora_record(engine: Any) -> dict[str, Any] | None:
+    """What a checkpoint records of a role's adapters (None without): rank, alpha, dropout, the adapted
+    linears' layer-relative names (PEFT's ``target_modules``)."""
+    spec = getattr(engine, "lora", None)
+    if spec is None:
+        return None
+    names = [n for n, _ in engine.module.named_parameters()]
+    targets = target_suffixes(names)
+    return {"rank": spec.rank, "alpha": spec.alpha, "dropout": spec.dropout, "target_modules": targets}
 
 
 class RankWorker:
@@ -106,16 +117,16 @@ class RankWorker:
 
     def _role_states(self) -> dict[str, RoleState]:
         return {
-            name: RoleState(role.engine.module, role.engine.engine.optimizer, ROLE_PREFIX[name])
+            name: RoleState(
+                role.engine.module, role.engine.engine.optimizer, ROLE_PREFIX[name], lora_record(role.engine)
+            )
             for name, role in self._trainable().items()
         }
 
     def _actor_state(self) -> dict[str, torch.Tensor]:
-        """The actor's whole weights on CPU (a collective: all ranks call it; offloaded shards gather on the
-        device)."""
-        engine = self.roles["actor"].engine
-        with engine.engine.onloaded():
-            return full_state_dict(engine.module, engine.engine.pp_group, engine.engine.optimizer)
+        """The actor's whole weights on CPU, its adapters merged (a collective: all ranks call it; offloaded
+        shards gather on the device)."""
+        return self.roles["actor"].hf_state()
 
     def save_checkpoint(self, tmp: str, save_hf: bool) -> dict[str, Any]:
         """Write this rank's shards (all ranks together) and, on rank 0, the export configs; returns meta."""

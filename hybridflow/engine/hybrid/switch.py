@@ -15,11 +15,20 @@ broadcast tensor by tensor, so that memory and switch time can be put side by si
 
 At world size 1 the hybrid engine needs neither: the rollout engine reads the training module's own
 parameters (a cast buffer at most).
+
+The one hook for what a parameter's source is (``merged_sources``): a module that defines
+``generation_tensor(name)`` gives its parameter's generation value itself (a LoRA linear: W + (alpha / r) B A,
+merged into the shard before it is sent, ``parallel.lora``); the adapters' own parameters are not generation
+weights. Merged sources are computed for every parameter before the plan runs (one shard-sized copy of the
+adapted weights beside the buckets); merging inside each bucket (or an in-place delta on the generation
+buffers) is not built.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,6 +43,7 @@ from hybridflow.engine.parallel.fsdp import full_state_dict
 from hybridflow.engine.parallel.layout import Box, layouts
 from hybridflow.engine.parallel.view import GenerateView
 from hybridflow.engine.rollout.tp import build_shard, meta_model
+from hybridflow.models.adapters import is_adapter_name
 from hybridflow.utils.dist import world_size
 from hybridflow.utils.errors import format_bytes
 
@@ -48,6 +58,25 @@ def held_box(param: torch.Tensor) -> Box | None:
     if any(n == 0 for n in shape):
         return None  # FSDP2 pads an uneven split with empty shards at the end
     return tuple((o, o + n) for o, n in zip(offset, shape))
+
+
+def merged_sources(sharded: nn.Module, names: list[str]) -> dict[str, Callable[[], torch.Tensor]]:
+    """The generation weights among ``names`` whose training-side value their module computes (its
+    ``generation_tensor``: a LoRA linear's W + (alpha / r) B A for this rank's shard; a collective, every rank
+    computes them in order); found once, at start."""
+    out = {}
+    for name in names:
+        owner_name, _, attr = name.rpartition(".")
+        owner = sharded.get_submodule(owner_name) if owner_name else sharded
+        merge = getattr(owner, "generation_tensor", None)
+        if merge is not None:
+            out[name] = functools.partial(merge, attr)
+    return out
+
+
+def generation_parameters(sharded: nn.Module) -> dict[str, torch.Tensor]:
+    """``sharded``'s parameters that the generation view holds (the adapters' own are merged in instead)."""
+    return {n: p for n, p in sharded.named_parameters() if not is_adapter_name(n)}
 
 
 def holdings_of(named: dict[str, torch.Tensor], names: list[str]) -> list[list[Box | None]]:
@@ -84,7 +113,7 @@ class RolloutShard:
         # The whole model's parameters: a pipeline stage holds only its own layers, the generation view all.
         skeleton = meta_model(sharded)
         whole = dict(skeleton.named_parameters())
-        ours = dict(sharded.named_parameters())
+        ours = generation_parameters(sharded)
         generation = dict(self.module.named_parameters())
         if whole.keys() != generation.keys() or not ours.keys() <= whole.keys():
             raise ValueError(
@@ -112,6 +141,7 @@ class RolloutShard:
         self.scales = {
             i: modules[n.rsplit(".", 1)[0]].weight_scale for i, n in enumerate(self.names) if quantised[i]
         }
+        self.merges = merged_sources(sharded, [n for n in self.names if n in ours])
         logger.info(
             "HybridEngine initialized: train_view=%s, generate_view=%s, %s; this rank holds %s of generation "
             "weights (a whole copy: %s) and receives %s at every switch",
@@ -150,10 +180,12 @@ class RolloutShard:
     def sync(self, sharded: nn.Module) -> int:
         """Refresh every generation weight from ``sharded``'s shards (all ranks together); bytes received."""
         self.storages.restore()
-        params = dict(sharded.named_parameters())
+        params = generation_parameters(sharded)
         nothing = torch.empty(0)  # another pipeline stage's parameter: the plan never reads it here
         sources = [
-            lay.plan_view(local_shard(params[n])) if n in params else nothing
+            lay.plan_view(self.merges[n]() if n in self.merges else local_shard(params[n]))
+            if n in params
+            else nothing
             for lay, n in zip(self.layouts, self.names)
         ]
         return self.resharder.run(sources, self.targets, self.scales)

@@ -4,9 +4,11 @@ As torchtitan's ``parallelize_llama`` does it, one function applies each dimensi
 (``dims.ParallelDims``) to the model, in an order where each step sees what the one before left:
 
 1. the pipeline split: the model cut down to this rank's stage (``pipeline.split_stage``), whose layers keep
-   their names; stages run packed micro-batches;
-2. the masters' dtype (float32 trained, the compute dtype frozen), cast while the weights are plain tensors:
-   a tensor-parallel weight is a DTensor after the next step, which an in-place cast would not reach;
+   their names; stages run packed micro-batches; then LoRA (``lora.apply_lora``): the targeted linears
+   wrapped, every base weight frozen;
+2. the masters' dtype (float32 trained, the compute dtype frozen: a LoRA base too), cast while the weights
+   are plain tensors: a tensor-parallel weight is a DTensor after the next step, which an in-place cast would
+   not reach;
 3. tensor parallelism: each decoder layer's projections split over the ``tp`` mesh (``tp.apply_tp``);
 4. expert parallelism: each MoE block's experts split over the ``ep`` mesh, tokens dispatched to them by
    all-to-all (``ep.apply_ep``);
@@ -36,6 +38,7 @@ from hybridflow.engine.ops.packed_attention import use_packed_attention
 from hybridflow.engine.parallel.dims import ParallelDims
 from hybridflow.engine.parallel.ep import apply_ep
 from hybridflow.engine.parallel.fsdp import shard_model
+from hybridflow.engine.parallel.lora import LoraSpec, apply_lora
 from hybridflow.engine.parallel.pipeline import (
     StageScorer,
     TiedWeights,
@@ -91,12 +94,14 @@ def master_dtype(name: str, trainable: bool, compute: torch.dtype) -> torch.dtyp
     return to_dtype(name)
 
 
-def cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
-    """Cast the floating-point parameters in place, leaving buffers alone: ``module.to(bf16)`` would round
-    RoPE's ``inv_freq`` to bf16 too, which moves every rotary angle (log-probs differ by ~1e-4)."""
+def cast_parameters(module: nn.Module, dtype: torch.dtype, frozen: torch.dtype | None = None) -> None:
+    """Cast the floating-point parameters in place (``frozen``: the dtype of those without gradients, e.g. a
+    LoRA base), leaving buffers alone: ``module.to(bf16)`` would round RoPE's ``inv_freq`` to bf16 too, which
+    moves every rotary angle (log-probs differ by ~1e-4)."""
     for param in module.parameters():
-        if param.is_floating_point() and param.dtype != dtype:
-            param.data = param.data.to(dtype)
+        want = frozen if frozen is not None and not param.requires_grad else dtype
+        if param.is_floating_point() and param.dtype != want:
+            param.data = param.data.to(want)
 
 
 def reshard_after_forward(fsdp: FSDPConfig, trainable: bool = True) -> bool:
@@ -148,6 +153,7 @@ def parallelize(
     compile: bool | None = None,
     device: torch.device | None = None,
     layers: list[nn.Module] | None = None,
+    lora: LoraSpec | None = None,
 ) -> Parallelized:
     """Lay ``model`` (a Hugging Face model) out on ``dims`` (None: FSDP2 over every rank); a collective.
 
@@ -155,7 +161,8 @@ def parallelize(
     ``StageScorer`` holding the model as ``stage_attr``). ``packed``: run the packed attention (forced on
     pipeline stages). ``checkpointing``: recompute each layer's activations in backward. ``compile``:
     per-layer ``torch.compile`` (None: on CUDA only). ``layers``: the modules FSDP2 shards one by one
-    (None: the model's decoder layers).
+    (None: the model's decoder layers). ``lora``: adapters on the decoder layers' linears, the rest frozen
+    (the base kept in the compute dtype under ``fsdp.master_dtype=auto``: no float32 masters, no moments).
     """
     device = device or default_device()
     init_distributed()
@@ -166,9 +173,12 @@ def parallelize(
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     layers = decoder_layers(model) if layers is None else layers
+    if lora is not None:
+        apply_lora(model, layers, lora)  # 1b. adapters; the base frozen
     scorer = root(model) if stage is None else StageScorer(model, stage.index, dims.pp, stage_attr)
     compute = compute_dtype(fsdp.param_dtype, device)
-    cast_parameters(scorer, master_dtype(fsdp.master_dtype, trainable, compute))  # 2. the masters' dtype
+    frozen = compute if fsdp.master_dtype == "auto" else None  # frozen weights need no float32 master
+    cast_parameters(scorer, master_dtype(fsdp.master_dtype, trainable, compute), frozen)  # 2. masters' dtype
     if dims.tp_mesh is not None:
         apply_tp(layers, dims.tp_mesh)  # 3. tensor parallelism inside the layers
     experts = []
@@ -178,7 +188,8 @@ def parallelize(
     if dims.sp > 1:
         apply_ulysses(scorer, layers, dims.sp_group, dims.role)  # 5. sequences split over the sp group
     compiled = compile_layers(layers, compile, device)  # 6. per-layer compile
-    reduce, reshard = to_dtype(fsdp.reduce_dtype), reshard_after_forward(fsdp, trainable)
+    # A LoRA base is frozen: gathering a layer again in backward is a copy, not a cast (free each after use)
+    reduce, reshard = to_dtype(fsdp.reduce_dtype), reshard_after_forward(fsdp, trainable and lora is None)
     module = shard_model(  # 7. FSDP2
         scorer, layers, device, compute, reduce, reshard, dims.fsdp_mesh, experts, dims.experts_fsdp_mesh
     )

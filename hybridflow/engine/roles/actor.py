@@ -14,6 +14,7 @@ from hybridflow.algos.policy_loss import PolicyLossConfig, get_policy_loss_fn
 from hybridflow.config.schema import ActorConfig, FSDPConfig, OptimConfig
 from hybridflow.engine.ops.packing import to_device
 from hybridflow.engine.parallel.dims import ParallelDims
+from hybridflow.engine.parallel.lora import LoraSpec
 from hybridflow.engine.parallel.parallelize import parallelize
 from hybridflow.engine.roles.pipelined import pipeline_runner
 from hybridflow.engine.roles.router_terms import RouterTerms, aux_loss_coef
@@ -52,11 +53,13 @@ class ActorEngine:
         defer_grad_sync: bool | None = None,
         keep_params_gathered: bool | None = None,
         dims: ParallelDims | None = None,
+        lora: LoraSpec | None = None,
     ) -> None:
         """``dims``: the training view (None: FSDP2 over every rank); the ranks of one model replica must be
         given the same rows (the driver hands them one share, ``workers.dispatch``).
 
-        ``fused_head``: the fused LM-head log-prob (False: the checkpointed reference path).
+        ``fused_head``: the fused LM-head log-prob (False: the checkpointed reference path). ``lora``: train
+        low-rank adapters on a frozen base (``parallel.lora``) instead of every weight.
 
         ``defer_grad_sync`` / ``keep_params_gathered``: FSDP2 gradient accumulation over the micro-batches of a
         mini-batch (see ``fsdp.set_accumulation``); None turns them on at world size 1 without parameter
@@ -65,6 +68,8 @@ class ActorEngine:
         self.actor = actor
         self.rollout_n = rollout_n
         self.last_log_probs: torch.Tensor | None = None  # an on-policy update's own (B, R), see update_policy
+        if keep_params_gathered is None and lora is not None:
+            keep_params_gathered = False  # a frozen bf16 base: gathering again is a copy, not a second base
         self._accumulation = {
             "defer_grad_sync": defer_grad_sync,
             "keep_params_gathered": keep_params_gathered,
@@ -81,7 +86,9 @@ class ActorEngine:
             checkpointing=gradient_checkpointing,
             compile=actor.use_torch_compile,
             device=device,
+            lora=lora,
         )
+        self.lora = lora
         optim: OptimConfig | None = actor.optim if trainable else None
         self.engine = TrainEngine(parallel, fsdp or actor.fsdp, optim, actor.grad_clip, total_steps)
         self.pipeline = pipeline_runner(self.engine, parallel.stage, lm.config.hidden_size)

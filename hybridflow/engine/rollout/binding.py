@@ -41,6 +41,20 @@ def _fill(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+def _read(module: nn.Module, name: str) -> torch.Tensor:
+    """The value the runner generates with for ``module.name``: the module's ``generation_tensor`` where it
+    defines one (a LoRA linear: W + (alpha / r) B A, computed fresh), else the parameter's local tensor."""
+    if _computed(module):
+        return module.generation_tensor(name)
+    return local_tensor(getattr(module, name))
+
+
+def _computed(module: nn.Module) -> bool:
+    """Whether ``module``'s weights are computed for generation (never bound by reference): a LoRA linear
+    unless its merge is written into the base's own storage (``InPlaceMerge``)."""
+    return getattr(module, "computed_for_generation", False)
+
+
 class WeightBinding:
     """The weights of a Llama-family HF causal LM as the runner's forward reads them (see the module doc).
 
@@ -78,8 +92,9 @@ class WeightBinding:
             self._aliases += [(s, m, n) for s, (m, n) in zip(srcs, parts)]
             self._memo[key] = [Fp8Weight(s, m.weight_scale) for s, (m, _) in zip(srcs, parts)]
         if key not in self._memo:
-            srcs = [local_tensor(p) for p in params]
+            srcs = [_read(m, n) for m, n in parts]
             cast = any(s.dtype != self.dtype or s.device != self.device for s in srcs)
+            cast = cast or any(_computed(m) for m, _ in parts)  # a merge buffer per projection
             joined = None
             if not cast and fuse is not False and len(params) > 1:
                 joined = join_in_place(params)
@@ -221,6 +236,9 @@ class WeightBinding:
         self._storages.restore()  # released after the last generate: allocate again (views stay valid)
         same_device: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for dst, module, name in self._copies:
+            if _computed(module):  # merged one projection at a time: never every merge alive at once
+                dst.copy_(_read(module, name))
+                continue
             src = local_tensor(getattr(module, name))
             if src.device != dst.device:
                 _fill(dst, src)  # an offloaded host shard: over to the device first, cast there
