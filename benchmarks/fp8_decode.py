@@ -1,7 +1,7 @@
 """Decode tokens/s of the paged engine with bf16 weights against FP8 projections (``rollout.quantization=fp8``).
 
     python benchmarks/fp8_decode.py [--shapes 0.5b 1.5b 7b] [--batches 16 64 256] [--prompt-len 128]
-        [--new-tokens 256] [--repeats 3] [--out results.jsonl]
+        [--new-tokens 256] [--repeats 3] [--compile] [--out results.jsonl]
     python benchmarks/fp8_decode.py --device cpu --shapes tiny --batches 2 --new-tokens 4   (a smoke run)
 
 Qwen2.5 shapes (``shapes.SHAPES``) with random weights in bf16, CUDA graphs on (no compiled decode), fixed
@@ -96,7 +96,7 @@ def run_shape(size: str, args: argparse.Namespace, device: torch.device) -> list
         for name, model in (("bf16", bf16), ("fp8", fp8)):
             engine = PagedEngine(
                 model, max_num_seqs=batch, gpu_memory_utilization=args.gpu_memory_utilization,
-                compile_decode=False, device=device, dtype=torch.bfloat16,
+                compile_decode=args.compile, device=device, dtype=torch.bfloat16,
             )  # fmt: skip
             tps, out = timed(engine, prompts, params, args.repeats, device)
             row[f"{name}_tok_s"] = tps
@@ -124,6 +124,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument(
+        "--compile", action="store_true", help="compiled decode (inductor may fuse the quantisation)"
+    )
     ap.add_argument("--out", type=Path, default=None, help="append the JSON lines here")
     args = ap.parse_args()
     device = torch.device(args.device)
