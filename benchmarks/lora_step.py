@@ -34,8 +34,12 @@ CASES: dict[str, tuple[str, float | None, list[str]]] = {
     "7b-lora64-24gb": (
         "7b",
         24.0,
-        [*LORA64, "rollout.lora_merge=in_place", "model.enable_gradient_checkpointing=true"]
-        + ["rollout.gpu_memory_utilization=0.9"],  # of the 24 GB cap: the KV cache beside a 15 GB base
+        [
+            *LORA64,
+            "rollout.lora_merge=in_place",
+            "model.enable_gradient_checkpointing=true",
+            "rollout.gpu_memory_utilization=0.9",  # of the 24 GB cap: the KV cache beside a 15 GB base
+        ],
     ),
     "1.5b-full": ("1.5b", None, []),
     "1.5b-lora64": ("1.5b", None, LORA64),  # merge buffers (the default)

@@ -156,19 +156,25 @@ def test_kill_and_resume_continues_the_groups_in_flight(setup: dict[str, Path], 
     check_groups({s: steps[s] for s in sorted(steps)})  # steps 1-2 before the kill, 3-5 after: none twice
 
 
+SEPARATE = ["trainer.async_mode=separate", "trainer.backend=ray"]
+
+
 @pytest.mark.parametrize(
     ("extra", "key"),
     [
         (["trainer.async_mode=separate"], "trainer.backend"),
         (["trainer.async_mode=separate", "trainer.backend=ray"], "trainer.rollout_pool_size"),
         (
-            ["trainer.async_mode=separate", "trainer.backend=ray", "trainer.rollout_pool_size=3"]
-            + ["rollout.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"],
+            [
+                *SEPARATE,
+                "trainer.rollout_pool_size=3",
+                "rollout.tensor_model_parallel_size=2",
+                "trainer.n_gpus_per_node=2",
+            ],
             "trainer.rollout_pool_size",
         ),
         (
-            ["trainer.async_mode=separate", "trainer.backend=ray", "trainer.rollout_pool_size=1"]
-            + ["trainer.staleness_policy=drop"],
+            [*SEPARATE, "trainer.rollout_pool_size=1", "trainer.staleness_policy=drop"],
             "trainer.staleness_policy",
         ),
         (["trainer.rollout_pool_size=2"], "trainer.rollout_pool_size"),

@@ -27,7 +27,10 @@ def _model(arch: str) -> torch.nn.Module:
 def _plain(module: torch.nn.Module) -> dict:
     """The module's parameters, FP8 ones as their bytes (uint8: what crosses a process boundary)."""
     fp8 = torch.float8_e4m3fn
-    return {n: (p.detach().view(torch.uint8) if p.dtype == fp8 else p.detach()).clone() for n, p in module.named_parameters()}
+    return {
+        n: (p.detach().view(torch.uint8) if p.dtype == fp8 else p.detach()).clone()
+        for n, p in module.named_parameters()
+    }
 
 
 def switch(rank: int, arch: str, tp: int) -> dict:
