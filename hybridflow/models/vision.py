@@ -105,6 +105,24 @@ def mrope_positions(
     return positions, last - len(ids)
 
 
+def batch_mrope_positions(
+    input_ids: torch.Tensor,  # (B, T) padded
+    attention_mask: torch.Tensor,  # (B, T) 1 on real tokens
+    mm_inputs: list[dict[str, torch.Tensor] | None],  # per row: {"image_grid_thw": (I, 3), ...} or None
+    image_token_id: int,
+    merge_size: int,
+) -> torch.Tensor:
+    """(3, B, T) M-RoPE positions of a padded batch (padding at position 0); a row without images is plain."""
+    out = torch.zeros(3, *input_ids.shape, dtype=torch.long, device=input_ids.device)  # (3, B, T)
+    for b, mm in enumerate(mm_inputs):
+        valid = attention_mask[b].bool()
+        ids = input_ids[b][valid].cpu()
+        grid = mm["image_grid_thw"] if mm is not None else torch.zeros(0, 3, dtype=torch.long)
+        positions, _ = mrope_positions(ids, image_token_id, grid, merge_size)  # (3, T_b)
+        out[:, b, valid] = positions.to(out.device)
+    return out
+
+
 class VisionProcessor:
     """A VLM's image processor and tokenizer: images to patches, one image token to as many as it needs."""
 

@@ -99,3 +99,34 @@ def test_processor_and_model_reload_from_the_saved_directory(tiny_vl):
     reloaded = Qwen2_5_VLForConditionalGeneration.from_pretrained(out)
     for (name, p), q in zip(model.state_dict().items(), reloaded.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_batch_positions_of_a_padded_batch_with_and_without_images(tiny_vl):
+    from hybridflow.models.vision import batch_mrope_positions
+
+    model, processor, _ = tiny_vl
+    rows = [
+        ([{"type": "image"}, {"type": "text", "text": "count"}], [Image.new("RGB", (84, 56))]),
+        ([{"type": "text", "text": "just words, a longer prompt"}], None),
+        ([{"type": "text", "text": "x"}, {"type": "image"}], [Image.new("RGB", (56, 112))]),
+    ]
+    seqs, mm = [], []
+    for content, images in rows:
+        ids = _prompt(processor, content)
+        inputs = processor.images_to_inputs(images) if images else None
+        seqs.append(processor.expand_image_tokens(ids, inputs["image_grid_thw"]) if inputs else ids)
+        mm.append(inputs)
+    width = max(map(len, seqs))
+    pad = processor.tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs])  # (B, T) left-padded
+    mask = (torch.arange(width) >= torch.tensor([width - len(s) for s in seqs])[:, None]).long()
+    ours = batch_mrope_positions(ids, mask, mm, processor.image_token_id, 2)
+    for b, inputs in enumerate(mm):
+        if inputs is None:  # HF's get_rope_index wants a vision sequence; a text row is plain positions
+            assert torch.equal(ours[:, b, mask[b].bool()], torch.arange(len(seqs[b])).expand(3, -1))
+            continue
+        x = ids[b : b + 1]
+        theirs, _ = model.model.get_rope_index(
+            x, (x == processor.image_token_id).int(), inputs["image_grid_thw"], attention_mask=mask[b : b + 1]
+        )
+        assert torch.equal(ours[:, b], theirs[:, 0])
