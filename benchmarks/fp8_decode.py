@@ -7,7 +7,8 @@
 Qwen2.5 shapes (``shapes.SHAPES``) with random weights in bf16, CUDA graphs on (no compiled decode), fixed
 lengths (``ignore_eos``). The FP8 variant quantises the dense projections the way the switch delivers them
 (e4m3, rowwise float32 scales; embeddings, LM head and norms in bf16) and runs them through
-``torch._scaled_mm`` with per-token activation scales. Each configuration is warmed up once and timed
+``torch._scaled_mm`` with per-token activation scales (``fp8``), or through the weight-only Triton kernel
+(``fp8_w8a16``: FP8 weights upcast in registers, bf16 activations); ``--kernels`` picks which. Each configuration is warmed up once and timed
 ``--repeats`` times; the median is reported, with the weights' bytes and the mean |log-prob| gap of the
 FP8 engine's sampled tokens against the bf16 model on the same tokens (a quality check, not a timing).
 An FP8 KV cache is not built: that column of the issue is not measured.
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 from shapes import SHAPES, build_model
 
-from hybridflow.engine.ops.fp8 import fp8_probe, quantise_module
+from hybridflow.engine.ops.fp8 import FP8_KERNELS, fp8_probe, quantise_module, use_kernel
 from hybridflow.engine.rollout.paged_engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 
@@ -79,7 +80,7 @@ def run_shape(size: str, args: argparse.Namespace, device: torch.device) -> list
     fp8 = copy.deepcopy(bf16)
     quantised = quantise_module(fp8)
     cfg = bf16.config
-    probe = fp8_probe(cfg.hidden_size, cfg.intermediate_size, device) if device.type == "cuda" else (0.0, 0.0)
+    probe = fp8_probe(cfg.hidden_size, cfg.intermediate_size, device) if device.type == "cuda" else {}
     rows = []
     g = torch.Generator().manual_seed(0)
     for batch in args.batches:
@@ -93,7 +94,12 @@ def run_shape(size: str, args: argparse.Namespace, device: torch.device) -> list
             "batch": batch,
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         }
-        for name, model in (("bf16", bf16), ("fp8", fp8)):
+        variants = [("bf16", bf16, None)] + [
+            ("fp8" if k == "scaled_mm" else f"fp8_{k}", fp8, k) for k in args.kernels
+        ]
+        for name, model, kernel in variants:
+            if kernel is not None:
+                use_kernel(kernel)
             engine = PagedEngine(
                 model, max_num_seqs=batch, gpu_memory_utilization=args.gpu_memory_utilization,
                 compile_decode=args.compile, device=device, dtype=torch.bfloat16,
@@ -101,14 +107,15 @@ def run_shape(size: str, args: argparse.Namespace, device: torch.device) -> list
             tps, out = timed(engine, prompts, params, args.repeats, device)
             row[f"{name}_tok_s"] = tps
             row[f"{name}_weight_gib"] = weight_bytes(model) / 2**30
-            if name == "fp8":
-                row["fp8_logprob_gap"] = logprob_gap(bf16, prompts, out)
+            if kernel is not None:
+                row[f"{name}_logprob_gap"] = logprob_gap(bf16, prompts, out)
             del engine
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        row["speedup"] = row["fp8_tok_s"] / row["bf16_tok_s"]
+        for name, _, _kernel in variants[1:]:
+            row[f"{name}_speedup"] = row[f"{name}_tok_s"] / row["bf16_tok_s"]
         row["fp8_projections"] = len(quantised)
-        row["probe_fp8_us"], row["probe_bf16_us"] = probe  # the engine's start-up choice (64 tokens)
+        row["probe_us"] = probe  # the engine's start-up choice (64 tokens)
         print(json.dumps(row), flush=True)
         rows.append(row)
     del bf16, fp8
@@ -124,6 +131,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument(
+        "--kernels",
+        nargs="+",
+        default=["scaled_mm", "w8a16"],
+        choices=FP8_KERNELS,
+        help="the FP8 kernels run",
+    )
     ap.add_argument(
         "--compile", action="store_true", help="compiled decode (inductor may fuse the quantisation)"
     )

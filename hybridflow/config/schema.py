@@ -165,6 +165,11 @@ class RolloutConfig:
     quantization_force: bool = option(
         False, "fp8 even where the start-up probe finds FP8 GEMMs no faster than bf16 on this GPU."
     )
+    quantization_kernel: str = option(
+        "auto",
+        "FP8 projection kernel: auto (the start-up probe's fastest), w8a16 (FP8 weights upcast in a Triton "
+        "kernel, bf16 activations) or scaled_mm (W8A8: activations quantised per token, torch._scaled_mm).",
+    )
     allow_dtype_mismatch: bool = option(
         False,
         "Run a rollout.dtype other than the training compute dtype (refused unless true: log-probs drift).",

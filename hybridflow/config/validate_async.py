@@ -101,6 +101,15 @@ def check_separate(cfg: Config, out: list[Problem]) -> None:
 def check_quantization(cfg: Config, out: list[Problem]) -> None:
     """``rollout.quantization``: null or fp8, on the built-in engine (HF generate runs no FP8 module)."""
     q = cfg.rollout.quantization
+    kernels = ("auto", "w8a16", "scaled_mm")
+    if cfg.rollout.quantization_kernel not in kernels:
+        out.append(
+            Problem(
+                "rollout.quantization_kernel",
+                f"is {cfg.rollout.quantization_kernel!r}",
+                f"set it to one of {', '.join(kernels)}",
+            )
+        )
     if q is None or str(q).lower() == "none":
         cfg.rollout.quantization = None
         return

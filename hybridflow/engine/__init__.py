@@ -39,6 +39,8 @@ SURFACE: dict[str, str] = {
     "world_line": "hybrid.world",
     "to_dtype": "ops.dtypes",
     "fp8_probe": "ops.fp8",
+    "FP8_KERNELS": "ops.fp8",
+    "use_kernel": "ops.fp8",
     "decoder_of": "ops.modules",
     "layout_padding": "ops.sequences",
     "pack_prompt_response": "ops.sequences",

@@ -13,6 +13,7 @@ from torch import nn
 
 from hybridflow.config.schema import Config
 from hybridflow.engine import (
+    FP8_KERNELS,
     ActorEngine,
     BroadcastReplica,
     GenerateView,
@@ -36,9 +37,11 @@ from hybridflow.engine import (
     roll_partial,
     to_dtype,
     update_preference,
+    use_kernel,
 )
 from hybridflow.models.adapters import is_adapter_name, merge_adapter_state
 from hybridflow.models.families import check_lora_family, check_tensor_parallel, fallback_notice
+from hybridflow.models.vision import text_config
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.errors import UserError, format_bytes
@@ -106,22 +109,27 @@ def routed(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def fp8_pays(cfg: Config, config: Any, device: torch.device) -> bool:
-    """Whether FP8 projections are faster than bf16 here: a probe of the gate/up GEMM on CUDA (logged); on
-    CPU (tests) or with ``rollout.quantization_force`` always yes."""
-    if device.type != "cuda" or cfg.rollout.quantization_force:
+    """Whether to run FP8 projections, and with which kernel (``use_kernel``): on CUDA a probe of the gate/up
+    GEMM per kernel (logged) picks the fastest, kept only if it beats bf16 or ``rollout.quantization_force``;
+    on CPU (tests) always yes, with ``rollout.quantization_kernel`` (auto: scaled_mm's reference)."""
+    asked = cfg.rollout.quantization_kernel
+    if device.type != "cuda":
+        use_kernel("scaled_mm" if asked == "auto" else asked)
         return True
-    fp8_us, bf16_us = fp8_probe(config.hidden_size, config.intermediate_size, device)
-    faster = fp8_us < bf16_us
+    probe = fp8_probe(text_config(config).hidden_size, text_config(config).intermediate_size, device)
+    kernel = min(FP8_KERNELS, key=probe.get) if asked == "auto" else asked
+    use_kernel(kernel)
+    faster = probe[kernel] < probe["bf16"]
     if dist_rank() == 0:
         logger.log(
-            logging.INFO if faster else logging.WARNING,
-            "rollout.quantization=fp8: the FP8 gate/up GEMM on 64 tokens takes %.1f us against bf16's %.1f us "
-            "on this GPU: %s",
-            fp8_us,
-            bf16_us,
-            "FP8 projections" if faster else "keeping bf16 (rollout.quantization_force=true uses FP8 anyway)",
+            logging.INFO if faster or cfg.rollout.quantization_force else logging.WARNING,
+            "rollout.quantization=fp8: the gate/up GEMM on 64 tokens takes %s on this GPU: %s",
+            ", ".join(f"{k} {v:.1f} us" for k, v in probe.items()),
+            f"FP8 projections with {kernel}"
+            if faster or cfg.rollout.quantization_force
+            else "keeping bf16 (rollout.quantization_force=true uses FP8 anyway)",
         )
-    return faster
+    return faster or cfg.rollout.quantization_force
 
 
 class ActorWorker:

@@ -7,6 +7,10 @@ same way per token, and ``torch._scaled_mm`` multiplies in FP8 and applies both 
 (1, N)) on the way out in the activations' dtype; on CPU the same call runs a reference kernel. The
 quantisation is elementwise given the scales, so quantising a slice with the full rows' scales equals slicing
 the quantised full weight (the switch relies on that, ``hybrid.resharder``).
+
+Two kernels run an FP8 projection (``use_kernel``, picked at start by ``fp8_probe``): ``scaled_mm`` (W8A8, as
+above) and ``w8a16`` (``fp8_gemm``: the FP8 weight upcast in registers, bf16 activations, no activation
+quantisation; on CPU its torch reference).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridflow.engine.ops import fp8_gemm
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 # Scales never reach zero: an all-zero row (a fresh LoRA-free bias-free pad row) would divide by it.
@@ -23,6 +29,24 @@ MIN_SCALE = 1e-12
 # The projections quantised (dense attention and MLP); embeddings, the LM head, norms, routers, experts and
 # shared experts stay in the rollout dtype.
 QUANTISED = re.compile(r"\.self_attn\.[qkvo]_proj\.weight$|\.mlp\.(gate|up|down)_proj\.weight$")
+
+
+FP8_KERNELS = ("w8a16", "scaled_mm")
+# The process's FP8 projection kernel: one policy per process, chosen once at start (``use_kernel``) before
+# any decode graph is captured, like torch.backends' flags.
+_KERNEL = {"name": "scaled_mm"}
+
+
+def use_kernel(name: str) -> None:
+    """Run FP8 projections with ``name`` (one of ``FP8_KERNELS``) from now on in this process."""
+    if name not in FP8_KERNELS:
+        raise ValueError(f"unknown FP8 kernel {name!r}; use one of {FP8_KERNELS}")
+    _KERNEL["name"] = name
+
+
+def current_kernel() -> str:
+    """The FP8 projection kernel in use (``use_kernel``)."""
+    return _KERNEL["name"]
 
 
 @dataclass
@@ -66,8 +90,14 @@ def dequantise(w: Fp8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) @ W.T (+ bias) with W in FP8: x quantised per token, one scaled FP8 GEMM; (..., N) in x's
-    dtype. Dynamic per-token scales are computed on the device (no host sync: CUDA graphs capture it)."""
+    """x (..., K) @ W.T (+ bias) with W in FP8, by the kernel in use; (..., N) in x's dtype. ``scaled_mm``:
+    x quantised per token on the device (no host sync: CUDA graphs capture it), one scaled FP8 GEMM."""
+    if _KERNEL["name"] == "w8a16":
+        if x.is_cuda and fp8_gemm.available():
+            return fp8_gemm.w8a16_linear(x, w.data, w.scale, bias)
+        return fp8_gemm.w8a16_reference(x.reshape(-1, x.shape[-1]), w.data, w.scale, bias).reshape(
+            *x.shape[:-1], w.data.shape[0]
+        )
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)  # (M, K)
     sx = row_scales(flat.abs().amax(dim=-1))  # (M,)
@@ -109,27 +139,48 @@ def quantise_module(module: torch.nn.Module) -> list[str]:
     return names
 
 
+def _graph_us(run, device: torch.device, repeats: int) -> float:
+    """Median µs of one ``run()`` replayed from a CUDA graph of 10 calls (decode runs in graphs: launch costs
+    that a graph removes must not decide the kernel)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            run()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / 10)
+    return sorted(times)[len(times) // 2]
+
+
 def fp8_probe(
     hidden: int, intermediate: int, device: torch.device, tokens: int = 64, repeats: int = 20
-) -> tuple:
-    """(FP8 µs, bf16 µs): the model's gate/up projection on ``tokens`` decode tokens, activation quantisation
-    included, median of ``repeats`` timed on ``device`` (CUDA) after a warm-up. The engine keeps bf16 where
-    FP8 is not faster (small models at small batch can be slower: the quantisation is a kernel of its own)."""
+) -> dict[str, float]:
+    """µs of the model's gate/up projection on ``tokens`` decode tokens for each FP8 kernel (activation
+    quantisation included) and for bf16: ``{"w8a16": .., "scaled_mm": .., "bf16": ..}``, medians of
+    ``repeats`` graph replays on ``device`` (CUDA). The engine keeps bf16 where no FP8 kernel is faster."""
     g = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(2 * intermediate, hidden, device=device, generator=g, dtype=torch.bfloat16) * 0.02
     x = torch.randn(tokens, hidden, device=device, generator=g, dtype=torch.bfloat16)
     q = quantise_rows(w)
-    out = []
-    for run in (lambda: fp8_linear(x, q), lambda: torch.nn.functional.linear(x, w)):
-        for _ in range(3):
-            run()
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        out.append(sorted(times)[len(times) // 2])
-    return out[0], out[1]
+    before = current_kernel()
+    out = {}
+    try:
+        for name in FP8_KERNELS:
+            use_kernel(name)
+            out[name] = _graph_us(lambda: fp8_linear(x, q), device, repeats)
+    finally:
+        use_kernel(before)
+    out["bf16"] = _graph_us(lambda: torch.nn.functional.linear(x, w), device, repeats)
+    return out
