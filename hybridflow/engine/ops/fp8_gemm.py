@@ -109,6 +109,42 @@ if triton is not None:
         )
 
 
+def _launch(
+    flat: torch.Tensor,  # (M, K) contiguous
+    data: torch.Tensor,  # (N, K) float8_e4m3fn
+    scale: torch.Tensor,  # (N,)
+    bias: torch.Tensor | None,
+    config: tuple[int, int, int, int, int],
+) -> torch.Tensor:
+    """One launch of the kernel: (M, N) in flat's dtype."""
+    m, k = flat.shape
+    n = data.shape[0]
+    out = torch.empty(m, n, dtype=flat.dtype, device=flat.device)  # (M, N)
+    bm, bn, bk, warps, stages = config
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
+    _w8a16_kernel[grid](
+        flat, data, scale, bias if bias is not None else scale, out,
+        m, n, k, flat.stride(0), data.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, UPCAST=_interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+# An opaque op for torch.compile (the compiled prefill): dynamo does not trace into the Triton launch.
+@torch.library.custom_op("hybridflow::w8a16_matmul", mutates_args=())
+def w8a16_matmul(
+    flat: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """(M, K) @ (data * scale).T (+ bias) -> (M, N) with the table's configuration."""
+    return _launch(flat, data, scale, bias, config_for(flat.shape[0]))
+
+
+@w8a16_matmul.register_fake
+def _(flat: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return flat.new_empty(flat.shape[0], data.shape[0])
+
+
 def w8a16_linear(
     x: torch.Tensor,  # (..., K) bf16/fp16
     data: torch.Tensor,  # (N, K) float8_e4m3fn, contiguous
@@ -120,13 +156,7 @@ def w8a16_linear(
     table (the benchmark sweeps it)."""
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k).contiguous()  # (M, K)
-    m, n = flat.shape[0], data.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)  # (M, N)
-    bm, bn, bk, warps, stages = config or config_for(m)
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
-    _w8a16_kernel[grid](
-        flat, data, scale, bias if bias is not None else scale, out,
-        m, n, k, flat.stride(0), data.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, UPCAST=_interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return out.reshape(*lead, n)
+    out = (
+        w8a16_matmul(flat, data, scale, bias) if config is None else _launch(flat, data, scale, bias, config)
+    )
+    return out.reshape(*lead, data.shape[0])

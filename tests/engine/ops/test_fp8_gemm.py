@@ -73,3 +73,16 @@ def test_fp8_linear_follows_the_kernel_in_use_and_both_stay_close_to_full_precis
 def test_an_unknown_kernel_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown FP8 kernel 'int4'"):
         use_kernel("int4")
+
+
+@needs_kernels(fp8_gemm)
+def test_the_kernel_is_one_opaque_op_under_torch_compile() -> None:
+    # The engine compiles its prefill: dynamo must not trace into the Triton launch (it cannot).
+    _, q, b = _weights(32, 64, seed=5)
+    x = torch.randn(2, 9, 64)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(fp8_gemm.w8a16_linear(x, q.data, q.scale, b))
+
+    compiled = torch.compile(f, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), f(x))
