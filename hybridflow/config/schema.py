@@ -167,8 +167,7 @@ class RolloutConfig:
     )
     quantization_kernel: str = option(
         "auto",
-        "FP8 projection kernel: auto (the start-up probe's fastest), w8a16 (FP8 weights upcast in a Triton "
-        "kernel, bf16 activations) or scaled_mm (W8A8: activations quantised per token, torch._scaled_mm).",
+        "FP8 projection kernel: auto (the probe's fastest), w8a16 (weight-only Triton) or scaled_mm (W8A8).",
     )
     allow_dtype_mismatch: bool = option(
         False,
