@@ -85,3 +85,13 @@ def test_built_in_task_through_the_processor(vl_processor) -> None:
     assert default_compute_score(ds[0]["data_source"], f"#### {truth}", truth) == 1.0
     with pytest.raises(DataError, match=r"built-in squares \(val\): row 0: .*use a vision-language model"):
         build_rl_dataset(data, vl_processor.tokenizer, "val", seed=0)
+
+
+def test_rows_round_trip_through_parquet(tmp_path) -> None:
+    """The rows save to parquet and load back with the same image bytes (the images column is plain data)."""
+    from hybridflow.data import load_rows, save_rows
+
+    rows = make_squares(4, seed=0)
+    save_rows(rows, tmp_path / "squares.parquet")
+    loaded = load_rows(tmp_path / "squares.parquet")
+    assert [r["images"][0]["bytes"] for r in loaded] == [r["images"][0]["bytes"] for r in rows]
