@@ -24,6 +24,7 @@ COLORS: dict[str, tuple[int, int, int]] = {"red": (255, 0, 0), "green": (0, 160,
 BACKGROUND = (255, 255, 255)
 MARGIN = 3  # pixels of background between a square and its cell's edge
 EMPTY = "."
+STYLES = ("question", "short")
 
 
 def draw_board(layout: str, grid: int, cell: int) -> Any:
@@ -71,13 +72,20 @@ def make_squares(
     cell: int = 28,
     max_count: int = 3,
     max_squares: int = 4,
+    style: str = "question",
 ) -> list[dict[str, Any]]:
-    """Boards with 1..``max_squares`` squares and a question on one colour, answered as '#### <count>'.
+    """Boards with 1..``max_squares`` squares and a question on one colour.
+
+    ``style`` "question": 'How many red squares? Answer as #### <number>.', reference answer '#### 2';
+    "short": 'red squares:', answered by the bare count '2' (a form a model trained from scratch by RL alone
+    can hit; the scorer reads both).
 
     Ground truth: the count as a str; ``extra_info`` holds the ``layout`` (one char per cell, row-major:
     '.' empty, 'r'/'g'/'b') and the asked ``color`` besides the split, index and reference answer.
     """
     check_task_args(size, split, "+")
+    if style not in STYLES:
+        raise UserError(f"style must be one of {STYLES}, got {style!r}")
     _check(grid, cell, max_count, max_squares)
     cells = grid * grid
 
@@ -94,8 +102,11 @@ def make_squares(
 
     rows = []
     for i, (layout, color, count) in enumerate(draw_unique("squares", size, seed, split, draw)):
-        content = f"<image>How many {color} squares? Answer as #### <number>."
-        row = task_row("squares", split, i, content, str(count), f"#### {count}")
+        if style == "question":
+            content, answer = f"<image>How many {color} squares? Answer as #### <number>.", f"#### {count}"
+        else:
+            content, answer = f"<image>{color} squares:", str(count)
+        row = task_row("squares", split, i, content, str(count), answer)
         row["ability"] = "vision"
         row["images"] = [{"bytes": png_bytes(draw_board(layout, grid, cell))}]
         row["extra_info"].update(layout=layout, color=color)

@@ -68,6 +68,17 @@ def test_board_options_and_refusals() -> None:
     """A 2 x 2 board of 28-pixel cells is 56 x 56; impossible settings are refused naming them."""
     row = make_squares(5, 0, grid=2, max_count=2, max_squares=2)[0]
     assert _pixels(row).shape == (56, 56, 3) and int(row["reward_model"]["ground_truth"]) <= 2
+    short = make_squares(5, 0, style="short")
+    assert [r["extra_info"]["layout"] for r in short] == [
+        r["extra_info"]["layout"] for r in make_squares(5, 0)
+    ]
+    color, truth = short[0]["extra_info"]["color"], short[0]["reward_model"]["ground_truth"]
+    assert (
+        short[0]["prompt"][0]["content"] == f"<image>{color} squares:"
+        and short[0]["extra_info"]["answer"] == truth
+    )
+    with pytest.raises(UserError, match="style"):
+        make_squares(5, 0, style="long")
     with pytest.raises(UserError, match="max_count"):
         make_squares(5, 0, grid=2, max_count=5)
     with pytest.raises(UserError, match="cell"):

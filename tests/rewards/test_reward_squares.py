@@ -15,7 +15,12 @@ from hybridflow.rewards.squares import compute_score
         ("There are two red squares.\n#### 2.", 2, 1.0),
         ("#### 3 ... no, #### 1", "1", 1.0),  # the last answer counts
         ("#### 1", "2", 0.0),
-        ("2", "2", 0.0),  # no '####' answer
+        ("2", "2", 1.0),  # the short style's bare count
+        (" 3 red squares", 3, 1.0),
+        ("2 squares, #### 1", "1", 1.0),  # a '####' answer wins over the leading number
+        ("There are 2", "2", 0.0),  # a number further in is not an answer
+        ("2.5", "2", 0.0),
+        ("", "0", 0.0),
         ("#### 0", "0", 1.0),
         ("#### 12", "1", 0.0),
     ],
