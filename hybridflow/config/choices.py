@@ -81,7 +81,7 @@ LOGGERS = ["console", "jsonl", "tensorboard", "wandb"]
 CHOICES: dict[str, list[str]] = {
     "model.tiny_arch": ["qwen2", "qwen3", "llama"],
     "model.attn_implementation": ["sdpa", "eager", "flex_attention", "flash_attention_2"],
-    "data.task": ["arithmetic", "countdown", "multiply"],
+    "data.task": ["arithmetic", "countdown", "multiply", "squares"],
     "data.truncation": ["error", "left", "right", "middle"],
     "rollout.engine": ["native", "hf"],
     "rollout.lora_merge": ["buffer", "in_place"],

@@ -78,7 +78,7 @@ class DataConfig:
     )
     task: str = option(
         "arithmetic",
-        "Built-in task used when train_files is null (multiply: with rollout.multi_turn and calc).",
+        "Built-in task used when train_files is null (multiply: with rollout.multi_turn and calc; squares: a VLM).",
     )
     task_train_size: int = option(2000, "Number of generated training problems of the built-in task.")
     task_val_size: int = option(200, "Number of generated held-out problems of the built-in task.")
@@ -88,6 +88,10 @@ class DataConfig:
     prompt_key: str = option(
         "prompt",
         "Prompt column (chat messages or text); without a chat prompt, a row's 'messages' gives it (docs/data.md).",
+    )
+    image_key: str = option(
+        "images",
+        "Column of a row's images (paths, bytes, {bytes, path} dicts or PIL images), for vision-language models.",
     )
     template_text_prompts: bool = option(
         True,

@@ -12,6 +12,7 @@ from hybridflow.data.rl_dataset import TRUNCATIONS, RLDataset, collate_prompts, 
 from hybridflow.data.rows import DataError, RowOrigin, Rows, load_rows, save_rows
 from hybridflow.data.sampler import PromptSampler
 from hybridflow.data.sft_dataset import SFTDataset, collate_sft, render_response
+from hybridflow.data.squares import make_squares
 from hybridflow.data.tasks import TASKS, in_test_split, make_arithmetic, make_countdown, make_task
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "load_split_rows",
     "make_arithmetic",
     "make_countdown",
+    "make_squares",
     "make_task",
     "render_response",
     "save_rows",

@@ -36,17 +36,28 @@ def build_rl_dataset(
     split: str,
     seed: int,
     task_kwargs: dict[str, Any] | None = None,
+    processor: Any = None,
 ) -> RLDataset:
-    """The RL prompt dataset of ``split`` ('train' or 'val') with the config's length and truncation rules."""
+    """The RL prompt dataset of ``split`` ('train' or 'val') with the config's length and truncation rules.
+
+    ``processor``: a vision-language model's (``models.vision.VisionProcessor``), for rows with images.
+    """
     rows = load_split_rows(data, split, seed, task_kwargs)
     files = data.train_files if split == "train" else data.val_files
-    return dataset_from_rows(data, rows, tokenizer, None if files else f"{BUILT_IN} {data.task} ({split})")
+    source = None if files else f"{BUILT_IN} {data.task} ({split})"
+    # The built-in tasks keep their images in "images" whatever data.image_key names in files.
+    return dataset_from_rows(data, rows, tokenizer, source, processor, data.image_key if files else "images")
 
 
 def dataset_from_rows(
-    data: DataConfig, rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, source: str | None
+    data: DataConfig,
+    rows: list[dict[str, Any]],
+    tokenizer: PreTrainedTokenizerBase,
+    source: str | None,
+    processor: Any = None,
+    image_key: str | None = None,
 ) -> RLDataset:
-    """An RLDataset over ``rows`` with the config's prompt key, length and truncation rules."""
+    """An RLDataset over ``rows`` with the config's prompt key, length and truncation rules (and images)."""
     return RLDataset(
         rows,
         tokenizer,
@@ -57,4 +68,6 @@ def dataset_from_rows(
         source=source,
         reward_fn_key=data.reward_fn_key,
         template_text_prompts=data.template_text_prompts,
+        processor=processor,
+        image_key=data.image_key if image_key is None else image_key,
     )

@@ -14,6 +14,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from hybridflow.data.images import (
+    MULTI_MODAL_KEY,
+    PLACEHOLDER,
+    has_image_items,
+    image_slot,
+    process_images,
+    prompt_with_slots,
+    row_images,
+)
 from hybridflow.data.rows import (
     DataError,
     RowOrigin,
@@ -106,6 +115,12 @@ class RLDataset:
     list are named ``source`` (default 'built-in') and their position. ``template_text_prompts``: text
     prompts go through the chat template as one user turn when the tokenizer has one (``raw_prompt`` keeps
     the text); false feeds them as they are.
+
+    Images (``hybridflow.data.images``): with the model's ``processor``, a row's images (column
+    ``image_key``) are decoded and processed once, here; the item's ``multi_modal_inputs`` is the processor's
+    ``{"pixel_values", "image_grid_thw"}`` (None for a text row) and its ``input_ids`` hold each image's pad
+    tokens expanded, which count toward ``max_prompt_length``. Without a processor a row with images is
+    refused.
     """
 
     def __init__(
@@ -120,6 +135,8 @@ class RLDataset:
         reward_fn_key: str = "data_source",
         require_ground_truth: bool = True,
         template_text_prompts: bool = True,
+        processor: Any = None,
+        image_key: str = "images",
     ) -> None:
         if truncation not in TRUNCATIONS:
             raise UserError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
@@ -129,35 +146,94 @@ class RLDataset:
         self.source = source_name(origins, source)
         if not rows:
             raise DataError(f"{self.source}: no rows; the dataset is empty", file=self.source)
-        self.max_prompt_length = max_prompt_length
-        items = [
-            self._validate(row, o, prompt_key, reward_fn_key, require_ground_truth)
-            for row, o in zip(rows, origins)
-        ]
+        self.max_prompt_length, self.truncation = max_prompt_length, truncation
+        self.filter_overlong_prompts = filter_overlong_prompts
+        self.processor, self.image_key = processor, image_key
+        items, images = [], []
+        for row, origin in zip(rows, origins):
+            row, row_imgs = self._with_image_slots(row, origin, prompt_key)
+            items.append(self._validate(row, origin, prompt_key, reward_fn_key, require_ground_truth))
+            images.append(row_imgs)
         prompts = [it["raw_prompt"] for it in items]
         ids = encode_prompts(tokenizer, prompts, template_text=template_text_prompts)
         self._log_text_prompts(prompts, tokenizer, template_text_prompts)
         self.items: list[dict[str, Any]] = []
         self.origins: list[RowOrigin] = []
         self.num_filtered = self.num_truncated = 0
-        for item, origin, prompt_ids in zip(items, origins, ids):
-            if len(prompt_ids) > max_prompt_length:
-                if filter_overlong_prompts:
-                    self.num_filtered += 1
-                    continue
-                if truncation == "error":
-                    raise row_error(
-                        origin,
-                        f"prompt has {len(prompt_ids)} tokens, more than max_prompt_length="
-                        f"{max_prompt_length}; raise data.max_prompt_length, set "
-                        "data.filter_overlong_prompts=true, or set data.truncation=left|right|middle",
-                    )
-                prompt_ids = truncate(prompt_ids, max_prompt_length, truncation)
-                self.num_truncated += 1
+        for item, origin, prompt_ids, row_imgs in zip(items, origins, ids, images):
+            prompt_ids = self._with_images(item, origin, prompt_ids, row_imgs)
+            prompt_ids = self._fit(prompt_ids, origin, bool(row_imgs))
+            if prompt_ids is None:
+                continue
             item["input_ids"] = prompt_ids
             self.items.append(item)
             self.origins.append(origin)
         self._log_counts(len(rows))
+
+    def _with_image_slots(self, row: Any, origin: RowOrigin, prompt_key: str) -> tuple[Any, list[Any]]:
+        """The row with its image placeholders as the model's image slots, and its (undecoded) images."""
+        if not isinstance(row, dict) or prompt_key not in row:
+            return row, []  # _validate refuses it, naming the row
+        images = row_images(row, self.image_key, origin)
+        prompt = row[prompt_key]
+        if self.processor is None:
+            if images or has_image_items(prompt):
+                raise row_error(
+                    origin,
+                    f"the row has images (column {self.image_key!r} or {{'type': 'image'}} items) but the "
+                    "model is text-only; use a vision-language model (Qwen2-VL / Qwen2.5-VL) or drop the "
+                    f"{self.image_key!r} column",
+                )
+            text, _ = prompt_with_slots(prompt, origin, prompt_key, PLACEHOLDER)  # text items joined
+            return {**row, prompt_key: text}, []
+        text, count = prompt_with_slots(prompt, origin, prompt_key, image_slot(self.processor))
+        if count != len(images):
+            raise row_error(
+                origin,
+                f"the prompt has {count} image placeholder(s) ({PLACEHOLDER} in the text or "
+                f"{{'type': 'image'}} items) but column {self.image_key!r} holds {len(images)} image(s); "
+                "give one placeholder per image, in the images' order",
+            )
+        return {**row, prompt_key: text}, images
+
+    def _with_images(
+        self, item: dict[str, Any], origin: RowOrigin, ids: list[int], images: list[Any]
+    ) -> list[int]:
+        """Process the row's images once (into ``item``) and expand its image pads; text rows get None."""
+        if self.processor is None:
+            return ids
+        if not images:
+            item[MULTI_MODAL_KEY] = None
+            if getattr(self.processor, "image_token_id", None) in ids:
+                raise row_error(
+                    origin, "the prompt's text holds image pad tokens but the row has no images; remove them"
+                )
+            return ids
+        ids, item[MULTI_MODAL_KEY] = process_images(self.processor, ids, images, origin, self.image_key)
+        return ids
+
+    def _fit(self, ids: list[int], origin: RowOrigin, has_images: bool) -> list[int] | None:
+        """The prompt within max_prompt_length: as it is, truncated, or None when filtered out."""
+        if len(ids) <= self.max_prompt_length:
+            return ids
+        if self.filter_overlong_prompts:
+            self.num_filtered += 1
+            return None
+        if self.truncation == "error" or has_images:
+            cut = "" if has_images else ", or set data.truncation=left|right|middle"
+            why = (
+                " (a prompt with images is never truncated: it would cut an image's tokens)"
+                if has_images
+                else ""
+            )
+            raise row_error(
+                origin,
+                f"prompt has {len(ids)} tokens{' with its image tokens' if has_images else ''}, more than "
+                f"max_prompt_length={self.max_prompt_length}{why}; raise data.max_prompt_length or set "
+                f"data.filter_overlong_prompts=true{cut}",
+            )
+        self.num_truncated += 1
+        return truncate(ids, self.max_prompt_length, self.truncation)
 
     @staticmethod
     def _validate(
@@ -262,10 +338,10 @@ def collate_prompts(items: Sequence[dict[str, Any]], pad_token_id: int) -> Batch
             input_ids[b, width - n :] = torch.as_tensor(it["input_ids"], dtype=torch.long)
             attention_mask[b, width - n :] = 1
     position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)  # (B, P), 0 on the left padding
-    non_tensors = {
-        key: _objects([it[key] for it in items])
-        for key in ("data_source", "ground_truth", "extra_info", "raw_prompt", "index")
-    }
+    keys = ["data_source", "ground_truth", "extra_info", "raw_prompt", "index"]
+    if any(MULTI_MODAL_KEY in it for it in items):  # a dataset built with a processor: None for text rows
+        keys.append(MULTI_MODAL_KEY)
+    non_tensors = {key: _objects([it.get(key) for it in items]) for key in keys}
     return Batch(
         {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}, non_tensors
     )

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hybridflow.data.conversations import MESSAGES_KEY
+from hybridflow.data.images import row_images
 from hybridflow.data.rl_dataset import encode_prompts, render_prompt, truncate
 from hybridflow.data.rows import (
     DataError,
@@ -116,6 +117,10 @@ class SFTDataset:
     def _validate(row: Any, origin: RowOrigin, prompt_key: str, response_key: str) -> tuple[Any, str]:
         if not isinstance(row, dict):
             raise row_error(origin, f"a row must be a dict, got {type(row).__name__}")
+        if row_images(row, "images", origin):  # the prompt would keep '<image>' as text, without the image
+            raise row_error(
+                origin, "SFT on rows with images is not supported; drop the 'images' column or train with RL"
+            )
         prompt = check_prompt(lookup(row, prompt_key), origin, prompt_key)
         response = lookup(row, response_key)
         if is_missing(response):

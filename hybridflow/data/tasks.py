@@ -9,7 +9,9 @@ Problems are unique within one split.
 Prompts are short single user turns because the demo model is character-level (one token per char).
 Each row also carries the reference SFT response in ``extra_info["answer"]``; the rows of a task that is
 answered with a tool (``multiply``, see ``TOOL_TASKS``) also carry a demonstration in ``messages`` (the user
-turn, the assistant's call, the tool's result, the answer) for the multi-turn SFT warm-up.
+turn, the assistant's call, the tool's result, the answer) for the multi-turn SFT warm-up. ``squares``
+(``data.squares``) is a visual task: its rows carry a generated image and need a vision-language model.
+The split and drawing helpers all tasks share live in ``data.task_rows``.
 """
 
 from __future__ import annotations
@@ -22,63 +24,14 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
+from hybridflow.data.squares import make_squares
+from hybridflow.data.task_rows import SPLITS, TEST_BUCKETS, in_test_split  # noqa: F401 (the task API)
+from hybridflow.data.task_rows import check_task_args as _check_args
+from hybridflow.data.task_rows import draw_unique as _draw_unique
+from hybridflow.data.task_rows import task_row as _row
 from hybridflow.utils.errors import UserError
 
-TEST_BUCKETS = 5  # one problem in TEST_BUCKETS is a test problem
-SPLITS = ("train", "test")
-_OPS = "+-*/"
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
-
-
-def in_test_split(task: str, key: str) -> bool:
-    """Whether the problem with canonical ``key`` belongs to the test split of ``task`` (stable hash)."""
-    return zlib.crc32(f"{task}:{key}".encode()) % TEST_BUCKETS == 0
-
-
-def _check_args(size: int, split: str, ops: str) -> None:
-    if split not in SPLITS:
-        raise UserError(f"split must be 'train' or 'test', got {split!r}")
-    if not isinstance(size, int) or size < 0:
-        raise UserError(f"size must be a non-negative int, got {size!r}")
-    if not ops or any(op not in _OPS for op in ops):
-        raise UserError(f"ops must be a non-empty string of operators from {_OPS!r}, got {ops!r}")
-
-
-def _draw_unique(
-    task: str, size: int, seed: int, split: str, draw: Callable[[random.Random], tuple[str, Any] | None]
-) -> list[Any]:
-    """Draw ``size`` distinct problems of ``split``; ``draw`` returns (key, problem) or None to reject."""
-    rng = random.Random(f"{task}:{split}:{seed}")  # str seeds are stable across runs and processes
-    want_test = split == "test"
-    seen: set[str] = set()
-    out = []
-    budget = 200 * size + 1000
-    while len(out) < size and budget > 0:
-        budget -= 1
-        drawn = draw(rng)
-        if drawn is None:
-            continue
-        key, problem = drawn
-        if key in seen or in_test_split(task, key) != want_test:
-            continue
-        seen.add(key)
-        out.append(problem)
-    if len(out) < size:
-        raise UserError(
-            f"{task}: could only draw {len(out)} distinct {split} problems of the {size} asked for; "
-            "lower the size or make the task larger (more digits, operators or numbers)"
-        )
-    return out
-
-
-def _row(task: str, split: str, index: int, content: str, ground_truth: Any, answer: str) -> dict[str, Any]:
-    return {
-        "data_source": task,
-        "prompt": [{"role": "user", "content": content}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": ground_truth},
-        "extra_info": {"split": split, "index": index, "answer": answer},
-    }
 
 
 def make_arithmetic(
@@ -278,6 +231,7 @@ TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "arithmetic": make_arithmetic,
     "countdown": make_countdown,
     "multiply": make_multiply,
+    "squares": make_squares,  # a visual task: needs a vision-language model
 }
 # Built-in tasks answered with a tool: task -> the built-in tool they need (rollout.multi_turn.tools). The
 # config layer keeps its own copy (config.validate_async.TOOL_TASKS); a test checks that they agree.

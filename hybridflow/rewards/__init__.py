@@ -1,7 +1,7 @@
 """L2: reward functions and reward managers (pure functions of plain values, no config objects).
 
 * ``default_compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw)``: built-in
-  rule-based scorers keyed by data source (gsm8k, MATH, countdown, the built-in arithmetic task).
+  rule-based scorers keyed by data source (gsm8k, MATH, geo3k, countdown, the built-in tasks).
 * ``load_reward_function(path, name)``: a user function from a .py file or ``module:function``.
 * ``RewardManager``: scores a batch (naive, batch or token-id functions; errors; optional process pool).
 * ``place_on_last_token(scores, response_mask)``: outcome scores as ``(B, R)`` token-level scores.

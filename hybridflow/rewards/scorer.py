@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from hybridflow.rewards import arithmetic, countdown, gsm8k, math_reward, multiply
+from hybridflow.rewards import arithmetic, countdown, gsm8k, math_reward, multiply, squares
 from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -22,6 +22,9 @@ SCORERS: dict[str, Callable[..., float]] = {
     "countdown": countdown.compute_score,
     "arithmetic": arithmetic.compute_score,
     "multiply": multiply.compute_score,
+    "squares": squares.compute_score,
+    # verl's geo3k rows: numeric / LaTeX answers, compared like MATH's (the last \boxed{} of the response).
+    "hiyouga/geometry3k": math_reward.compute_score,
 }
 
 

@@ -151,11 +151,13 @@ def build_dataset(
     reward: RewardShape | None,
     max_prompt_length: int | None = None,
     require_ground_truth: bool | None = None,
+    processor: Any = None,
 ) -> RLDataset:
     """An RLDataset from any of the dataset forms users hold (``data.user_rows``).
 
     ``max_prompt_length`` (the API's own limit) filters longer prompts out unless the user chose a
     truncation; None keeps the config's rules. ``require_ground_truth`` defaults to whether the reward reads one.
+    ``processor``: a vision-language policy's, for rows with images (column ``data.image_key``).
     """
     d = cfg.data
     trl = reward is None or reward.shape == "trl"  # a TRL function may come later (step-wise API)
@@ -174,6 +176,8 @@ def build_dataset(
         reward_fn_key=d.reward_fn_key,
         require_ground_truth=require_ground_truth,
         template_text_prompts=d.template_text_prompts,
+        processor=processor,
+        image_key=d.image_key,
     )
 
 

@@ -77,3 +77,10 @@ def test_sft_row_errors(tok) -> None:
         SFTDataset([{"prompt": "a", "response": 3}], tok, max_length=8)
     with pytest.raises(DataError, match=r"row 0: empty prompt"):
         SFTDataset([{"prompt": "", "response": "b"}], tok, max_length=8)
+
+
+def test_rows_with_images_are_refused(tok) -> None:
+    """SFT cannot show a row's images to the model: such a row (the squares task's) is refused, not read as text."""
+    rows = [*make_task("arithmetic", "train", 2, seed=0), *make_task("squares", "train", 1, seed=0)]
+    with pytest.raises(DataError, match=r"row 2: SFT on rows with images is not supported"):
+        SFTDataset(rows, tok, max_length=128)
