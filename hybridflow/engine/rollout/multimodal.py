@@ -125,7 +125,7 @@ def rope_positions(s: Sequence, start: int, end: int) -> torch.Tensor:
         return torch.arange(start, end).expand(3, -1)
     p = s.mm.prompt_len
     head = s.mm.positions[:, start : min(end, p)]  # (3, prompt part)
-    tail = torch.arange(max(start, p), end).expand(3, -1) + s.mm.delta  # generated (or extended) text
+    tail = torch.arange(max(start, p), max(end, p)).expand(3, -1) + s.mm.delta  # generated or extended text
     return torch.cat([head, tail], dim=1)
 
 
