@@ -80,6 +80,15 @@ def generation_parameters(sharded: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in sharded.named_parameters() if not is_adapter_name(n)}
 
 
+def check_vision_tp(model: nn.Module, tp: int) -> None:
+    """A vision-language model's rollout replicas are whole: rollout tensor parallelism is refused (UserError)."""
+    if tp > 1 and is_vision_language(getattr(model, "config", None)):
+        raise UserError(
+            f"rollout.tensor_model_parallel_size={tp} with a vision-language model is not supported: its "
+            "rollout replicas are whole (set rollout.tensor_model_parallel_size=1; data-parallel replicas work)"
+        )
+
+
 def frozen_tower(sharded: nn.Module) -> set[str]:
     """The names of a vision-language model's vision-tower parameters that are not trained (``requires_grad``
     False: ``model.freeze_vision_tower``): the switch delivers them once. Empty for a text model."""
@@ -116,12 +125,7 @@ class RolloutShard:
         ``train_view`` names that view in the logs. ``fp8``: the dense projections are delivered in FP8
         with rowwise scales (``rollout.quantization=fp8``), the rest in ``dtype``."""
         self.view, self.rank = view, rank
-        if view.tp > 1 and is_vision_language(sharded.config):
-            raise UserError(
-                f"rollout.tensor_model_parallel_size={view.tp} with a vision-language model is not supported: "
-                "its rollout replicas are whole (set rollout.tensor_model_parallel_size=1; data-parallel "
-                "replicas work)"
-            )
+        check_vision_tp(sharded, view.tp)
         self.module = build_shard(sharded, view.tp, dtype, device, view.ep)
         fp8_names = set(fp8_parameters(self.module)) if fp8 else set()
         # A frozen vision tower is delivered at the first switch only and then kept (never released).
