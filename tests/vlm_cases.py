@@ -88,3 +88,26 @@ def hf_greedy(
         pad_token_id=0,
     )
     return out[0, len(ids) :].tolist()
+
+
+def lively_qwen2_vl_model(seed: int = 0) -> tuple[torch.nn.Module, VisionProcessor]:
+    """A tiny Qwen2-VL (its own vision tower, Qwen2.5-VL's language model shape) with the same processor."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    base, processor = lively_vl_model(seed)
+    c = base.config
+    text = {k: v for k, v in c.text_config.to_dict().items() if k != "model_type"}
+    vision = dict(depth=2, embed_dim=32, hidden_size=c.text_config.hidden_size, mlp_ratio=2, num_heads=2)
+    ids = {k: getattr(c, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id")}
+    config = Qwen2VLConfig(
+        text_config=text, vision_config=vision, vision_end_token_id=c.vision_end_token_id, **ids
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2VLForConditionalGeneration(config)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.3 if "visual" in name else 0.2))
+    return model.eval(), processor

@@ -213,7 +213,10 @@ class RolloutShard:
         shard = "a whole replica" if self.view.tp == 1 else f"a 1/{self.view.tp} tensor-parallel shard"
         if self.view.ep > 1:
             shard += f" (experts split whole, {self.view.ep} ways)"
-        return f"Stage switch: {amount} received per rank into {shard} (a whole copy is {whole})"
+        line = f"Stage switch: {amount} received per rank into {shard} (a whole copy is {whole})"
+        if self.later is not None:
+            line += f"; the frozen vision tower ({format_bytes(self.skipped_bytes)}) at the first switch only"
+        return line
 
     @torch.no_grad()
     def sync(self, sharded: nn.Module) -> int:

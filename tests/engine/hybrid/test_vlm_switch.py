@@ -50,6 +50,7 @@ def switch_twice(rank: int, freeze: bool) -> dict:
         "first": first,
         "second": second,
         "skipped": weights.last_skipped_bytes,
+        "line": weights.switch_line(),
         "equal": all(torch.equal(got[k], want[k]) for k in want),
         "tower_bytes": sum(p.numel() * p.element_size() for p in model.model.visual.parameters()),
         "got": [[s.token_ids for s in g] for g in engine.generate(ids, params, mm_inputs=mms)],
@@ -88,6 +89,7 @@ def test_a_frozen_vision_tower_is_delivered_at_the_first_switch_only(freeze: boo
         if freeze:  # each rank receives the other rank's half of the tower once
             assert r["skipped"] == r["tower_bytes"] // 2 > 0
             assert r["second"] == r["first"] - r["skipped"]
+            assert "frozen vision tower" in r["line"]
         else:
             assert r["skipped"] == 0 and r["second"] == r["first"]
 

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vlm_cases import chat_prompt, hf_greedy, hf_logits, image, lively_vl_model, prompts
+from vlm_cases import (
+    chat_prompt,
+    hf_greedy,
+    hf_logits,
+    image,
+    lively_qwen2_vl_model,
+    lively_vl_model,
+    prompts,
+)
 
 from hybridflow.engine.rollout.engine import HFRollout
 from hybridflow.engine.rollout.model import LlamaRunner
@@ -154,3 +162,12 @@ def test_a_text_model_refuses_images(vl) -> None:
         PagedEngine(model, block_size=8).generate(ids, greedy(2), mm_inputs=mms)
     with pytest.raises(UserError, match="multi_modal_inputs"):
         HFRollout(model).generate(ids, greedy(2), mm_inputs=mms)
+
+
+def test_qwen2_vl_runs_the_same_way() -> None:
+    model, processor = lively_qwen2_vl_model()
+    assert model.config.text_config.model_type == "qwen2_vl_text"
+    ids, mms = prompts(processor)
+    out = PagedEngine(model, block_size=8).generate(ids, greedy(8), mm_inputs=mms)
+    for p, mm, samples in zip(ids, mms, out):
+        assert samples[0].token_ids == hf_greedy(model, processor, p, mm, 8, None)
