@@ -143,7 +143,8 @@ def add_reshard_stats(metrics: dict[str, float], per_rank: list[dict[str, float]
     """The train -> generate switch of each rank (``ActorWorker`` figures), summed over the step's calls.
 
     ``timing_s/reshard``: the slowest rank's switch; ``reshard/rank{r}_received_mib``: what each rank
-    received; ``memory/reshard_peak_gib``: the largest peak allocated during a switch (CUDA only).
+    received; ``memory/reshard_peak_gib``: the largest peak allocated during a switch (CUDA only);
+    ``reshard/frozen_skipped_mib``: what a frozen vision tower saved the most-skipping rank (not resent).
     """
     if not per_rank:
         return
@@ -151,6 +152,10 @@ def add_reshard_stats(metrics: dict[str, float], per_rank: list[dict[str, float]
     for rank, r in enumerate(per_rank):
         key = f"reshard/rank{rank}_received_mib"
         metrics[key] = metrics.get(key, 0.0) + r["bytes"] / 2**20
+    skipped = [r["skipped_bytes"] for r in per_rank if "skipped_bytes" in r]
+    if skipped:
+        key = "reshard/frozen_skipped_mib"
+        metrics[key] = metrics.get(key, 0.0) + max(skipped) / 2**20
     peaks = [r["peak_gib"] for r in per_rank if "peak_gib" in r]
     if peaks:
         metrics["memory/reshard_peak_gib"] = max(metrics.get("memory/reshard_peak_gib", 0.0), *peaks)

@@ -412,6 +412,9 @@ class ActorWorker:
         if cuda:
             torch.cuda.synchronize(device)
         out = {"seconds": time.perf_counter() - start, "bytes": float(received)}
+        skipped = getattr(self.weights, "last_skipped_bytes", 0)  # a frozen vision tower, delivered once
+        if skipped:
+            out["skipped_bytes"] = float(skipped)
         if cuda:
             out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         return out

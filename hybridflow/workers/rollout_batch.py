@@ -19,6 +19,7 @@ from hybridflow.engine import (
     pad_rows,
 )
 from hybridflow.protocol import Batch
+from hybridflow.utils.errors import UserError
 from hybridflow.utils.progress import Progress
 from hybridflow.workers.agent_env import MultiTurn
 
@@ -45,12 +46,20 @@ def sample_batch(
     params = dataclasses.replace(params, seed=group.seed(params.seed))
     mask = prompts["attention_mask"].bool()
     ids = [row[m].tolist() for row, m in zip(prompts["input_ids"], mask)]
+    images = prompt_images(prompts)
     if before is not None:
         before(ids, params)
     masks, turn_metrics = None, None
     with Progress(desc, total=len(ids) * params.n, unit="samples") as bar:
         if multi_turn is not None:  # episodes of turns and tool outputs (rollout.multi_turn)
+            if images is not None:
+                raise UserError(
+                    "rollout.multi_turn does not carry images yet; turn it off for image prompts "
+                    "(data rows with multi_modal_inputs)"
+                )
             outputs, masks, turn_metrics = multi_turn.generate(rollout, ids, params, group)
+        elif images is not None:  # a vision-language model's image prompts (text-only rows: None)
+            outputs = rollout.generate(ids, params, progress=bar.update, mm_inputs=images)
         else:
             outputs = rollout.generate(ids, params, progress=bar.update)
     group.check_agreement(outputs, ids)
@@ -77,6 +86,15 @@ def sample_batch(
     if stats is not None:
         batch.meta["rollout_stats"] = dataclasses.asdict(stats)
     return batch
+
+
+def prompt_images(prompts: Batch) -> list[dict[str, torch.Tensor] | None] | None:
+    """Each prompt row's images (the non-tensor field ``multi_modal_inputs``: None for a text-only row), or None
+    when no row has any (a text model's batch)."""
+    if "multi_modal_inputs" not in prompts.non_tensors:
+        return None
+    images = list(prompts.non_tensors["multi_modal_inputs"])
+    return images if any(mm is not None for mm in images) else None
 
 
 def build_rollout(

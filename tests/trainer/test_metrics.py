@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridflow.trainer.metrics import add_rollout_stats, step_peak_memory
+from hybridflow.trainer.metrics import add_reshard_stats, add_rollout_stats, step_peak_memory
 
 
 def test_the_step_peak_is_the_largest_phase_peak() -> None:
@@ -47,3 +47,18 @@ def test_the_paged_engines_scheduler_figures_take_the_largest_call_and_sum_preem
     )
     assert metrics["rollout/kv_blocks_used"] == 0.4 and metrics["rollout/concurrent_seqs_peak"] == 16.0
     assert metrics["rollout/preemptions"] == 3.0 and metrics["rollout/prefix_cache_hit_rate"] == 0.0
+
+
+def test_reshard_stats_count_what_a_frozen_vision_tower_saved() -> None:
+    metrics: dict[str, float] = {}
+    two_ranks = [
+        {"seconds": 0.5, "bytes": 3 * 2**20, "skipped_bytes": 2 * 2**20},
+        {"seconds": 0.7, "bytes": 4 * 2**20, "skipped_bytes": 1 * 2**20},
+    ]
+    add_reshard_stats(metrics, two_ranks)
+    add_reshard_stats(metrics, two_ranks)  # two switches in the step
+    assert metrics["reshard/frozen_skipped_mib"] == 4.0 and metrics["timing_s/reshard"] == 1.4
+    assert metrics["reshard/rank1_received_mib"] == 8.0
+    without: dict[str, float] = {}
+    add_reshard_stats(without, [{"seconds": 0.1, "bytes": 1.0}])
+    assert "reshard/frozen_skipped_mib" not in without

@@ -26,7 +26,7 @@ from torch import nn
 from hybridflow.engine.hybrid.bridge import Link, as_link
 from hybridflow.engine.hybrid.plan import ParamSpec, ReshardPlan
 from hybridflow.engine.hybrid.resharder import Resharder
-from hybridflow.engine.hybrid.switch import held_box
+from hybridflow.engine.hybrid.switch import check_vision_tp, held_box
 from hybridflow.engine.ops.fp8 import fp8_parameters, quantisable
 from hybridflow.engine.ops.tensors import local_shard
 from hybridflow.engine.parallel.layout import ShardLayout, layouts
@@ -62,6 +62,9 @@ class PoolSync:
         its first rank). ``group``: the two pools' process group (None: the default group), or a ``Bridge``
         when each pool has a world of its own (Ray worker groups). ``train_view``
         names the trainer's view in the logs."""
+        check_vision_tp(
+            model, view.tp
+        )  # a separate pool of a VLM: whole replicas (the tower sent every time)
         self.view, self.link = view, as_link(group)
         self.rank, self.world = self.link.rank(), self.link.size()
         if view.end > self.world or view.world == self.world:

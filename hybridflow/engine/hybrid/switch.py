@@ -44,8 +44,9 @@ from hybridflow.engine.parallel.layout import Box, layouts
 from hybridflow.engine.parallel.view import GenerateView
 from hybridflow.engine.rollout.tp import build_shard, meta_model
 from hybridflow.models.adapters import is_adapter_name
+from hybridflow.models.vision import is_vision_language
 from hybridflow.utils.dist import world_size
-from hybridflow.utils.errors import format_bytes
+from hybridflow.utils.errors import UserError, format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,23 @@ def generation_parameters(sharded: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in sharded.named_parameters() if not is_adapter_name(n)}
 
 
+def check_vision_tp(model: nn.Module, tp: int) -> None:
+    """A vision-language model's rollout replicas are whole: rollout tensor parallelism is refused (UserError)."""
+    if tp > 1 and is_vision_language(getattr(model, "config", None)):
+        raise UserError(
+            f"rollout.tensor_model_parallel_size={tp} with a vision-language model is not supported: its "
+            "rollout replicas are whole (set rollout.tensor_model_parallel_size=1; data-parallel replicas work)"
+        )
+
+
+def frozen_tower(sharded: nn.Module) -> set[str]:
+    """The names of a vision-language model's vision-tower parameters that are not trained (``requires_grad``
+    False: ``model.freeze_vision_tower``): the switch delivers them once. Empty for a text model."""
+    if not is_vision_language(getattr(sharded, "config", None)):
+        return set()
+    return {n for n, p in sharded.named_parameters() if ".visual." in f".{n}" and not p.requires_grad}
+
+
 def holdings_of(named: dict[str, torch.Tensor], names: list[str]) -> list[list[Box | None]]:
     """Every rank's held box of each of ``names`` (None where a rank holds none): one all-gather at start."""
     mine = [held_box(named[n]) if n in named else None for n in names]
@@ -107,9 +125,12 @@ class RolloutShard:
         ``train_view`` names that view in the logs. ``fp8``: the dense projections are delivered in FP8
         with rowwise scales (``rollout.quantization=fp8``), the rest in ``dtype``."""
         self.view, self.rank = view, rank
+        check_vision_tp(sharded, view.tp)
         self.module = build_shard(sharded, view.tp, dtype, device, view.ep)
         fp8_names = set(fp8_parameters(self.module)) if fp8 else set()
-        self.storages = Storages(self.module.parameters())
+        # A frozen vision tower is delivered at the first switch only and then kept (never released).
+        self.frozen = frozen_tower(sharded)
+        self.storages = Storages([p for n, p in self.module.named_parameters() if n not in self.frozen])
         # The whole model's parameters: a pipeline stage holds only its own layers, the generation view all.
         skeleton = meta_model(sharded)
         whole = dict(skeleton.named_parameters())
@@ -142,6 +163,24 @@ class RolloutShard:
             i: modules[n.rsplit(".", 1)[0]].weight_scale for i, n in enumerate(self.names) if quantised[i]
         }
         self.merges = merged_sources(sharded, [n for n in self.names if n in ours])
+        self.later: tuple[list[int], Resharder] | None = None  # the switches after the first one
+        self.skipped_bytes = 0  # what the later switches leave out on this rank (the frozen tower)
+        self.synced = False
+        if self.frozen:
+            kept = [i for i, n in enumerate(self.names) if n not in self.frozen]
+            rest = ReshardPlan(
+                [specs[i] for i in kept], view, elem, bucket_bytes, [[h[i] for i in kept] for h in holdings],
+                train_view,
+            )  # fmt: skip
+            resharder = Resharder(rest, rank, device, dtype, quantised=[quantised[i] for i in kept])
+            self.later = (kept, resharder)
+            self.skipped_bytes = self.plan.bytes_received(rank) - rest.bytes_received(rank)
+            logger.info(
+                "the frozen vision tower (%d parameters) is delivered at the first switch only: %s less "
+                "received by this rank at every later switch",
+                len(self.frozen),
+                format_bytes(self.skipped_bytes),
+            )
         logger.info(
             "HybridEngine initialized: train_view=%s, generate_view=%s, %s; this rank holds %s of generation "
             "weights (a whole copy: %s) and receives %s at every switch",
@@ -174,7 +213,10 @@ class RolloutShard:
         shard = "a whole replica" if self.view.tp == 1 else f"a 1/{self.view.tp} tensor-parallel shard"
         if self.view.ep > 1:
             shard += f" (experts split whole, {self.view.ep} ways)"
-        return f"Stage switch: {amount} received per rank into {shard} (a whole copy is {whole})"
+        line = f"Stage switch: {amount} received per rank into {shard} (a whole copy is {whole})"
+        if self.later is not None:
+            line += f"; the frozen vision tower ({format_bytes(self.skipped_bytes)}) at the first switch only"
+        return line
 
     @torch.no_grad()
     def sync(self, sharded: nn.Module) -> int:
@@ -182,13 +224,25 @@ class RolloutShard:
         self.storages.restore()
         params = generation_parameters(sharded)
         nothing = torch.empty(0)  # another pipeline stage's parameter: the plan never reads it here
-        sources = [
-            lay.plan_view(self.merges[n]() if n in self.merges else local_shard(params[n]))
-            if n in params
-            else nothing
-            for lay, n in zip(self.layouts, self.names)
-        ]
-        return self.resharder.run(sources, self.targets, self.scales)
+        picked, resharder = list(range(len(self.names))), self.resharder
+        if self.synced and self.later is not None:  # the frozen tower is in place since the first switch
+            picked, resharder = self.later
+        self.synced = True
+        sources = []
+        for i in picked:
+            lay, n = self.layouts[i], self.names[i]
+            if n not in params:
+                sources.append(nothing)
+                continue
+            sources.append(lay.plan_view(self.merges[n]() if n in self.merges else local_shard(params[n])))
+        targets = [self.targets[i] for i in picked]
+        scales = {k: self.scales[i] for k, i in enumerate(picked) if i in self.scales}
+        return resharder.run(sources, targets, scales)
+
+    @property
+    def last_skipped_bytes(self) -> int:
+        """What the last ``sync`` did not receive on this rank because the vision tower is frozen."""
+        return self.skipped_bytes if self.later is not None and self.synced else 0
 
 
 class BroadcastReplica:

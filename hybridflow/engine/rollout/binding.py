@@ -23,8 +23,10 @@ from hybridflow.engine.ops.fp8 import FP8, Fp8Weight
 from hybridflow.engine.ops.tensors import Storages
 from hybridflow.engine.parallel.fsdp import reshard_fsdp
 from hybridflow.engine.rollout.blocks import LayerDims, LayerWeights, MoEWeights
+from hybridflow.engine.rollout.support import text_base
 from hybridflow.engine.rollout.weights import join_in_place, local_tensor
 from hybridflow.models.moe import grouped_experts, grouped_mm_fits, is_sparse_block, loop_experts, router_spec
+from hybridflow.models.vision import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +124,7 @@ class WeightBinding:
 
     def _bind_moe(self, mlp: nn.Module) -> MoEWeights:
         """Bind a sparse block (HF's or ``MoEBlock``): router, fused experts, the shared expert if any."""
-        spec = router_spec(self._model.config)
+        spec = router_spec(text_config(self._model.config))
         router = self._bind([(mlp.gate, "weight")])[0]
         gate_up = self._bind([(mlp.experts, "gate_up_proj")])[0]
         down = self._bind([(mlp.experts, "down_proj")])[0]
@@ -205,7 +207,7 @@ class WeightBinding:
         self._aliases: list[tuple[torch.Tensor, nn.Module, str]] = []  # zero-copy: (tensor, module, name)
         self._copies: list[tuple[torch.Tensor, nn.Module, str]] = []  # cast buffers: (view, module, name)
         self._buffers: list[torch.Tensor] = []  # the cast buffers themselves (release() frees their storage)
-        base = self._model.model
+        base = text_base(self._model)  # a vision-language model's language model
         self._sparse = 0  # sparse layers bound so far
         self.embed = self._bind([(base.embed_tokens, "weight")])[0]
         self.layers = [self._bind_layer(layer) for layer in base.layers]

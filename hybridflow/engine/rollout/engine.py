@@ -103,6 +103,10 @@ class RolloutEngine:
         """``tp``: ``model`` is this rank's tensor-parallel shard; every rank of the group must then call
         ``generate`` with the same prompts and seed (they sample the same tokens from the same logits)."""
         self.runner = LlamaRunner(model, dtype, max_model_len, device, tp)
+        if self.runner.visual is not None:
+            raise ValueError(
+                "the slot engine runs text models; a vision-language model needs the paged engine"
+            )
         self.tp = tp
         self.device = self.runner.device
         # torch.compile fuses the decode step's elementwise work (norms, RoPE, SiLU*mul); it compiles once
@@ -399,12 +403,16 @@ class HFRollout:
         self.max_model_len = max_model_len
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, progress: Callable[[int], None] | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        progress: Callable[[int], None] | None = None,
+        mm_inputs: list[dict[str, torch.Tensor] | None] | None = None,
     ) -> list[list[GenerationOutput]]:
-        """``params.n`` responses for each prompt through HF ``generate``."""
+        """``params.n`` responses for each prompt through HF ``generate`` (``mm_inputs``: each one's images)."""
         from hybridflow.engine.rollout.hf_fallback import hf_generate
 
-        out = hf_generate(self.model, prompts, params, self.pad_token_id, self.max_model_len)
+        out = hf_generate(self.model, prompts, params, self.pad_token_id, self.max_model_len, mm_inputs)
         if progress is not None:
             progress(len(prompts) * params.n)
         return out

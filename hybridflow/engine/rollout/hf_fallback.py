@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from hybridflow.engine.rollout.sampling import SamplingParams
+from hybridflow.models.vision import is_vision_language, text_config
 from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def _private_rng(seed: int | None, device: torch.device) -> Iterator[None]:
 
 def position_limit(model: nn.Module, max_model_len: int | None = None) -> int | None:
     """The most tokens a sequence may hold: the model's position limit, or ``max_model_len`` when smaller."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    limit = getattr(text_config(getattr(model, "config", None)), "max_position_embeddings", None)
     limits = [n for n in (limit, max_model_len) if isinstance(n, int) and n > 0]
     return min(limits) if limits else None
 
@@ -97,11 +98,38 @@ def response_caps(prompts: list[list[int]], max_new_tokens: int, limit: int | No
     return [min(max_new_tokens, limit - len(p)) for p in prompts]
 
 
+def image_kwargs(
+    model: nn.Module, ids: torch.Tensor, rows_mm: list[dict[str, torch.Tensor] | None]
+) -> dict[str, torch.Tensor]:
+    """HF forward's image arguments for left-padded rows ``ids`` (B, T) whose images are ``rows_mm`` (per row,
+    None for text only): the rows' pixel values and grids concatenated in row order, and the image-token
+    mask; {} when no row has images. A text model given images is refused (UserError)."""
+    if all(mm is None for mm in rows_mm):
+        return {}
+    if not is_vision_language(getattr(model, "config", None)):
+        raise UserError(
+            "a prompt carries images (multi_modal_inputs) but the model is a text model; use a "
+            "vision-language model (Qwen2-VL / Qwen2.5-VL) or drop the images from the data"
+        )
+    present = [mm for mm in rows_mm if mm is not None]
+    return {
+        "pixel_values": torch.cat([torch.as_tensor(mm["pixel_values"]) for mm in present]),  # (P, D)
+        "image_grid_thw": torch.cat([torch.as_tensor(mm["image_grid_thw"]) for mm in present]),  # (I, 3)
+        "mm_token_type_ids": (ids == model.config.image_token_id).int(),  # (B, T)
+    }
+
+
 @torch.no_grad()
 def _generate_batch(
-    model: nn.Module, prompts: list[list[int]], params: SamplingParams, pad_id: int, device: torch.device
+    model: nn.Module,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    pad_id: int,
+    device: torch.device,
+    mm_inputs: list[dict[str, torch.Tensor] | None] | None = None,
 ) -> list[list]:
-    """One HF ``generate`` call over ``prompts`` (left-padded), ``params.n`` outputs each."""
+    """One HF ``generate`` call over ``prompts`` (left-padded), ``params.n`` outputs each; ``mm_inputs``: each
+    prompt's images (a vision-language model) or None."""
     from hybridflow.engine.rollout.types import GenerationOutput
 
     width = max(len(p) for p in prompts)
@@ -111,8 +139,10 @@ def _generate_batch(
     for i, p in enumerate(rows):
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
+    rows_mm = [mm for mm in (mm_inputs or [None] * len(prompts)) for _ in range(params.n)]
+    images = {k: v.to(device) for k, v in image_kwargs(model, ids, rows_mm).items()}
     out = model.generate(
-        input_ids=ids.to(device), attention_mask=mask.to(device), **_generate_kwargs(params, pad_id)
+        input_ids=ids.to(device), attention_mask=mask.to(device), **images, **_generate_kwargs(params, pad_id)
     )
     new = out.sequences[:, width:]  # (B * n, W)
     scores = torch.stack(out.scores, dim=1).float()  # (B * n, W, V) processed logits
@@ -140,8 +170,10 @@ def hf_generate(
     params: SamplingParams,
     pad_id: int = 0,
     max_model_len: int | None = None,
+    mm_inputs: list[dict[str, torch.Tensor] | None] | None = None,
 ) -> list[list]:
-    """``params.n`` responses per prompt with HF ``generate``; same output type as the engine.
+    """``params.n`` responses per prompt with HF ``generate``; same output type as the engine. ``mm_inputs``:
+    per prompt, its images (pixel_values, image_grid_thw) for a vision-language model, or None.
 
     Each response stops where its prompt plus response reaches the model's position limit (or
     ``max_model_len``), as in the built-in engine: prompts are grouped by that cap, one ``generate`` call
@@ -154,6 +186,8 @@ def hf_generate(
         for cap in sorted(set(caps), reverse=True):
             idx = [i for i, c in enumerate(caps) if c == cap]
             group = dataclasses.replace(params, max_new_tokens=cap)
-            for i, row in zip(idx, _generate_batch(model, [prompts[i] for i in idx], group, pad_id, device)):
+            mms = None if mm_inputs is None else [mm_inputs[i] for i in idx]
+            rows = _generate_batch(model, [prompts[i] for i in idx], group, pad_id, device, mms)
+            for i, row in zip(idx, rows):
                 results[i] = row
     return results

@@ -34,10 +34,11 @@ from hybridflow.engine.rollout.binding import WeightBinding
 from hybridflow.engine.rollout.blocks import KSplits, LayerDims, LayerWeights
 from hybridflow.engine.rollout.kv_cache import KVCache, write_kv
 from hybridflow.engine.rollout.paged_forward import PagedForward, Sink
-from hybridflow.engine.rollout.support import check_structure, check_supported
+from hybridflow.engine.rollout.support import check_structure, check_supported, text_base
 from hybridflow.engine.rollout.tp import RolloutTP
 from hybridflow.engine.rollout.weights import local_tensor
 from hybridflow.models.moe import grouped_experts, router_spec
+from hybridflow.models.vision import is_vision_language, text_config
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +79,18 @@ class LlamaRunner(PagedForward):
         """``tp``: ``hf_model`` is this rank's tensor-parallel shard (``engine.rollout.tp``), and
         the runner adds the group's collectives: vocabulary-parallel embedding and logits, and an all-reduce
         after the o and down projections."""
-        config = hf_model.config
-        self.tp = tp
-        check_supported(config, max_len)
+        check_supported(hf_model.config, max_len)
         check_structure(hf_model)
+        # A vision-language model: the language model's config and layers; the vision tower runs at prefill.
+        config = text_config(hf_model.config)
+        self.tp = tp
+        self.visual = hf_model.model.visual if is_vision_language(hf_model.config) else None
+        self.image_token_id = None if self.visual is None else int(hf_model.config.image_token_id)
+        self.merge_size = None if self.visual is None else int(self.visual.spatial_merge_size)
+        rope = getattr(config, "rope_parameters", None) or {}
+        # M-RoPE's (time, height, width) split of the rotary pairs: prefill picks each pair's row of the
+        # (3, b, t) positions; decode is plain RoPE at index + delta.
+        self.mrope_section = list(rope["mrope_section"]) if self.visual is not None else None
         # A Mistral window is harmless only while no cached sequence is longer than it (check_supported).
         self.max_cache_len = (
             getattr(config, "sliding_window", None) if config.model_type in ("mistral", "mixtral") else None
@@ -96,7 +105,7 @@ class LlamaRunner(PagedForward):
         self.max_position_embeddings = config.max_position_embeddings
         self.eps = config.rms_norm_eps
         self.scaling = self.head_dim**-0.5
-        embed = local_tensor(hf_model.model.embed_tokens.weight)
+        embed = local_tensor(text_base(hf_model).embed_tokens.weight)
         self.dtype = embed.dtype if dtype is None else dtype
         # The model's own device unless told: a trainer whose parameters are offloaded between phases
         # (fsdp.param_offload) generates on its GPU from cast buffers filled from the host copies.
@@ -228,9 +237,21 @@ class LlamaRunner(PagedForward):
             self._prefill_paged_hidden, fullgraph=True, backend=backend
         )
 
+    def embed_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The (b, t, hidden) embeddings of (b, t) ids (a tensor-parallel rank's slice summed over the group)."""
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed)
+        return self.tp.embed(input_ids, self.embed)
+
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (b, 1, t, D) for (b, t) positions, exactly as HF: float32 angles, then the dtype."""
-        freqs = positions[..., None].float() * self.weights.inv_freq  # (b, t, D/2)
+        """cos and sin (b, 1, t, D) for (b, t) positions, exactly as HF: float32 angles, then the dtype.
+
+        (3, b, t) positions are M-RoPE's: rotary pair j takes its angle from the row of its section (time,
+        height, width), as HF's Qwen2.5-VL rotary embedding recomposes them."""
+        freqs = positions[..., None].float() * self.weights.inv_freq  # (b, t, D/2) or (3, b, t, D/2)
+        if positions.dim() == 3:
+            parts = freqs.split(self.mrope_section, dim=-1)
+            freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)  # (b, t, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (b, t, D)
         cos = (emb.cos() * self.weights.attention_scaling).to(self.dtype)[:, None]  # (b, 1, t, D)
         sin = (emb.sin() * self.weights.attention_scaling).to(self.dtype)[:, None]
@@ -244,6 +265,7 @@ class LlamaRunner(PagedForward):
         rope: bool = True,
         dims: LayerDims | None = None,
         sink: Sink | None = None,
+        embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Embed (b, t) ids at (b, t) positions and run all layers; returns pre-norm hidden (b, t, hidden).
 
@@ -251,13 +273,11 @@ class LlamaRunner(PagedForward):
         ``attention_output_and_mlp`` (or ``attention_output_and_moe`` for a sparse layer, bound so: no
         branch on values). ``rope=False`` hands q and k to ``attend`` before RoPE (the fused decode kernel
         applies it); ``dims`` defaults to ``self.dims`` (decode passes its own); ``sink`` takes each
-        sparse layer's chosen experts.
+        sparse layer's chosen experts; ``embeds`` (b, t, hidden) replaces the embedding of ``input_ids``
+        (a prompt's image features inserted, ``embed_ids``). Positions may be M-RoPE's (3, b, t).
         """
         dims = self.dims if dims is None else dims
-        if self.tp is None:
-            h = F.embedding(input_ids, self.embed)  # (b, t, hidden)
-        else:
-            h = self.tp.embed(input_ids, self.embed)  # this rank's vocabulary slice, summed over the group
+        h = self.embed_ids(input_ids) if embeds is None else embeds  # (b, t, hidden)
         reduce = None if self.tp is None else self.tp.reduce
         cos, sin = self._rope_tables(positions)
         for idx, w in enumerate(self.layers):

@@ -36,6 +36,7 @@ from hybridflow.engine.rollout.decode_loop import (
 )
 from hybridflow.engine.rollout.graphs import buckets
 from hybridflow.engine.rollout.model import LlamaRunner
+from hybridflow.engine.rollout.multimodal import hash_keys, mm_prompt
 from hybridflow.engine.rollout.paged_cache import PagedKVCache
 from hybridflow.engine.rollout.paged_session import Session, SessionConfig, check_params
 from hybridflow.engine.rollout.sampling import SamplingParams
@@ -109,9 +110,18 @@ class PagedEngine:
 
     # ---- the step API ----------------------------------------------------------------------------------
 
-    def add(self, prompt: list[int], params: SamplingParams, max_new: int | None = None) -> list[int]:
+    def add(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        max_new: int | None = None,
+        mm_inputs: dict[str, torch.Tensor] | None = None,
+    ) -> list[int]:
         """Queue a prompt's ``params.n`` samples; returns their sequence ids. ``max_new``: a response budget
-        below ``params.max_new_tokens`` (a sample continued from a partial rollout has spent the rest)."""
+        below ``params.max_new_tokens`` (a sample continued from a partial rollout has spent the rest).
+        ``mm_inputs``: the prompt's images (a vision-language model), ``{"pixel_values": (P, D),
+        "image_grid_thw": (I, 3)}`` as ``VisionProcessor.images_to_inputs`` gives them, its image pads expanded
+        in ``prompt``; None for a text-only prompt."""
         if params.n > self.max_num_seqs:
             raise UserError(
                 f"n={params.n} samples cannot run at once with max_num_seqs={self.max_num_seqs}; raise "
@@ -127,12 +137,13 @@ class PagedEngine:
             )
         if self.session is not None:
             check_params(self.session.params, params)
+        mm = mm_prompt(prompt, mm_inputs, self.runner.image_token_id, self.runner.merge_size)
         room = limit - len(prompt)  # the response stops at the context's end, as the slot engine's do
         budget = room if room < params.max_new_tokens else 0
         if max_new is not None:
             budget = min(max_new, room)
         group = [
-            Sequence(next(self._ids), list(prompt), len(prompt), params, max_new=budget)
+            Sequence(next(self._ids), list(prompt), len(prompt), params, max_new=budget, mm=mm)
             for _ in range(params.n)
         ]
         self._by_id.update((s.id, s) for s in group)
@@ -264,11 +275,13 @@ class PagedEngine:
         params: SamplingParams,
         progress: Callable[[int], None] | None = None,
         lengths: list[list[int]] | None = None,
+        mm_inputs: list[dict[str, torch.Tensor] | None] | None = None,
     ) -> list[list[GenerationOutput]]:
         """Every prompt's ``params.n`` samples: ``add`` each, then ``step`` until all have finished.
 
         ``progress`` is called with the number of sequences that just finished, after each round.
-        ``lengths``: per prompt and sample, a response limit below ``params.max_new_tokens``."""
+        ``lengths``: per prompt and sample, a response limit below ``params.max_new_tokens``.
+        ``mm_inputs``: per prompt, its images or None (``add``)."""
         lengths = check_lengths(lengths, len(prompts), params)
         if self.has_work:
             raise ValueError("generate needs an idle engine; finish or abort the sequences added with add()")
@@ -277,8 +290,11 @@ class PagedEngine:
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if mm_inputs is not None and len(mm_inputs) != len(prompts):
+            raise ValueError(f"{len(mm_inputs)} mm_inputs for {len(prompts)} prompts")
         self.reset_stats()
-        ids = [self.add(p, params) for p in prompts]
+        mm_inputs = [None] * len(prompts) if mm_inputs is None else mm_inputs
+        ids = [self.add(p, params, mm_inputs=mm) for p, mm in zip(prompts, mm_inputs)]
         for k, group in enumerate(self.waiting if lengths is not None else []):
             for s, limit in zip(group, lengths[k]):
                 s.max_new = min(limit, s.budget_end - s.prompt_len)
@@ -364,9 +380,9 @@ class PagedEngine:
         """Room for a running sequence's catch-up prefill: its blocks for every token; False when short."""
         pool = session.pool
         if s.table is None:
-            if not pool.can_allocate(s.tokens):
+            if not pool.can_allocate(hash_keys(s)):
                 return False
-            s.table = pool.allocate(s.tokens)
+            s.table = pool.allocate(hash_keys(s))
             s.written = s.table.cached_tokens
             return True
         try:
@@ -383,11 +399,11 @@ class PagedEngine:
         partial = 1 if len(first.tokens) % pool.block_size else 0
         headroom = taken + n
         if (
-            not pool.can_allocate(first.tokens)
+            not pool.can_allocate(hash_keys(first))
             or pool.num_free < pool.blocks_for(len(first.tokens)) + (n - 1) * partial + headroom
         ):
             return False
-        first.table = pool.allocate(first.tokens)
+        first.table = pool.allocate(hash_keys(first))
         first.written = first.table.cached_tokens
         return True
 
@@ -434,7 +450,7 @@ class PagedEngine:
         s.pending = 0
         self.session.counts.decode_tokens += len(tokens)
         s.written = len(s.tokens) - 1  # every token but the last is in the cache
-        self.session.pool.record(s.table, s.tokens, s.written - finished)
+        self.session.pool.record(s.table, hash_keys(s), s.written - finished)
 
     def _seated(self) -> list[Sequence]:
         """The sequences holding seats, in seat order."""

@@ -20,6 +20,9 @@ from hybridflow.engine.rollout.paged_cache import (
     write_routing,
 )
 
+# A prefill chunk's images: (3, b, t) M-RoPE positions, (b, t) image-token mask, features (n, hidden) or None.
+ImageChunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
 # Takes a sparse layer's routing: (its index among the sparse layers, expert ids (b * t, k) int64).
 Sink = Callable[[int, torch.Tensor], None]
 
@@ -35,9 +38,13 @@ class PagedForward:
         start_pos: torch.Tensor,  # (b,) > 0: positions below are cached (a shared prefix, an earlier turn)
         cache: PagedKVCache,
         tables: torch.Tensor,  # (b, max_blocks)
+        images: ImageChunk | None = None,
     ) -> torch.Tensor:
         """Prefill through block tables: each row's valid tokens are written at their positions and attend
         causally to everything cached below them; last-token logits (b, V).
+
+        ``images`` (a vision-language model): the chunk's (3, b, t) M-RoPE positions, and the image features
+        that replace the embeddings of its image tokens (``multimodal.chunk_inputs``).
 
         When every row starts at 0 attention runs on the chunk alone, causal (right padding only adds keys
         after every valid query), as the slot engine's first chunk does; else each row reads its blocks up to
@@ -53,7 +60,17 @@ class PagedForward:
         blocks, offsets = cache.locate(tables, rows, positions[rows, cols])  # (n,) each
         tables = tables[:, : -(-kv_end // cache.block_size)]  # (b, blocks read)
         up = [to_device(x, self.device) for x in (input_ids, positions, rows, cols, blocks, offsets, tables)]
-        h = self._prefill_paged_layers(*up, cache.storage, causal, cache.routing)  # (b, t, hidden)
+        extra = {}
+        if images is not None:
+            rope, mask, feats = images
+            embeds = self.embed_ids(up[0])  # (b, t, hidden)
+            if (
+                feats is not None
+            ):  # HF's masked_scatter: the features fill the image tokens in row-major order
+                where = to_device(mask, self.device)[..., None]  # (b, t, 1)
+                embeds = embeds.masked_scatter(where, feats.to(embeds.dtype))
+            extra = {"rope_positions": to_device(rope, self.device), "embeds": embeds}
+        h = self._prefill_paged_layers(*up, cache.storage, causal, cache.routing, **extra)  # (b, t, hidden)
         last = h[torch.arange(b, device=self.device), to_device(lengths, self.device) - 1]  # (b, hidden)
         return self._logits(last)
 
@@ -69,6 +86,8 @@ class PagedForward:
         kv_storage: torch.Tensor,  # (layers, 2, N, KVH, bs, D)
         causal: bool,
         routing: torch.Tensor | None = None,  # (N, bs, sparse layers, k): record each token's experts
+        rope_positions: torch.Tensor | None = None,  # (3, b, t) M-RoPE positions (else ``positions``)
+        embeds: torch.Tensor | None = None,  # (b, t, hidden) the embeddings with image features inserted
     ) -> torch.Tensor:
         """Prefill's layers on the paged cache (``prefill_paged``); compiled by ``compile_prefill``."""
         bs = kv_storage.shape[4]
@@ -102,7 +121,8 @@ class PagedForward:
                 enable_gqa=True,
             )
 
-        return self._forward(input_ids, positions, attend, sink=sink)
+        rope = positions if rope_positions is None else rope_positions
+        return self._forward(input_ids, rope, attend, sink=sink, embeds=embeds)
 
     @torch.no_grad()
     def decode_paged(
@@ -112,6 +132,7 @@ class PagedForward:
         cache: PagedKVCache,
         tables: torch.Tensor,
         live: torch.Tensor | None = None,
+        rope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One decode step through block tables (B, max_blocks): token b written at ``positions[b]`` of its
         sequence, attending to positions <= it; logits (B, V). Fixed shapes, no host sync: graph-safe.
@@ -119,16 +140,19 @@ class PagedForward:
         The Triton backend is one fused launch per layer (RoPE, the cache write, split-K attention over the
         blocks); "sdpa" is the reference (``paged_cache.paged_decode_attention``: gather, then mask).
         With ``cache.routing`` each row's experts are recorded at its position; ``live`` (B,) bool sends the
-        records of rows that are not (finished sequences riding along) to the scratch block 0 instead."""
+        records of rows that are not (finished sequences riding along) to the scratch block 0 instead.
+        ``rope_positions`` (B,): where RoPE puts the tokens when not at ``positions`` (a vision-language
+        model's position + rope delta; the cache still writes at ``positions``)."""
+        rope = positions if rope_positions is None else rope_positions
         sink = None if cache.routing is None else self._decode_sink(positions, cache, tables, live)
         if self._decode_attention == "triton":
             kernel = torch.ops.hybridflow.decode_attention_rope_paged.default
-            cos, sin = (t[:, 0, 0] for t in self._rope_tables(positions[:, None]))  # (B, D) each
+            cos, sin = (t[:, 0, 0] for t in self._rope_tables(rope[:, None]))  # (B, D) each
 
             def fused(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return kernel(q, k, v, cos, sin, cache.storage, idx, positions, tables, self.scaling)
 
-            h = self._forward(input_ids[:, None], positions[:, None], fused, False, self._decode_dims, sink)
+            h = self._forward(input_ids[:, None], rope[:, None], fused, False, self._decode_dims, sink)
             return self._logits(h[:, 0])  # (B, V)
 
         batch = input_ids.shape[0]
@@ -139,7 +163,7 @@ class PagedForward:
             out = paged_decode_attention(q[:, :, 0], cache, idx, tables, positions + 1, self.scaling)
             return out[:, :, None]  # (B, H, 1, D)
 
-        h = self._forward(input_ids[:, None], positions[:, None], attend, True, self._decode_dims, sink)
+        h = self._forward(input_ids[:, None], rope[:, None], attend, True, self._decode_dims, sink)
         return self._logits(h[:, 0])  # (B, V)
 
     @staticmethod

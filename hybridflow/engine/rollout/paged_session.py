@@ -18,6 +18,7 @@ from hybridflow.engine.rollout.block_pool import BlockPool
 from hybridflow.engine.rollout.decode_loop import make_sampler
 from hybridflow.engine.rollout.graphs import DecodeGraphs
 from hybridflow.engine.rollout.model import LlamaRunner
+from hybridflow.engine.rollout.multimodal import chunk_inputs, image_features
 from hybridflow.engine.rollout.paged_cache import PagedKVCache
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.seats import Seats
@@ -111,7 +112,13 @@ class Session:
         self.cache = self._cache(blocks + 1)  # block 0 of the device is scratch (see seats.py)
         eos = [] if params.ignore_eos else list(params.eos_token_ids)
         self.seats = Seats(
-            num_seats, width, params.max_new_tokens, list(params.stop_token_ids), eos, r.device
+            num_seats,
+            width,
+            params.max_new_tokens,
+            list(params.stop_token_ids),
+            eos,
+            r.device,
+            mrope=r.visual is not None,
         )
         self.params_never_stop = params.ignore_eos or not (params.eos_token_ids or params.stop_token_ids)
         self.pick, generator = make_sampler(params, r.device, engine.fused_sampler)
@@ -210,6 +217,7 @@ class Session:
         budget (a row longer than the budget in chunks); keeps the logits after each row's last token."""
         budget, call, out = self.engine.cfg.max_num_batched_tokens, [], []
         with self.timer.span("prefill"):
+            self.features = self._image_features(rows)
             for s, start in rows:
                 start = min(start, len(s.tokens) - 1)
                 self.counts.prefill_tokens += len(s.tokens) - start
@@ -226,7 +234,20 @@ class Session:
                 call.append((s, start, len(s.tokens)))
             if call:
                 out.append(self._prefill_call(call))
+        self.features = {}
         self.logits = torch.cat(out)  # (rows, V)
+
+    def _image_features(self, rows: list[tuple[Sequence, int]]) -> dict[int, torch.Tensor]:
+        """The vision tower's features of every row whose prefill still holds image tokens, by sequence id."""
+        r = self.runner
+        todo = [
+            s for s, at in rows if s.mm is not None and r.image_token_id in s.tokens[at : s.mm.prompt_len]
+        ]
+        if not todo:
+            return {}
+        self.counts.image_prefills += len(todo)
+        feats = image_features(r.visual, [s.mm for s in todo], r.device, r.dtype)
+        return {s.id: f for s, f in zip(todo, feats)}
 
     def _prefill_call(self, call: list[tuple[Sequence, int, int]]) -> torch.Tensor:
         """One right-padded prefill call of (sequence, start, end) rows; the logits after each row (b, V)."""
@@ -240,7 +261,10 @@ class Session:
         tables = torch.tensor(
             [[x + 1 for x in s.table.blocks] + [0] * (blocks - len(s.table.blocks)) for s, _, _ in call]
         )
-        return self.runner.prefill_paged(to_device(ids, dev), lengths, starts, self.cache, tables)
+        images = None
+        if self.runner.visual is not None:
+            images = chunk_inputs(call, self.features, self.runner.image_token_id, width)
+        return self.runner.prefill_paged(to_device(ids, dev), lengths, starts, self.cache, tables, images)
 
     def first_tokens(self, jobs: list[Sequence], groups: list[list[Sequence]]) -> None:
         """Sample each prefilled row's first token (once per sample of a group) and start their seats."""
@@ -252,7 +276,10 @@ class Session:
         seats = [s.seat for s in seqs]
         for s in seqs:
             s.pending = 1  # the token sampled here, on the device until its sequence is fetched
-        self.seats.begin(seats, [len(s.tokens) for s in seqs], [s.budget_end - len(s.tokens) for s in seqs])
+        deltas = [0 if s.mm is None else s.mm.delta for s in seqs] if self.seats.mrope else None
+        self.seats.begin(
+            seats, [len(s.tokens) for s in seqs], [s.budget_end - len(s.tokens) for s in seqs], deltas
+        )
         tokens, logprobs = self.pick(rows)
         idx = to_device(torch.tensor(seats), self.runner.device)
         self.seats.state.record(idx, tokens, logprobs, advance=False)

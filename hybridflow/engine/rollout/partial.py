@@ -105,6 +105,11 @@ def roll_partial(
     ``version``."""
     if engine.has_work:
         raise ValueError("roll_partial needs an idle engine")
+    if engine.runner.visual is not None:  # a group would need its images through every phase
+        raise UserError(
+            "trainer.async_mode=colocate (partial rollouts) does not carry images yet; use "
+            "trainer.async_mode=sync for a vision-language model"
+        )
     if any(len(g.samples) != params.n for g in groups):
         raise UserError(f"every group of a partial rollout has rollout.n={params.n} samples")
     engine.version = version

@@ -39,8 +39,10 @@ class Seats:
         stop_ids: list[int],
         eos_ids: list[int],
         device: torch.device,
+        mrope: bool = False,
     ) -> None:
-        self.num_seats, self.width, self.device = num_seats, width, device
+        """``mrope``: decode feeds RoPE each seat's position + its rope delta (a vision-language model)."""
+        self.num_seats, self.width, self.device, self.mrope = num_seats, width, device, mrope
         self.state = DecodeState(num_seats, max_new, stop_ids, eos_ids, device)
         self.tables = torch.zeros(num_seats, width, dtype=torch.int32, device=device)  # (S, W), 0 = scratch
         self.host_tables = np.zeros((num_seats, width), dtype=np.int32)  # the next upload
@@ -69,10 +71,14 @@ class Seats:
         """Send the host's table rows up (before a decode round; the graphs read ``tables`` in place)."""
         self.tables.copy_(to_device(torch.from_numpy(self.host_tables.copy()), self.device))
 
-    def begin(self, seats: list[int], positions: list[int], limits: list[int]) -> None:
-        """Start decode state for sequences whose first ``positions`` tokens are cached."""
+    def begin(
+        self, seats: list[int], positions: list[int], limits: list[int], deltas: list[int] | None = None
+    ) -> None:
+        """Start decode state for sequences whose first ``positions`` tokens are cached (``deltas``: their
+        M-RoPE rope deltas)."""
         idx, pos, lim = (to_device(torch.tensor(x), self.device) for x in (seats, positions, limits))
-        self.state.begin(idx, pos, lim)
+        delta = None if deltas is None else to_device(torch.tensor(deltas), self.device)
+        self.state.begin(idx, pos, lim, delta)
 
     def leave(self, seat: int) -> int | None:
         """Free ``seat``; the last seat moves into it. Returns the id of the sequence that moved, or None."""
@@ -121,6 +127,10 @@ class Seats:
         """One decode step for seats [0, b): feed each last token, sample, record (graph-capturable)."""
         st = self.state
         live = None if cache.routing is None else ~st.done[:b]  # routing records of finished rows: scratch
-        logits = decode(st.last_token[:b], st.position[:b], cache, self.tables[:b], live)  # (b, V)
+        if self.mrope:  # generated tokens are text: all three M-RoPE rows at position + delta
+            rope = st.position[:b] + st.rope_delta[:b]  # (b,)
+            logits = decode(st.last_token[:b], st.position[:b], cache, self.tables[:b], live, rope)
+        else:
+            logits = decode(st.last_token[:b], st.position[:b], cache, self.tables[:b], live)  # (b, V)
         tokens, logprobs = pick(logits)
         record(st, slice(0, b), tokens, logprobs, True)

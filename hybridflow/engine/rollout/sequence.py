@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridflow.engine.rollout.block_pool import BlockTable
+from hybridflow.engine.rollout.multimodal import MMPrompt
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.types import GenerationOutput
 
@@ -27,6 +28,7 @@ class Sequence:
     pending: int = 0  # tokens sampled on the device that ``tokens`` does not hold yet (while seated)
     finish_reason: str | None = None
     routing: torch.Tensor | None = None  # its recorded experts, taken from its blocks as it leaves
+    mm: MMPrompt | None = None  # its prompt's images (a vision-language model), kept for any re-prefill
 
     @property
     def response(self) -> list[int]:

@@ -31,6 +31,8 @@ class DecodeState:
         self.max_new = max_new
         self.last_token = torch.zeros(num_slots, dtype=torch.long, device=device)  # (S,)
         self.position = torch.zeros(num_slots, dtype=torch.long, device=device)  # (S,) next cache position
+        # (S,) M-RoPE's rope delta (a vision-language model): the fed token's RoPE position is position + delta
+        self.rope_delta = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.gen_len = torch.zeros(num_slots, dtype=torch.long, device=device)  # (S,)
         self.limit = torch.zeros(num_slots, dtype=torch.long, device=device)  # (S,) most tokens allowed
         self.done = torch.ones(num_slots, dtype=torch.bool, device=device)  # (S,)
@@ -45,12 +47,22 @@ class DecodeState:
         """Reset ``slots`` for new sequences whose prompts (``prompt_len`` tokens) are in the cache."""
         self.begin(slots, prompt_len, torch.clamp(max_len - prompt_len, max=self.max_new))
 
-    def begin(self, slots: torch.Tensor, position: torch.Tensor, limit: torch.Tensor) -> None:
+    def begin(
+        self,
+        slots: torch.Tensor,
+        position: torch.Tensor,
+        limit: torch.Tensor,
+        rope_delta: torch.Tensor | None = None,
+    ) -> None:
         """Reset ``slots`` (b,) for sequences whose first ``position`` (b,) tokens are in the cache, each to
-        sample at most ``limit`` (b,) tokens (at most ``max_new``)."""
+        sample at most ``limit`` (b,) tokens (at most ``max_new``); ``rope_delta`` (b,) their M-RoPE deltas."""
         # index_fill_ for the constants: ``t[slots] = 0`` copies the scalar up from the host first, which
         # synchronises the stream (the host could no longer queue prefill chunks ahead of the GPU).
         self.position[slots] = position
+        if rope_delta is None:
+            self.rope_delta.index_fill_(0, slots, 0)
+        else:
+            self.rope_delta[slots] = rope_delta
         self.gen_len.index_fill_(0, slots, 0)
         self.limit[slots] = limit
         self.done.index_fill_(0, slots, False)
@@ -93,6 +105,7 @@ class DecodeState:
         for t in (
             self.last_token,
             self.position,
+            self.rope_delta,
             self.gen_len,
             self.limit,
             self.done,

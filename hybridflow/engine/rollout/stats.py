@@ -15,6 +15,7 @@ class GenerationStats:
     """Counts and device time of one ``generate`` call (times in seconds)."""
 
     prefill_tokens: int = 0  # prompt tokens run through prefill (once per prompt: samples share it)
+    image_prefills: int = 0  # sequences whose images went through the vision tower (once per prompt group)
     decode_steps: int = 0
     decode_tokens: int = 0  # tokens the decode steps produced and kept (each sample's first is prefill's)
     slots: int = 0  # KV-cache slots: sequences decoded at once (fewer than the samples means waves)

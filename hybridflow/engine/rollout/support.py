@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from hybridflow.models.families import LLAMA_FAMILY, is_moe
+from hybridflow.models.vision import is_vision_language, text_config
 from hybridflow.utils.errors import UserError
 
 if TYPE_CHECKING:
@@ -19,6 +20,8 @@ logger = logging.getLogger(__name__)
 # Mixtures of experts whose layers are the Llama family's with a routed MLP (``blocks.moe_mlp``).
 MOE_FAMILY = ("qwen2_moe", "qwen3_moe", "mixtral")
 FAMILY = (*LLAMA_FAMILY, *MOE_FAMILY)
+# The language models of the vision-language models the engine runs (Qwen2 layers, M-RoPE positions).
+VL_TEXT = ("qwen2_5_vl_text", "qwen2_vl_text")
 _WINDOWED = ("mistral", "mixtral")  # a sliding window that is exact while no sequence outgrows it
 # These RoPE types recompute inv_freq from the current sequence length inside HF's forward
 # (transformers' dynamic_rope_update): data-dependent, so not capturable; HF generate handles them.
@@ -32,6 +35,11 @@ def unsupported_reason(config: Any, max_len: int | None = None) -> str | None:
     ``max_len`` (the longest sequence the engine will hold) lets a Mistral config with a sliding window
     through when no sequence can be longer than the window, where sliding attention equals full attention.
     """
+    if is_vision_language(config):  # judged by its language model; the vision tower is HF's own module
+        config = text_config(config)
+        if getattr(config, "model_type", None) not in VL_TEXT:
+            return f"a vision-language model whose language model is {config.model_type!r} is not supported"
+        return _text_reason(config, max_len)
     model_type = getattr(config, "model_type", None)
     if model_type == "deepseek_v3":
         return (
@@ -44,6 +52,12 @@ def unsupported_reason(config: Any, max_len: int | None = None) -> str | None:
             f"model_type {model_type!r} is {kind}; the rollout engine runs dense {', '.join(LLAMA_FAMILY)} "
             f"and the mixtures of experts {', '.join(MOE_FAMILY)}"
         )
+    return _text_reason(config, max_len)
+
+
+def _text_reason(config: Any, max_len: int | None) -> str | None:
+    """``unsupported_reason``'s checks of a Llama-family config's activation, attention and RoPE."""
+    model_type = getattr(config, "model_type", None)
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         return f"hidden_act {act!r} is not supported (only SiLU-gated MLPs)"
@@ -75,9 +89,19 @@ def check_supported(config: Any, max_len: int | None = None) -> None:
         raise ValueError(f"{reason}; {_FALLBACK_HINT}")
 
 
+def text_base(hf_model: nn.Module) -> nn.Module | None:
+    """The decoder stack the runner binds: ``model``, or a vision-language model's ``model.language_model``."""
+    base = getattr(hf_model, "model", None)
+    if is_vision_language(getattr(hf_model, "config", None)):
+        return getattr(base, "language_model", None)
+    return base
+
+
 def structure_problem(hf_model: nn.Module) -> str | None:
     """Why the module lacks the HF *ForCausalLM layout the runner binds to, or None."""
-    base = getattr(hf_model, "model", None)
+    base = text_base(hf_model)
+    if is_vision_language(getattr(hf_model, "config", None)) and not hasattr(hf_model.model, "visual"):
+        return f"{type(hf_model).__name__} is a vision-language model without model.visual (its vision tower)"
     missing = [n for n in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(base, n)]
     if base is None or missing or not hasattr(hf_model, "lm_head"):
         return (

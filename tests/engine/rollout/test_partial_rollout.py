@@ -77,3 +77,15 @@ def test_a_phase_waits_for_the_groups_it_must_finish() -> None:
     roll_partial(engine, groups, params, quota=0, version=1, finish=open_keys)
     assert all(g.done for g in groups)  # quota 0, but the named groups had to finish
     assert all(len(s.tokens) <= 16 for g in groups for s in g.samples)
+
+
+def test_partial_rollouts_refuse_a_vision_language_model() -> None:
+    from vlm_cases import lively_vl_model, prompts
+
+    from hybridflow.utils.errors import UserError
+
+    model, processor = lively_vl_model()
+    ids, _ = prompts(processor)
+    groups = [new_group(k, p, 2) for k, p in enumerate(ids)]
+    with pytest.raises(UserError, match=r"trainer\.async_mode=sync"):
+        roll_partial(PagedEngine(model, block_size=8), groups, SamplingParams(n=2, max_new_tokens=4), 1, 0)
