@@ -44,7 +44,9 @@ def vision_batch(processor, rows=ROWS, seed: int = 0) -> Batch:
         ids = tok.encode(IMAGE_SLOT * len(sizes) + text, add_special_tokens=False)
         inputs = None
         if sizes:
-            inputs = processor.images_to_inputs([image(s, 100 * seed + 10 * i + k) for k, s in enumerate(sizes)])
+            inputs = processor.images_to_inputs(
+                [image(s, 100 * seed + 10 * i + k) for k, s in enumerate(sizes)]
+            )
             ids = processor.expand_image_tokens(ids, inputs["image_grid_thw"])
         prompts.append(ids)
         responses.append(tok.encode(answer, add_special_tokens=False)[:R])
@@ -64,7 +66,9 @@ def hf_log_probs(model, batch: Batch, image_token_id: int) -> torch.Tensor:
         valid = batch["attention_mask"][b].bool()
         ids = batch["input_ids"][b][valid][None]  # (1, t)
         mm = batch["multi_modal_inputs"][b]
-        extra = {} if mm is None else {"pixel_values": mm["pixel_values"], "image_grid_thw": mm["image_grid_thw"]}
+        extra = (
+            {} if mm is None else {"pixel_values": mm["pixel_values"], "image_grid_thw": mm["image_grid_thw"]}
+        )
         with torch.no_grad():
             logits = model(
                 input_ids=ids, mm_token_type_ids=(ids == image_token_id).int(), use_cache=False, **extra

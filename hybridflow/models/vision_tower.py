@@ -55,6 +55,11 @@ def vision_tower(model: nn.Module) -> nn.Module | None:
     return model.model.visual
 
 
+def is_vision_param(name: str) -> bool:
+    """Whether a parameter name (under any wrapper's prefix) is the vision tower's, merger included."""
+    return ".visual." in f".{name}"
+
+
 def vision_units(model: nn.Module) -> list[nn.Module]:
     """The tower's modules FSDP2 shards one by one: each block, the merger, then the tower (patch embedding)."""
     tower = vision_tower(model)
@@ -70,12 +75,16 @@ def set_vision_trainable(model: nn.Module, trainable: bool) -> int:
     for param in params:
         param.requires_grad_(trainable)
     logger.info(
-        "vision tower %s: %.2fM parameters", "trained" if trainable else "frozen", sum(p.numel() for p in params) / 1e6
+        "vision tower %s: %.2fM parameters",
+        "trained" if trainable else "frozen",
+        sum(p.numel() for p in params) / 1e6,
     )
     return len(params)
 
 
-def load_vision_processor(path: str | os.PathLike | None, tokenizer: Any, config: Any) -> VisionProcessor | None:
+def load_vision_processor(
+    path: str | os.PathLike | None, tokenizer: Any, config: Any
+) -> VisionProcessor | None:
     """The processor of a VLM's directory (its image processor beside ``tokenizer``); None for a text model."""
     if path is None or not is_vision_language(config):
         return None

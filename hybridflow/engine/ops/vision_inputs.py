@@ -45,7 +45,9 @@ def _checked(row: Any, index: int) -> dict[str, torch.Tensor] | None:
     return row
 
 
-def concat_images(rows: Sequence[dict[str, torch.Tensor] | None]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def concat_images(
+    rows: Sequence[dict[str, torch.Tensor] | None],
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The rows' ``pixel_values`` (P, D) and ``image_grid_thw`` (I, 3) concatenated in row order (None, None
     when no row has an image)."""
     images = [r for r in rows if r is not None and len(r["image_grid_thw"])]

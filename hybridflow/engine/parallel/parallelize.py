@@ -195,7 +195,15 @@ def parallelize(
     # A LoRA base is frozen: gathering a layer again in backward is a copy, not a cast (free each after use)
     reduce, reshard = to_dtype(fsdp.reduce_dtype), reshard_after_forward(fsdp, trainable and lora is None)
     module = shard_model(  # 7. FSDP2
-        scorer, [*vision, *layers], device, compute, reduce, reshard, dims.fsdp_mesh, experts, dims.experts_fsdp_mesh
+        scorer,
+        [*vision, *layers],
+        device,
+        compute,
+        reduce,
+        reshard,
+        dims.fsdp_mesh,
+        experts,
+        dims.experts_fsdp_mesh,
     )
     tied = None
     if stage is not None:  # the tied head's two copies (collective: every rank builds every pair)

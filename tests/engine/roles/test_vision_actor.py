@@ -36,7 +36,9 @@ def test_log_probs_with_images_equal_a_plain_hf_forward_per_row(tiny, packed: bo
 def test_frozen_vision_tower_is_not_in_the_optimizer(tiny) -> None:
     """freeze_vision_tower (the default): the tower and merger are out of AdamW's groups; trained: in them."""
     for freeze in (True, False):
-        engine = ActorEngine(build_tiny_vl_model_and_processor(seed=3)[0], ActorConfig(), freeze_vision_tower=freeze)
+        engine = ActorEngine(
+            build_tiny_vl_model_and_processor(seed=3)[0], ActorConfig(), freeze_vision_tower=freeze
+        )
         optimized = {id(p) for group in engine.engine.optimizer.param_groups for p in group["params"]}
         named = dict(engine.module.named_parameters())
         tower = {n for n in named if ".visual." in n}
@@ -51,7 +53,9 @@ def update_config() -> ActorConfig:
     cfg.ppo_mini_batch_size = len(ROWS)  # one optimizer step over the whole batch
     cfg.ppo_micro_batch_size_per_gpu = 2  # rank 1 of 2 has a micro-batch of two text-only rows
     cfg.optim.lr = 1e-2
-    cfg.optim.eps = 1e-3  # Adam's first step linear in tiny gradients: weights compare at 1e-6 (test_train_views)
+    cfg.optim.eps = (
+        1e-3  # Adam's first step linear in tiny gradients: weights compare at 1e-6 (test_train_views)
+    )
     cfg.grad_clip = 0.5
     return cfg
 
