@@ -135,8 +135,11 @@ def check_position_limit(cfg: Config, model: torch.nn.Module | None) -> None:
         )
 
 
-def _local_groups(cfg: Config, model: torch.nn.Module, tokenizer: Any, steps: int) -> list[WorkerGroup]:
-    """This process as the rank (or, under torchrun, one of the ranks) holding every role."""
+def _local_groups(
+    cfg: Config, model: torch.nn.Module, tokenizer: Any, steps: int, processor: Any = None
+) -> list[WorkerGroup]:
+    """This process as the rank (or, under torchrun, one of the ranks) holding every role (``processor``: a
+    vision-language policy's, saved with it)."""
     t = cfg.trainer
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if t.world_size != launched:
@@ -149,7 +152,7 @@ def _local_groups(cfg: Config, model: torch.nn.Module, tokenizer: Any, steps: in
     init_distributed(timeout_s=t.nccl_timeout)  # before the engines join it with the default timeout
     worker = RankWorker(build_roles(cfg, model, steps, pad_id_of(tokenizer)), tokenizer)
     worker.eos_token_ids = eos_ids_of(model, tokenizer)
-    worker.processor = load_policy_processor(cfg, tokenizer, model.config)
+    worker.processor = processor
     return [LocalGroup(worker)]
 
 
@@ -178,10 +181,12 @@ def _policy(cfg: Config, model: torch.nn.Module | None, tokenizer: Any) -> tuple
     return None, tokenizer or load_policy_tokenizer(cfg)
 
 
-def _groups(cfg: Config, model: torch.nn.Module | None, tokenizer: Any, steps: int) -> list[WorkerGroup]:
+def _groups(
+    cfg: Config, model: torch.nn.Module | None, tokenizer: Any, steps: int, processor: Any = None
+) -> list[WorkerGroup]:
     if cfg.trainer.backend == "ray":
-        return _ray_groups(cfg, steps)
-    return _local_groups(cfg, model, tokenizer, steps)
+        return _ray_groups(cfg, steps)  # each rank loads its processor itself (``build_rank_worker``)
+    return _local_groups(cfg, model, tokenizer, steps, processor)
 
 
 def _rollout_pool(cfg: Config, groups: list[WorkerGroup], steps: int) -> WorkerGroup | None:
@@ -260,7 +265,7 @@ def build_components(
         train, val = _datasets(cfg, tokenizer, reward_fn, train, val)
         steps = total_training_steps(cfg, len(train))
         data = f"{len(train)} prompts from {train.source}, {steps} steps"
-    groups = _groups(cfg, model, tokenizer, steps)
+    groups = _groups(cfg, model, tokenizer, steps, processor)
     pool = _rollout_pool(cfg, groups, steps)
     eos = groups[0].run_all("stop_tokens")[0]
     actor, ref, critic = _handles(cfg, groups, pad_id_of(tokenizer))
