@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from vision_batches import hf_log_probs, vision_batch
 
 from hybridflow.config.schema import Config
-from hybridflow.models import build_tiny_model_and_tokenizer
+from hybridflow.models import build_tiny_model_and_tokenizer, load_causal_lm
 from hybridflow.models.vision import VisionProcessor, build_tiny_vl_model_and_processor
 from hybridflow.models.vision_tower import is_vision_param
 from hybridflow.trainer.builder import build_components
@@ -66,6 +67,24 @@ def test_the_builder_loads_the_processor_and_freezes_the_tower_as_configured(
             ].state_dict()
             for name, tensor in original.items():
                 torch.testing.assert_close(saved[name], tensor, rtol=0, atol=0, msg=name)
+    finally:
+        components.close()
+
+
+def test_the_handles_send_each_row_its_images(vl_dir: Path) -> None:
+    """The actor's and the reference's passes through the worker group: the rows' images travel with them,
+    and the log-probs equal a plain HF forward of each row (with the reference on: a KL loss)."""
+    cfg = vl_config(vl_dir)
+    cfg.actor.use_kl_loss = True
+    components = build_components(cfg)
+    try:
+        batch = vision_batch(components.processor)
+        model = load_causal_lm(vl_dir)
+        want = hf_log_probs(model, batch, components.processor.image_token_id)
+        got = components.actor.compute_log_prob(batch)["old_log_probs"]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        ref = components.ref.compute_ref_log_prob(batch)["ref_log_prob"]
+        torch.testing.assert_close(ref, want, rtol=0, atol=1e-5)
     finally:
         components.close()
 
