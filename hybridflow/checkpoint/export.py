@@ -21,6 +21,7 @@ from hybridflow.checkpoint.manager import HF_CONFIG, SHARDS, verify_checkpoint
 from hybridflow.checkpoint.sharded import CheckpointError, check_shapes, load_full_state
 from hybridflow.models.adapters import is_adapter_name, merge_adapter_state, write_peft_adapter
 from hybridflow.models.loader import resolve_dtype
+from hybridflow.models.vision import is_vision_language
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.storage import staged_dir
 
@@ -30,7 +31,8 @@ EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def write_hf_config(out_dir: Path, model: nn.Module, tokenizer: Any | None) -> None:
-    """Save what export needs besides the weights: config, generation config, tokenizer."""
+    """Save what export needs besides the weights: config, generation config, tokenizer (a vision-language
+    model's processor in its place: the image processor's files and the tokenizer's)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(out_dir)
     gen = getattr(model, "generation_config", None)
@@ -69,12 +71,24 @@ def save_hf_model(
     return out
 
 
+def auto_class(config: Any, role: str = "actor") -> type:
+    """The transformers auto class that builds ``role``'s architecture: a causal LM, a vision-language model
+    (vision tower included) or the critic's token classifier."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForTokenClassification,
+    )
+
+    if role == "critic":
+        return AutoModelForTokenClassification
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
 def _meta_model(config: Any) -> nn.Module:
     """The causal-LM architecture of ``config`` with no storage (what ``save_pretrained`` needs of a module)."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return auto_class(config).from_config(config)
 
 
 def _checked_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -92,12 +106,11 @@ def _checked_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str
 
 
 def _build(config_dir: Path, role: str) -> nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(config_dir)
-    auto = AutoModelForTokenClassification if role == "critic" else AutoModelForCausalLM
     with torch.random.fork_rng(devices=[]):  # the random init is overwritten: keep the caller's RNG
-        return auto.from_config(config)
+        return auto_class(config, role).from_config(config)
 
 
 def _export_dtype(name: str, model: nn.Module) -> torch.dtype:
@@ -156,11 +169,11 @@ def base_path(ckpt: Path, meta: dict[str, Any], role: str) -> Path:
 def load_adapted(ckpt: Path, meta: dict[str, Any], role: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """The base model (float32, from the recorded path, with the checkpoint's config) and the adapters'
     whole tensors (plain HF names) of a LoRA checkpoint."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     path = base_path(ckpt, meta, role)
     config = AutoConfig.from_pretrained(ckpt / role / HF_CONFIG)
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32)
+    model = auto_class(config, role).from_pretrained(path, config=config, dtype=torch.float32)
     saved = meta["roles"][role]
     prefix = saved.get("prefix", "")
     template = {
@@ -190,7 +203,8 @@ def export_adapter(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, role
 def export_hf(
     ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, role: str = "actor", dtype: str = "auto"
 ) -> Path:
-    """Write the role's weights, config, generation config and tokenizer as a Hugging Face model directory."""
+    """Write the role's weights, config, generation config and tokenizer as a Hugging Face model directory
+    (a vision-language model's whole model, vision tower included, and its image processor's files)."""
     ckpt, out = Path(ckpt_dir), Path(out_dir)
     model = load_role_model(ckpt, role)
     model.to(_export_dtype(dtype, model))

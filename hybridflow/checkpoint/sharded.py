@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from hybridflow.models.vision_tower import is_vision_param
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.optim_state import zero_state
 
@@ -98,10 +99,15 @@ def check_shapes(saved: dict[str, list[int]], current: dict[str, list[int]], wha
 
 def _model_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """The module's sharded state dict without its frozen parameters (a LoRA base: the run's model.path holds
-    them, and the checkpoint records which one, ``identity``); under the CPU optimizer step, its trained
-    weights are the float32 host masters (``HostAdamW.model_state``), so every checkpoint holds float32
-    weights whatever the run kept on the device."""
+    them, and the checkpoint records which one, ``identity``), but with a frozen vision tower's (a VLM's
+    checkpoint exports and resumes whole, whatever model.path holds later); under the CPU optimizer step, its
+    trained weights are the float32 host masters (``HostAdamW.model_state``), so every checkpoint holds
+    float32 weights whatever the run kept on the device."""
     state = get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=True))
+    tower = [name for name, p in module.named_parameters() if not p.requires_grad and is_vision_param(name)]
+    if tower:  # shards of the live parameters: no copies
+        every = get_model_state_dict(module)
+        state.update({name: every[name] for name in tower})
     return optimizer.model_state(state) if hasattr(optimizer, "model_state") else state
 
 

@@ -63,6 +63,10 @@ class ModelConfig:
         "Decoder-layer linears with adapters: name suffixes (q_proj, mlp.down_proj) or all-linear (no LM head).",
     )
     lora_dropout: float = option(0.0, "Dropout on the adapters' input during updates (0: none, as in RL).")
+    freeze_vision_tower: bool = option(
+        True,
+        "Vision-language models: keep the vision tower and merger frozen (no gradient, not in the optimizer).",
+    )
 
 
 @dataclass

@@ -15,6 +15,7 @@ from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
@@ -23,6 +24,7 @@ from transformers import (
 )
 
 from hybridflow.models.moe import install_moe, moe_blocks
+from hybridflow.models.vision import is_vision_language
 from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -181,6 +183,8 @@ def check_causal_lm(config: PretrainedConfig, model_dir: Path) -> None:
     """Refuse a model that is not a causal (decoder-only) LM: an encoder (BERT) or an encoder-decoder (T5)."""
     model_type = getattr(config, "model_type", "?")
     archs = list(getattr(config, "architectures", None) or [])
+    if is_vision_language(config):  # Qwen2-VL family: a causal LM over text and image tokens
+        return
     causal_arch = any("CausalLM" in a or "LMHeadModel" in a for a in archs)
     encoder = model_type in _ENCODER_TYPES and not getattr(config, "is_decoder", False)
     if getattr(config, "is_encoder_decoder", False):
@@ -238,15 +242,18 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     override_config: dict[str, Any] | None = None,
 ) -> PreTrainedModel:
-    """Load a causal LM (any architecture ``AutoModelForCausalLM`` knows) from a local directory."""
+    """Load a causal LM (any architecture ``AutoModelForCausalLM`` knows) from a local directory.
+
+    A Qwen2-VL-family directory loads as its vision-language class (``Qwen2_5_VLForConditionalGeneration``),
+    vision tower included; its processor comes from ``vision_tower.load_vision_processor``.
+    """
     config = load_config(path, trust_remote_code=trust_remote_code, override_config=override_config)
     model_dir = Path(path).expanduser()
     check_causal_lm(config, model_dir)
     kwargs = from_pretrained_kwargs(dtype, attn_implementation, trust_remote_code)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            model_dir, config=config, output_loading_info=True, **kwargs
-        )
+        auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+        model, info = auto.from_pretrained(model_dir, config=config, output_loading_info=True, **kwargs)
     except (SafetensorError, OSError, EOFError, pickle.UnpicklingError) as exc:
         raise _weights_error(model_dir, exc) from None
     except RuntimeError as exc:  # torch.load of a damaged pytorch_model.bin

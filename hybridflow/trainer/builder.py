@@ -13,6 +13,8 @@ import torch
 from hybridflow.config.schema import Config
 from hybridflow.data import KTODataset, PreferenceDataset, RLDataset, build_rl_dataset, load_rows
 from hybridflow.engine import world_line
+from hybridflow.models.vision import text_config
+from hybridflow.models.vision_tower import check_vision_training
 from hybridflow.trainer.scoring import Scorer, build_reward_manager, has_scorer, known_sources
 from hybridflow.utils.dist import init_distributed
 from hybridflow.utils.errors import UserError
@@ -22,6 +24,7 @@ from hybridflow.workers.build import (
     build_roles,
     eos_ids_of,
     load_policy,
+    load_policy_processor,
     load_policy_tokenizer,
     pad_id_of,
 )
@@ -50,6 +53,9 @@ class Components:
     total_steps: int
     groups: list[WorkerGroup] = field(default_factory=list)  # the main group (with the actor) first
     pool: WorkerGroup | None = None  # trainer.async_mode=separate: the rollout pool (no checkpoint state)
+    # A vision-language policy's processor (``models.vision.VisionProcessor``: images to patches, image tokens
+    # expanded), what its datasets take beside the tokenizer; None for a text model.
+    processor: Any = None
 
     def close(self) -> None:
         """Stop the scorer's pool and the worker groups' processes."""
@@ -108,7 +114,7 @@ def check_position_limit(cfg: Config, model: torch.nn.Module | None) -> None:
 
     d, m = cfg.data, cfg.model
     config = model.config if model is not None else load_model_config(m.path, m.trust_remote_code)
-    limit = getattr(config, "max_position_embeddings", None)
+    limit = getattr(text_config(config), "max_position_embeddings", None)  # a VLM's: its language model's
     if isinstance(limit, int) and d.max_prompt_length >= limit:
         raise UserError(
             f"data.max_prompt_length={d.max_prompt_length} is not below the model's position limit "
@@ -129,8 +135,11 @@ def check_position_limit(cfg: Config, model: torch.nn.Module | None) -> None:
         )
 
 
-def _local_groups(cfg: Config, model: torch.nn.Module, tokenizer: Any, steps: int) -> list[WorkerGroup]:
-    """This process as the rank (or, under torchrun, one of the ranks) holding every role."""
+def _local_groups(
+    cfg: Config, model: torch.nn.Module, tokenizer: Any, steps: int, processor: Any = None
+) -> list[WorkerGroup]:
+    """This process as the rank (or, under torchrun, one of the ranks) holding every role (``processor``: a
+    vision-language policy's, saved with it)."""
     t = cfg.trainer
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if t.world_size != launched:
@@ -143,6 +152,7 @@ def _local_groups(cfg: Config, model: torch.nn.Module, tokenizer: Any, steps: in
     init_distributed(timeout_s=t.nccl_timeout)  # before the engines join it with the default timeout
     worker = RankWorker(build_roles(cfg, model, steps, pad_id_of(tokenizer)), tokenizer)
     worker.eos_token_ids = eos_ids_of(model, tokenizer)
+    worker.processor = processor
     return [LocalGroup(worker)]
 
 
@@ -171,10 +181,12 @@ def _policy(cfg: Config, model: torch.nn.Module | None, tokenizer: Any) -> tuple
     return None, tokenizer or load_policy_tokenizer(cfg)
 
 
-def _groups(cfg: Config, model: torch.nn.Module | None, tokenizer: Any, steps: int) -> list[WorkerGroup]:
+def _groups(
+    cfg: Config, model: torch.nn.Module | None, tokenizer: Any, steps: int, processor: Any = None
+) -> list[WorkerGroup]:
     if cfg.trainer.backend == "ray":
-        return _ray_groups(cfg, steps)
-    return _local_groups(cfg, model, tokenizer, steps)
+        return _ray_groups(cfg, steps)  # each rank loads its processor itself (``build_rank_worker``)
+    return _local_groups(cfg, model, tokenizer, steps, processor)
 
 
 def _rollout_pool(cfg: Config, groups: list[WorkerGroup], steps: int) -> WorkerGroup | None:
@@ -213,6 +225,15 @@ def _datasets(
     return train, val
 
 
+def _model_config(cfg: Config, model: torch.nn.Module | None) -> Any:
+    """The policy's config: the given model's, else ``model.path``'s (the Ray driver loads no model)."""
+    if model is not None:
+        return model.config
+    from hybridflow.models.loader import load_config as load_model_config
+
+    return load_model_config(cfg.model.path, cfg.model.trust_remote_code)
+
+
 def build_components(
     cfg: Config,
     model: torch.nn.Module | None = None,
@@ -233,6 +254,7 @@ def build_components(
     model, tokenizer = _policy(cfg, model, tokenizer)
     check_rollout_view(cfg, model)
     check_position_limit(cfg, model)
+    processor = load_policy_processor(cfg, tokenizer, _model_config(cfg, model))
     if step_wise:
         train = val = None
         steps = cfg.trainer.total_training_steps or 1
@@ -243,11 +265,11 @@ def build_components(
         train, val = _datasets(cfg, tokenizer, reward_fn, train, val)
         steps = total_training_steps(cfg, len(train))
         data = f"{len(train)} prompts from {train.source}, {steps} steps"
-    groups = _groups(cfg, model, tokenizer, steps)
+    groups = _groups(cfg, model, tokenizer, steps, processor)
     pool = _rollout_pool(cfg, groups, steps)
     eos = groups[0].run_all("stop_tokens")[0]
     actor, ref, critic = _handles(cfg, groups, pad_id_of(tokenizer))
-    vocab = len(tokenizer) if model is None else model.config.vocab_size
+    vocab = len(tokenizer) if model is None else text_config(model.config).vocab_size
     rm = RewardModelWorker(cfg, vocab) if cfg.reward.model.enable else None
     scorer = Scorer(build_reward_manager(cfg, reward_fn), tokenizer, cfg, rm)
     logger.info(
@@ -258,7 +280,19 @@ def build_components(
         " + ".join(name for name, h in (("actor", actor), ("reference", ref), ("critic", critic)) if h),
     )
     return Components(
-        tokenizer, pad_id_of(tokenizer), eos, actor, ref, critic, train, val, scorer, steps, groups, pool
+        tokenizer,
+        pad_id_of(tokenizer),
+        eos,
+        actor,
+        ref,
+        critic,
+        train,
+        val,
+        scorer,
+        steps,
+        groups,
+        pool,
+        processor,
     )
 
 
@@ -276,8 +310,19 @@ def build_eval_components(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     actor = ActorWorker(model, cfg, 1, pad_id, trainable=False)  # no optimizer state to hold for evaluation
     scorer = Scorer(build_reward_manager(cfg, reward_fn), tokenizer, cfg, None)
+    processor = load_policy_processor(cfg, tokenizer, model.config)
     return Components(
-        tokenizer, pad_id, eos_ids_of(model, tokenizer), actor, None, None, None, val, scorer, 0
+        tokenizer,
+        pad_id,
+        eos_ids_of(model, tokenizer),
+        actor,
+        None,
+        None,
+        None,
+        val,
+        scorer,
+        0,
+        processor=processor,
     )
 
 
@@ -294,6 +339,7 @@ def build_preference_components(
     """
     logger.info("%s", world_line(cfg))  # first after the layout plan's line: the world, every role's layout
     model, tokenizer = _policy(cfg, model, tokenizer)
+    check_vision_training(cfg, _model_config(cfg, model), kind)  # no images in preference rows yet
     check_position_limit(cfg, model)
     d = cfg.data
     train = _preference_dataset(cfg, kind, tokenizer, rows)

@@ -17,6 +17,7 @@ from hybridflow.checkpoint.manager import HF_CONFIG
 from hybridflow.config import Config, check_start, save_config
 from hybridflow.data import load_split_rows
 from hybridflow.models import load_causal_lm, load_tokenizer
+from hybridflow.models.vision_tower import check_vision_training
 from hybridflow.trainer.async_ppo import ColocatePPOTrainer
 from hybridflow.trainer.async_separate import SeparatePPOTrainer
 from hybridflow.trainer.builder import (
@@ -84,6 +85,7 @@ def sft_job(
     start_job(cfg, single_process="sft")
     if model is None:
         model, tokenizer = load_policy(cfg)
+    check_vision_training(cfg, model.config, "sft")  # SFT rows carry no images yet
     base = copy.deepcopy(model)  # a clean module to receive the trained weights for saving
     rows = rows if rows is not None else load_split_rows(cfg.data, "train", cfg.trainer.seed)
     end = eos_ids_of(model, tokenizer)[-1]  # the chat end token for chat models (last of the stop ids)

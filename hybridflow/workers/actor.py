@@ -162,6 +162,7 @@ class ActorWorker:
             trainable=trainable,
             dims=dims,
             lora=lora_spec(cfg, model.config, dims),
+            freeze_vision_tower=cfg.model.freeze_vision_tower,
         )
         self.dims = self.engine.dims  # with its process groups
         device = self.engine.device

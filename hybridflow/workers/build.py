@@ -13,6 +13,7 @@ from hybridflow.config.schema import Config
 from hybridflow.models import build_value_model, load_causal_lm, load_tokenizer, load_value_model
 from hybridflow.models.families import check_router_replay, disable_dropout
 from hybridflow.models.moe import install_moe
+from hybridflow.models.vision_tower import check_vision_training, load_vision_processor
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.seed import set_seed
 from hybridflow.workers.actor import ActorWorker
@@ -51,6 +52,12 @@ def load_policy_tokenizer(cfg: Config) -> Any:
     return tokenizer
 
 
+def load_policy_processor(cfg: Config, tokenizer: Any, config: Any) -> Any:
+    """A vision-language policy's processor (``models.vision.VisionProcessor``) from ``model.path``, beside
+    ``tokenizer``; None for a text model (or a model handed in without a path)."""
+    return load_vision_processor(cfg.model.path, tokenizer, config)
+
+
 def load_policy(cfg: Config) -> tuple[torch.nn.Module, Any]:
     """The policy model (float32 master weights) and its tokenizer from ``model.path``."""
     tokenizer = load_policy_tokenizer(cfg)
@@ -74,6 +81,7 @@ def build_roles(
     distribution the rollout sampled from.
     """
     install_moe(model)  # a model handed in (notebook, benchmarks) gets the shared MoE blocks as a loaded one
+    check_vision_training(cfg, model.config)  # a VLM: what its training does not implement is refused
     check_router_replay(model.config, cfg.actor.router_replay, cfg.rollout.engine, role_sizes(cfg, "actor"))
     turned_off = disable_dropout(model)
     if turned_off:
@@ -123,6 +131,7 @@ def build_rank_worker(cfg: Config, total_steps: int, roles: tuple[str, ...], gro
     model, tokenizer = load_policy(cfg)
     worker = RankWorker(build_roles(cfg, model, total_steps, pad_id_of(tokenizer), roles), tokenizer, group)
     worker.eos_token_ids = eos_ids_of(model, tokenizer)
+    worker.processor = load_policy_processor(cfg, tokenizer, model.config)
     return worker
 
 

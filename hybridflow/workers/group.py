@@ -127,6 +127,15 @@ POLICY_KEYS = (*SEQ_KEYS, "routed_experts")
 ACTOR_UPDATE_KEYS = (*POLICY_KEYS, "advantages", "old_log_probs", "ref_log_prob", "rollout_is_weights")
 CRITIC_UPDATE_KEYS = (*SEQ_KEYS, "values", "returns")
 PREFERENCE_KEYS = (*SEQ_KEYS, "ref_seq_logps", "labels")
+# The non-tensor fields that travel with the rows: a vision-language policy's images (one dict per row, None
+# for a text-only row; each pass feeds its micro-batches' rows' images to the model).
+ROW_NON_TENSORS = ("multi_modal_inputs",)
+
+
+def _row_fields(batch: Batch, keys: tuple[str, ...]) -> Batch:
+    """The tensors ``keys`` of ``batch`` that it has, and its row-aligned non-tensors (``ROW_NON_TENSORS``)."""
+    present = [k for k in keys if k in batch.tensors]
+    return batch.select(present, [k for k in ROW_NON_TENSORS if k in batch.non_tensors])
 
 
 def merge_rollout(
@@ -178,8 +187,7 @@ class RoleHandle:
         return [results[s] for s in layout.sources], results, pad
 
     def _split(self, method: str, batch: Batch, keys: tuple[str, ...] = SEQ_KEYS) -> Any:
-        present = [k for k in keys if k in batch.tensors]
-        pieces, _, pad = self._call(method, batch.select(present, []))
+        pieces, _, pad = self._call(method, _row_fields(batch, keys))
         if isinstance(pieces[0], Batch):
             return merge_batches(pieces, pad, self.widths)
         return pieces[0]  # metrics: already reduced over the ranks
@@ -223,8 +231,7 @@ class ActorHandle(RoleHandle):
     def update_actor(self, batch: Batch) -> tuple[dict[str, float], Batch | None]:
         """One PPO-family update: its metrics (reduced over the ranks), and, when ``batch`` has no
         ``old_log_probs`` (on-policy), the update's own log-probs as ``old_log_probs``, else None."""
-        present = [k for k in ACTOR_UPDATE_KEYS if k in batch.tensors]
-        pieces, _, pad = self._call("update_actor", batch.select(present, []))
+        pieces, _, pad = self._call("update_actor", _row_fields(batch, ACTOR_UPDATE_KEYS))
         metrics = pieces[0].meta["metrics"]  # reduced over the ranks: the same on every one
         if "old_log_probs" not in pieces[0]:
             return metrics, None

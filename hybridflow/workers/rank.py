@@ -52,6 +52,9 @@ class RankWorker:
             self.roles["actor"].attach_tokenizer(tokenizer)  # multi-turn rollouts decode and render with it
         self.group = group
         self.eos_token_ids: list[int] = []  # set by the builder: the policy's stop tokens
+        # A vision-language policy's processor (set by the builder): saved with the model in its place of the
+        # tokenizer, so checkpoints and exports keep the image processor's files too.
+        self.processor: Any = None
         self.peaks: dict[str, float] = {}
 
     def stop_tokens(self) -> list[int]:
@@ -123,6 +126,11 @@ class RankWorker:
             for name, role in self._trainable().items()
         }
 
+    def _files(self) -> Any:
+        """What is saved beside the policy's weights: its processor (image processor + tokenizer), else the
+        tokenizer."""
+        return self.processor if self.processor is not None else self.tokenizer
+
     def _actor_state(self) -> dict[str, torch.Tensor]:
         """The actor's whole weights on CPU, its adapters merged (a collective: all ranks call it; offloaded
         shards gather on the device)."""
@@ -144,12 +152,12 @@ class RankWorker:
                 if env_rank() == 0:
                     model = role.hf_model if name == "actor" else role.engine.module.model
                     write_hf_config(
-                        tmp_dir / name / HF_CONFIG, model, self.tokenizer if name == "actor" else None
+                        tmp_dir / name / HF_CONFIG, model, self._files() if name == "actor" else None
                     )
             if hf_state is not None and env_rank() == 0:
                 actor = self.roles["actor"]
                 hf_dir = tmp_dir / "actor" / HF_DIR
-                save_hf_model(hf_state, actor.hf_model.config, self.tokenizer, hf_dir, "lm.")
+                save_hf_model(hf_state, actor.hf_model.config, self._files(), hf_dir, "lm.")
         return {"roles": role_meta, "engines": engines, "world_size": world_size()}
 
     def load_checkpoint(self, path: str, engines: dict[str, Any]) -> None:
@@ -179,5 +187,5 @@ class RankWorker:
         state = self._actor_state()
         with user_errors_together("the trained model"):  # a full disk on rank 0 stops every rank
             if env_rank() == 0:
-                save_hf_model(state, actor.hf_model.config, self.tokenizer, out_dir, "lm.")
+                save_hf_model(state, actor.hf_model.config, self._files(), out_dir, "lm.")
         return out_dir

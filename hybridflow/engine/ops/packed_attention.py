@@ -65,8 +65,9 @@ def packed_attention(
     bounds = kwargs.pop(BOUNDS_KWARG, None)
     cu_seqlens = kwargs.pop(CU_SEQLENS_KWARG, None)
     if bounds is None:
-        if attention_mask is None and query.shape[2] > 1:
-            is_causal = True  # an unpadded batch: plain causal attention
+        # An unpadded batch: plain causal attention; a vision tower's call (is_causal=False) stays bidirectional.
+        if attention_mask is None and query.shape[2] > 1 and is_causal is not False:
+            is_causal = True
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )

@@ -37,7 +37,7 @@ class ScoringInputs:
     """What the model consumes and where its hidden states are read."""
 
     input_ids: torch.Tensor  # (B, T) padded, or (1, S) packed
-    position_ids: torch.Tensor  # same shape as input_ids
+    position_ids: torch.Tensor  # same shape as input_ids; a VLM's M-RoPE positions: (3, B, T) or (3, 1, S)
     attention_mask: torch.Tensor | None  # (B, T) padded; None when packed (boundaries come from position_ids)
     gather_index: torch.Tensor  # (M,) rows of the flattened hidden states that score a response token
     labels: torch.Tensor  # (M,) the response tokens being scored
@@ -48,6 +48,9 @@ class ScoringInputs:
     # MoE router replay: each token row's experts per sparse layer, (B*T or S, L, k) uint8 (255: none)
     routed_experts: torch.Tensor | None = None
     token_index: torch.Tensor | None = None  # packed: (S,) each row's flat position in (B * T)
+    # A vision-language model's images (``ops.vision_inputs``): the micro-batch's rows' patches, in row order
+    pixel_values: torch.Tensor | None = None  # (P, D); None: no image (the tower then sees a dummy one)
+    image_grid_thw: torch.Tensor | None = None  # (I, 3) each image's patch grid
 
     def to(self, device: torch.device | str) -> ScoringInputs:
         """The same inputs with every tensor on ``device`` (asynchronous copies from the host)."""

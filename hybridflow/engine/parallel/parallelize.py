@@ -48,6 +48,7 @@ from hybridflow.engine.parallel.pipeline import (
 )
 from hybridflow.engine.parallel.tp import apply_tp
 from hybridflow.engine.parallel.ulysses import apply_ulysses
+from hybridflow.models.vision_tower import vision_units
 from hybridflow.utils.device import cuda_in_use
 from hybridflow.utils.dist import init_distributed, world_size
 
@@ -161,7 +162,8 @@ def parallelize(
     ``StageScorer`` holding the model as ``stage_attr``). ``packed``: run the packed attention (forced on
     pipeline stages). ``checkpointing``: recompute each layer's activations in backward. ``compile``:
     per-layer ``torch.compile`` (None: on CUDA only). ``layers``: the modules FSDP2 shards one by one
-    (None: the model's decoder layers). ``lora``: adapters on the decoder layers' linears, the rest frozen
+    (None: the model's decoder layers; a VLM's text decoder layers, its vision tower's blocks, merger and tower
+    sharded as units of their own besides). ``lora``: adapters on the decoder layers' linears, the rest frozen
     (the base kept in the compute dtype under ``fsdp.master_dtype=auto``: no float32 masters, no moments).
     """
     device = device or default_device()
@@ -172,7 +174,9 @@ def parallelize(
         use_packed_attention(model)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    layers = decoder_layers(model) if layers is None else layers
+    vision = vision_units(model)  # a VLM's tower: blocks, merger and the tower, FSDP2 units of their own
+    if layers is None:
+        layers = decoder_layers(model.model.language_model if vision else model)
     if lora is not None:
         apply_lora(model, layers, lora)  # 1b. adapters; the base frozen
     scorer = root(model) if stage is None else StageScorer(model, stage.index, dims.pp, stage_attr)
@@ -191,7 +195,15 @@ def parallelize(
     # A LoRA base is frozen: gathering a layer again in backward is a copy, not a cast (free each after use)
     reduce, reshard = to_dtype(fsdp.reduce_dtype), reshard_after_forward(fsdp, trainable and lora is None)
     module = shard_model(  # 7. FSDP2
-        scorer, layers, device, compute, reduce, reshard, dims.fsdp_mesh, experts, dims.experts_fsdp_mesh
+        scorer,
+        [*vision, *layers],
+        device,
+        compute,
+        reduce,
+        reshard,
+        dims.fsdp_mesh,
+        experts,
+        dims.experts_fsdp_mesh,
     )
     tied = None
     if stage is not None:  # the tied head's two copies (collective: every rank builds every pair)

@@ -23,6 +23,8 @@ from hybridflow.engine.train.micro_batch import check_batch, micro_batch_indices
 from hybridflow.engine.train.scorer import PolicyScorer
 from hybridflow.engine.train.train_engine import TrainEngine
 from hybridflow.models.moe import moe_blocks
+from hybridflow.models.vision import text_config
+from hybridflow.models.vision_tower import set_vision_trainable
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import all_reduce_sum
 from hybridflow.utils.errors import UserError
@@ -54,12 +56,14 @@ class ActorEngine:
         keep_params_gathered: bool | None = None,
         dims: ParallelDims | None = None,
         lora: LoraSpec | None = None,
+        freeze_vision_tower: bool = True,
     ) -> None:
         """``dims``: the training view (None: FSDP2 over every rank); the ranks of one model replica must be
         given the same rows (the driver hands them one share, ``workers.dispatch``).
 
         ``fused_head``: the fused LM-head log-prob (False: the checkpointed reference path). ``lora``: train
-        low-rank adapters on a frozen base (``parallel.lora``) instead of every weight.
+        low-rank adapters on a frozen base (``parallel.lora``) instead of every weight. ``freeze_vision_tower``:
+        a vision-language model's tower and merger get no gradient and stay out of the optimizer.
 
         ``defer_grad_sync`` / ``keep_params_gathered``: FSDP2 gradient accumulation over the micro-batches of a
         mini-batch (see ``fsdp.set_accumulation``); None turns them on at world size 1 without parameter
@@ -76,6 +80,8 @@ class ActorEngine:
         }
         self.fused_head = fused_head
         self.remove_padding = use_remove_padding or (dims is not None and dims.pp > 1)  # stages run packed
+        if trainable:  # before the masters' dtype is chosen: a frozen tower keeps the compute dtype
+            set_vision_trainable(lm, not freeze_vision_tower)
         parallel = parallelize(
             lm,
             dims,
@@ -91,7 +97,8 @@ class ActorEngine:
         self.lora = lora
         optim: OptimConfig | None = actor.optim if trainable else None
         self.engine = TrainEngine(parallel, fsdp or actor.fsdp, optim, actor.grad_clip, total_steps)
-        self.pipeline = pipeline_runner(self.engine, parallel.stage, lm.config.hidden_size)
+        width = text_config(lm.config).hidden_size
+        self.pipeline = pipeline_runner(self.engine, parallel.stage, width)
         self.runner = make_runner(self.engine, self.pipeline, self.remove_padding, **self._accumulation)
         self.router = self._router_terms(lm, dims)
 

@@ -26,11 +26,13 @@ import torch
 from torch import nn
 
 from hybridflow.engine.ops.packing import ScoringInputs, build_scoring_inputs, scatter_to_responses
+from hybridflow.engine.ops.vision_inputs import with_images
 from hybridflow.engine.parallel.pipeline import Head, PipelineRunner
 from hybridflow.engine.roles.pipelined import packed_inputs, policy_head, to_responses, value_head
 from hybridflow.engine.train.micro_batch import restore_order
 from hybridflow.engine.train.train_engine import TrainEngine
 from hybridflow.models.moe import NO_EXPERT, records
+from hybridflow.models.vision_tower import vision_spec
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import all_reduce_sum
 
@@ -184,6 +186,8 @@ class SequentialRunner(MicroBatchRunner):
         super().__init__(engine)
         self.remove_padding = remove_padding
         self.accumulation = accumulation
+        scored = getattr(engine.module, "lm", None)  # the policy's model (a value model has no images)
+        self.vision = vision_spec(scored.config) if scored is not None else None
 
     def outputs(self, mb: Batch, outputs: Outputs) -> list[torch.Tensor]:
         """The k outputs (b, R) of micro-batch ``mb`` on the device (its scoring indices built on the host)."""
@@ -195,7 +199,10 @@ class SequentialRunner(MicroBatchRunner):
             R,
             self.remove_padding,
             mb.get("routed_experts"),  # MoE router replay, when the batch carries it
-        ).to(self.engine.device)
+        )
+        if self.vision is not None:  # a VLM: the rows' images and M-RoPE positions
+            inputs = with_images(inputs, mb, self.vision)
+        inputs = inputs.to(self.engine.device)
         per_token = outputs.of_module(self.engine.module, inputs)  # k x (M,)
         return [scatter_to_responses(o, inputs.scatter_index, B, R) for o in per_token]  # k x (B, R)
 

@@ -21,6 +21,7 @@ from hybridflow.engine.ops.packed_attention import (
 from hybridflow.engine.ops.packing import ScoringInputs
 from hybridflow.models.moe import num_experts, set_replay
 from hybridflow.models.value_model import value_head
+from hybridflow.models.vision_tower import vision_spec
 
 
 def _hidden_rows(body: nn.Module, inputs: ScoringInputs) -> torch.Tensor:
@@ -33,16 +34,38 @@ def _hidden_rows(body: nn.Module, inputs: ScoringInputs) -> torch.Tensor:
             extra[CU_SEQLENS_KWARG] = inputs.cu_seqlens
         if getattr(body.config, "_attn_implementation", None) in PACKED_IMPLEMENTATIONS:
             mask = packed_mask_placeholder(inputs.input_ids.device)  # (else HF builds the block mask itself)
-    out = body(
-        input_ids=inputs.input_ids,
-        attention_mask=mask,
-        position_ids=inputs.position_ids,
-        use_cache=False,
-        **extra,
-    )
+    if vision_spec(body.config) is not None:  # the image features in place of the image tokens' embeddings
+        embeds = {"inputs_embeds": _embeds_with_images(body, inputs)}  # (b, t, H)
+        body = body.language_model  # the text decoder (the packed bounds must not reach the vision tower)
+    else:
+        embeds = {"input_ids": inputs.input_ids}
+    out = body(**embeds, attention_mask=mask, position_ids=inputs.position_ids, use_cache=False, **extra)
     hidden = out.last_hidden_state  # (b, t, H)
     # index_select: its backward is an index_add (the rows are distinct), cheaper than advanced indexing's.
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.gather_index)  # (M, H)
+
+
+def _embeds_with_images(body: nn.Module, inputs: ScoringInputs) -> torch.Tensor:
+    """A VLM's input embeddings (b, t, H): the image tokens' replaced by the vision tower's merged features.
+
+    A micro-batch without images runs the tower on a dummy image whose features enter with weight 0 (exact:
+    x + 0 is x): every data-parallel rank then runs the tower's FSDP2 units in step, whatever its rows hold,
+    and a trained tower gets its (zero) gradient on every rank.
+    """
+    spec = vision_spec(body.config)
+    embeds = body.language_model.embed_tokens(inputs.input_ids)  # (b, t, H)
+    pixels, grids = inputs.pixel_values, inputs.image_grid_thw
+    dummy = pixels is None
+    if dummy:
+        t, h, w = spec.dummy_grid
+        pixels = embeds.new_zeros(t * h * w, spec.patch_dim)  # (P, D)
+        grids = torch.tensor([spec.dummy_grid], dtype=torch.long, device=embeds.device)  # (1, 3)
+    out = body.visual(pixels.to(embeds.dtype), grid_thw=grids)
+    features = getattr(out, "pooler_output", out).to(embeds.dtype)  # (N, H) merged: one per image token
+    if dummy:
+        return embeds + 0.0 * features.sum()
+    image = (inputs.input_ids == spec.image_token_id).unsqueeze(-1)  # (b, t, 1)
+    return embeds.masked_scatter(image, features)
 
 
 class PolicyScorer(nn.Module):
