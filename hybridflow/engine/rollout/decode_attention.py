@@ -77,6 +77,14 @@ def decode_attention_reference(
 if triton is not None:
 
     @triton.jit
+    def _round_e4m3(x):
+        """x (float32, within +-448) rounded to the nearest e4m3 value (ties up), so the cast is exact: used
+        only in Triton's CPU interpreter, whose (3.9) cast drops the carry when rounding up fills the mantissa
+        (31.7 became 16, not 32); the GPU's conversion rounds correctly."""
+        step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(x), 0.015625))) - 3.0)  # 2^-9 below 2^-6: subnormals
+        return tl.floor(x / step + 0.5) * step
+
+    @triton.jit
     def _split_kernel(
         Q, K, V, POS, OUT, LSE, KNEW, VNEW, COS, SIN, TABLE, KSCALE, VSCALE,
         stride_qb, stride_qh, stride_qd,
@@ -87,7 +95,7 @@ if triton is not None:
         stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd, stride_cb, stride_cd,
         stride_pos, stride_tb, qk_scale, length_cap, split_len,
         G: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, FUSED: tl.constexpr,
-        PAGE: tl.constexpr, QUANT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        PAGE: tl.constexpr, QUANT: tl.constexpr, UPCAST_FP8: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         """One (row, KV head, split): online softmax over the split's visible positions for G query heads.
 
@@ -147,6 +155,9 @@ if triton is not None:
             if QUANT:  # stored and attended in units of the head's scale
                 k_new = tl.minimum(tl.maximum(k_new.to(tl.float32) / k_scale, -448.0), 448.0)
                 v_new = tl.minimum(tl.maximum(v_new.to(tl.float32) / v_scale, -448.0), 448.0)
+                if UPCAST_FP8:  # the interpreter's float32 -> e4m3 cast loses a rounding's carry: round first
+                    k_new = _round_e4m3(k_new)
+                    v_new = _round_e4m3(v_new)
             k_new = k_new.to(K.dtype.element_ty)
             v_new = v_new.to(V.dtype.element_ty)
             mine = (row_pos >= lo) & (row_pos < lo + split_len) & (row_pos < length_cap)
@@ -409,7 +420,7 @@ def decode_attention_triton(
         cos.stride(0), cos.stride(-1),
         positions.stride(0), table_arg.stride(0), scale * _LOG2E, length, split_len,
         G=group, D=dim, DIRECT=direct, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
-        FUSED=new is not None, PAGE=page, QUANT=kv_scales is not None,
+        FUSED=new is not None, PAGE=page, QUANT=kv_scales is not None, UPCAST_FP8=_interpreting(),
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
