@@ -24,8 +24,8 @@ from hybridflow.config.validate_algos import (
 )
 from hybridflow.config.validate_async import (
     check_async,
-    check_multi_turn,
     check_kv_cache_dtype,
+    check_multi_turn,
     check_quantization,
     check_tool_task,
 )

@@ -26,9 +26,15 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import torch
+
+from hybridflow.engine.rollout.decode_reference import (  # noqa: F401 (re-exported: the kernel's references)
+    NewToken,
+    decode_attention_reference,
+    decode_attention_rope_reference,
+    rope_reference,
+)
 
 try:
     import triton
@@ -54,26 +60,6 @@ def available() -> bool:
     return triton is not None
 
 
-def decode_attention_reference(
-    q: torch.Tensor,  # (B, H, 1, D)
-    k_cache: torch.Tensor,  # (S >= B, KVH, L, D)
-    v_cache: torch.Tensor,  # (S >= B, KVH, L, D)
-    positions: torch.Tensor,  # (B,) int
-    scale: float,
-) -> torch.Tensor:
-    """Pure-torch decode attention with the kernel's semantics, in float32; returns (B, H, 1, D) in q's dtype."""
-    batch, heads, _, _ = q.shape
-    kv_heads, length = k_cache.shape[1], k_cache.shape[2]
-    group = heads // kv_heads
-    # Query head h reads KV head h // G (SDPA's enable_gqa convention).
-    keys = k_cache[:batch].float().repeat_interleave(group, dim=1)  # (B, H, L, D)
-    values = v_cache[:batch].float().repeat_interleave(group, dim=1)
-    scores = (q.float() @ keys.transpose(-1, -2)) * scale  # (B, H, 1, L)
-    visible = torch.arange(length, device=q.device) <= positions.to(q.device)[:, None]  # (B, L)
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    return (torch.softmax(scores, dim=-1) @ values).to(q.dtype)  # (B, H, 1, D)
-
-
 if triton is not None:
 
     @triton.jit
@@ -81,7 +67,8 @@ if triton is not None:
         """x (float32, within +-448) rounded to the nearest e4m3 value (ties up), so the cast is exact: used
         only in Triton's CPU interpreter, whose (3.9) cast drops the carry when rounding up fills the mantissa
         (31.7 became 16, not 32); the GPU's conversion rounds correctly."""
-        step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(x), 0.015625))) - 3.0)  # 2^-9 below 2^-6: subnormals
+        exponent = tl.floor(tl.log2(tl.maximum(tl.abs(x), 0.015625)))  # -6 below 2^-6: subnormals' step
+        step = tl.exp2(exponent - 3.0)  # 3 mantissa bits
         return tl.floor(x / step + 0.5) * step
 
     @triton.jit
@@ -305,15 +292,6 @@ def split_layout(
     return math.ceil(length / split_len), split_len
 
 
-class NewToken(NamedTuple):
-    """The decode step's new token for the fused kernel: k and v (B, KVH, 1, D) before RoPE, cos/sin (B, D)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-
 def _check_new_token(new: NewToken, batch: int, kv_heads: int, dim: int) -> None:
     """Shapes the fused kernel indexes; cos and sin share strides (only those of dims longer than 1 count)."""
     kv_shape, table_shape = (batch, kv_heads, 1, dim), (batch, dim)
@@ -448,28 +426,6 @@ def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: 
     return q.new_empty(q.shape)
 
 
-def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE in float32, rounded once to x's dtype: x (B, h, 1, D), cos/sin (B, D)."""
-    xf, half = x.float(), x.shape[-1] // 2
-    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos[:, None, None].float() + rotated * sin[:, None, None].float()).to(x.dtype)
-
-
-def decode_attention_rope_reference(
-    q: torch.Tensor,  # (B, H, 1, D) before RoPE
-    new: NewToken,
-    k_cache: torch.Tensor,  # (S >= B, KVH, L, D), written at positions
-    v_cache: torch.Tensor,
-    positions: torch.Tensor,  # (B,) int
-    scale: float,
-) -> torch.Tensor:
-    """The fused kernel's semantics in torch: RoPE on q and k, write k and v at ``positions``, attend."""
-    rows = torch.arange(q.shape[0], device=q.device)
-    k_cache[rows, :, positions] = rope_reference(new.k, new.cos, new.sin)[:, :, 0]
-    v_cache[rows, :, positions] = new.v[:, :, 0]
-    return decode_attention_reference(rope_reference(q, new.cos, new.sin), k_cache, v_cache, positions, scale)
-
-
 @torch.library.custom_op("hybridflow::decode_attention_rope", mutates_args=("kv_storage",))
 def decode_attention_rope(
     q: torch.Tensor,
@@ -520,5 +476,7 @@ def decode_attention_rope_paged(
 
 
 @decode_attention_rope_paged.register_fake
-def _(q, k_new, v_new, cos, sin, kv_storage, layer, positions, tables, scale, kv_scales=None):  # the signature
+def _(
+    q, k_new, v_new, cos, sin, kv_storage, layer, positions, tables, scale, kv_scales=None
+):  # its signature
     return q.new_empty(q.shape)

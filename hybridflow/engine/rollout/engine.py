@@ -425,7 +425,7 @@ def make_rollout(
             return PagedEngine(model, **kwargs)
         logger.warning(fallback_notice(model.config, reason))
     if kwargs.get("kv_cache_dtype", "auto") != "auto":
-        why = "rollout.engine=hf" if engine == "hf" else f"the built-in engine does not run this model ({reason})"
+        why = f"the built-in engine does not run this model ({reason})" if engine == "native" else "engine=hf"
         raise UserError(
             f"rollout.kv_cache_dtype={kwargs['kv_cache_dtype']} is the built-in paged engine's KV cache, and "
             f"{why}; set rollout.kv_cache_dtype=auto"

@@ -58,9 +58,8 @@ class PagedKVCache:
             raise ValueError(f"PagedKVCache sizes must be >= 1, got {bad}")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.dtype = dtype  # what attention reads (the compute dtype)
-        self.storage = torch.zeros(
-            num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim, dtype=FP8 if fp8 else dtype, device=device
-        )  # (layers, 2, N, KVH, bs, D)
+        shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)  # (layers, 2, N, KVH, bs, D)
+        self.storage = torch.zeros(shape, dtype=FP8 if fp8 else dtype, device=device)
         self.scales = None  # FP8: (layers, 2, KVH) float32, static (filled in place)
         self.calibrate = False  # FP8: the next prefill sets the scales (after a weight refresh)
         if fp8:

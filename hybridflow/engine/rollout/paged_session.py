@@ -240,9 +240,8 @@ class Session:
         if r.device.type == "cuda" and self.engine.last_pool_blocks not in (None, blocks):
             torch.cuda.empty_cache()
         self.engine.last_pool_blocks = blocks
-        return PagedKVCache(
-            r.num_layers, blocks, self.pool.block_size, r.num_kv_heads, r.head_dim, r.dtype, r.device, routing, fp8
-        )
+        sizes = (r.num_layers, blocks, self.pool.block_size, r.num_kv_heads, r.head_dim)
+        return PagedKVCache(*sizes, r.dtype, r.device, routing, fp8)
 
     # ---- the work -----------------------------------------------------------------------------------------
 

@@ -32,7 +32,9 @@ def _model() -> torch.nn.Module:
 
 
 def _params(**kw) -> SamplingParams:
-    return SamplingParams(**{"temperature": 1.0, "max_new_tokens": 14, "seed": 3, "n": 2, "eos_token_ids": [7], **kw})
+    return SamplingParams(
+        **{"temperature": 1.0, "max_new_tokens": 14, "seed": 3, "n": 2, "eos_token_ids": [7], **kw}
+    )
 
 
 def _recomputed(model: torch.nn.Module, prompt: list[int], response: list[int]) -> torch.Tensor:
@@ -103,11 +105,11 @@ def test_scales_are_set_after_each_weight_refresh_and_fixed_in_between() -> None
 
 
 def test_kv_cache_dtypes_other_than_auto_and_fp8_are_refused() -> None:
-    with pytest.raises(UserError, match=r"rollout.kv_cache_dtype='bf16'.*auto, fp8"):
+    with pytest.raises(UserError, match=r"rollout\.kv_cache_dtype='bf16'.*auto, fp8"):
         PagedEngine(_model(), kv_cache_dtype="bf16")
 
 
 def test_hf_generate_refuses_an_fp8_cache() -> None:
-    with pytest.raises(UserError, match="rollout.kv_cache_dtype=fp8.*set rollout.kv_cache_dtype=auto"):
+    with pytest.raises(UserError, match=r"rollout\.kv_cache_dtype=fp8.*set rollout\.kv_cache_dtype=auto"):
         make_rollout(_model(), "hf", kv_cache_dtype="fp8")
     assert make_rollout(_model(), "hf", kv_cache_dtype="auto") is not None
