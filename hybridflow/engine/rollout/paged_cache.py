@@ -133,10 +133,13 @@ def read_kv_paged(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of ``layer`` through block ``tables`` in position order, dequantised from FP8 where stored so,
     each (B, M * bs, KVH, D) in ``dtype``."""
-    k = kv_storage[layer, 0][tables].transpose(2, 3).flatten(1, 2)  # (B, L, KVH, D)
-    v = kv_storage[layer, 1][tables].transpose(2, 3).flatten(1, 2)
     if kv_scales is None:
+        k = kv_storage[layer, 0][tables].transpose(2, 3).flatten(1, 2)  # (B, L, KVH, D)
+        v = kv_storage[layer, 1][tables].transpose(2, 3).flatten(1, 2)
         return k, v
+    raw = kv_storage.view(torch.uint8)  # gathered as bytes (see write_kv_paged_fp8)
+    k = raw[layer, 0][tables].view(FP8).transpose(2, 3).flatten(1, 2)  # (B, L, KVH, D)
+    v = raw[layer, 1][tables].view(FP8).transpose(2, 3).flatten(1, 2)
     sk, sv = kv_scales[layer, 0][:, None], kv_scales[layer, 1][:, None]  # (KVH, 1): per head
     return (k.float() * sk).to(dtype), (v.float() * sv).to(dtype)
 
@@ -206,9 +209,11 @@ def write_kv_paged_fp8(
     blocks: torch.Tensor,  # (n,)
     offsets: torch.Tensor,  # (n,)
 ) -> None:
-    """``write_kv_paged`` into an FP8 cache: k and v quantised with ``layer``'s per-head scales."""
-    kv_storage[layer, 0, blocks, :, offsets] = quantise_kv(k, kv_scales[layer, 0])
-    kv_storage[layer, 1, blocks, :, offsets] = quantise_kv(v, kv_scales[layer, 1])
+    """``write_kv_paged`` into an FP8 cache: k and v quantised with ``layer``'s per-head scales. Indexed as
+    bytes (uint8 views): indexing kernels cover float8 on CPU, not in every CUDA build."""
+    raw = kv_storage.view(torch.uint8)
+    raw[layer, 0, blocks, :, offsets] = quantise_kv(k, kv_scales[layer, 0]).view(torch.uint8)
+    raw[layer, 1, blocks, :, offsets] = quantise_kv(v, kv_scales[layer, 1]).view(torch.uint8)
 
 
 @write_kv_paged_fp8.register_fake
