@@ -1,9 +1,10 @@
 """Keys judged by their last name wherever they appear, and keys refused with a pointer to the one to write.
 
 The HybridFlow write-ups and verl's configs use keys hybridflow has no field for: quantisation outside
-``rollout.quantization`` (our own key, as ``rollout.kv_cache_dtype`` is), expert parallelism outside a role's megatron section
-(``expert_model_parallel_size``, ``*.ep_size``: it is ``<role>.parallel.ep``), expert tensor parallelism, FSDP1's ``mixed_precision.buffer_dtype``, and ``algorithm.grpo_n`` and ``critic.hybrid_engine``, which are
-nobody's keys.
+``rollout.quantization`` (our own key, as ``rollout.kv_cache_dtype`` is), expert parallelism outside a role's
+megatron section (``expert_model_parallel_size``, ``*.ep_size``: it is ``<role>.parallel.ep``), expert tensor
+parallelism, FSDP1's ``mixed_precision.buffer_dtype``, and ``algorithm.grpo_n`` and ``critic.hybrid_engine``,
+which are nobody's keys.
 Each is judged here only when it is not one of our own keys, verl's keys or a key inside a free-form mapping
 (``model.override_config.quantization_config`` stays the model's). A value that asks for what hybridflow does
 anyway (``quantization: null``, ``expert_model_parallel_size: 1``) is accepted with a notice; any other

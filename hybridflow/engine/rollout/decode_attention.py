@@ -82,7 +82,8 @@ if triton is not None:
         stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd, stride_cb, stride_cd,
         stride_pos, stride_tb, qk_scale, length_cap, split_len,
         G: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, FUSED: tl.constexpr,
-        PAGE: tl.constexpr, QUANT: tl.constexpr, UPCAST_FP8: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        PAGE: tl.constexpr, QUANT: tl.constexpr, ROUND_FP8: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         """One (row, KV head, split): online softmax over the split's visible positions for G query heads.
 
@@ -142,7 +143,7 @@ if triton is not None:
             if QUANT:  # stored and attended in units of the head's scale
                 k_new = tl.minimum(tl.maximum(k_new.to(tl.float32) / k_scale, -448.0), 448.0)
                 v_new = tl.minimum(tl.maximum(v_new.to(tl.float32) / v_scale, -448.0), 448.0)
-                if UPCAST_FP8:  # the interpreter's float32 -> e4m3 cast loses a rounding's carry: round first
+                if ROUND_FP8:  # the interpreter's float32 -> e4m3 cast loses a rounding's carry: round first
                     k_new = _round_e4m3(k_new)
                     v_new = _round_e4m3(v_new)
             k_new = k_new.to(K.dtype.element_ty)
@@ -398,7 +399,7 @@ def decode_attention_triton(
         cos.stride(0), cos.stride(-1),
         positions.stride(0), table_arg.stride(0), scale * _LOG2E, length, split_len,
         G=group, D=dim, DIRECT=direct, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
-        FUSED=new is not None, PAGE=page, QUANT=kv_scales is not None, UPCAST_FP8=_interpreting(),
+        FUSED=new is not None, PAGE=page, QUANT=kv_scales is not None, ROUND_FP8=_interpreting(),
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

@@ -135,7 +135,8 @@ class PagedForward:
         sequence, attending to positions <= it; logits (B, V). Fixed shapes, no host sync: graph-safe.
 
         The Triton backend is one fused launch per layer (RoPE, the cache write, split-K attention over the
-        blocks; an FP8 cache quantised as written, dequantised as read); "sdpa" is the reference (``paged_cache.paged_decode_attention``: gather, then mask).
+        blocks; an FP8 cache quantised as written, dequantised as read); "sdpa" is the reference
+        (``paged_cache.paged_decode_attention``: gather, then mask).
         With ``cache.routing`` each row's experts are recorded at its position; ``live`` (B,) bool sends the
         records of rows that are not (finished sequences riding along) to the scratch block 0 instead."""
         sink = None if cache.routing is None else self._decode_sink(positions, cache, tables, live)
