@@ -2,18 +2,18 @@
 
 Each run fills its generation weights through the switch from FSDP2 shards (FP8 projections with rowwise
 scales) and scores the same fixed responses after prompts of different lengths through the paged rollout
-path (prefill, then the decode steps, teacher-forced), with the float KV cache and with the FP8 one:
+path (prefill, then the decode steps, teacher-forced), with both FP8 kernels (``rollout.quantization_kernel``)
+and with the float and the FP8 KV cache:
 
 * dp = 2 (a whole FP8 replica per rank) equals one rank exactly: the replica is the full weights quantised
   (tests/engine/hybrid/test_fp8_switch.py), and the same ops run on it.
-* tp = 2: each rank's shard is the full weights quantised, then sliced, so the column-parallel projections
-  compute exactly one rank's outputs. Not so the row-parallel ones (o_proj, down_proj): their input is split
-  over the ranks and ``fp8_linear`` quantises it per token with the largest magnitude of the rank's own half
-  (one rank: of the whole row), so a few inputs round to the neighbouring e4m3 value; then the partial sums
-  meet in an all-reduce (float32 summation order). So tp = 2 is not bit-equal: its log-probs stay within
-  the gap between FP8 and float (what FP8 itself changes), the bound checked; with the shards' FP8 weights
-  dequantised (float activations) tp = 2 equals one rank up to summation order (1e-5), which shows the
-  delivery itself is exact.
+* tp = 2 with the weight-only kernel (w8a16) equals one rank up to float summation order: each rank's shard
+  is the full weights quantised, then sliced, and only the row-parallel partial sums (o_proj, down_proj) meet
+  in an all-reduce.
+* tp = 2 with W8A8 (scaled_mm) is close, not equal: a row-parallel projection's input is split over the ranks
+  and ``fp8_linear`` quantises it per token with the largest magnitude of the rank's own half (one rank: of
+  the whole row), so some inputs round to the neighbouring e4m3 value. Its log-probs stay within the gap
+  between FP8 and float (what FP8 itself changes), the bound checked.
 """
 
 from __future__ import annotations
@@ -53,26 +53,13 @@ def _score(runner, fp8_cache: bool) -> torch.Tensor:
     return torch.stack(out, dim=1)  # (B, R)
 
 
-def _dequantised(module: torch.nn.Module) -> torch.nn.Module:
-    """A copy of a generation shard whose FP8 weights are replaced by what they stand for (float32)."""
-    import copy
-
-    from hybridflow.engine.ops.fp8 import FP8
-
-    out = copy.deepcopy(module)
-    for m in out.modules():
-        w = getattr(m, "weight", None)
-        if isinstance(w, torch.nn.Parameter) and w.dtype == FP8:
-            m.weight = torch.nn.Parameter(w.float() * m.weight_scale[:, None], requires_grad=False)
-    return out
-
-
 def fp8_rollout_logprobs(rank: int, world: int, tp: int) -> dict[str, torch.Tensor]:
     import copy
 
     import torch.distributed as dist
 
     from hybridflow.engine.hybrid.switch import RolloutShard
+    from hybridflow.engine.ops.fp8 import current_kernel, use_kernel
     from hybridflow.engine.parallel.fsdp import shard_model
     from hybridflow.engine.parallel.layout import follow_rollout_shards
     from hybridflow.engine.parallel.rollout_group import RolloutGroup
@@ -91,8 +78,14 @@ def fp8_rollout_logprobs(rank: int, world: int, tp: int) -> dict[str, torch.Tens
     weights.sync(lm)
     comm = RolloutTP(group.group, lm.config.vocab_size) if tp > 1 else None
     runner = LlamaRunner(weights.module, torch.float32, tp=comm)
-    out = {"fp8": _score(runner, False), "fp8_kv": _score(runner, True)}
-    out["fp8_weights"] = _score(LlamaRunner(_dequantised(weights.module), torch.float32, tp=comm), False)
+    before = current_kernel()
+    try:
+        use_kernel("scaled_mm")  # W8A8: activations quantised per token
+        out = {"fp8": _score(runner, False), "fp8_kv": _score(runner, True)}
+        use_kernel("w8a16")  # weight-only: the FP8 weights upcast, activations in the compute dtype
+        out.update(w8a16=_score(runner, False), w8a16_kv=_score(runner, True))
+    finally:
+        use_kernel(before)  # a kept process serves other tests
     out["float"] = _score(LlamaRunner(full, torch.float32), False)  # the full-precision model, whole
     return out
 
@@ -109,22 +102,26 @@ def runs() -> dict[str, list[dict[str, torch.Tensor]]]:
 def test_a_whole_fp8_replica_on_two_ranks_scores_as_one_rank(runs: dict) -> None:
     (one,) = runs["one"]
     for out in runs["dp2"]:
-        for key in ("fp8", "fp8_kv", "fp8_weights"):
+        for key in ("fp8", "fp8_kv", "w8a16", "w8a16_kv"):
             torch.testing.assert_close(out[key], one[key], atol=1e-6, rtol=0)
 
 
-def test_tensor_parallel_fp8_weights_score_as_one_ranks_up_to_summation_order(runs: dict) -> None:
-    # The shards' FP8 weights (and scales), dequantised, on float activations: tp = 2 is one rank but for
-    # the order of float32 sums (the all-reduces of o_proj and down_proj, the gathered logits): ~1e-6 of
+@pytest.mark.parametrize("key", ["w8a16", "w8a16_kv"])
+def test_tensor_parallel_weight_only_fp8_scores_as_one_rank_up_to_summation_order(
+    runs: dict, key: str
+) -> None:
+    # The weight-only kernel upcasts the shards' FP8 weights (scales applied), activations unquantised: tp = 2
+    # is one rank but for the order of float32 sums (the all-reduces of o_proj and down_proj, the gathered
+    # logits; the FP8 KV cache's scales are per head, and each rank's heads see one rank's values): ~1e-6 of
     # log-probs of a few units, so 1e-5.
     (one,) = runs["one"]
     for out in runs["tp2"]:
-        torch.testing.assert_close(out["fp8_weights"], one["fp8_weights"], atol=1e-5, rtol=0)
-    assert (one["fp8_weights"] - one["float"]).abs().mean() > 1e-3  # those are the FP8 weights, not float
+        torch.testing.assert_close(out[key], one[key], atol=1e-5, rtol=0)
+    assert (one[key] - one["float"]).abs().mean() > 1e-3  # those are the FP8 weights, not float
 
 
 @pytest.mark.parametrize("key", ["fp8", "fp8_kv"])
-def test_tensor_parallel_fp8_scores_as_one_rank_up_to_the_row_parallel_activation_scales(
+def test_tensor_parallel_w8a8_scores_as_one_rank_up_to_the_row_parallel_activation_scales(
     runs: dict, key: str
 ) -> None:
     (one,) = runs["one"]
@@ -136,5 +133,6 @@ def test_tensor_parallel_fp8_scores_as_one_rank_up_to_the_row_parallel_activatio
     # The layouts differ by how the row-parallel inputs round (per-token scales of half a row against a whole
     # row's): the same kind of error as the activations' FP8 rounding itself, so up to the FP8 gap (measured:
     # ~0.003 against ~0.0045 nats on average), far below a bf16 rollout's mismatch to the trainer that TIS
-    # corrects; exactly one rank's would need an all-reduce of those scales in every row-parallel GEMM.
+    # corrects; exactly one rank's would need an all-reduce of those scales in every row-parallel GEMM (the
+    # weight-only kernel has no activation scales: exact, above).
     assert tp_gap.max() < 0.03 and tp_gap.mean() < fp8_gap.mean(), (tp_gap.mean(), fp8_gap.mean())
