@@ -108,27 +108,34 @@ def test_decode_attention_through_the_fp8_cache_is_close_to_the_float_cache() ->
 @needs_kernels(da)
 def test_the_triton_kernel_dequantises_as_the_reference_does() -> None:
     """The fused kernel on an FP8 cache: RoPE, the quantised write of the step's k and v, attention over the
-    blocks with the heads' scales; against the reference attention over the cache the kernel wrote."""
+    blocks with the heads' scales; against the reference attention over the cache the kernel wrote. CPU:
+    float32 in Triton's interpreter; CUDA: bf16 (the kernel's dtype there), to bf16's tolerance."""
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     lengths = [13, 6, 9]
     _, cache, tables = _caches(lengths)
+    cache.storage, cache.scales, cache.dtype = cache.storage.to(device), cache.scales.to(device), dtype
+    tables = tables.to(device)
     batch, heads = len(lengths), 2 * KVH
     g = torch.Generator().manual_seed(7)
     q, k_new, v_new = (torch.randn(batch, h, 1, D, generator=g) for h in (heads, KVH, KVH))  # (B, h, 1, D)
     angles = torch.rand(batch, D // 2, generator=g) * 3
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # (B, D)
-    positions = torch.tensor(lengths)  # each row's new token goes right after its cached ones
+    q, k_new, v_new, cos, sin = (x.to(device, dtype) for x in (q, k_new, v_new, cos, sin))
+    positions = torch.tensor(lengths, device=device)  # each row's new token goes right after its cached ones
     for layer in range(LAYERS):
         got = da.decode_attention_rope_paged(
             q, k_new, v_new, cos, sin, cache.storage, layer, positions, tables, D**-0.5, cache.scales
         )  # (B, H, 1, D)
         # The kernel wrote the new token: its K is the rotated k quantised with the head's scale.
-        where = cache.locate(tables, torch.arange(batch), positions)
+        where = cache.locate(tables, torch.arange(batch, device=device), positions)
         written = cache.storage[layer, 0][where[0], :, where[1]].float()  # (B, KVH, D) in scale units
-        want_k = da.rope_reference(k_new, cos, sin)[:, :, 0] / cache.scales[layer, 0][:, None]
+        want_k = da.rope_reference(k_new, cos, sin)[:, :, 0].float() / cache.scales[layer, 0][:, None]
         assert ((written - want_k).abs() <= want_k.abs() / 16 + 2**-10).all()  # half an e4m3 step
         q_rot = da.rope_reference(q, cos, sin)[:, :, 0]  # (B, H, D)
         want = paged_decode_attention(q_rot, cache, layer, tables, positions + 1, D**-0.5)
-        torch.testing.assert_close(got[:, :, 0], want, atol=1e-4, rtol=1e-4)
+        tol = 3e-2 if cuda else 1e-4
+        torch.testing.assert_close(got[:, :, 0], want, atol=tol, rtol=tol)
 
 
 def test_an_fp8_block_takes_half_the_bytes_so_a_budget_holds_twice_the_blocks() -> None:
