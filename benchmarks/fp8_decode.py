@@ -1,4 +1,5 @@
-"""Decode tokens/s of the paged engine with bf16 weights against FP8 projections (``rollout.quantization=fp8``).
+"""Decode tokens/s of the paged engine with bf16 weights, FP8 projections (``rollout.quantization=fp8``), and
+FP8 projections with an FP8 KV cache (``rollout.kv_cache_dtype=fp8``).
 
     python benchmarks/fp8_decode.py [--shapes 0.5b 1.5b 7b] [--batches 16 64 256] [--prompt-len 128]
         [--new-tokens 256] [--repeats 3] [--compile] [--out results.jsonl]
@@ -8,10 +9,13 @@ Qwen2.5 shapes (``shapes.SHAPES``) with random weights in bf16, CUDA graphs on (
 lengths (``ignore_eos``). The FP8 variant quantises the dense projections the way the switch delivers them
 (e4m3, rowwise float32 scales; embeddings, LM head and norms in bf16) and runs them through
 ``torch._scaled_mm`` with per-token activation scales (``fp8``), or through the weight-only Triton kernel
-(``fp8_w8a16``: FP8 weights upcast in registers, bf16 activations); ``--kernels`` picks which. Each configuration is warmed up once and timed
-``--repeats`` times; the median is reported, with the weights' bytes and the mean |log-prob| gap of the
-FP8 engine's sampled tokens against the bf16 model on the same tokens (a quality check, not a timing).
-An FP8 KV cache is not built: that column of the issue is not measured.
+(``fp8_w8a16``: FP8 weights upcast in registers, bf16 activations); ``--kernels`` picks which. Each FP8
+variant runs again with the FP8 KV cache (``fp8_kv``, ``fp8_w8a16_kv``: ``rollout.kv_cache_dtype=fp8``, e4m3 K
+and V with per-(layer, KV head) scales set by the first prefill of each ``generate``, read by the fused
+Triton decode kernel). Each configuration is warmed up once and timed ``--repeats`` times; the median is
+reported, with the weights' bytes, the pool's blocks (``*_pool_blocks``: a budget that binds holds twice the
+blocks with the FP8 cache) and the mean |log-prob| gap of the FP8 engine's sampled tokens against the bf16
+model on the same tokens (a quality check, not a timing).
 """
 
 from __future__ import annotations
@@ -94,25 +98,27 @@ def run_shape(size: str, args: argparse.Namespace, device: torch.device) -> list
             "batch": batch,
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         }
-        variants = [("bf16", bf16, None)] + [
-            ("fp8" if k == "scaled_mm" else f"fp8_{k}", fp8, k) for k in args.kernels
-        ]
-        for name, model, kernel in variants:
+        variants = [("bf16", bf16, None, "auto")]
+        for k in args.kernels:  # FP8 weights through each kernel, with the model's KV cache and with FP8's
+            name = "fp8" if k == "scaled_mm" else f"fp8_{k}"
+            variants += [(name, fp8, k, "auto"), (f"{name}_kv", fp8, k, "fp8")]
+        for name, model, kernel, kv in variants:
             if kernel is not None:
                 use_kernel(kernel)
             engine = PagedEngine(
                 model, max_num_seqs=batch, gpu_memory_utilization=args.gpu_memory_utilization,
-                compile_decode=args.compile, device=device, dtype=torch.bfloat16,
+                compile_decode=args.compile, device=device, dtype=torch.bfloat16, kv_cache_dtype=kv,
             )  # fmt: skip
             tps, out = timed(engine, prompts, params, args.repeats, device)
             row[f"{name}_tok_s"] = tps
             row[f"{name}_weight_gib"] = weight_bytes(model) / 2**30
+            row[f"{name}_pool_blocks"] = engine.last_pool_blocks
             if kernel is not None:
                 row[f"{name}_logprob_gap"] = logprob_gap(bf16, prompts, out)
             del engine
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        for name, _, _kernel in variants[1:]:
+        for name, *_ in variants[1:]:
             row[f"{name}_speedup"] = row[f"{name}_tok_s"] / row["bf16_tok_s"]
         row["fp8_projections"] = len(quantised)
         row["probe_us"] = probe  # the engine's start-up choice (64 tokens)

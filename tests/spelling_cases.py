@@ -25,6 +25,7 @@ MAPPED: list[tuple[str, list[str], str, Any]] = [
     ("rollout.tp_size=2", TWO, "rollout.tensor_model_parallel_size", 2),
     (f"{A}.rollout.tp_size=2", TWO, "rollout.tensor_model_parallel_size", 2),
     ("megatron.tp_size=2", TWO, "actor.parallel.tp", 2),
+    (f"{A}.rollout.kv_cache_dtype=fp8", [], "rollout.kv_cache_dtype", "fp8"),
     ("megatron.pp_size=2", TWO, "actor.parallel.pp", 2),
     ("actor.megatron.tp_size=2", TWO, "actor.parallel.tp", 2),
     ("actor.megatron.pp_size=2", TWO, "actor.parallel.pp", 2),
@@ -46,12 +47,10 @@ NO_OPS = [
     "actor.fsdp_config.mixed_precision.buffer_dtype=fp32",
     f"{A}.actor.fsdp_config.mixed_precision.buffer_dtype=float32",
     "actor.quantization=null",
-    f"{A}.rollout.kv_cache_dtype=auto",
     "expert_model_parallel_size=1",
     f"{A}.actor.megatron.expert_tensor_parallel_size=1",
 ]
 
-FP8 = "an FP8 KV cache is not supported yet (issue 45)"
 EP = "expert parallelism is a size of each role's training view"
 ETP = "expert tensor parallelism is not supported"
 # (spelling=value, words of the message, words of the fix: the key to use)
@@ -73,8 +72,7 @@ REFUSED: list[tuple[str, str, str]] = [
     ("critic.ep_size=2", EP, "set critic.parallel.ep=2"),
     (f"{A}.actor.megatron.expert_tensor_parallel_size=2", ETP, "(or set it to 1)"),
     ("actor.quantization=fp8", "only the rollout quantises its weights", "set rollout.quantization=fp8"),
-    ("rollout.kv_cache_dtype=fp8", FP8, "rollout.dtype"),
-    (f"{A}.rollout.kv_cache_dtype=fp8_e4m3", FP8, "rollout.dtype"),
-    ("rollout.kv_cache_dtype=bfloat16", "it is held in rollout.dtype", "set rollout.dtype=bfloat16"),
+    ("rollout.kv_cache_dtype=bfloat16", "auto (held in rollout.dtype) or fp8", "set rollout.dtype"),
+    ("rollout.kv_cache_dtype=fp8_e5m2", "auto (held in rollout.dtype) or fp8", "auto or fp8"),
     ("rollout.quantization=awq", "quantises to FP8 (e4m3, rowwise scales) or not at all", "fp8, or null"),
 ]

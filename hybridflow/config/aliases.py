@@ -115,6 +115,7 @@ VERL_ALIASES: dict[str, str] = {
     f"{_ARR}.rollout.tensor_model_parallel_size": "rollout.tensor_model_parallel_size",
     f"{_ARR}.rollout.expert_parallel_size": "rollout.expert_parallel_size",
     f"{_ARR}.rollout.quantization": "rollout.quantization",
+    f"{_ARR}.rollout.kv_cache_dtype": "rollout.kv_cache_dtype",
     f"{_ARR}.rollout.multi_turn.enable": "rollout.multi_turn.enable",
     f"{_ARR}.rollout.multi_turn.format": "rollout.multi_turn.format",
     f"{_ARR}.rollout.multi_turn.tool_config_path": "rollout.multi_turn.tool_config_path",

@@ -177,6 +177,10 @@ class RolloutConfig:
         "auto",
         "FP8 projection kernel: auto (the probe's fastest), w8a16 (weight-only Triton) or scaled_mm (W8A8).",
     )
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV cache: auto (rollout.dtype) or fp8 (e4m3, per-head scales set at each switch: twice the blocks).",
+    )
     allow_dtype_mismatch: bool = option(
         False,
         "Run a rollout.dtype other than the training compute dtype (refused unless true: log-probs drift).",

@@ -1,9 +1,10 @@
 """Keys judged by their last name wherever they appear, and keys refused with a pointer to the one to write.
 
-The HybridFlow write-ups and verl's configs use keys hybridflow has no field for: an FP8 KV cache
-(``rollout.kv_cache_dtype``; FP8 weights are ``rollout.quantization``, our own key), expert parallelism outside a role's megatron section
-(``expert_model_parallel_size``, ``*.ep_size``: it is ``<role>.parallel.ep``), expert tensor parallelism, FSDP1's ``mixed_precision.buffer_dtype``, and ``algorithm.grpo_n`` and ``critic.hybrid_engine``, which are
-nobody's keys.
+The HybridFlow write-ups and verl's configs use keys hybridflow has no field for: quantisation outside
+``rollout.quantization`` (our own key, as ``rollout.kv_cache_dtype`` is), expert parallelism outside a role's
+megatron section (``expert_model_parallel_size``, ``*.ep_size``: it is ``<role>.parallel.ep``), expert tensor
+parallelism, FSDP1's ``mixed_precision.buffer_dtype``, and ``algorithm.grpo_n`` and ``critic.hybrid_engine``,
+which are nobody's keys.
 Each is judged here only when it is not one of our own keys, verl's keys or a key inside a free-form mapping
 (``model.override_config.quantization_config`` stays the model's). A value that asks for what hybridflow does
 anyway (``quantization: null``, ``expert_model_parallel_size: 1``) is accepted with a notice; any other
@@ -16,8 +17,6 @@ from typing import Any
 
 from hybridflow.config.aliases import IgnoredKey, Refusal
 
-_DTYPE_WORDS = {"float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half", "float"}
-FP8_ISSUE = "an FP8 KV cache is not supported yet (issue 45): FP8 weights are rollout.quantization=fp8"
 EP_WHERE = "expert parallelism is a size of each role's training view, not a key of its own here"
 ETP_ISSUE = (
     "expert tensor parallelism is not supported: experts are split over ranks whole (actor.parallel.ep)"
@@ -30,17 +29,12 @@ def _is_fp8(value: Any) -> bool:
     return "fp8" in text or "e4m3" in text or "e5m2" in text
 
 
-def _is_dtype(value: Any) -> bool:
-    return str(value).lower() in _DTYPE_WORDS
-
-
 def _anything(value: Any) -> bool:
     return True
 
 
 _ROLLOUT_DTYPE_FIX = "remove {key} (or set it to null): the rollout generates in rollout.dtype (auto: the "
 _ROLLOUT_DTYPE_FIX += "training compute dtype)"
-_FP8 = Refusal(_is_fp8, FP8_ISSUE, _ROLLOUT_DTYPE_FIX, "fp8, fp8_e4m3, fp8_e5m2, ...")
 
 # last name of a key -> how its values are judged
 BY_NAME: dict[str, IgnoredKey] = {
@@ -61,20 +55,6 @@ BY_NAME: dict[str, IgnoredKey] = {
                 _ROLLOUT_DTYPE_FIX,
                 "any other",
             ),
-        ),
-    ),
-    "kv_cache_dtype": IgnoredKey(
-        "the rollout's KV cache is held in rollout.dtype",
-        (None, "auto"),
-        refusals=(
-            _FP8,
-            Refusal(
-                _is_dtype,
-                "the KV cache has no dtype of its own: it is held in rollout.dtype",
-                "remove {key} and set rollout.dtype={value} (the rollout's weights and KV cache together)",
-                "float32, bfloat16, float16, ...",
-            ),
-            Refusal(_anything, "the KV cache is held in rollout.dtype", _ROLLOUT_DTYPE_FIX, "any other"),
         ),
     ),
     "buffer_dtype": IgnoredKey(

@@ -24,6 +24,7 @@ from hybridflow.config.validate_algos import (
 )
 from hybridflow.config.validate_async import (
     check_async,
+    check_kv_cache_dtype,
     check_multi_turn,
     check_quantization,
     check_tool_task,
@@ -175,6 +176,7 @@ def _check_consistency(cfg: Config, out: list[Problem]) -> None:
     _check_unimplemented(cfg, out)
     check_async(cfg, out)
     check_quantization(cfg, out)
+    check_kv_cache_dtype(cfg, out)
     check_multi_turn(cfg, out)
     check_tool_task(cfg, out)
     check_lora(cfg, out)

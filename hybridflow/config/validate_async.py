@@ -139,6 +139,30 @@ def check_quantization(cfg: Config, out: list[Problem]) -> None:
         )
 
 
+def check_kv_cache_dtype(cfg: Config, out: list[Problem]) -> None:
+    """``rollout.kv_cache_dtype``: auto (null) or fp8 (fp8_e4m3 is the same format), on the built-in engine."""
+    r = cfg.rollout
+    value = "auto" if r.kv_cache_dtype is None else str(r.kv_cache_dtype).lower()
+    r.kv_cache_dtype = {"fp8_e4m3": "fp8"}.get(value, value)
+    if r.kv_cache_dtype not in ("auto", "fp8"):
+        out.append(
+            Problem(
+                "rollout.kv_cache_dtype",
+                f"is {value!r}: the KV cache is auto (held in rollout.dtype) or fp8 (e4m3, per-head scales)",
+                "set rollout.kv_cache_dtype=auto or fp8; for a bf16/fp16/fp32 cache set rollout.dtype "
+                "(the rollout's weights and KV cache together)",
+            )
+        )
+    elif r.kv_cache_dtype == "fp8" and r.engine != "native":
+        out.append(
+            Problem(
+                "rollout.engine",
+                "is hf with rollout.kv_cache_dtype=fp8: the FP8 KV cache is the built-in engine's paged cache",
+                "set rollout.engine=native, or rollout.kv_cache_dtype=auto",
+            )
+        )
+
+
 BUILTIN_TOOLS = ("calc", "code_interpreter")
 
 

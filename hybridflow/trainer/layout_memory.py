@@ -36,16 +36,23 @@ def group_samples(cfg: Config, layout: Layout) -> int:
 
 
 def generation_slots(cfg: Config, mc: Any, layout: Layout) -> tuple[int, int]:
-    """(sequences one generation group decodes at once, bytes of one on a GPU: its bf16 KV cache over the
-    context and its float32 logits row)."""
+    """(sequences one generation group decodes at once, bytes of one on a GPU: its KV cache over the context
+    (``kv_bytes_per_token``) and its float32 logits row)."""
     d, r = cfg.data, cfg.rollout
-    heads = mc.num_attention_heads
-    kv = getattr(mc, "num_key_value_heads", None) or heads
-    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
-    per_token = mc.num_hidden_layers * 2 * max(1, kv // layout.tp_generate) * head_dim * 2  # K and V, bf16
+    per_token = kv_bytes_per_token(cfg, mc, layout)
     context = r.max_model_len or d.max_prompt_length + d.max_response_length
     slots = min(layout.value(cfg, "rollout.max_num_seqs"), group_samples(cfg, layout))
     return slots, context * per_token + mc.vocab_size * 4 // layout.tp_generate
+
+
+def kv_bytes_per_token(cfg: Config, mc: Any, layout: Layout) -> int:
+    """KV-cache bytes of one token on one generation rank: K and V of its KV heads in every layer, bf16 (2
+    bytes an element) or, with rollout.kv_cache_dtype=fp8, one byte (the per-head scales are negligible)."""
+    heads = mc.num_attention_heads
+    kv = getattr(mc, "num_key_value_heads", None) or heads
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
+    element = 1 if cfg.rollout.kv_cache_dtype == "fp8" else 2
+    return mc.num_hidden_layers * 2 * max(1, kv // layout.tp_generate) * head_dim * element
 
 
 def _kv_bytes(cfg: Config, mc: Any, layout: Layout) -> int:
@@ -208,9 +215,6 @@ def estimate_seconds(cfg: Config, mc: Any, layout: Layout) -> float:
     """The layout's estimated step time (``trainer.step_time``; after ``estimate_phases``, which sizes it)."""
     d, r = cfg.data, cfg.rollout
     context = d.max_prompt_length + d.max_response_length
-    heads = mc.num_attention_heads
-    kv = getattr(mc, "num_key_value_heads", None) or heads
-    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
     samples = group_samples(cfg, layout)
     slots = max(1, min(layout.value(cfg, "rollout.max_num_seqs"), samples))
     micro_batches, micro_tokens = update_micro(cfg, layout)
@@ -218,7 +222,7 @@ def estimate_seconds(cfg: Config, mc: Any, layout: Layout) -> float:
         params=layout.params, held=layout.views.held_elements, layers=mc.num_hidden_layers,
         hidden=mc.hidden_size, world=layout.world, gpus_per_node=cfg.trainer.n_gpus_per_node,
         tokens=d.train_batch_size * r.n * context, response=d.max_response_length, waves=-(-samples // slots),
-        slots=slots, kv_bytes_per_token=mc.num_hidden_layers * 2 * max(1, kv // layout.tp_generate) * head_dim * 2,
+        slots=slots, kv_bytes_per_token=kv_bytes_per_token(cfg, mc, layout),
         context=context, log_prob_passes=_log_prob_passes(cfg),
         micro_batches=micro_batches, micro_tokens=micro_tokens,
     )  # fmt: skip

@@ -209,6 +209,11 @@ class ActorWorker:
                 f"rollout.quantization=fp8 runs FP8 matmuls in the built-in rollout engine, which does not run "
                 f"this model ({reason}); set rollout.quantization=null"
             )
+        if reason is not None and r.kv_cache_dtype == "fp8":
+            raise UserError(
+                f"rollout.kv_cache_dtype=fp8 is the built-in rollout engine's paged KV cache, and that engine does "
+                f"not run this model ({reason}); set rollout.kv_cache_dtype=auto"
+            )
         if reason is not None and self.cfg.actor.router_replay == "r3":
             raise UserError(
                 f"actor.router_replay=r3 needs the built-in rollout engine to record the experts, which does not "

@@ -121,6 +121,7 @@ def build_rollout(
         enforce_eager=r.enforce_eager,
         compile_decode=r.compile_decode,
         free_cache_engine=r.free_cache_engine,
+        **({"kv_cache_dtype": r.kv_cache_dtype} if native else {}),  # HF generate: refused at validation
         device=device,  # the GPU, also while offloaded parameters sit on the host
         **({"tp": tp} if tp is not None else {}),
         **({"record_routing": True} if cfg.actor.router_replay == "r3" else {}),  # router replay

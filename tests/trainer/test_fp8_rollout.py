@@ -108,3 +108,21 @@ def test_an_unknown_fp8_kernel_is_refused_at_start(data: dict[str, Path], tmp_pa
     assert run(data, "qwen2", tmp_path / "run", "rollout.quantization_kernel=cutlass") == 2
     err = capsys.readouterr().err
     assert "rollout.quantization_kernel" in err and "auto, w8a16, scaled_mm" in err
+
+
+def test_grpo_with_fp8_weights_and_an_fp8_kv_cache(
+    data: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO")
+    assert run(data, "qwen2", tmp_path / "run", "rollout.kv_cache_dtype=fp8") == 0
+    for step, m in metrics(tmp_path / "run").items():
+        assert 1e-4 < m["rollout_corr/log_prob_abs_diff_mean"] < 0.1, step
+    assert "the KV cache is FP8" in caplog.text  # rank 0's line, with the pool's blocks
+
+
+def test_a_family_the_engine_does_not_run_is_refused_with_an_fp8_kv_cache(
+    data: dict[str, Path], tmp_path: Path, capsys
+) -> None:
+    assert run(data, "gpt2", tmp_path / "run", "rollout.quantization=null", "rollout.kv_cache_dtype=fp8") == 2
+    err = capsys.readouterr().err
+    assert "rollout.kv_cache_dtype=fp8" in err and "set rollout.kv_cache_dtype=auto" in err

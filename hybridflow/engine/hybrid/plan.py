@@ -7,6 +7,10 @@ receiver needs with what a sender holds; what a rank holds itself it copies loca
 exactly the elements of its generation shard that it does not already hold, each from the one rank that
 holds it: the minimum any layout switch can move. ``print(plan)`` shows the bytes per rank.
 
+With FP8 projections (``rollout.quantization=fp8``, ``quantised``) those travel and are held at one byte an
+element, and their float32 rowwise scales (4 bytes a row of the full weight) reach every generation rank of a
+multi-rank plan through the scales' all-reduce (``fp8_scales``): the byte counts include both.
+
 The same plan streams weights across two pools (``trainer.async_mode=separate``): the holdings cover every
 rank of the group the plan runs over, the generation view only the rollout pool's (``GenerateView.first``).
 Ranks of the trainer pool hold boxes and need none, ranks of the rollout pool hold none and need their shard,
@@ -20,6 +24,9 @@ from dataclasses import dataclass
 
 from hybridflow.engine.parallel.layout import Box, ShardLayout
 from hybridflow.engine.parallel.view import GenerateView
+
+FP8_BYTES = 1  # an e4m3 element
+SCALE_BYTES = 4  # a float32 rowwise scale
 
 
 def intersect(a: Box, b: Box) -> Box | None:
@@ -82,6 +89,7 @@ class ReshardPlan:
     FSDP2 alone over every rank: each ``ParamSpec.train_dim`` chunked W ways. The plan's ranks are the
     holdings' (the view's without them): a view on a pool of them (``view.first``) makes a cross-pool plan,
     whose other ranks only send (their rows of ``holdings``) and whose pool's ranks only receive.
+    ``quantised``: per parameter, whether it goes in FP8 (``elem_size`` is the other parameters' dtype's).
     """
 
     def __init__(
@@ -92,8 +100,11 @@ class ReshardPlan:
         bucket_bytes: int,
         holdings: list[list[Box | None]] | None = None,
         train_view: str | None = None,
+        quantised: list[bool] | None = None,
     ) -> None:
         self.params, self.view, self.elem_size = params, view, elem_size
+        self.quantised = quantised or [False] * len(params)
+        self.elems = [FP8_BYTES if q else elem_size for q in self.quantised]  # bytes an element, by parameter
         self.holdings = holdings
         self.world = view.world if holdings is None else len(holdings)  # every rank of the plan's group
         if view.end > self.world:
@@ -154,7 +165,7 @@ class ReshardPlan:
         size = 0
         for i, p in enumerate(self.params):
             out[-1].append(i)
-            size += volume(tuple((0, n) for n in p.layout.local_shape())) * self.elem_size
+            size += volume(tuple((0, n) for n in p.layout.local_shape())) * self.elems[i]
             if size >= bucket_bytes and i + 1 < len(self.params):
                 out.append([])
                 size = 0
@@ -173,22 +184,47 @@ class ReshardPlan:
         ]
 
     def bytes_received(self, rank: int) -> int:
-        """Bytes ``rank`` receives from other ranks at every switch (its own part is a local copy)."""
-        return sum(volume(t.box) for t in self.transfers if t.dst == rank and t.src != rank) * self.elem_size
+        """Bytes ``rank`` receives from other ranks at every switch (its own part is a local copy), FP8 scales
+        included (``scale_bytes_received``)."""
+        data = sum(
+            volume(t.box) * self.elems[t.param] for t in self.transfers if t.dst == rank and t.src != rank
+        )
+        return data + self.scale_bytes_received(rank)
+
+    def scale_bytes_received(self, rank: int) -> int:
+        """Bytes of FP8 scales ``rank`` receives: every quantised weight's full-row scales (float32), which the
+        all-reduce of a multi-rank plan delivers to each generation rank; none at one rank."""
+        if self.world == 1 or not self.view.generates(rank):
+            return 0
+        return (
+            sum(self._rows(p.layout.plan_shape) for p, q in zip(self.params, self.quantised) if q)
+            * SCALE_BYTES
+        )
 
     def bytes_sent(self, rank: int) -> int:
-        """Bytes ``rank`` sends to other ranks at every switch."""
-        return sum(volume(t.box) for t in self.transfers if t.src == rank and t.dst != rank) * self.elem_size
+        """Bytes ``rank`` sends to other ranks at every switch (its boxes; the scales' all-reduce aside)."""
+        return sum(
+            volume(t.box) * self.elems[t.param] for t in self.transfers if t.src == rank and t.dst != rank
+        )
 
     def generation_bytes(self) -> int:
-        """Bytes of one rank's generation buffers (every parameter's local shape; the same on every rank of the
-        generation view)."""
-        shapes = (p.layout.local_shape() for p in self.params)
-        return sum(volume(tuple((0, n) for n in s)) for s in shapes) * self.elem_size
+        """Bytes of one rank's generation buffers (every parameter's local shape, and its FP8 rows' scales; the
+        same on every rank of the generation view)."""
+        return sum(self._bytes(i, p.layout.local_shape()) for i, p in enumerate(self.params))
 
     def full_bytes(self) -> int:
-        """Bytes of a whole copy of the parameters in the generation dtype."""
-        return sum(volume(tuple((0, n) for n in p.shape)) for p in self.params) * self.elem_size
+        """Bytes of a whole copy of the parameters in the generation dtype (FP8 ones with their scales)."""
+        return sum(self._bytes(i, p.shape) for i, p in enumerate(self.params))
+
+    @staticmethod
+    def _rows(shape: tuple[int, ...]) -> int:
+        """Rows of a weight of ``shape`` (every dim but the last): its scales, quantised."""
+        return volume(tuple((0, n) for n in shape[:-1]))
+
+    def _bytes(self, param: int, shape: tuple[int, ...]) -> int:
+        """Bytes of ``param`` held at ``shape``: its elements, and its rows' scales when quantised."""
+        scales = self._rows(shape) * SCALE_BYTES if self.quantised[param] else 0
+        return volume(tuple((0, n) for n in shape)) * self.elems[param] + scales
 
     def __str__(self) -> str:
         gib = 2**30

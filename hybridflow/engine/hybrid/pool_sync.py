@@ -86,14 +86,14 @@ class PoolSync:
         ]
         specs = [ParamSpec(n, lay.plan_shape, None, lay) for n, lay in zip(self.names, self.layouts)]
         elem = torch.empty((), dtype=dtype).element_size()
-        self.plan = ReshardPlan(specs, view, elem, bucket_bytes, holdings, train_view)
-        gaps = self.plan.uncovered()
-        if gaps:
-            raise ValueError(f"the trainer pool holds no copy of parts of: {gaps[:8]}")
         # rollout.quantization=fp8: the dense projections go in FP8 (every rank decides alike from the shapes)
         self.quantised = [
             fp8 and quantisable(n, lay.local_shape()) for n, lay in zip(self.names, self.layouts)
         ]
+        self.plan = ReshardPlan(specs, view, elem, bucket_bytes, holdings, train_view, self.quantised)
+        gaps = self.plan.uncovered()
+        if gaps:
+            raise ValueError(f"the trainer pool holds no copy of parts of: {gaps[:8]}")
         self.resharder = Resharder(self.plan, self.rank, device, dtype, self.link, self.quantised)
         self.scales: dict[int, torch.Tensor] = {}
         self.module: nn.Module | None = None
@@ -106,7 +106,7 @@ class PoolSync:
             self.world - view.world,
             self.plan.train_view,
             view,
-            dtype,
+            f"{dtype} (with FP8 projections)" if any(self.quantised) else dtype,
             self.rank,
             f"receives {format_bytes(self.plan.bytes_received(self.rank))} per sync"
             if self.receives

@@ -73,7 +73,8 @@ class Resharder:
         scales: dict[int, torch.Tensor] | None = None,
     ) -> int:
         """Fill ``targets`` (this rank's generation buffers, by parameter) from ``sources`` (its training
-        shards, by parameter; host tensors are moved over piece by piece); returns the bytes received.
+        shards, by parameter; host tensors are moved over piece by piece); returns the bytes received (FP8
+        scales included).
 
         A rank that only sends (a trainer rank of a cross-pool plan) passes no targets, one that only
         receives no sources: the plan never reads them. With FP8 parameters every rank first takes part in
@@ -84,7 +85,8 @@ class Resharder:
             self.fp8.compute(sources)
             for i, scale in (scales or {}).items():
                 self.fp8.fill(i, scale)
-        return sum(self._bucket(transfers, sources, targets) for transfers in self.buckets)
+        received = sum(self._bucket(transfers, sources, targets) for transfers in self.buckets)
+        return received + self.plan.scale_bytes_received(self.rank)  # the scales came with the all-reduce
 
     def _source(self, t: Transfer, sources: list[torch.Tensor]) -> torch.Tensor:
         """The box ``t`` sends (or copies), on this rank's device in its wire dtype (FP8 quantised with its

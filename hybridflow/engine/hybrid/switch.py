@@ -153,8 +153,8 @@ class RolloutShard:
             [lay.to_plan(box) for lay, box in zip(self.layouts, boxes)]
             for boxes in holdings_of(ours, self.names)
         ]
-        self.plan = ReshardPlan(specs, view, elem, bucket_bytes, holdings, train_view)
         quantised = [n in fp8_names for n in self.names]
+        self.plan = ReshardPlan(specs, view, elem, bucket_bytes, holdings, train_view, quantised)
         self.resharder = Resharder(self.plan, rank, device, dtype, quantised=quantised)
         generation = dict(self.module.named_parameters())  # the FP8 weights replaced the empty ones
         self.targets = [lay.plan_view(generation[n]) for lay, n in zip(self.layouts, self.names)]
@@ -186,7 +186,7 @@ class RolloutShard:
             "weights (a whole copy: %s) and receives %s at every switch",
             self.plan.train_view,
             view,
-            f"{dtype} ({len(fp8_names)} projections in FP8, rowwise scales; the sizes below count {dtype})"
+            f"{dtype} ({len(fp8_names)} projections in FP8 with float32 rowwise scales, counted so below)"
             if fp8_names
             else dtype,
             format_bytes(self.plan.generation_bytes()),

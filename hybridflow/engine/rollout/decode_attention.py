@@ -26,9 +26,15 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import torch
+
+from hybridflow.engine.rollout.decode_reference import (  # noqa: F401 (re-exported: the kernel's references)
+    NewToken,
+    decode_attention_reference,
+    decode_attention_rope_reference,
+    rope_reference,
+)
 
 try:
     import triton
@@ -54,31 +60,20 @@ def available() -> bool:
     return triton is not None
 
 
-def decode_attention_reference(
-    q: torch.Tensor,  # (B, H, 1, D)
-    k_cache: torch.Tensor,  # (S >= B, KVH, L, D)
-    v_cache: torch.Tensor,  # (S >= B, KVH, L, D)
-    positions: torch.Tensor,  # (B,) int
-    scale: float,
-) -> torch.Tensor:
-    """Pure-torch decode attention with the kernel's semantics, in float32; returns (B, H, 1, D) in q's dtype."""
-    batch, heads, _, _ = q.shape
-    kv_heads, length = k_cache.shape[1], k_cache.shape[2]
-    group = heads // kv_heads
-    # Query head h reads KV head h // G (SDPA's enable_gqa convention).
-    keys = k_cache[:batch].float().repeat_interleave(group, dim=1)  # (B, H, L, D)
-    values = v_cache[:batch].float().repeat_interleave(group, dim=1)
-    scores = (q.float() @ keys.transpose(-1, -2)) * scale  # (B, H, 1, L)
-    visible = torch.arange(length, device=q.device) <= positions.to(q.device)[:, None]  # (B, L)
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    return (torch.softmax(scores, dim=-1) @ values).to(q.dtype)  # (B, H, 1, D)
-
-
 if triton is not None:
 
     @triton.jit
+    def _round_e4m3(x):
+        """x (float32, within +-448) rounded to the nearest e4m3 value (ties up), so the cast is exact: used
+        only in Triton's CPU interpreter, whose (3.9) cast drops the carry when rounding up fills the mantissa
+        (31.7 became 16, not 32); the GPU's conversion rounds correctly."""
+        exponent = tl.floor(tl.log2(tl.maximum(tl.abs(x), 0.015625)))  # -6 below 2^-6: subnormals' step
+        step = tl.exp2(exponent - 3.0)  # 3 mantissa bits
+        return tl.floor(x / step + 0.5) * step
+
+    @triton.jit
     def _split_kernel(
-        Q, K, V, POS, OUT, LSE, KNEW, VNEW, COS, SIN, TABLE,
+        Q, K, V, POS, OUT, LSE, KNEW, VNEW, COS, SIN, TABLE, KSCALE, VSCALE,
         stride_qb, stride_qh, stride_qd,
         stride_kb, stride_kh, stride_kl, stride_kd,
         stride_vb, stride_vh, stride_vl, stride_vd,
@@ -87,7 +82,8 @@ if triton is not None:
         stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd, stride_cb, stride_cd,
         stride_pos, stride_tb, qk_scale, length_cap, split_len,
         G: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, FUSED: tl.constexpr,
-        PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        PAGE: tl.constexpr, QUANT: tl.constexpr, ROUND_FP8: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         """One (row, KV head, split): online softmax over the split's visible positions for G query heads.
 
@@ -99,6 +95,11 @@ if triton is not None:
         block ``TABLE[b, p // PAGE]`` at offset p % PAGE (the block id is loaded per position, so a tile may
         span blocks of any size). PAGE == 0: K and V are (S, KVH, L, D) slots and row b reads slot b.
 
+        QUANT: K and V are FP8 with one scale per KV head (KSCALE, VSCALE (KVH,)). A program is one KV head,
+        so the scales are scalars: K's folds into the logits' scale, V's multiplies the output, and the tiles
+        are only converted (e4m3 -> bf16 is exact). The new token is quantised as written and attended as
+        read back, as the torch reference does.
+
         One body on purpose: with RoPE, the cache loop and the new-token step as ``@triton.jit`` helpers the
         rollout benchmark decoded 4% slower at batch 64 on the H200, though the kernel alone timed the same
         (benchmarks/RESULTS.md, eighth session).
@@ -106,6 +107,10 @@ if triton is not None:
         b = tl.program_id(0).to(tl.int64)  # row offsets exceed 2^31 elements for large caches
         kvh = tl.program_id(1)
         split = tl.program_id(2)
+        if QUANT:
+            k_scale = tl.load(KSCALE + kvh).to(tl.float32)
+            v_scale = tl.load(VSCALE + kvh).to(tl.float32)
+            qk_scale = qk_scale * k_scale
         row_pos = tl.load(POS + b * stride_pos).to(tl.int32)
         length = tl.minimum(row_pos + 1, length_cap)
         lo = split * split_len
@@ -132,9 +137,17 @@ if triton is not None:
             n_ptr = KNEW + b * stride_knb + kvh * stride_knh
             k_new = tl.load(n_ptr + offs_d * stride_knd, mask=d_ok, other=0.0).to(tl.float32)
             k_swap = tl.load(n_ptr + swap * stride_knd, mask=d_ok, other=0.0).to(tl.float32)
-            k_new = (k_new * cos + sign * k_swap * sin).to(K.dtype.element_ty)  # (BLOCK_D,)
+            k_new = (k_new * cos + sign * k_swap * sin).to(Q.dtype.element_ty)  # (BLOCK_D,) rounded as q
             v_ptr = VNEW + b * stride_vnb + kvh * stride_vnh
             v_new = tl.load(v_ptr + offs_d * stride_vnd, mask=d_ok, other=0.0)
+            if QUANT:  # stored and attended in units of the head's scale
+                k_new = tl.minimum(tl.maximum(k_new.to(tl.float32) / k_scale, -448.0), 448.0)
+                v_new = tl.minimum(tl.maximum(v_new.to(tl.float32) / v_scale, -448.0), 448.0)
+                if ROUND_FP8:  # the interpreter's float32 -> e4m3 cast loses a rounding's carry: round first
+                    k_new = _round_e4m3(k_new)
+                    v_new = _round_e4m3(v_new)
+            k_new = k_new.to(K.dtype.element_ty)
+            v_new = v_new.to(V.dtype.element_ty)
             mine = (row_pos >= lo) & (row_pos < lo + split_len) & (row_pos < length_cap)
             write = d_ok & (offs_d * 0 + mine.to(tl.int32) > 0)  # (BLOCK_D,) a vector mask
             if PAGE > 0:
@@ -172,8 +185,8 @@ if triton is not None:
                 k_at = b * stride_kb + pos * stride_kl
                 v_at = b * stride_vb + pos * stride_vl
             k = tl.load(k_base + k_at[:, None], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-            if UPCAST:
-                k = k.to(tl.float32)
+            if UPCAST or QUANT:
+                k = k.to(q.dtype)
             s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_G, BLOCK_N) float32, base-2 logits
             s = tl.where(n_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))  # finite: every iteration has >= 1 visible position
@@ -181,8 +194,8 @@ if triton is not None:
             p = tl.exp2(s - m_new[:, None])
             den = den * alpha + tl.sum(p, 1)
             v = tl.load(v_base + v_at[:, None], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-            if UPCAST:
-                v = v.to(tl.float32)
+            if UPCAST or QUANT:
+                v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
         if FUSED:  # noqa: SIM102 (a compile-time branch around a run-time one)
@@ -195,6 +208,8 @@ if triton is not None:
                 acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
                 m = m_new
         out = acc / tl.where(den > 0, den, 1.0)[:, None]  # an empty split stores zeros with lse = -inf
+        if QUANT:
+            out = out * v_scale
         o_ptr = (
             OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :] * stride_od
         )
@@ -278,15 +293,6 @@ def split_layout(
     return math.ceil(length / split_len), split_len
 
 
-class NewToken(NamedTuple):
-    """The decode step's new token for the fused kernel: k and v (B, KVH, 1, D) before RoPE, cos/sin (B, D)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-
 def _check_new_token(new: NewToken, batch: int, kv_heads: int, dim: int) -> None:
     """Shapes the fused kernel indexes; cos and sin share strides (only those of dims longer than 1 count)."""
     kv_shape, table_shape = (batch, kv_heads, 1, dim), (batch, dim)
@@ -352,6 +358,7 @@ def decode_attention_triton(
     *,
     new: NewToken | None = None,
     table: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
     block_n: int | None = None,
     num_splits: int | None = None,
     num_warps: int | None = None,
@@ -362,7 +369,9 @@ def decode_attention_triton(
     With ``new`` (the step's un-rotated k, its v, and the rows' cos/sin), q is un-rotated too: the kernel
     applies RoPE, writes k and v at ``positions`` into the caches, and attends to them (``FUSED``).
     With ``table`` (B, max_blocks) the caches are paged (blocks, KVH, block size, D): row b's position p is in
-    block ``table[b, p // block size]``. Tuning args are keyword-only; None takes ``launch_config``.
+    block ``table[b, p // block size]``. ``kv_scales`` (2, KVH): the caches are FP8 and a stored value stands
+    for itself times its head's scale (K's at [0], V's at [1]). Tuning args are keyword-only; None takes
+    ``launch_config``.
     """
     if triton is None:
         raise RuntimeError("decode_attention_triton needs triton (pip install triton)")
@@ -380,8 +389,9 @@ def decode_attention_triton(
     group = heads // kv_heads
     k_new, v_new, cos, sin = new if new is not None else (q, q, q, q)  # unread placeholders when not fused
     table_arg = positions if table is None else table  # unread when not paged
+    k_scale, v_scale = (q, q) if kv_scales is None else (kv_scales[0], kv_scales[1])  # unread unless FP8
     _split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, positions, part, lse, k_new, v_new, cos, sin, table_arg,
+        q, k_cache, v_cache, positions, part, lse, k_new, v_new, cos, sin, table_arg, k_scale, v_scale,
         q.stride(0), q.stride(1), q.stride(3),
         *k_cache.stride(), *v_cache.stride(),
         *part_strides, *lse_strides,
@@ -389,7 +399,7 @@ def decode_attention_triton(
         cos.stride(0), cos.stride(-1),
         positions.stride(0), table_arg.stride(0), scale * _LOG2E, length, split_len,
         G=group, D=dim, DIRECT=direct, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
-        FUSED=new is not None, PAGE=page,
+        FUSED=new is not None, PAGE=page, QUANT=kv_scales is not None, ROUND_FP8=_interpreting(),
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
@@ -415,28 +425,6 @@ def decode_attention(
 @decode_attention.register_fake
 def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, scale: float):
     return q.new_empty(q.shape)
-
-
-def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE in float32, rounded once to x's dtype: x (B, h, 1, D), cos/sin (B, D)."""
-    xf, half = x.float(), x.shape[-1] // 2
-    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos[:, None, None].float() + rotated * sin[:, None, None].float()).to(x.dtype)
-
-
-def decode_attention_rope_reference(
-    q: torch.Tensor,  # (B, H, 1, D) before RoPE
-    new: NewToken,
-    k_cache: torch.Tensor,  # (S >= B, KVH, L, D), written at positions
-    v_cache: torch.Tensor,
-    positions: torch.Tensor,  # (B,) int
-    scale: float,
-) -> torch.Tensor:
-    """The fused kernel's semantics in torch: RoPE on q and k, write k and v at ``positions``, attend."""
-    rows = torch.arange(q.shape[0], device=q.device)
-    k_cache[rows, :, positions] = rope_reference(new.k, new.cos, new.sin)[:, :, 0]
-    v_cache[rows, :, positions] = new.v[:, :, 0]
-    return decode_attention_reference(rope_reference(q, new.cos, new.sin), k_cache, v_cache, positions, scale)
 
 
 @torch.library.custom_op("hybridflow::decode_attention_rope", mutates_args=("kv_storage",))
@@ -477,14 +465,19 @@ def decode_attention_rope_paged(
     positions: torch.Tensor,
     tables: torch.Tensor,
     scale: float,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The fused kernel on the paged cache (layers, 2, blocks, KVH, block size, D) through block ``tables``
-    (B, max_blocks): RoPE, the write of the step's k and v, and attention, one launch -> (B, H, 1, D)."""
+    (B, max_blocks): RoPE, the write of the step's k and v, and attention, one launch -> (B, H, 1, D).
+    ``kv_scales`` (layers, 2, KVH): the cache is FP8 (``paged_cache``)."""
     new = NewToken(k_new, v_new, cos, sin)
     k, v = kv_storage[layer, 0], kv_storage[layer, 1]  # (blocks, KVH, block size, D) each
-    return decode_attention_triton(q, k, v, positions, scale, new=new, table=tables)
+    scales = None if kv_scales is None else kv_scales[layer]  # (2, KVH)
+    return decode_attention_triton(q, k, v, positions, scale, new=new, table=tables, kv_scales=scales)
 
 
 @decode_attention_rope_paged.register_fake
-def _(q, k_new, v_new, cos, sin, kv_storage, layer, positions, tables, scale):  # the op's signature
+def _(
+    q, k_new, v_new, cos, sin, kv_storage, layer, positions, tables, scale, kv_scales=None
+):  # its signature
     return q.new_empty(q.shape)

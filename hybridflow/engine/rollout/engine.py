@@ -422,7 +422,7 @@ def make_rollout(
     model: nn.Module, engine: str = "native", pad_token_id: int = 0, **kwargs
 ) -> PagedEngine | HFRollout:
     """The built-in engine (the paged one) when the architecture is supported, else HF ``generate`` with one
-    warning."""
+    warning (refused with ``kv_cache_dtype="fp8"``: HF generate keeps its own cache in the model's dtype)."""
     from hybridflow.engine.rollout.paged_engine import PagedEngine
 
     if engine not in ("native", "hf"):
@@ -432,4 +432,10 @@ def make_rollout(
         if reason is None:
             return PagedEngine(model, **kwargs)
         logger.warning(fallback_notice(model.config, reason))
+    if kwargs.get("kv_cache_dtype", "auto") != "auto":
+        why = f"the built-in engine does not run this model ({reason})" if engine == "native" else "engine=hf"
+        raise UserError(
+            f"rollout.kv_cache_dtype={kwargs['kv_cache_dtype']} is the built-in paged engine's KV cache, and "
+            f"{why}; set rollout.kv_cache_dtype=auto"
+        )
     return HFRollout(model, pad_token_id, kwargs.get("max_model_len"))

@@ -56,6 +56,8 @@ class PagedEngine:
 
     ``num_blocks``: the pool's blocks; None sizes it from ``gpu_memory_utilization`` on GPU and, on CPU, from
     the work (every sequence of a ``generate`` call at full length). ``block_size``: positions per block.
+    ``kv_cache_dtype="fp8"``: K and V in e4m3 (half the bytes of bf16: twice the blocks in the same memory),
+    their per-head scales set by the first prefill after each weight refresh (a session's start, ``resume``).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class PagedEngine:
         self.warm: dict[tuple, set[int]] = {}  # batch buckets run once, per session signature (see graphs)
         self.kept_cache: PagedKVCache | None = None  # the last session's, when free_cache_engine is off
         self.last_pool_blocks: int | None = None  # the last session's pool size
+        self.fp8_logged = False  # rollout.kv_cache_dtype=fp8: the pool's line, at the first session
         self.decode_fn, self.record_fn = self.runner.decode_paged, DecodeState.record
         if cfg.compile_decode and not traceable(self.runner):
             cfg.compile_decode = False

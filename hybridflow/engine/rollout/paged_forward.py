@@ -15,8 +15,11 @@ import torch.nn.functional as F
 from hybridflow.engine.ops.packing import to_device
 from hybridflow.engine.rollout.paged_cache import (
     PagedKVCache,
+    calibrate_kv_scales,
     paged_decode_attention,
+    read_kv_paged,
     write_kv_paged,
+    write_kv_paged_fp8,
     write_routing,
 )
 
@@ -50,6 +53,9 @@ class PagedForward:
         after every valid query), as the slot engine's first chunk does; else each row reads its blocks up to
         the longest row's end. ``lengths``, ``start_pos`` and ``tables`` are read on the host: pass CPU tensors
         and the call never waits for the GPU (they go up through pinned memory).
+
+        An FP8 cache due for calibration (``cache.calibrate``: the first prefill after a weight refresh) takes
+        its per-head scales from this call's tokens before writing them.
         """
         b, t = input_ids.shape
         lengths, start_pos, tables = (x.detach().to("cpu", torch.long) for x in (lengths, start_pos, tables))
@@ -64,13 +70,14 @@ class PagedForward:
         if images is not None:
             rope, mask, feats = images
             embeds = self.embed_ids(up[0])  # (b, t, hidden)
-            if (
-                feats is not None
-            ):  # HF's masked_scatter: the features fill the image tokens in row-major order
+            if feats is not None:  # HF's masked_scatter: the features fill the image tokens in row-major order
                 where = to_device(mask, self.device)[..., None]  # (b, t, 1)
                 embeds = embeds.masked_scatter(where, feats.to(embeds.dtype))
             extra = {"rope_positions": to_device(rope, self.device), "embeds": embeds}
-        h = self._prefill_paged_layers(*up, cache.storage, causal, cache.routing, **extra)  # (b, t, hidden)
+        calibrate, cache.calibrate = cache.calibrate, False
+        h = self._prefill_paged_layers(
+            *up, cache.storage, causal, cache.routing, cache.scales, calibrate, **extra
+        )  # (b, t, hidden)
         last = h[torch.arange(b, device=self.device), to_device(lengths, self.device) - 1]  # (b, hidden)
         return self._logits(last)
 
@@ -86,10 +93,14 @@ class PagedForward:
         kv_storage: torch.Tensor,  # (layers, 2, N, KVH, bs, D)
         causal: bool,
         routing: torch.Tensor | None = None,  # (N, bs, sparse layers, k): record each token's experts
+        kv_scales: torch.Tensor | None = None,  # (layers, 2, KVH): an FP8 cache's scales
+        calibrate: bool = False,  # set kv_scales from this call's tokens first
         rope_positions: torch.Tensor | None = None,  # (3, b, t) M-RoPE positions (else ``positions``)
         embeds: torch.Tensor | None = None,  # (b, t, hidden) the embeddings with image features inserted
     ) -> torch.Tensor:
-        """Prefill's layers on the paged cache (``prefill_paged``); compiled by ``compile_prefill``."""
+        """Prefill's layers on the paged cache (``prefill_paged``); compiled by ``compile_prefill``. With an
+        FP8 cache the writes quantise and the cached keys and values are read back dequantised; the chunk's own
+        tokens attend in the compute dtype when every row starts at 0 (causal)."""
         bs = kv_storage.shape[4]
         sink = None
         if routing is not None:
@@ -105,13 +116,18 @@ class PagedForward:
             mask = keys_at <= positions[:, None, :, None]  # (b, 1, t, L)
 
         def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            write_kv_paged(k[rows, :, cols], v[rows, :, cols], kv_storage, idx, blocks, offsets)
+            k_valid, v_valid = k[rows, :, cols], v[rows, :, cols]  # (n, KVH, D)
+            if kv_scales is None:
+                write_kv_paged(k_valid, v_valid, kv_storage, idx, blocks, offsets)
+            else:
+                if calibrate:
+                    calibrate_kv_scales(k_valid, v_valid, kv_scales, idx)
+                write_kv_paged_fp8(k_valid, v_valid, kv_storage, kv_scales, idx, blocks, offsets)
             if mask is None:
                 return F.scaled_dot_product_attention(
                     q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True
                 )
-            keys = kv_storage[idx, 0][tables].transpose(2, 3).flatten(1, 2)  # (b, L, KVH, D)
-            values = kv_storage[idx, 1][tables].transpose(2, 3).flatten(1, 2)
+            keys, values = read_kv_paged(kv_storage, kv_scales, idx, tables, q.dtype)  # (b, L, KVH, D) each
             return F.scaled_dot_product_attention(
                 q,
                 keys.transpose(1, 2),
@@ -138,7 +154,8 @@ class PagedForward:
         sequence, attending to positions <= it; logits (B, V). Fixed shapes, no host sync: graph-safe.
 
         The Triton backend is one fused launch per layer (RoPE, the cache write, split-K attention over the
-        blocks); "sdpa" is the reference (``paged_cache.paged_decode_attention``: gather, then mask).
+        blocks; an FP8 cache quantised as written, dequantised as read); "sdpa" is the reference
+        (``paged_cache.paged_decode_attention``: gather, then mask).
         With ``cache.routing`` each row's experts are recorded at its position; ``live`` (B,) bool sends the
         records of rows that are not (finished sequences riding along) to the scratch block 0 instead.
         ``rope_positions`` (B,): where RoPE puts the tokens when not at ``positions`` (a vision-language
@@ -150,7 +167,9 @@ class PagedForward:
             cos, sin = (t[:, 0, 0] for t in self._rope_tables(rope[:, None]))  # (B, D) each
 
             def fused(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                return kernel(q, k, v, cos, sin, cache.storage, idx, positions, tables, self.scaling)
+                return kernel(
+                    q, k, v, cos, sin, cache.storage, idx, positions, tables, self.scaling, cache.scales
+                )
 
             h = self._forward(input_ids[:, None], rope[:, None], fused, False, self._decode_dims, sink)
             return self._logits(h[:, 0])  # (B, V)

@@ -19,13 +19,14 @@ from hybridflow.engine.rollout.decode_loop import make_sampler
 from hybridflow.engine.rollout.graphs import DecodeGraphs
 from hybridflow.engine.rollout.model import LlamaRunner
 from hybridflow.engine.rollout.multimodal import chunk_inputs, image_features
-from hybridflow.engine.rollout.paged_cache import PagedKVCache
+from hybridflow.engine.rollout.paged_cache import KV_DTYPES, PagedKVCache
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.seats import Seats
 from hybridflow.engine.rollout.stats import GenerationStats, PhaseTimer
 from hybridflow.engine.rollout.tp import RolloutTP
 from hybridflow.utils.device import gpu_memory_limit
 from hybridflow.utils.errors import UserError
+from hybridflow.utils.logging import rank
 
 if TYPE_CHECKING:
     from hybridflow.engine.rollout.sequence import Sequence
@@ -54,6 +55,7 @@ class SessionConfig:
     free_cache_engine: bool = True
     device: torch.device | None = None
     record_routing: bool = False  # a mixture of experts: each token's experts with its output (router replay)
+    kv_cache_dtype: str = "auto"  # auto: the compute dtype; fp8: e4m3 with per-(layer, KV head) scales
 
     def __post_init__(self) -> None:
         if (
@@ -65,6 +67,16 @@ class SessionConfig:
                 f"block_size, num_blocks and sync_interval must be >= 1; got {self.block_size}, "
                 f"{self.num_blocks}, {self.sync_interval}"
             )
+        if self.kv_cache_dtype not in KV_DTYPES:
+            raise UserError(
+                f"rollout.kv_cache_dtype={self.kv_cache_dtype!r} is not a KV-cache dtype here; set it to one of "
+                f"{', '.join(KV_DTYPES)} (auto: the rollout's compute dtype; fp8: e4m3 with per-head scales)"
+            )
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the KV cache is FP8."""
+        return self.kv_cache_dtype == "fp8"
 
 
 def check_params(running: SamplingParams, new: SamplingParams) -> None:
@@ -77,6 +89,11 @@ def check_params(running: SamplingParams, new: SamplingParams) -> None:
             f"max_new_tokens up to {running.max_new_tokens}); got {new}, running {running}. Add it once "
             "the engine is idle"
         )
+
+
+def blocks_that_fit(free_bytes: float, block_bytes: int) -> int:
+    """Blocks of ``block_bytes`` in ``free_bytes``, less the device's scratch block 0."""
+    return int(free_bytes // block_bytes) - 1
 
 
 class SessionOwner(Protocol):
@@ -92,6 +109,7 @@ class SessionOwner(Protocol):
     record_fn: Callable
     kept_cache: PagedKVCache | None  # the last session's cache (free_cache_engine off)
     last_pool_blocks: int | None
+    fp8_logged: bool  # the FP8 KV cache's line was logged
 
 
 class Session:
@@ -110,6 +128,10 @@ class Session:
         blocks = cfg.num_blocks or self._blocks_for_memory(num_seqs * width + num_seats, num_seats)
         self.pool = BlockPool(blocks, bs)
         self.cache = self._cache(blocks + 1)  # block 0 of the device is scratch (see seats.py)
+        self.cache.calibrate = self.cache.fp8  # new weights may have come with this session (refresh above)
+        if self.cache.fp8 and not engine.fp8_logged:
+            engine.fp8_logged = True
+            self._log_fp8(blocks)
         eos = [] if params.ignore_eos else list(params.eos_token_ids)
         self.seats = Seats(
             num_seats,
@@ -133,11 +155,24 @@ class Session:
     # ---- sizing -------------------------------------------------------------------------------------------
 
     @staticmethod
-    def block_bytes(runner: LlamaRunner, block_size: int) -> int:
-        """Device bytes of one block over all layers."""
+    def block_bytes(runner: LlamaRunner, block_size: int, fp8: bool = False) -> int:
+        """Device bytes of one block over all layers (FP8: one byte per element)."""
+        dtype = torch.float8_e4m3fn if fp8 else runner.dtype
         return PagedKVCache.bytes_per_block(
-            runner.num_layers, block_size, runner.num_kv_heads, runner.head_dim, runner.dtype
+            runner.num_layers, block_size, runner.num_kv_heads, runner.head_dim, dtype
         )
+
+    def _log_fp8(self, blocks: int) -> None:
+        """The engine's first FP8 session: what the pool holds (global rank 0 only)."""
+        if rank() != 0:
+            return
+        bs, r = self.engine.cfg.block_size, self.runner
+        logger.info(
+            "rollout.kv_cache_dtype=fp8: the KV cache is FP8 (e4m3, a scale per layer and KV head for K and for "
+            "V, calibrated on the first prefill after each weight refresh): %d blocks of %d positions, %s bytes "
+            "per block against %s in %s",
+            blocks, bs, self.block_bytes(r, bs, True), self.block_bytes(r, bs), r.dtype,
+        )  # fmt: skip
 
     @staticmethod
     def budget(runner: LlamaRunner, cfg: SessionConfig, kept: int = 0, pending: int = 0) -> float:
@@ -159,7 +194,7 @@ class Session:
     @classmethod
     def shortfall(cls, runner: LlamaRunner, cfg: SessionConfig, count: int, max_len: int) -> int:
         """Bytes the pool lacks to hold ``count`` sequences of ``max_len`` positions at once."""
-        need = count * -(-max_len // cfg.block_size) * cls.block_bytes(runner, cfg.block_size)
+        need = count * -(-max_len // cfg.block_size) * cls.block_bytes(runner, cfg.block_size, cfg.fp8)
         return max(0, math.ceil(need - cls.budget(runner, cfg, pending=runner.pending_bytes())))
 
     def _blocks_for_memory(self, demand: int, num_seats: int) -> int:
@@ -169,10 +204,10 @@ class Session:
         if r.device.type != "cuda":
             return demand
         kept = self.engine.kept_cache.storage.nbytes if self.engine.kept_cache is not None else 0
-        per = self.block_bytes(r, cfg.block_size)
+        per = self.block_bytes(r, cfg.block_size, cfg.fp8)
         if cfg.record_routing:  # each position's expert ids (uint8) beside its K and V
             per += cfg.block_size * math.prod(r.routing_shape)
-        fit = int((self.budget(r, cfg, kept) - self.workspace(r, num_seats)) // per) - 1  # less the scratch
+        fit = blocks_that_fit(self.budget(r, cfg, kept) - self.workspace(r, num_seats), per)
         if self.engine.tp is not None:  # the ranks of a group must schedule alike: the smallest pool rules
             fit = int(funcol.all_reduce(torch.tensor([fit], device=r.device), "min", self.engine.tp.group))
         if fit < 1:
@@ -197,7 +232,13 @@ class Session:
         r, kept = self.runner, self.engine.kept_cache
         self.engine.kept_cache = None
         routing = r.routing_shape if self.engine.cfg.record_routing else None
-        if kept is not None and kept.num_blocks == blocks and (kept.routing is None) == (routing is None):
+        fp8 = self.engine.cfg.fp8
+        if (
+            kept is not None
+            and kept.num_blocks == blocks
+            and (kept.routing is None) == (routing is None)
+            and kept.fp8 == fp8
+        ):
             return kept
         del kept
         # The last session's freed pool stays cached in the allocator: a pool of another size could not use
@@ -206,9 +247,8 @@ class Session:
         if r.device.type == "cuda" and self.engine.last_pool_blocks not in (None, blocks):
             torch.cuda.empty_cache()
         self.engine.last_pool_blocks = blocks
-        return PagedKVCache(
-            r.num_layers, blocks, self.pool.block_size, r.num_kv_heads, r.head_dim, r.dtype, r.device, routing
-        )
+        sizes = (r.num_layers, blocks, self.pool.block_size, r.num_kv_heads, r.head_dim)
+        return PagedKVCache(*sizes, r.dtype, r.device, routing, fp8)
 
     # ---- the work -----------------------------------------------------------------------------------------
 
@@ -304,7 +344,9 @@ class Session:
         self.seats.decode_step(b, self.engine.decode_fn, self.cache, self.pick, self.engine.record_fn)
 
     def refresh_weights(self) -> None:
-        """After an in-place weight update: re-cast into the runner's buffers (new graphs if rebound)."""
+        """After an in-place weight update: re-cast into the runner's buffers (new graphs if rebound); an FP8
+        cache recalibrates its scales (in place) on the next prefill."""
+        self.cache.calibrate = self.cache.fp8
         if self.runner.refresh():
             self.engine.warm.clear()
             if self.graphs is not None:

@@ -3,7 +3,8 @@
 Two ranks holding FSDP2 shards (each row on one rank) fill their generation shards, a whole replica (tp = 1)
 or a tensor-parallel half (tp = 2): every FP8 weight and its rows' scales equal the full weight quantised,
 then sliced, bit for bit (column- and row-parallel projections, KV heads), every other tensor is the full
-weight's slice as before, the bytes on the wire shrink, and a second switch after a "training step" lands in
+weight's slice as before, the bytes on the wire shrink and are counted as they are (FP8 elements and
+their scales, in the switch line too), and a second switch after a "training step" lands in
 the same tensors. The runner on the FP8 replica scores close to the full-precision model, not equal to it.
 """
 
@@ -18,6 +19,7 @@ from dist_util import run_world_kept
 from hybridflow.engine.ops.fp8 import quantise_rows
 from hybridflow.engine.parallel.layout import layouts
 from hybridflow.models import build_tiny_model
+from hybridflow.utils.errors import format_bytes
 
 
 def _model(arch: str) -> torch.nn.Module:
@@ -36,6 +38,7 @@ def _plain(module: torch.nn.Module) -> dict:
 def switch(rank: int, arch: str, tp: int) -> dict:
     import torch.distributed as dist
 
+    from hybridflow.engine.hybrid.plan import ReshardPlan
     from hybridflow.engine.hybrid.switch import RolloutShard
     from hybridflow.engine.parallel.fsdp import shard_model
     from hybridflow.engine.parallel.view import GenerateView
@@ -48,6 +51,7 @@ def switch(rank: int, arch: str, tp: int) -> dict:
     cpu = torch.device("cpu")
     weights = RolloutShard(sharded, GenerateView(2, tp), rank, torch.float32, cpu, 1 << 12, fp8=True)
     received = weights.sync(sharded)
+    plan = weights.plan
     first = _plain(weights.module)
     fp8 = [n for n, p in weights.module.named_parameters() if p.dtype == torch.float8_e4m3fn]
     scales = {n: b.clone() for n, b in weights.module.named_buffers() if n.endswith("weight_scale")}
@@ -57,7 +61,14 @@ def switch(rank: int, arch: str, tp: int) -> dict:
         "fp8": fp8,
         "scales": scales,
         "received": received,
-        "plain_bytes": weights.plan.bytes_received(rank),
+        "plan_bytes": weights.plan.bytes_received(rank),
+        "float32_bytes": ReshardPlan(plan.params, plan.view, 4, 1 << 12, plan.holdings).bytes_received(rank),
+        "scale_bytes": plan.scale_bytes_received(rank),
+        "scale_rows": sum(b.numel() for b in scales.values()),  # this rank's rows (all of them at tp = 1)
+        "line": weights.switch_line(),
+        "generation_bytes": plan.generation_bytes(),
+        "held_bytes": sum(p.numel() * p.element_size() for p in weights.module.parameters())
+        + sum(b.numel() * 4 for b in scales.values()),
     }
     with torch.no_grad():
         for p in sharded.parameters():
@@ -112,7 +123,14 @@ def test_fp8_shards_equal_the_full_weights_quantised_then_sliced(arch: str, tp: 
             plain = [n for n in out["first"] if n not in fp8]
             assert all(torch.equal(out["first"][n], full[n].detach()) for n in plain)
         assert out["same_tensors"]
-        assert 0 < out["received"] < out["plain_bytes"]  # FP8 on the wire: fewer bytes than float32's plan
+        # The switch's count is true: what the all-to-alls delivered (1 byte an FP8 element) and the scales (4
+        # bytes a row of every FP8 weight, from the all-reduce) is what the plan and the switch line report.
+        assert out["received"] == out["plan_bytes"] < out["float32_bytes"]
+        assert out["scale_bytes"] > 0
+        assert out["generation_bytes"] == out["held_bytes"]  # the shard's FP8 weights, scales, the rest
+        if tp == 1:
+            assert out["scale_bytes"] == 4 * out["scale_rows"]  # every row's scale of the whole replica
+        assert out["line"].startswith(f"Stage switch: {format_bytes(out['plan_bytes'])} received per rank")
     if tp == 1:
         got, want = results[0]["logits"], results[0]["want_logits"]
         rel = (got - want).norm() / want.norm()

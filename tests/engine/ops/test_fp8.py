@@ -95,7 +95,8 @@ def test_a_generation_shard_gets_fp8_projections_and_scale_buffers(arch: str) ->
 
 
 def test_the_fp8_decode_benchmark_runs_on_cpu(tmp_path) -> None:
-    """benchmarks/fp8_decode.py on a tiny shape (the GPU runs are the lead's): a row per batch, both variants."""
+    """benchmarks/fp8_decode.py on a tiny shape (the GPU runs are the lead's): a row per batch, every
+    variant (bf16, FP8 weights through each kernel, and each with the FP8 KV cache)."""
     import json
     import subprocess
     import sys
@@ -126,4 +127,6 @@ def test_the_fp8_decode_benchmark_runs_on_cpu(tmp_path) -> None:
         r["bf16_tok_s"] > 0 and r["fp8_tok_s"] > 0 and r["fp8_weight_gib"] < r["bf16_weight_gib"]
         for r in rows
     )
-    assert all(0 < r["fp8_logprob_gap"] < 0.1 for r in rows)
+    assert all(0 < r["fp8_logprob_gap"] < 0.1 and 0 < r["fp8_kv_logprob_gap"] < 0.1 for r in rows)
+    assert all(r["fp8_kv_tok_s"] > 0 and r["fp8_kv_speedup"] > 0 for r in rows)  # the FP8 KV cache's variants
+    assert all(r["fp8_w8a16_kv_tok_s"] > 0 and 0 < r["fp8_w8a16_kv_logprob_gap"] < 0.1 for r in rows)
