@@ -27,7 +27,7 @@ from hybridflow.data import collate_prompts
 from hybridflow.protocol import Batch
 from hybridflow.trainer.async_ppo import AsyncPPOTrainer
 from hybridflow.trainer.metrics import add_rollout_stats
-from hybridflow.trainer.ppo import PROMPT_KEYS
+from hybridflow.trainer.ppo import prompt_fields
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.workers.pool_handle import Generation, RolloutPoolHandle
 
@@ -78,7 +78,7 @@ class SeparateRollout:
         """Draw step ``step``'s prompts and hand them to the pool (it generates after what it has)."""
         before = self.sampler.state_dict()
         prompts = collate_prompts([self.c.train[i] for i in self.sampler.next_batch()], self.c.pad_token_id)
-        generation = self.pool.submit(prompts.select(PROMPT_KEYS, non_tensor_keys=[]), params_of(step))
+        generation = self.pool.submit(prompt_fields(prompts), params_of(step))
         self.flights.append(InFlight(step, prompts, before, generation))
 
     def push(self, version: int, metrics: dict[str, float]) -> None:

@@ -212,13 +212,20 @@ def _handles(
 
 
 def _datasets(
-    cfg: Config, tokenizer: Any, reward_fn: Any, train: RLDataset | None, val: RLDataset | None
+    cfg: Config,
+    tokenizer: Any,
+    reward_fn: Any,
+    train: RLDataset | None,
+    val: RLDataset | None,
+    processor: Any = None,
 ) -> tuple[RLDataset, RLDataset | None]:
-    """The given datasets, else the configured files', else the built-in task's; data sources checked."""
+    """The given datasets, else the configured files', else the built-in task's; data sources checked.
+    ``processor``: a VLM's (images processed once, as the rows are built), else None."""
     built_in = train is None and cfg.data.train_files is None  # the built-in task supplies both splits
-    train = train or build_rl_dataset(cfg.data, tokenizer, "train", cfg.trainer.seed)
+    seed = cfg.trainer.seed
+    train = train or build_rl_dataset(cfg.data, tokenizer, "train", seed, processor=processor)
     if val is None and (cfg.data.val_files or built_in):
-        val = build_rl_dataset(cfg.data, tokenizer, "val", cfg.trainer.seed)
+        val = build_rl_dataset(cfg.data, tokenizer, "val", seed, processor=processor)
     for ds in (train, val):
         if ds is not None:
             check_data_sources(ds, cfg, reward_fn)
@@ -262,7 +269,7 @@ def build_components(
             f"{steps} steps" if cfg.trainer.total_training_steps else "no step limit"
         )
     else:
-        train, val = _datasets(cfg, tokenizer, reward_fn, train, val)
+        train, val = _datasets(cfg, tokenizer, reward_fn, train, val, processor)
         steps = total_training_steps(cfg, len(train))
         data = f"{len(train)} prompts from {train.source}, {steps} steps"
     groups = _groups(cfg, model, tokenizer, steps, processor)
@@ -305,12 +312,12 @@ def build_eval_components(
             "data.val_files is not set: evaluation needs held-out prompts; set data.val_files=[FILE]"
         )
     check_position_limit(cfg, model)
-    val = build_rl_dataset(cfg.data, tokenizer, "val", cfg.trainer.seed)
+    processor = load_policy_processor(cfg, tokenizer, model.config)
+    val = build_rl_dataset(cfg.data, tokenizer, "val", cfg.trainer.seed, processor=processor)
     check_data_sources(val, cfg, reward_fn)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     actor = ActorWorker(model, cfg, 1, pad_id, trainable=False)  # no optimizer state to hold for evaluation
     scorer = Scorer(build_reward_manager(cfg, reward_fn), tokenizer, cfg, None)
-    processor = load_policy_processor(cfg, tokenizer, model.config)
     return Components(
         tokenizer,
         pad_id,

@@ -25,7 +25,7 @@ from hybridflow.trainer.builder import build_preference_components, load_policy
 from hybridflow.trainer.dumps import decode_responses
 from hybridflow.trainer.jobs import load_components_from, preference_config, preference_job, rl_job, sft_job
 from hybridflow.trainer.plotting import read_metrics
-from hybridflow.trainer.ppo import PROMPT_KEYS
+from hybridflow.trainer.ppo import prompt_fields
 from hybridflow.trainer.tracking import METRICS_FILE
 from hybridflow.trainer.validation import validate
 from hybridflow.utils.errors import UserError
@@ -255,7 +255,7 @@ def sampled_pairs(cfg: Any, components: Any, samples: int = 4) -> list[dict[str,
     for start in range(0, len(c.train), 128):
         items = [c.train[i] for i in range(start, min(start + 128, len(c.train)))]
         prompts = collate_prompts(items, c.pad_token_id)
-        batch = c.actor.generate(prompts.select(PROMPT_KEYS, non_tensor_keys=[]), params, desc="negatives")
+        batch = c.actor.generate(prompt_fields(prompts), params, desc="negatives")
         for key in ("data_source", "ground_truth", "extra_info"):
             batch[key] = prompts[key].repeat(samples)
         scores, _ = c.scorer.score(batch)  # (len(items) * samples,)

@@ -85,7 +85,7 @@ def sft_job(
     start_job(cfg, single_process="sft")
     if model is None:
         model, tokenizer = load_policy(cfg)
-    check_vision_training(cfg, model.config, "sft")  # SFT rows carry no images yet
+    check_vision_training(cfg, model.config, "sft")  # a VLM trains on text rows (image rows are refused)
     base = copy.deepcopy(model)  # a clean module to receive the trained weights for saving
     rows = rows if rows is not None else load_split_rows(cfg.data, "train", cfg.trainer.seed)
     end = eos_ids_of(model, tokenizer)[-1]  # the chat end token for chat models (last of the stop ids)

@@ -37,6 +37,7 @@ from hybridflow.trainer.metrics import (
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.progress import Progress
+from hybridflow.workers.group import prompt_fields
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +259,7 @@ class PPOTrainer(TrainingLoop):
         """Sample rollout.n responses per prompt; the prompts' non-tensor fields repeat alongside."""
         r = self.cfg.rollout
         params = self._sampling_params()
-        out = self.c.actor.generate(prompts.select(PROMPT_KEYS, non_tensor_keys=[]), params)
+        out = self.c.actor.generate(prompt_fields(prompts), params)
         add_rollout_stats(metrics, out.meta.pop("rollout_stats", None))
         metrics.update({k: float(v) for k, v in out.meta.pop("multi_turn", {}).items()})  # rollout.multi_turn
         add_reshard_stats(metrics, out.meta.pop("reshard", None))

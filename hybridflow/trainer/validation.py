@@ -9,6 +9,7 @@ from hybridflow.config.schema import Config
 from hybridflow.data import collate_prompts
 from hybridflow.trainer.dumps import decode_responses, generation_records
 from hybridflow.trainer.val_metrics import validation_metrics
+from hybridflow.workers.group import prompt_fields
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def validate(
             [c.val[i] for i in range(start, min(start + size, len(c.val)))], c.pad_token_id
         )
         batch = c.actor.generate(
-            prompts.select(["input_ids", "attention_mask", "position_ids"], non_tensor_keys=[]),
+            prompt_fields(prompts),
             params,
             desc="validation",
         )

@@ -132,6 +132,12 @@ PREFERENCE_KEYS = (*SEQ_KEYS, "ref_seq_logps", "labels")
 ROW_NON_TENSORS = ("multi_modal_inputs",)
 
 
+def prompt_fields(prompts: Batch) -> Batch:
+    """What a rollout reads of a prompt batch: its tensors and, for a VLM, each row's images."""
+    rows = [k for k in ROW_NON_TENSORS if k in prompts.non_tensors]
+    return prompts.select(["input_ids", "attention_mask", "position_ids"], rows)
+
+
 def _row_fields(batch: Batch, keys: tuple[str, ...]) -> Batch:
     """The tensors ``keys`` of ``batch`` that it has, and its row-aligned non-tensors (``ROW_NON_TENSORS``)."""
     present = [k for k in keys if k in batch.tensors]

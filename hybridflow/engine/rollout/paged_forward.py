@@ -70,7 +70,9 @@ class PagedForward:
         if images is not None:
             rope, mask, feats = images
             embeds = self.embed_ids(up[0])  # (b, t, hidden)
-            if feats is not None:  # HF's masked_scatter: the features fill the image tokens in row-major order
+            if (
+                feats is not None
+            ):  # HF's masked_scatter: the features fill the image tokens in row-major order
                 where = to_device(mask, self.device)[..., None]  # (b, t, 1)
                 embeds = embeds.masked_scatter(where, feats.to(embeds.dtype))
             extra = {"rope_positions": to_device(rope, self.device), "embeds": embeds}
