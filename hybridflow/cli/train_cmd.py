@@ -31,9 +31,12 @@ def run(args: argparse.Namespace) -> int:
         from hybridflow.data.tasks import TOOL_TASKS
         from hybridflow.trainer.demo import demo_task, format_table, run_demo
         from hybridflow.trainer.tool_demo import run_tool_demo
+        from hybridflow.trainer.vision_demo import VISION_TASKS, run_vision_demo
 
-        # A task answered with a tool (data.task=multiply) has its own demo: multi-turn SFT, GRPO with the tool.
-        demo = run_tool_demo if demo_task(overrides) in TOOL_TASKS else run_demo
+        # A task answered with a tool (data.task=multiply) has its own demo: multi-turn SFT, GRPO with the tool;
+        # a visual task (data.task=squares) too: a tiny vision-language model, GRPO on image prompts.
+        task = demo_task(overrides)
+        demo = run_tool_demo if task in TOOL_TASKS else run_vision_demo if task in VISION_TASKS else run_demo
         print(format_table(demo(overrides)))
         return 0
     from hybridflow.trainer.jobs import rl_job

@@ -74,8 +74,16 @@ def mrope_positions(
     image_token_id: int,
     grid_thw: torch.Tensor,  # (I, 3) the images of this sequence, in order
     merge_size: int,
+    image_positions: torch.Tensor | None = None,  # (T,) bool: the image tokens (else every image_token_id)
 ) -> tuple[torch.Tensor, int]:
-    """The (3, T) M-RoPE positions of one sequence and its rope delta (last position + 1 - T)."""
+    """The (3, T) M-RoPE positions of one sequence and its rope delta (last position + 1 - T).
+
+    ``image_positions`` marks which tokens are images' when not every ``image_token_id`` is (a response may
+    hold one the policy sampled: it is text)."""
+    if image_positions is not None:  # the image tokens only keep the id the walk below looks for
+        input_ids = torch.where(
+            image_positions, image_token_id, torch.where(input_ids == image_token_id, -1, input_ids)
+        )
     ids = input_ids.tolist()
     rows: list[torch.Tensor] = []
     pos, i, image = 0, 0, 0
@@ -111,6 +119,7 @@ def batch_mrope_positions(
     mm_inputs: list[dict[str, torch.Tensor] | None],  # per row: {"image_grid_thw": (I, 3), ...} or None
     image_token_id: int,
     merge_size: int,
+    image_mask: torch.Tensor | None = None,  # (B, T) bool: the image tokens (else every image_token_id)
 ) -> torch.Tensor:
     """(3, B, T) M-RoPE positions of a padded batch (padding at position 0); a row without images is plain."""
     out = torch.zeros(3, *input_ids.shape, dtype=torch.long, device=input_ids.device)  # (3, B, T)
@@ -118,7 +127,8 @@ def batch_mrope_positions(
         valid = attention_mask[b].bool()
         ids = input_ids[b][valid].cpu()
         grid = mm["image_grid_thw"] if mm is not None else torch.zeros(0, 3, dtype=torch.long)
-        positions, _ = mrope_positions(ids, image_token_id, grid, merge_size)  # (3, T_b)
+        where = None if image_mask is None else image_mask[b][valid].cpu()
+        positions, _ = mrope_positions(ids, image_token_id, grid, merge_size, where)  # (3, T_b)
         out[:, b, valid] = positions.to(out.device)
     return out
 

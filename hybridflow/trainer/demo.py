@@ -218,6 +218,11 @@ def run_demo(overrides: list[str] | None = None, sft_overrides: list[str] | None
     (``hybridflow train data.task=multiply`` runs it).
     """
     task = demo_task(overrides or [])
+    if task == "squares":
+        raise UserError(
+            "data.task=squares is the vision demo: call hybridflow.trainer.vision_demo.run_vision_demo (or run "
+            "hybridflow train data.task=squares)"
+        )
     if task in TOOL_TASKS:
         raise UserError(
             f"data.task={task} is the tool demo: call hybridflow.trainer.tool_demo.run_tool_demo (or run "

@@ -51,6 +51,9 @@ class ScoringInputs:
     # A vision-language model's images (``ops.vision_inputs``): the micro-batch's rows' patches, in row order
     pixel_values: torch.Tensor | None = None  # (P, D); None: no image (the tower then sees a dummy one)
     image_grid_thw: torch.Tensor | None = None  # (I, 3) each image's patch grid
+    # Where the image features go (as input_ids): the prompts' image tokens only; one the policy sampled in a
+    # response is text (a random or young policy can sample the image pad like any other token).
+    image_mask: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> ScoringInputs:
         """The same inputs with every tensor on ``device`` (asynchronous copies from the host)."""

@@ -62,15 +62,24 @@ def with_images(inputs: ScoringInputs, mb: Any, spec: VisionSpec) -> ScoringInpu
     """``inputs`` (built on the host from micro-batch ``mb``) with its images and M-RoPE positions."""
     rows = row_images(mb)
     ids, mask = mb["input_ids"], mb["attention_mask"]  # (b, T) each
-    positions = batch_mrope_positions(ids, mask, rows, spec.image_token_id, spec.merge_size)  # (3, b, T)
+    prompt_len = ids.shape[1] - mb["responses"].shape[1]
+    # The prompts' image tokens: one the policy sampled in its response is text.
+    image = (ids == spec.image_token_id) & (torch.arange(ids.shape[1]) < prompt_len)  # (b, T)
+    positions = batch_mrope_positions(
+        ids, mask, rows, spec.image_token_id, spec.merge_size, image
+    )  # (3, b, T)
+    image_mask = image
     if inputs.token_index is not None:  # packed: the kept tokens' positions
         positions = positions.reshape(3, -1)[:, inputs.token_index][:, None]  # (3, 1, S)
+        image_mask = image.reshape(-1)[inputs.token_index][None]  # (1, S)
     pixels, grids = concat_images(rows)
     expected = 0 if grids is None else int((grids.prod(-1) // spec.merge_size**2).sum())
-    found = int((ids == spec.image_token_id).sum())
+    found = int(image.sum())
     if found != expected:
         raise ValueError(
             f"the micro-batch holds {found} image tokens but its images make {expected}: each prompt's image "
             "pads must be expanded (VisionProcessor.expand_image_tokens) and its multi_modal_inputs kept with it"
         )
-    return dataclasses.replace(inputs, position_ids=positions, pixel_values=pixels, image_grid_thw=grids)
+    return dataclasses.replace(
+        inputs, position_ids=positions, pixel_values=pixels, image_grid_thw=grids, image_mask=image_mask
+    )

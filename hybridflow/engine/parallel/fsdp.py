@@ -71,6 +71,10 @@ def shard_model(
         )
     # The root (embeddings, final norm, LM head) is needed again at the start of backward: keep it gathered.
     fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=False, shard_placement_fn=place)
+    # FSDP2 picks its root lazily, at the first forward: a unit called on its own first (a VLM's vision tower,
+    # which the rollout engine runs at prefill on the trainer's weights) would make itself a root and break
+    # the real root's forward later. Initialise from the real root now.
+    root._get_fsdp_state()._lazy_init()
     logger.info(
         "FSDP2: %d layers sharded over %d ranks, compute %s, reduce %s",
         len(layers),

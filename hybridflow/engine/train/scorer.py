@@ -64,7 +64,9 @@ def _embeds_with_images(body: nn.Module, inputs: ScoringInputs) -> torch.Tensor:
     features = getattr(out, "pooler_output", out).to(embeds.dtype)  # (N, H) merged: one per image token
     if dummy:
         return embeds + 0.0 * features.sum()
-    image = (inputs.input_ids == spec.image_token_id).unsqueeze(-1)  # (b, t, 1)
+    # The prompts' image tokens (a response's sampled image pad is text); all of them when not told.
+    image = inputs.image_mask if inputs.image_mask is not None else inputs.input_ids == spec.image_token_id
+    image = image.unsqueeze(-1)  # (b, t, 1)
     return embeds.masked_scatter(image, features)
 
 

@@ -12,7 +12,6 @@ from triton_util import needs_kernels
 from hybridflow.engine.ops import fp8, fp8_gemm
 from hybridflow.engine.ops.fp8 import current_kernel, fp8_linear, quantise_rows, use_kernel
 
-
 # The kernel tests run where the kernel does: the GPU, else the CPU interpreter.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

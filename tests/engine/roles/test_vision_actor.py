@@ -97,3 +97,45 @@ def test_two_ranks_one_without_images_update_as_one_rank() -> None:
     assert any(not torch.equal(one[0]["state"][n], initial[n]) for n in tower)  # trained: it moved
     assert all(torch.equal(one[1]["state"][n], initial[n]) for n in tower)  # frozen: untouched
     assert one[1]["tower_no_grad"] and all(r[1]["tower_no_grad"] for r in two)
+
+
+def test_an_image_pad_the_policy_sampled_in_its_response_scores_as_text(tiny) -> None:
+    """A young policy samples the image pad like any token: in a response it is text (no image feature, a
+    text position), as the rollout engine decoded it; the reference marks only the prompt's pads as image."""
+    from hybridflow.models.vision import IMAGE_PAD
+
+    model, processor = tiny
+    pad = IMAGE_PAD
+    rows = [([(56, 56)], "how many?", f"2{pad}"), ([], "hi", f"{pad}x"), ([(84, 56)], "red?", f"no{pad}")]
+    batch = vision_batch(processor, rows=rows)
+    assert (batch["responses"] == processor.image_token_id).sum() == 3
+    want = torch.zeros_like(batch["responses"], dtype=torch.float32)
+    body = model.model
+    for b in range(len(rows)):
+        valid = batch["attention_mask"][b].bool()
+        ids = batch["input_ids"][b][valid][None]  # (1, t)
+        n = int(batch["response_mask"][b].sum())
+        t = ids.shape[1]
+        image = (ids == processor.image_token_id) & (torch.arange(t) < t - n)  # the prompt's pads only
+        embeds = body.language_model.embed_tokens(ids)  # (1, t, H)
+        mm = batch["multi_modal_inputs"][b]
+        position_ids = None
+        if mm is not None:
+            feats = body.get_image_features(mm["pixel_values"], mm["image_grid_thw"]).pooler_output
+            embeds = embeds.masked_scatter(
+                image[..., None], torch.cat(list(feats)) if isinstance(feats, tuple) else feats
+            )
+            position_ids, _ = body.get_rope_index(ids, image.int(), mm["image_grid_thw"])
+        with torch.no_grad():
+            logits = model(inputs_embeds=embeds, position_ids=position_ids, use_cache=False).logits[0]
+        logp = torch.log_softmax(logits.float(), -1)[t - n - 1 : t - 1]  # (n, V)
+        want[b, :n] = logp.gather(-1, ids[0, t - n :, None])[:, 0]
+    for packed in (False, True):
+        engine = ActorEngine(
+            build_tiny_vl_model_and_processor(seed=3)[0],
+            ActorConfig(),
+            use_remove_padding=packed,
+            trainable=False,
+        )
+        got = engine.compute_log_prob(batch, micro_batch_size=2)["log_probs"]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
