@@ -73,12 +73,14 @@ def make_squares(
     max_count: int = 3,
     max_squares: int = 4,
     style: str = "question",
+    ask: str = "red,green,blue",
 ) -> list[dict[str, Any]]:
     """Boards with 1..``max_squares`` squares and a question on one colour.
 
     ``style`` "question": 'How many red squares? Answer as #### <number>.', reference answer '#### 2';
     "short": 'red squares:', answered by the bare count '2' (a form a model trained from scratch by RL alone
-    can hit; the scorer reads both).
+    can hit; the scorer reads both). ``ask``: the colours a question may name, comma-separated (the others
+    still appear as distractors); one colour makes the easiest version.
 
     Ground truth: the count as a str; ``extra_info`` holds the ``layout`` (one char per cell, row-major:
     '.' empty, 'r'/'g'/'b') and the asked ``color`` besides the split, index and reference answer.
@@ -87,10 +89,13 @@ def make_squares(
     if style not in STYLES:
         raise UserError(f"style must be one of {STYLES}, got {style!r}")
     _check(grid, cell, max_count, max_squares)
+    asked = [c.strip() for c in str(ask).split(",") if c.strip()]
+    if not asked or any(c not in COLORS for c in asked):
+        raise UserError(f"ask must name colours among {', '.join(COLORS)} (comma-separated), got {ask!r}")
     cells = grid * grid
 
     def draw(rng: random.Random) -> tuple[str, tuple[str, str, int]]:
-        color = rng.choice(list(COLORS))
+        color = rng.choice(asked)
         count = rng.randint(0, max_count)
         others = rng.randint(max(0, 1 - count), max_squares - count)  # at least one square on the board
         places = rng.sample(range(cells), count + others)

@@ -106,3 +106,16 @@ def test_rows_round_trip_through_parquet(tmp_path) -> None:
     save_rows(rows, tmp_path / "squares.parquet")
     loaded = load_rows(tmp_path / "squares.parquet")
     assert [r["images"][0]["bytes"] for r in loaded] == [r["images"][0]["bytes"] for r in rows]
+
+
+def test_ask_limits_the_colour_asked_and_keeps_the_others_as_distractors() -> None:
+    from hybridflow.data.tasks import make_task
+    from hybridflow.utils.errors import UserError
+
+    rows = make_task("squares", "train", 40, 1, style="short", ask="red")
+    assert {r["prompt"][0]["content"] for r in rows} == {"<image>red squares:"}
+    assert any(set(r["extra_info"]["layout"]) - {".", "r"} for r in rows)  # green and blue still drawn
+    for r in rows:
+        assert r["extra_info"]["layout"].count("r") == int(r["reward_model"]["ground_truth"])
+    with pytest.raises(UserError, match="ask must name colours"):
+        make_task("squares", "train", 4, 1, ask="purple")
