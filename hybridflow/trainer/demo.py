@@ -250,6 +250,26 @@ def run_demo(overrides: list[str] | None = None, sft_overrides: list[str] | None
     }
 
 
+def grpo_from_warm_up(cfg: Config, run_dir: Path, what: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """GRPO from the warmed-up ``run_dir/sft_model`` (a demo's second phase): held-out accuracy at step 0 and at
+    the last step, the run directory, history and validation size; and the run's metrics records."""
+    components = load_components_from(run_dir / "sft_model", cfg)
+    logger.info("%s: GRPO for %d steps", what, components.total_steps)
+    history = rl_job(cfg, components)
+    records = read_metrics(run_dir / METRICS_FILE)
+    last = components.total_steps
+    components.close()
+    result = {
+        "before": logged_accuracy(records, 0),
+        "after": logged_accuracy(records, last),
+        "run_dir": run_dir,
+        "history": history,
+        "num_val": len(components.val),
+        "last_step": last,
+    }
+    return result, records
+
+
 def sampled_pairs(cfg: Any, components: Any, samples: int = 4) -> list[dict[str, Any]]:
     """DPO pairs from the policy's own mistakes: for each training problem, ``samples`` answers at
     temperature 1; the reference answer is ``chosen`` and the first wrong sample ``rejected``. Problems the

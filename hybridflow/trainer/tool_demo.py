@@ -14,10 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from hybridflow.trainer.demo import logged_accuracy, warm_up
-from hybridflow.trainer.jobs import load_components_from, rl_job
-from hybridflow.trainer.plotting import read_metrics
-from hybridflow.trainer.tracking import METRICS_FILE
+from hybridflow.trainer.demo import grpo_from_warm_up, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -86,18 +83,8 @@ def run_tool_demo(
     """SFT warm-up on the demonstrations, then GRPO with the calc tool; accuracies and tool calls before/after."""
     sft = TOOL_SFT_OVERRIDES + list(sft_overrides or [])
     cfg, run_dir = warm_up(overrides or [], sft, [], TOOL_GRPO_OVERRIDES, base=TOOL_DEMO_OVERRIDES)
-    components = load_components_from(run_dir / "sft_model", cfg)
-    logger.info("tool demo: GRPO with the calc tool for %d steps", components.total_steps)
-    history = rl_job(cfg, components)
-    records = read_metrics(run_dir / METRICS_FILE)
-    last = components.total_steps
-    components.close()
-    return {
-        "before": logged_accuracy(records, 0),
-        "after": logged_accuracy(records, last),
-        "calls_before": last_value(records, 0, CALLS_KEY),
-        "calls_after": last_value(records, last, CALLS_KEY),
-        "run_dir": run_dir,
-        "history": history,
-        "num_val": len(components.val),
-    }
+    result, records = grpo_from_warm_up(cfg, run_dir, "tool demo (the calc tool)")
+    last = result["last_step"]
+    result["calls_before"] = last_value(records, 0, CALLS_KEY)
+    result["calls_after"] = last_value(records, last, CALLS_KEY)
+    return result

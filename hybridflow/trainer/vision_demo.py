@@ -18,10 +18,8 @@ from typing import Any
 
 from hybridflow.data import load_split_rows
 from hybridflow.models.vision import build_tiny_vl_model_and_processor
-from hybridflow.trainer.demo import demo_configs, logged_accuracy
-from hybridflow.trainer.jobs import load_components_from, rl_job, sft_job
-from hybridflow.trainer.plotting import read_metrics
-from hybridflow.trainer.tracking import METRICS_FILE
+from hybridflow.trainer.demo import demo_configs, grpo_from_warm_up
+from hybridflow.trainer.jobs import sft_job
 from hybridflow.utils.seed import set_seed
 
 logger = logging.getLogger(__name__)
@@ -93,16 +91,4 @@ def run_vision_demo(
 ) -> dict[str, Any]:
     """Blind SFT warm-up, then GRPO on the image prompts; held-out accuracy before and after."""
     cfg, run_dir = warm_up_vision(list(overrides or []), sft_overrides)
-    components = load_components_from(run_dir / "sft_model", cfg)
-    logger.info("vision demo: GRPO on the image prompts for %d steps", components.total_steps)
-    history = rl_job(cfg, components)
-    records = read_metrics(run_dir / METRICS_FILE)
-    last = components.total_steps
-    components.close()
-    return {
-        "before": logged_accuracy(records, 0),
-        "after": logged_accuracy(records, last),
-        "run_dir": run_dir,
-        "history": history,
-        "num_val": len(components.val),
-    }
+    return grpo_from_warm_up(cfg, run_dir, "vision demo (image prompts)")[0]
