@@ -18,15 +18,29 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from hybridflow.engine.ops.fp8 import Fp8Weight, fp8_linear
+from hybridflow.engine.ops.fp8 import Fp8Weight, calibrate_act_scale, fp8_linear
 from hybridflow.models.moe import RouterSpec, route, router_logits, run_experts
 
 # experts(x (N, H), ids (N, k), weights (N, k), gate_up (E, 2I, H), down (E, H, I)) -> (N, H)
 Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ActQuant(NamedTuple):
+    """How a forward quantises the inputs of FP8 projections that carry a static scale (``Fp8Weight.act_scale``,
+    kernel ``scaled_mm_static``): a static value for torch.compile, one per forward."""
+
+    static: bool = False  # the scales are calibrated: quantise with them (elementwise, fusable)
+    calib: torch.Tensor | None = (
+        None  # (b, t) bool: set the scales from these tokens (this forward: per token)
+    )
+
+
+DYNAMIC = ActQuant()  # per-token quantisation, no calibration (and no FP8 weights: no effect)
 
 
 @dataclass
@@ -129,39 +143,55 @@ def project(
     biases: list[torch.Tensor] | None,
     splits: tuple[int, ...],
     k_splits: int = 1,
+    act: ActQuant = DYNAMIC,
 ) -> list[torch.Tensor]:
     """Apply a group of linear layers, fused (one weight, split after) or separate (one weight each).
 
-    ``k_splits`` > 1 runs a fused group through ``split_linear`` (separate weights ignore it).
+    ``k_splits`` > 1 runs a fused group through ``split_linear`` (separate weights ignore it). ``act``: how FP8
+    weights with a static activation scale quantise x (the group shares one scale: x is their one input).
     """
+    first = weights[0]
+    static = act.static
+    if act.calib is not None and isinstance(first, Fp8Weight) and first.act_scale is not None:
+        calibrate_act_scale(x, act.calib, first.act_scale)
+        static = False  # the calibrating forward runs per token
     if len(weights) == 1:
         bias = None if biases is None else biases[0]
-        w = weights[0]
         y = (
-            linear(x, w, bias)
-            if k_splits == 1 or isinstance(w, Fp8Weight)
-            else split_linear(x, w, bias, k_splits)
+            linear(x, first, bias, static)
+            if k_splits == 1 or isinstance(first, Fp8Weight)
+            else split_linear(x, first, bias, k_splits)
         )
         return list(y.split(list(splits), dim=-1)) if len(splits) > 1 else [y]
     biases = biases if biases is not None else [None] * len(weights)
-    return [linear(x, w, b) for w, b in zip(weights, biases)]
+    return [linear(x, w, b, static) for w, b in zip(weights, biases)]
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, or the FP8 scaled GEMM for a weight the switch delivered in FP8 (``rollout.quantization``)."""
-    return fp8_linear(x, w, bias) if isinstance(w, Fp8Weight) else F.linear(x, w, bias)
+def linear(
+    x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None, static: bool = False
+) -> torch.Tensor:
+    """``F.linear``, or the FP8 scaled GEMM for a weight the switch delivered in FP8 (``rollout.quantization``;
+    ``static``: with its calibrated activation scale, where it has one)."""
+    return fp8_linear(x, w, bias, static) if isinstance(w, Fp8Weight) else F.linear(x, w, bias)
 
 
 def attention_inputs(
-    h: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, dims: LayerDims, rope: bool = True
+    h: torch.Tensor,
+    w: LayerWeights,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    dims: LayerDims,
+    rope: bool = True,
+    act: ActQuant = DYNAMIC,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Norm, q/k/v projections and RoPE on h (b, t, hidden): q (b, H, t, D), k and v (b, KVH, t, D).
 
-    ``rope=False`` returns q and k before RoPE, for an attention kernel that applies it itself.
+    ``rope=False`` returns q and k before RoPE, for an attention kernel that applies it itself. ``act``: how
+    FP8 projections quantise their inputs (``ActQuant``).
     """
     b, t, _ = h.shape
     x = rms_norm(h, w.input_norm, dims.eps)
-    q, k, v = project(x, w.qkv, w.qkv_bias, dims.qkv_splits, dims.k_splits.qkv)
+    q, k, v = project(x, w.qkv, w.qkv_bias, dims.qkv_splits, dims.k_splits.qkv, act)
     q = q.view(b, t, dims.num_heads, dims.head_dim)  # (b, t, H, D)
     k = k.view(b, t, dims.num_kv_heads, dims.head_dim)  # (b, t, KVH, D)
     v = v.view(b, t, dims.num_kv_heads, dims.head_dim).transpose(1, 2)  # (b, KVH, t, D)
@@ -180,11 +210,12 @@ def attention_output(
     w: LayerWeights,
     dims: LayerDims,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    act: ActQuant = DYNAMIC,
 ) -> torch.Tensor:
     """h (b, t, hidden) plus o's projection of the attention output o (b, H, t, D)."""
     b, t, _ = h.shape
     o = o.transpose(1, 2).reshape(b, t, dims.num_heads * dims.head_dim)  # (b, H, t, D) -> (b, t, H * D)
-    out = project(o, w.o, w.o_bias, (0,), dims.k_splits.o)[0]  # (b, t, hidden)
+    out = project(o, w.o, w.o_bias, (0,), dims.k_splits.o, act)[0]  # (b, t, hidden)
     return h + (out if reduce is None else reduce(out))
 
 
@@ -194,17 +225,18 @@ def attention_output_and_mlp(
     w: LayerWeights,
     dims: LayerDims,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    act: ActQuant = DYNAMIC,
 ) -> torch.Tensor:
     """The rest of the layer: h (b, t, hidden) plus o's projection, then plus the MLP of its norm.
 
     ``reduce`` sums the partial products of the row-parallel o and down projections over a tensor-parallel
     group (their biases sit on one rank, so the sum adds them once); None: this rank holds whole weights.
     """
-    h = attention_output(h, o, w, dims, reduce)
+    h = attention_output(h, o, w, dims, reduce, act)
     x = rms_norm(h, w.post_norm, dims.eps)
-    gate, up = project(x, w.gate_up, w.gate_up_bias, dims.mlp_splits, dims.k_splits.gate_up)
-    act = F.silu(gate) * up  # (b, t, I)
-    out = project(act, w.down, w.down_bias, (0,), dims.k_splits.down)[0]  # (b, t, hidden)
+    gate, up = project(x, w.gate_up, w.gate_up_bias, dims.mlp_splits, dims.k_splits.gate_up, act)
+    hidden = F.silu(gate) * up  # (b, t, I)
+    out = project(hidden, w.down, w.down_bias, (0,), dims.k_splits.down, act)[0]  # (b, t, hidden)
     return h + (out if reduce is None else reduce(out))
 
 
@@ -214,13 +246,15 @@ def attention_output_and_moe(
     w: LayerWeights,
     dims: LayerDims,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    act: ActQuant = DYNAMIC,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A sparse layer's rest: (h (b, t, hidden), the chosen experts (b * t, k) int64).
 
     As ``MoEBlock.forward``: the experts' sum plus the shared expert's sigmoid-gated output. Under tensor
     parallelism each rank holds a slice of every expert's intermediate dim, so ``reduce`` sums the slices.
+    ``act`` reaches the o projection only: the experts and the shared expert stay in the rollout dtype.
     """
-    h = attention_output(h, o, w, dims, reduce)
+    h = attention_output(h, o, w, dims, reduce, act)
     out, ids = moe_mlp(rms_norm(h, w.post_norm, dims.eps), w.moe)  # (b, t, hidden), (b * t, k)
     return h + (out if reduce is None else reduce(out)), ids
 
