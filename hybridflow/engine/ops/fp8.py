@@ -153,26 +153,27 @@ def act_scale_for(amax: torch.Tensor) -> torch.Tensor:
     return amax.float().clamp(min=MIN_SCALE) * ACT_SCALE_MARGIN / FP8_MAX
 
 
-@torch.library.custom_op("hybridflow::calibrate_act_scale", mutates_args=("act_scale",))
-def calibrate_act_scale(
-    x: torch.Tensor,  # (b, t, K): a projection input of a prefill chunk
-    valid: torch.Tensor,  # (b, t) bool: its real tokens (right padding excluded)
-    act_scale: torch.Tensor,  # (1,) float32
-) -> None:
-    """Set ``act_scale`` in place from the largest magnitude of ``x`` over the ``valid`` tokens.
-
-    Under tensor parallelism each rank calibrates its own copy, with no collective: q/k/v and gate/up read the
-    replicated hidden states (every rank computes the same amax), and the row-parallel o and down projections'
-    inputs are sharded along K, where each rank's scale applies to its own partial product only, dequantised
-    before the all-reduce sums the partials. A rank-local scale is then as exact as a shared one (finer where
-    the shard's amax is smaller), as the per-token path's rank-local row scales already are."""
-    amax = torch.where(valid[..., None], x.abs(), torch.zeros((), dtype=x.dtype, device=x.device)).amax()
-    act_scale.copy_(act_scale_for(amax).reshape(1))
+def input_amax(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of ``x`` (b, t, K) over the ``valid`` (b, t) tokens (right padding excluded): (1,)."""
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    return torch.where(valid[..., None], x.abs(), zero).amax().float().reshape(1)
 
 
-@calibrate_act_scale.register_fake
-def _(x, valid, act_scale):  # the op's signature
+@torch.library.custom_op("hybridflow::set_act_scale", mutates_args=("act_scale",))
+def set_act_scale(amax: torch.Tensor, act_scale: torch.Tensor) -> None:
+    """Fill the static scale ``act_scale`` (1,) in place from its input's calibrated ``amax`` (1,): an op on
+    the buffer itself, so a compiled prefill writes the tensor that captured decode graphs read."""
+    act_scale.copy_(act_scale_for(amax))
+
+
+@set_act_scale.register_fake
+def _(amax, act_scale):  # the op's signature
     return None
+
+
+def calibrate_act_scale(x: torch.Tensor, valid: torch.Tensor, act_scale: torch.Tensor) -> None:
+    """Set ``act_scale`` (1,) in place from ``x`` (b, t, K) over its ``valid`` (b, t) tokens (one rank)."""
+    set_act_scale(input_amax(x, valid), act_scale)
 
 
 def fp8_parameters(module: torch.nn.Module) -> list[str]:

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from hybridflow.engine.ops.fp8 import Fp8Weight, calibrate_act_scale, fp8_linear
+from hybridflow.engine.ops.fp8 import Fp8Weight, fp8_linear, input_amax, set_act_scale
 from hybridflow.models.moe import RouterSpec, route, router_logits, run_experts
 
 # experts(x (N, H), ids (N, k), weights (N, k), gate_up (E, 2I, H), down (E, H, I)) -> (N, H)
@@ -35,9 +35,12 @@ class ActQuant(NamedTuple):
     kernel ``scaled_mm_static``): a static value for torch.compile, one per forward."""
 
     static: bool = False  # the scales are calibrated: quantise with them (elementwise, fusable)
-    calib: torch.Tensor | None = (
-        None  # (b, t) bool: set the scales from these tokens (this forward: per token)
-    )
+    calib: torch.Tensor | None = None  # (b, t) bool: set the scales from these tokens (and run per token)
+    # Tensor parallelism: the max of an amax (1,) over the group, so every rank sets the same scale (once per
+    # refresh). The o and down inputs are sharded along K: with the group's scale each rank quantises its
+    # slice as one rank would quantise the whole input with that scale (per token, each rank's slice gets its
+    # own amax). The scale is one rank's up to the calibrating prefill's own (per-token) rounding.
+    reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 DYNAMIC = ActQuant()  # per-token quantisation, no calibration (and no FP8 weights: no effect)
@@ -153,7 +156,8 @@ def project(
     first = weights[0]
     static = act.static
     if act.calib is not None and isinstance(first, Fp8Weight) and first.act_scale is not None:
-        calibrate_act_scale(x, act.calib, first.act_scale)
+        amax = input_amax(x, act.calib)  # (1,)
+        set_act_scale(amax if act.reduce_max is None else act.reduce_max(amax), first.act_scale)
         static = False  # the calibrating forward runs per token
     if len(weights) == 1:
         bias = None if biases is None else biases[0]

@@ -7,6 +7,7 @@ A mixin of ``model.LlamaRunner``, kept apart so each file stays readable: it use
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -22,6 +23,8 @@ from hybridflow.engine.rollout.paged_cache import (
     write_kv_paged_fp8,
     write_routing,
 )
+
+logger = logging.getLogger(__name__)
 
 # A prefill chunk's images: (3, b, t) M-RoPE positions, (b, t) image-token mask, features (n, hidden) or None.
 ImageChunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -86,6 +89,7 @@ class PagedForward:
         )  # (b, t, hidden)
         if self.act_pending:  # the scales are set (queued on the device, before any later forward reads them)
             self.act_pending, self.weights.act_calibrated = False, True
+            logger.debug("FP8 static activation scales calibrated on %d prefill tokens", len(rows))
         last = h[torch.arange(b, device=self.device), to_device(lengths, self.device) - 1]  # (b, hidden)
         return self._logits(last)
 
