@@ -159,6 +159,10 @@ def test_the_fp8_decode_benchmark_runs_on_cpu(tmp_path) -> None:
         "4",
         "--repeats",
         "1",
+        "--kernels",
+        "scaled_mm",
+        "w8a16",
+        "scaled_mm_static",
     ]
     done = subprocess.run(
         [sys.executable, str(script), *args, "--out", str(out)], capture_output=True, text=True
@@ -173,3 +177,32 @@ def test_the_fp8_decode_benchmark_runs_on_cpu(tmp_path) -> None:
     assert all(0 < r["fp8_logprob_gap"] < 0.1 and 0 < r["fp8_kv_logprob_gap"] < 0.1 for r in rows)
     assert all(r["fp8_kv_tok_s"] > 0 and r["fp8_kv_speedup"] > 0 for r in rows)  # the FP8 KV cache's variants
     assert all(r["fp8_w8a16_kv_tok_s"] > 0 and 0 < r["fp8_w8a16_kv_logprob_gap"] < 0.1 for r in rows)
+    static = ("fp8_scaled_mm_static", "fp8_scaled_mm_static_kv")
+    assert all(r[f"{v}_tok_s"] > 0 and 0 < r[f"{v}_logprob_gap"] < 0.1 for r in rows for v in static)
+
+
+def test_the_fp8_gemm_benchmark_checks_the_kernels_on_cpu() -> None:
+    """benchmarks/fp8_gemm.py's CPU smoke run: each W8A8 variant within FP8's error of the weight-only one."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[3] / "benchmarks" / "fp8_gemm.py"
+    args = [
+        "--device",
+        "cpu",
+        "--shapes",
+        "tiny",
+        "--tokens",
+        "3",
+        "--kernels",
+        "scaled_mm",
+        "scaled_mm_static",
+    ]
+    done = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, cwd=script.parent
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = [json.loads(line) for line in done.stdout.splitlines()]
+    assert 0 < row["scaled_mm_rel_err"] < 0.06 and 0 < row["scaled_mm_static_rel_err"] < 0.06, row
