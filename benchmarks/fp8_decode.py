@@ -12,7 +12,8 @@ lengths (``ignore_eos``). The FP8 variant quantises the dense projections the wa
 (e4m3, rowwise float32 scales; embeddings, LM head and norms in bf16) and runs them through
 ``torch._scaled_mm`` with per-token activation scales (``fp8``), with static activation scales
 (``fp8_scaled_mm_static``: one float32 scale per projection input, set by the first prefill of each
-``generate``; the quantisation is elementwise, fused into the RMSNorm / SiLU-mul with ``--compile``), or
+``generate``; the quantisation is elementwise, fused into the RMSNorm / SiLU-mul by inductor with
+``--compile``, by ``engine.ops.fp8_fused``'s Triton kernels without), or
 through the weight-only Triton kernel (``fp8_w8a16``: FP8 weights upcast in registers, bf16 activations);
 ``--kernels`` picks which. Each FP8
 variant runs again with the FP8 KV cache (``fp8_kv``, ``fp8_w8a16_kv``: ``rollout.kv_cache_dtype=fp8``, e4m3 K

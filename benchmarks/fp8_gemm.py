@@ -19,7 +19,10 @@ in CUDA graphs, so launch costs a graph removes must not count):
 that produces its input in a decode layer (RMSNorm of the residual for q/k/v, o and gate/up; SiLU-mul for down),
 the two compiled together by inductor as the compiled decode step is, so the static quantisation can fuse into
 that op (bf16 likewise: norm + GEMM); only bf16, scaled_mm and scaled_mm_static run then (the o projection's
-real producer is attention, which does not fuse: its figure is the best case).
+real producer is attention, which does not fuse: its figure is the best case). The same rows also time the
+uncompiled pair an eager decode graph runs: ``bf16_eager`` (the torch producer + cuBLAS) against
+``scaled_mm_static_fused`` (``engine.ops.fp8_fused``'s Triton producer that quantises as it writes, then
+``_scaled_mm``).
 The layer's sum and the ratio to bf16 are printed as one JSON line per (shape, tokens); the table of
 ``fp8_gemm._CONFIGS`` is meant to be set from the sweep.
 """
@@ -34,7 +37,7 @@ from pathlib import Path
 import torch
 from shapes import SHAPES
 
-from hybridflow.engine.ops import fp8_gemm
+from hybridflow.engine.ops import fp8_fused, fp8_gemm
 from hybridflow.engine.ops.fp8 import _graph_us, act_scale_for, fp8_linear, quantise_rows, use_kernel
 from hybridflow.engine.rollout.blocks import rms_norm
 
@@ -140,6 +143,16 @@ def time_compiled(n: int, k: int, m: int, device: torch.device, kernels: list[st
             use_kernel(name)
         torch._dynamo.reset()  # a fresh cache per variant: no recompile limit, no shape generalisation
         out[name] = _graph_us(torch.compile(fn, fullgraph=True, dynamic=False), device, 20)
+    out["bf16_eager"] = _graph_us(fns["bf16"], device, 20)
+    if "scaled_mm_static" in kernels:
+        use_kernel("scaled_mm_static")
+
+        def fused() -> torch.Tensor:
+            s = q.act_scale
+            x = fp8_fused.silu_mul_quant(h, u, s) if down else fp8_fused.rms_norm_quant(h, norm, 1e-6, s)
+            return fp8_linear(x, q)
+
+        out["scaled_mm_static_fused"] = _graph_us(fused, device, 20)
     return out
 
 

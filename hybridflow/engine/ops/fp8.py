@@ -17,7 +17,8 @@ the elementwise divide, a chain of separate kernels that cost ~20 us a projectio
 RESULTS.md, "FP8, second pass"). With one float32 scale per projection input (``Fp8Weight.act_scale``, (1,),
 shared by the projections that read the same activations: q/k/v, gate/up) the quantisation is elementwise,
 ``(x / s).clamp(-448, 448)`` cast to e4m3, which inductor fuses into the RMSNorm or SiLU-mul that produced x
-when the decode step is compiled. The scales are calibrated on the first prefill after each weight refresh
+when the decode step is compiled, and ``fp8_fused``'s Triton kernels do in that op's place when it is not
+(CUDA; they hand over a ``QuantisedInput``). The scales are calibrated on the first prefill after each weight refresh
 (``calibrate_act_scale``, margin ``ACT_SCALE_MARGIN``) and filled in place, so a CUDA graph captured on them stays
 valid; that prefill, and any forward before the first calibration, runs the per-token path.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -82,6 +84,15 @@ class Fp8Weight:
         return self.data.shape
 
 
+class QuantisedInput(NamedTuple):
+    """Activations already quantised with a static scale by the kernel that produced them (``fp8_fused``)."""
+
+    data: torch.Tensor  # (M, K) float8_e4m3fn
+    rows: torch.Tensor  # (M, 1) float32: the static scale on every row, contiguous (``_scaled_mm``'s rowwise)
+    lead: tuple[int, ...]  # the activations' leading dims (M = their product)
+    dtype: torch.dtype  # the activations' dtype: the output's
+
+
 def quantisable(name: str, shape: tuple[int, ...]) -> bool:
     """Whether the parameter ``name`` of ``shape`` is delivered in FP8: a dense projection whose dims
     ``_scaled_mm`` takes (multiples of 16)."""
@@ -110,12 +121,18 @@ def dequantise(w: Fp8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor
 
 
 def fp8_linear(
-    x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, static: bool = False
+    x: torch.Tensor | QuantisedInput, w: Fp8Weight, bias: torch.Tensor | None = None, static: bool = False
 ) -> torch.Tensor:
     """x (..., K) @ W.T (+ bias) with W in FP8, by the kernel in use; (..., N) in x's dtype. ``scaled_mm``:
     x quantised per token on the device (no host sync: CUDA graphs capture it), one scaled FP8 GEMM.
     ``static`` (the caller's scales are calibrated) with ``scaled_mm_static`` and ``w.act_scale``: x quantised
-    elementwise with that scale instead (``quantise_static``)."""
+    elementwise with that scale instead (``quantise_static``), or already so (a ``QuantisedInput``)."""
+    if isinstance(x, QuantisedInput):  # fp8_fused's kernels quantised it with w.act_scale
+        out = torch._scaled_mm(
+            x.data, w.data.t(), scale_a=x.rows, scale_b=w.scale.unsqueeze(0), out_dtype=x.dtype
+        )  # (M, N)
+        out = out if bias is None else out + bias
+        return out.reshape(*x.lead, w.data.shape[0])
     name = _KERNEL["name"]
     if name == "w8a16":
         if x.is_cuda and fp8_gemm.available():

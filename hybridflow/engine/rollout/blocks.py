@@ -23,7 +23,15 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from hybridflow.engine.ops.fp8 import Fp8Weight, fp8_linear, input_amax, set_act_scale
+from hybridflow.engine.ops import fp8_fused
+from hybridflow.engine.ops.fp8 import (
+    Fp8Weight,
+    QuantisedInput,
+    current_kernel,
+    fp8_linear,
+    input_amax,
+    set_act_scale,
+)
 from hybridflow.models.moe import RouterSpec, route, router_logits, run_experts
 
 # experts(x (N, H), ids (N, k), weights (N, k), gate_up (E, 2I, H), down (E, H, I)) -> (N, H)
@@ -133,6 +141,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def fused_scale(weights: list, x: torch.Tensor, act: ActQuant) -> torch.Tensor | None:
+    """The static scale (1,) of ``weights``' input where the kernel producing x should quantise it too
+    (``fp8_fused``): calibrated FP8 weights with ``scaled_mm_static``, on CUDA, uncompiled (compiled,
+    inductor fuses the elementwise quantisation itself); else None."""
+    first = weights[0] if weights else None
+    if not (
+        act.static and act.calib is None and isinstance(first, Fp8Weight) and first.act_scale is not None
+    ):
+        return None
+    if not x.is_cuda or not fp8_fused.available() or torch.compiler.is_compiling():
+        return None
+    return first.act_scale if current_kernel() == "scaled_mm_static" else None
+
+
+def norm_input(
+    h: torch.Tensor, weight: torch.Tensor, eps: float, weights: list, act: ActQuant
+) -> torch.Tensor | QuantisedInput:
+    """``rms_norm(h)``, normed and quantised in one kernel where ``fused_scale`` says so."""
+    scale = fused_scale(weights, h, act) if weight.dtype == h.dtype else None
+    return rms_norm(h, weight, eps) if scale is None else fp8_fused.rms_norm_quant(h, weight, eps, scale)
+
+
+def silu_mul(
+    gate: torch.Tensor, up: torch.Tensor, weights: list, act: ActQuant
+) -> torch.Tensor | QuantisedInput:
+    """``F.silu(gate) * up``, and quantised in the same kernel where ``fused_scale`` says so."""
+    scale = fused_scale(weights, gate, act)
+    return F.silu(gate) * up if scale is None else fp8_fused.silu_mul_quant(gate, up, scale)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Apply RoPE in HF's rotate-half convention: x (b, h, t, D), cos/sin (b, 1, t, D)."""
     half = x.shape[-1] // 2
@@ -141,7 +179,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def project(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantisedInput,
     weights: list[torch.Tensor],
     biases: list[torch.Tensor] | None,
     splits: tuple[int, ...],
@@ -172,7 +210,10 @@ def project(
 
 
 def linear(
-    x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None, static: bool = False
+    x: torch.Tensor | QuantisedInput,
+    w: torch.Tensor | Fp8Weight,
+    bias: torch.Tensor | None = None,
+    static: bool = False,
 ) -> torch.Tensor:
     """``F.linear``, or the FP8 scaled GEMM for a weight the switch delivered in FP8 (``rollout.quantization``;
     ``static``: with its calibrated activation scale, where it has one)."""
@@ -194,7 +235,7 @@ def attention_inputs(
     FP8 projections quantise their inputs (``ActQuant``).
     """
     b, t, _ = h.shape
-    x = rms_norm(h, w.input_norm, dims.eps)
+    x = norm_input(h, w.input_norm, dims.eps, w.qkv, act)
     q, k, v = project(x, w.qkv, w.qkv_bias, dims.qkv_splits, dims.k_splits.qkv, act)
     q = q.view(b, t, dims.num_heads, dims.head_dim)  # (b, t, H, D)
     k = k.view(b, t, dims.num_kv_heads, dims.head_dim)  # (b, t, KVH, D)
@@ -237,9 +278,9 @@ def attention_output_and_mlp(
     group (their biases sit on one rank, so the sum adds them once); None: this rank holds whole weights.
     """
     h = attention_output(h, o, w, dims, reduce, act)
-    x = rms_norm(h, w.post_norm, dims.eps)
+    x = norm_input(h, w.post_norm, dims.eps, w.gate_up, act)
     gate, up = project(x, w.gate_up, w.gate_up_bias, dims.mlp_splits, dims.k_splits.gate_up, act)
-    hidden = F.silu(gate) * up  # (b, t, I)
+    hidden = silu_mul(gate, up, w.down, act)  # (b, t, I)
     out = project(hidden, w.down, w.down_bias, (0,), dims.k_splits.down, act)[0]  # (b, t, hidden)
     return h + (out if reduce is None else reduce(out))
 
