@@ -250,23 +250,36 @@ def _graph_us(run, device: torch.device, repeats: int) -> float:
 def fp8_probe(
     hidden: int, intermediate: int, device: torch.device, tokens: int = 64, repeats: int = 20
 ) -> dict[str, float]:
-    """µs of the model's gate/up projection on ``tokens`` decode tokens for each FP8 kernel (activation
-    quantisation included: per token, or elementwise with a pre-set static scale, run eagerly in the graph
-    as an uncompiled decode would) and for bf16: ``{"w8a16": .., "scaled_mm": .., "scaled_mm_static": ..,
-    "bf16": ..}``, medians of ``repeats`` graph replays on ``device`` (CUDA). The engine keeps bf16 where no
-    FP8 kernel is faster."""
+    """µs of the model's post-attention RMSNorm and gate/up projection on ``tokens`` decode tokens for each FP8
+    kernel (activation quantisation included: per token; or, for ``scaled_mm_static``, with a pre-set static
+    scale, by ``fp8_fused``'s norm kernel that quantises as it writes, as an uncompiled decode runs it) and for
+    bf16: ``{"w8a16": .., "scaled_mm": .., "scaled_mm_static": .., "bf16": ..}``, medians of ``repeats`` graph
+    replays on ``device`` (CUDA). The norm is in every figure: it is what the static kernel's quantisation
+    rides on. The engine keeps bf16 where no FP8 kernel is faster."""
+    from hybridflow.engine.ops import fp8_fused  # it imports this module
+
     g = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(2 * intermediate, hidden, device=device, generator=g, dtype=torch.bfloat16) * 0.02
-    x = torch.randn(tokens, hidden, device=device, generator=g, dtype=torch.bfloat16)
+    h = torch.randn(tokens, hidden, device=device, generator=g, dtype=torch.bfloat16)  # the residual
+    norm = 1 + 0.1 * torch.randn(hidden, device=device, generator=g, dtype=torch.bfloat16)
+
+    def normed() -> torch.Tensor:  # blocks.rms_norm (HF's order of casts)
+        hf = h.float()
+        return norm * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+
     q = quantise_rows(w)
-    q.act_scale = act_scale_for(x.abs().amax()).reshape(1)  # (1,): as calibrated
+    q.act_scale = act_scale_for(normed().abs().amax()).reshape(1)  # (1,): as calibrated
     before = current_kernel()
     out = {}
     try:
         for name in FP8_KERNELS:
             use_kernel(name)
-            out[name] = _graph_us(lambda: fp8_linear(x, q, static=True), device, repeats)
+            if name == "scaled_mm_static" and fp8_fused.available():
+                run = lambda: fp8_linear(fp8_fused.rms_norm_quant(h, norm, 1e-6, q.act_scale), q)  # noqa: E731
+            else:
+                run = lambda: fp8_linear(normed(), q, static=True)  # noqa: E731
+            out[name] = _graph_us(run, device, repeats)
     finally:
         use_kernel(before)
-    out["bf16"] = _graph_us(lambda: torch.nn.functional.linear(x, w), device, repeats)
+    out["bf16"] = _graph_us(lambda: torch.nn.functional.linear(normed(), w), device, repeats)
     return out
