@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
-from hybridflow.engine.ops import fp8_gemm
+from hybridflow.engine.ops import fp8_fused, fp8_gemm
+from hybridflow.engine.ops.fp8_fused import QuantisedInput
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -82,15 +82,6 @@ class Fp8Weight:
     def shape(self) -> torch.Size:
         """The weight's shape (N, K), as a plain weight's."""
         return self.data.shape
-
-
-class QuantisedInput(NamedTuple):
-    """Activations already quantised with a static scale by the kernel that produced them (``fp8_fused``)."""
-
-    data: torch.Tensor  # (M, K) float8_e4m3fn
-    rows: torch.Tensor  # (M, 1) float32: the static scale on every row, contiguous (``_scaled_mm``'s rowwise)
-    lead: tuple[int, ...]  # the activations' leading dims (M = their product)
-    dtype: torch.dtype  # the activations' dtype: the output's
 
 
 def quantisable(name: str, shape: tuple[int, ...]) -> bool:
@@ -256,8 +247,6 @@ def fp8_probe(
     bf16: ``{"w8a16": .., "scaled_mm": .., "scaled_mm_static": .., "bf16": ..}``, medians of ``repeats`` graph
     replays on ``device`` (CUDA). The norm is in every figure: it is what the static kernel's quantisation
     rides on. The engine keeps bf16 where no FP8 kernel is faster."""
-    from hybridflow.engine.ops import fp8_fused  # it imports this module
-
     g = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(2 * intermediate, hidden, device=device, generator=g, dtype=torch.bfloat16) * 0.02
     h = torch.randn(tokens, hidden, device=device, generator=g, dtype=torch.bfloat16)  # the residual

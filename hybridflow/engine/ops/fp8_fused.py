@@ -7,7 +7,7 @@ over eager kernels, the engine's default) would run the norm, then divide, clamp
 ``quantise_static(blocks.rms_norm(x, weight, eps), scale)`` and ``silu_mul_quant`` is
 ``quantise_static(F.silu(gate) * up, scale)``, each rounding to the activations' dtype where the torch ops do
 (the norm's cast back, the weight's product, SiLU, the product), so they differ from the torch path only by
-the float32 sum order of the norm's mean square. Both return ``fp8.QuantisedInput`` (the FP8 activations and
+the float32 sum order of the norm's mean square. Both return a ``QuantisedInput`` (the FP8 activations and
 the scale as contiguous (M, 1) rows), which ``fp8.fp8_linear`` takes instead of x.
 
 Triton's CPU interpreter converts to e4m3 wrongly where rounding carries into the exponent and for subnormals,
@@ -16,9 +16,9 @@ so interpreted (tests on CPU) the kernels store the scaled, clamped float32 valu
 
 from __future__ import annotations
 
-import torch
+from typing import NamedTuple
 
-from hybridflow.engine.ops.fp8 import FP8, FP8_MAX, QuantisedInput
+import torch
 
 try:
     import triton
@@ -28,6 +28,17 @@ except ImportError:  # CPU-only installs: the torch path runs instead
     tl = None
 
 _BLOCK = 1024  # SiLU-mul's columns per program (elementwise; the norm takes a whole row per program)
+FP8 = torch.float8_e4m3fn  # as ``fp8.FP8`` (that module imports this one)
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+
+
+class QuantisedInput(NamedTuple):
+    """Activations already quantised with a static scale by the kernel that produced them."""
+
+    data: torch.Tensor  # (M, K) float8_e4m3fn
+    rows: torch.Tensor  # (M, 1) float32: the static scale on every row, contiguous (``_scaled_mm``'s rowwise)
+    lead: tuple[int, ...]  # the activations' leading dims (M = their product)
+    dtype: torch.dtype  # the activations' dtype: the output's
 
 
 def available() -> bool:

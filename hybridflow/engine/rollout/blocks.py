@@ -24,14 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.engine.ops import fp8_fused
-from hybridflow.engine.ops.fp8 import (
-    Fp8Weight,
-    QuantisedInput,
-    current_kernel,
-    fp8_linear,
-    input_amax,
-    set_act_scale,
-)
+from hybridflow.engine.ops.fp8 import Fp8Weight, current_kernel, fp8_linear, input_amax, set_act_scale
+from hybridflow.engine.ops.fp8_fused import QuantisedInput
 from hybridflow.models.moe import RouterSpec, route, router_logits, run_experts
 
 # experts(x (N, H), ids (N, k), weights (N, k), gate_up (E, 2I, H), down (E, H, I)) -> (N, H)
