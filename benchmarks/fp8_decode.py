@@ -2,14 +2,20 @@
 FP8 projections with an FP8 KV cache (``rollout.kv_cache_dtype=fp8``).
 
     python benchmarks/fp8_decode.py [--shapes 0.5b 1.5b 7b] [--batches 16 64 256] [--prompt-len 128]
-        [--new-tokens 256] [--repeats 3] [--compile] [--out results.jsonl]
+        [--new-tokens 256] [--repeats 3] [--compile] [--kernels scaled_mm scaled_mm_static w8a16]
+        [--out results.jsonl]
     python benchmarks/fp8_decode.py --device cpu --shapes tiny --batches 2 --new-tokens 4   (a smoke run)
 
-Qwen2.5 shapes (``shapes.SHAPES``) with random weights in bf16, CUDA graphs on (no compiled decode), fixed
+Qwen2.5 shapes (``shapes.SHAPES``) with random weights in bf16, CUDA graphs on (compiled decode with
+``--compile``), fixed
 lengths (``ignore_eos``). The FP8 variant quantises the dense projections the way the switch delivers them
 (e4m3, rowwise float32 scales; embeddings, LM head and norms in bf16) and runs them through
-``torch._scaled_mm`` with per-token activation scales (``fp8``), or through the weight-only Triton kernel
-(``fp8_w8a16``: FP8 weights upcast in registers, bf16 activations); ``--kernels`` picks which. Each FP8
+``torch._scaled_mm`` with per-token activation scales (``fp8``), with static activation scales
+(``fp8_scaled_mm_static``: one float32 scale per projection input, set by the first prefill of each
+``generate``; the quantisation is elementwise, fused into the RMSNorm / SiLU-mul by inductor with
+``--compile``, by ``engine.ops.fp8_fused``'s Triton kernels without), or
+through the weight-only Triton kernel (``fp8_w8a16``: FP8 weights upcast in registers, bf16 activations);
+``--kernels`` picks which. Each FP8
 variant runs again with the FP8 KV cache (``fp8_kv``, ``fp8_w8a16_kv``: ``rollout.kv_cache_dtype=fp8``, e4m3 K
 and V with per-(layer, KV head) scales set by the first prefill of each ``generate``, read by the fused
 Triton decode kernel). Each configuration is warmed up once and timed ``--repeats`` times; the median is

@@ -1,6 +1,7 @@
 """A decode layer's projections in bf16 against the FP8 kernels, per token count (GPU; not a test).
 
     python benchmarks/fp8_gemm.py [--shapes 0.5b 1.5b 7b] [--tokens 16 64 256] [--sweep] [--out r.jsonl]
+        [--kernels scaled_mm scaled_mm_static blockwise w8a16] [--compile]
     python benchmarks/fp8_gemm.py --device cpu --shapes tiny --tokens 4      (a smoke run: no timing)
 
 For each Qwen2.5 shape the layer's projections (q and o: H x H, k and v: KV x H, gate and up: I x H, down:
@@ -8,10 +9,20 @@ H x I) run on random bf16 weights and activations, each timed as the median of g
 in CUDA graphs, so launch costs a graph removes must not count):
   bf16        F.linear on the bf16 weights (cuBLAS);
   scaled_mm   W8A8: per-token activation quantisation + torch._scaled_mm with rowwise scales;
+  scaled_mm_static  W8A8 with a static activation scale (set beforehand, as calibrated): elementwise
+              quantisation (divide, clamp, cast) + torch._scaled_mm with the scale as a contiguous (M, 1);
   blockwise   W8A8 with 1x128 activation / 128x128 weight scales (torch._scaled_mm's blockwise pairs; reported
               as unsupported where this torch/cuBLASLt refuses them); GEMM only, quantisation not counted;
   w8a16       the weight-only Triton kernel (``engine.ops.fp8_gemm``) with its configuration table;
   w8a16_best  with ``--sweep``: the fastest of a grid of launch configurations, and which one.
+``--kernels`` picks the FP8 variants (bf16 always runs). ``--compile``: each projection is timed with the op
+that produces its input in a decode layer (RMSNorm of the residual for q/k/v, o and gate/up; SiLU-mul for down),
+the two compiled together by inductor as the compiled decode step is, so the static quantisation can fuse into
+that op (bf16 likewise: norm + GEMM); only bf16, scaled_mm and scaled_mm_static run then (the o projection's
+real producer is attention, which does not fuse: its figure is the best case). The same rows also time the
+uncompiled pair an eager decode graph runs: ``bf16_eager`` (the torch producer + cuBLAS) against
+``scaled_mm_static_fused`` (``engine.ops.fp8_fused``'s Triton producer that quantises as it writes, then
+``_scaled_mm``).
 The layer's sum and the ratio to bf16 are printed as one JSON line per (shape, tokens); the table of
 ``fp8_gemm._CONFIGS`` is meant to be set from the sweep.
 """
@@ -26,8 +37,12 @@ from pathlib import Path
 import torch
 from shapes import SHAPES
 
-from hybridflow.engine.ops import fp8_gemm
-from hybridflow.engine.ops.fp8 import _graph_us, fp8_linear, quantise_rows, use_kernel
+from hybridflow.engine.ops import fp8_fused, fp8_gemm
+from hybridflow.engine.ops.fp8 import _graph_us, act_scale_for, fp8_linear, quantise_rows, use_kernel
+from hybridflow.engine.rollout.blocks import rms_norm
+
+KERNELS = ("scaled_mm", "scaled_mm_static", "blockwise", "w8a16")
+COMPILED = ("scaled_mm", "scaled_mm_static")  # the variants --compile times (beside bf16)
 
 SWEEP = [
     (bm, bn, bk, 4, st)
@@ -72,17 +87,27 @@ def blockwise_us(x: torch.Tensor, w: torch.Tensor, device: torch.device) -> floa
     return None
 
 
-def time_projection(n: int, k: int, m: int, device: torch.device, sweep: bool) -> dict:
+def time_projection(
+    n: int, k: int, m: int, device: torch.device, args: argparse.Namespace, down: bool
+) -> dict:
+    """µs of each variant of one (N, K) projection on m tokens (``down``: its input is a SiLU-mul's)."""
+    if args.compile:
+        return time_compiled(n, k, m, device, args.kernels, down)
     g = torch.Generator(device=device).manual_seed(n + k)
     w = torch.randn(n, k, device=device, generator=g, dtype=torch.bfloat16) * 0.02
     x = torch.randn(m, k, device=device, generator=g, dtype=torch.bfloat16)
     q = quantise_rows(w)
+    q.act_scale = act_scale_for(x.abs().amax()).reshape(1)  # (1,): as calibrated on a prefill
     out = {"bf16": _graph_us(lambda: torch.nn.functional.linear(x, w), device, 20)}
-    use_kernel("scaled_mm")
-    out["scaled_mm"] = _graph_us(lambda: fp8_linear(x, q), device, 20)
-    out["blockwise"] = blockwise_us(x, w, device)
-    out["w8a16"] = _graph_us(lambda: fp8_gemm.w8a16_linear(x, q.data, q.scale), device, 20)
-    if sweep:
+    for name in ("scaled_mm", "scaled_mm_static"):
+        if name in args.kernels:
+            use_kernel(name)
+            out[name] = _graph_us(lambda: fp8_linear(x, q, static=True), device, 20)
+    if "blockwise" in args.kernels:
+        out["blockwise"] = blockwise_us(x, w, device)
+    if "w8a16" in args.kernels:
+        out["w8a16"] = _graph_us(lambda: fp8_gemm.w8a16_linear(x, q.data, q.scale), device, 20)
+    if args.sweep and "w8a16" in args.kernels:
         best = (out["w8a16"], fp8_gemm.config_for(m))
         for cfg in SWEEP:
             if cfg[0] > max(16, 2 * m):
@@ -96,11 +121,51 @@ def time_projection(n: int, k: int, m: int, device: torch.device, sweep: bool) -
     return out
 
 
-def run(size: str, m: int, device: torch.device, sweep: bool) -> dict:
-    row: dict = {"shape": size, "tokens": m, "gpu": torch.cuda.get_device_name(device)}
+def time_compiled(n: int, k: int, m: int, device: torch.device, kernels: list[str], down: bool) -> dict:
+    """µs of producer + projection compiled together (``--compile``), for bf16 and the kernels that quantise
+    the activations (where fusing the quantisation into the producer is the point)."""
+    g = torch.Generator(device=device).manual_seed(n + k)
+    w = torch.randn(n, k, device=device, generator=g, dtype=torch.bfloat16) * 0.02
+    h = torch.randn(m, k, device=device, generator=g, dtype=torch.bfloat16)  # residual, or the gate half
+    u = torch.randn(m, k, device=device, generator=g, dtype=torch.bfloat16)  # the up half (down only)
+    norm = torch.ones(k, device=device, dtype=torch.bfloat16)
+
+    def produce() -> torch.Tensor:
+        return torch.nn.functional.silu(h) * u if down else rms_norm(h, norm, 1e-6)  # (m, k)
+
+    q = quantise_rows(w)
+    q.act_scale = act_scale_for(produce().abs().amax()).reshape(1)  # (1,): as calibrated on a prefill
+    fns = {"bf16": lambda: torch.nn.functional.linear(produce(), w)}
+    fns.update({name: lambda: fp8_linear(produce(), q, static=True) for name in COMPILED if name in kernels})
+    out = {}
+    for name, fn in fns.items():
+        if name != "bf16":
+            use_kernel(name)
+        torch._dynamo.reset()  # a fresh cache per variant: no recompile limit, no shape generalisation
+        out[name] = _graph_us(torch.compile(fn, fullgraph=True, dynamic=False), device, 20)
+    out["bf16_eager"] = _graph_us(fns["bf16"], device, 20)
+    if "scaled_mm_static" in kernels:
+        use_kernel("scaled_mm_static")
+
+        def fused() -> torch.Tensor:
+            s = q.act_scale
+            x = fp8_fused.silu_mul_quant(h, u, s) if down else fp8_fused.rms_norm_quant(h, norm, 1e-6, s)
+            return fp8_linear(x, q)
+
+        out["scaled_mm_static_fused"] = _graph_us(fused, device, 20)
+    return out
+
+
+def run(size: str, m: int, device: torch.device, args: argparse.Namespace) -> dict:
+    row: dict = {
+        "shape": size,
+        "tokens": m,
+        "gpu": torch.cuda.get_device_name(device),
+        "compile": args.compile,
+    }
     totals: dict[str, float | None] = {}
     for name, (n, k, copies) in projections(SHAPES[size]).items():
-        times = time_projection(n, k, m, device, sweep)
+        times = time_projection(n, k, m, device, args, down=name == "down")
         row[name] = times
         for kernel, us in times.items():
             if kernel.endswith("config"):
@@ -112,15 +177,22 @@ def run(size: str, m: int, device: torch.device, sweep: bool) -> dict:
     return row
 
 
-def smoke(size: str, m: int) -> dict:
-    """CPU: the kernels' results agree (no timing)."""
+def smoke(size: str, m: int, kernels: list[str]) -> dict:
+    """CPU: the kernels' results agree with the weight-only reference (no timing)."""
     n, k, _ = projections(SHAPES[size])["gate_up"]
     w = torch.randn(n, k) * 0.02
     x = torch.randn(m, k)
     q = quantise_rows(w)
+    q.act_scale = act_scale_for(x.abs().amax()).reshape(1)
     ref = fp8_gemm.w8a16_reference(x, q.data, q.scale)
     got = fp8_gemm.w8a16_linear(x, q.data, q.scale) if fp8_gemm._interpreting() else ref
-    return {"shape": size, "tokens": m, "max_abs_diff": float((got - ref).abs().max())}
+    row = {"shape": size, "tokens": m, "max_abs_diff": float((got - ref).abs().max())}
+    for name in COMPILED:  # W8A8: the activations' rounding too, relative to the output's norm
+        if name in kernels:
+            use_kernel(name)
+            y = fp8_linear(x, q, static=True)
+            row[f"{name}_rel_err"] = float((y - ref).norm() / ref.norm())
+    return row
 
 
 def main() -> None:
@@ -129,11 +201,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--sweep", action="store_true", help="also search the Triton launch configurations")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS, help="FP8 variants run")
+    ap.add_argument("--compile", action="store_true", help="producer + projection compiled (see above)")
     ap.add_argument("--out", type=Path, default=None, help="append the JSON lines here")
     args = ap.parse_args()
     device = torch.device(args.device)
     for size, m in itertools.product(args.shapes, args.tokens):
-        row = run(size, m, device, args.sweep) if device.type == "cuda" else smoke(size, m)
+        row = run(size, m, device, args) if device.type == "cuda" else smoke(size, m, args.kernels)
         print(json.dumps(row), flush=True)
         if args.out is not None:
             with args.out.open("a") as f:

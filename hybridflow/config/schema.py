@@ -175,7 +175,7 @@ class RolloutConfig:
     )
     quantization_kernel: str = option(
         "auto",
-        "FP8 projection kernel: auto (the probe's fastest), w8a16 (weight-only Triton) or scaled_mm (W8A8).",
+        "FP8 kernel: auto (probe's fastest), w8a16, scaled_mm (W8A8 per token) or scaled_mm_static (static scales).",
     )
     kv_cache_dtype: str = option(
         "auto",

@@ -109,8 +109,8 @@ def routed(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def fp8_pays(cfg: Config, config: Any, device: torch.device) -> bool:
-    """Whether to run FP8 projections, and with which kernel (``use_kernel``): on CUDA a probe of the gate/up
-    GEMM per kernel (logged) picks the fastest, kept only if it beats bf16 or ``rollout.quantization_force``;
+    """Whether to run FP8 projections, and with which kernel (``use_kernel``): on CUDA a probe of the RMSNorm +
+    gate/up GEMM per kernel (logged) picks the fastest, kept only if it beats bf16 or ``rollout.quantization_force``;
     on CPU (tests) always yes, with ``rollout.quantization_kernel`` (auto: scaled_mm's reference)."""
     asked = cfg.rollout.quantization_kernel
     if device.type != "cuda":
@@ -123,7 +123,7 @@ def fp8_pays(cfg: Config, config: Any, device: torch.device) -> bool:
     if dist_rank() == 0:
         logger.log(
             logging.INFO if faster or cfg.rollout.quantization_force else logging.WARNING,
-            "rollout.quantization=fp8: the gate/up GEMM on 64 tokens takes %s on this GPU: %s",
+            "rollout.quantization=fp8: the RMSNorm + gate/up GEMM on 64 tokens takes %s on this GPU: %s",
             ", ".join(f"{k} {v:.1f} us" for k, v in probe.items()),
             f"FP8 projections with {kernel}"
             if faster or cfg.rollout.quantization_force

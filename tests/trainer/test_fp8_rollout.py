@@ -104,6 +104,28 @@ def test_grpo_with_the_weight_only_fp8_kernel(data: dict[str, Path], tmp_path: P
         ), step
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_grpo_with_static_activation_scales(
+    data: dict[str, Path], tmp_path: Path, arch: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from hybridflow.engine.ops.fp8 import current_kernel, use_kernel
+
+    caplog.set_level("DEBUG", logger="hybridflow.engine.rollout.paged_forward")
+    before = current_kernel()
+    try:
+        args = ("rollout.quantization_kernel=scaled_mm_static", "rollout.quantization_force=true")
+        assert run(data, arch, tmp_path / "run", *args) == 0
+        assert current_kernel() == "scaled_mm_static"
+    finally:
+        use_kernel(before)
+    for step, m in metrics(tmp_path / "run").items():
+        # W8A8 with the scales calibrated on each step's first prefill: the gap W8A8's is, TIS weighing it
+        assert 1e-4 < m["rollout_corr/log_prob_abs_diff_mean"] < 0.1, step
+        assert m["rollout_corr/rollout_is_std"] > 0, step
+    # once per step: the first prefill after each switch (the weights changed) sets the scales again
+    assert caplog.text.count("FP8 static activation scales calibrated") == len(metrics(tmp_path / "run"))
+
+
 def test_an_unknown_fp8_kernel_is_refused_at_start(data: dict[str, Path], tmp_path: Path, capsys) -> None:
     assert run(data, "qwen2", tmp_path / "run", "rollout.quantization_kernel=cutlass") == 2
     err = capsys.readouterr().err

@@ -92,7 +92,10 @@ class WeightBinding:
         if key not in self._memo and params[0].dtype == FP8:  # delivered in FP8 by the switch, with scales
             srcs = [local_tensor(p) for p in params]
             self._aliases += [(s, m, n) for s, (m, n) in zip(srcs, parts)]
-            self._memo[key] = [Fp8Weight(s, m.weight_scale) for s, (m, _) in zip(srcs, parts)]
+            # One static activation scale per group: its projections read one input (q/k/v, gate/up).
+            act = torch.ones(1, dtype=torch.float32, device=self.device)
+            self.act_scales.append(act)
+            self._memo[key] = [Fp8Weight(s, m.weight_scale, act) for s, (m, _) in zip(srcs, parts)]
         if key not in self._memo:
             srcs = [_read(m, n) for m, n in parts]
             cast = any(s.dtype != self.dtype or s.device != self.device for s in srcs)
@@ -207,6 +210,10 @@ class WeightBinding:
         self._aliases: list[tuple[torch.Tensor, nn.Module, str]] = []  # zero-copy: (tensor, module, name)
         self._copies: list[tuple[torch.Tensor, nn.Module, str]] = []  # cast buffers: (view, module, name)
         self._buffers: list[torch.Tensor] = []  # the cast buffers themselves (release() frees their storage)
+        # FP8 projections' static activation scales (``Fp8Weight.act_scale``), one per input, never released
+        # (4 bytes each); ``act_calibrated``: set by a calibrating prefill (``LlamaRunner.prefill_paged``).
+        self.act_scales: list[torch.Tensor] = []
+        self.act_calibrated = False
         base = text_base(self._model)  # a vision-language model's language model
         self._sparse = 0  # sparse layers bound so far
         self.embed = self._bind([(base.embed_tokens, "weight")])[0]
@@ -275,6 +282,8 @@ class WeightBinding:
         seen: dict[int, torch.Tensor] = {}
         for tensors in self._memo.values():
             for t in tensors:
-                for part in (t.data, t.scale) if isinstance(t, Fp8Weight) else (t,):
+                for part in (t.data, t.scale, t.act_scale) if isinstance(t, Fp8Weight) else (t,):
+                    if part is None:
+                        continue
                     seen.setdefault(id(part), part)
         return list(seen.values())

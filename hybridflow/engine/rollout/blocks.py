@@ -18,15 +18,34 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from hybridflow.engine.ops.fp8 import Fp8Weight, fp8_linear
+from hybridflow.engine.ops import fp8_fused
+from hybridflow.engine.ops.fp8 import Fp8Weight, current_kernel, fp8_linear, input_amax, set_act_scale
+from hybridflow.engine.ops.fp8_fused import QuantisedInput
 from hybridflow.models.moe import RouterSpec, route, router_logits, run_experts
 
 # experts(x (N, H), ids (N, k), weights (N, k), gate_up (E, 2I, H), down (E, H, I)) -> (N, H)
 Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ActQuant(NamedTuple):
+    """How a forward quantises the inputs of FP8 projections that carry a static scale (``Fp8Weight.act_scale``,
+    kernel ``scaled_mm_static``): a static value for torch.compile, one per forward."""
+
+    static: bool = False  # the scales are calibrated: quantise with them (elementwise, fusable)
+    calib: torch.Tensor | None = None  # (b, t) bool: set the scales from these tokens (and run per token)
+    # Tensor parallelism: the max of an amax (1,) over the group, so every rank sets the same scale (once per
+    # refresh). The o and down inputs are sharded along K: with the group's scale each rank quantises its
+    # slice as one rank would quantise the whole input with that scale (per token, each rank's slice gets its
+    # own amax). The scale is one rank's up to the calibrating prefill's own (per-token) rounding.
+    reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+DYNAMIC = ActQuant()  # per-token quantisation, no calibration (and no FP8 weights: no effect)
 
 
 @dataclass
@@ -116,6 +135,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def fused_scale(weights: list, x: torch.Tensor, act: ActQuant) -> torch.Tensor | None:
+    """The static scale (1,) of ``weights``' input where the kernel producing x should quantise it too
+    (``fp8_fused``): calibrated FP8 weights with ``scaled_mm_static``, on CUDA, uncompiled (compiled,
+    inductor fuses the elementwise quantisation itself); else None."""
+    first = weights[0] if weights else None
+    if not (
+        act.static and act.calib is None and isinstance(first, Fp8Weight) and first.act_scale is not None
+    ):
+        return None
+    if not x.is_cuda or not fp8_fused.available() or torch.compiler.is_compiling():
+        return None
+    return first.act_scale if current_kernel() == "scaled_mm_static" else None
+
+
+def norm_input(
+    h: torch.Tensor, weight: torch.Tensor, eps: float, weights: list, act: ActQuant
+) -> torch.Tensor | QuantisedInput:
+    """``rms_norm(h)``, normed and quantised in one kernel where ``fused_scale`` says so."""
+    scale = fused_scale(weights, h, act) if weight.dtype == h.dtype else None
+    return rms_norm(h, weight, eps) if scale is None else fp8_fused.rms_norm_quant(h, weight, eps, scale)
+
+
+def silu_mul(
+    gate: torch.Tensor, up: torch.Tensor, weights: list, act: ActQuant
+) -> torch.Tensor | QuantisedInput:
+    """``F.silu(gate) * up``, and quantised in the same kernel where ``fused_scale`` says so."""
+    scale = fused_scale(weights, gate, act)
+    return F.silu(gate) * up if scale is None else fp8_fused.silu_mul_quant(gate, up, scale)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Apply RoPE in HF's rotate-half convention: x (b, h, t, D), cos/sin (b, 1, t, D)."""
     half = x.shape[-1] // 2
@@ -124,44 +173,64 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def project(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantisedInput,
     weights: list[torch.Tensor],
     biases: list[torch.Tensor] | None,
     splits: tuple[int, ...],
     k_splits: int = 1,
+    act: ActQuant = DYNAMIC,
 ) -> list[torch.Tensor]:
     """Apply a group of linear layers, fused (one weight, split after) or separate (one weight each).
 
-    ``k_splits`` > 1 runs a fused group through ``split_linear`` (separate weights ignore it).
+    ``k_splits`` > 1 runs a fused group through ``split_linear`` (separate weights ignore it). ``act``: how FP8
+    weights with a static activation scale quantise x (the group shares one scale: x is their one input).
     """
+    first = weights[0]
+    static = act.static
+    if act.calib is not None and isinstance(first, Fp8Weight) and first.act_scale is not None:
+        amax = input_amax(x, act.calib)  # (1,)
+        set_act_scale(amax if act.reduce_max is None else act.reduce_max(amax), first.act_scale)
+        static = False  # the calibrating forward runs per token
     if len(weights) == 1:
         bias = None if biases is None else biases[0]
-        w = weights[0]
         y = (
-            linear(x, w, bias)
-            if k_splits == 1 or isinstance(w, Fp8Weight)
-            else split_linear(x, w, bias, k_splits)
+            linear(x, first, bias, static)
+            if k_splits == 1 or isinstance(first, Fp8Weight)
+            else split_linear(x, first, bias, k_splits)
         )
         return list(y.split(list(splits), dim=-1)) if len(splits) > 1 else [y]
     biases = biases if biases is not None else [None] * len(weights)
-    return [linear(x, w, b) for w, b in zip(weights, biases)]
+    return [linear(x, w, b, static) for w, b in zip(weights, biases)]
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, or the FP8 scaled GEMM for a weight the switch delivered in FP8 (``rollout.quantization``)."""
-    return fp8_linear(x, w, bias) if isinstance(w, Fp8Weight) else F.linear(x, w, bias)
+def linear(
+    x: torch.Tensor | QuantisedInput,
+    w: torch.Tensor | Fp8Weight,
+    bias: torch.Tensor | None = None,
+    static: bool = False,
+) -> torch.Tensor:
+    """``F.linear``, or the FP8 scaled GEMM for a weight the switch delivered in FP8 (``rollout.quantization``;
+    ``static``: with its calibrated activation scale, where it has one)."""
+    return fp8_linear(x, w, bias, static) if isinstance(w, Fp8Weight) else F.linear(x, w, bias)
 
 
 def attention_inputs(
-    h: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, dims: LayerDims, rope: bool = True
+    h: torch.Tensor,
+    w: LayerWeights,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    dims: LayerDims,
+    rope: bool = True,
+    act: ActQuant = DYNAMIC,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Norm, q/k/v projections and RoPE on h (b, t, hidden): q (b, H, t, D), k and v (b, KVH, t, D).
 
-    ``rope=False`` returns q and k before RoPE, for an attention kernel that applies it itself.
+    ``rope=False`` returns q and k before RoPE, for an attention kernel that applies it itself. ``act``: how
+    FP8 projections quantise their inputs (``ActQuant``).
     """
     b, t, _ = h.shape
-    x = rms_norm(h, w.input_norm, dims.eps)
-    q, k, v = project(x, w.qkv, w.qkv_bias, dims.qkv_splits, dims.k_splits.qkv)
+    x = norm_input(h, w.input_norm, dims.eps, w.qkv, act)
+    q, k, v = project(x, w.qkv, w.qkv_bias, dims.qkv_splits, dims.k_splits.qkv, act)
     q = q.view(b, t, dims.num_heads, dims.head_dim)  # (b, t, H, D)
     k = k.view(b, t, dims.num_kv_heads, dims.head_dim)  # (b, t, KVH, D)
     v = v.view(b, t, dims.num_kv_heads, dims.head_dim).transpose(1, 2)  # (b, KVH, t, D)
@@ -180,11 +249,12 @@ def attention_output(
     w: LayerWeights,
     dims: LayerDims,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    act: ActQuant = DYNAMIC,
 ) -> torch.Tensor:
     """h (b, t, hidden) plus o's projection of the attention output o (b, H, t, D)."""
     b, t, _ = h.shape
     o = o.transpose(1, 2).reshape(b, t, dims.num_heads * dims.head_dim)  # (b, H, t, D) -> (b, t, H * D)
-    out = project(o, w.o, w.o_bias, (0,), dims.k_splits.o)[0]  # (b, t, hidden)
+    out = project(o, w.o, w.o_bias, (0,), dims.k_splits.o, act)[0]  # (b, t, hidden)
     return h + (out if reduce is None else reduce(out))
 
 
@@ -194,17 +264,18 @@ def attention_output_and_mlp(
     w: LayerWeights,
     dims: LayerDims,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    act: ActQuant = DYNAMIC,
 ) -> torch.Tensor:
     """The rest of the layer: h (b, t, hidden) plus o's projection, then plus the MLP of its norm.
 
     ``reduce`` sums the partial products of the row-parallel o and down projections over a tensor-parallel
     group (their biases sit on one rank, so the sum adds them once); None: this rank holds whole weights.
     """
-    h = attention_output(h, o, w, dims, reduce)
-    x = rms_norm(h, w.post_norm, dims.eps)
-    gate, up = project(x, w.gate_up, w.gate_up_bias, dims.mlp_splits, dims.k_splits.gate_up)
-    act = F.silu(gate) * up  # (b, t, I)
-    out = project(act, w.down, w.down_bias, (0,), dims.k_splits.down)[0]  # (b, t, hidden)
+    h = attention_output(h, o, w, dims, reduce, act)
+    x = norm_input(h, w.post_norm, dims.eps, w.gate_up, act)
+    gate, up = project(x, w.gate_up, w.gate_up_bias, dims.mlp_splits, dims.k_splits.gate_up, act)
+    hidden = silu_mul(gate, up, w.down, act)  # (b, t, I)
+    out = project(hidden, w.down, w.down_bias, (0,), dims.k_splits.down, act)[0]  # (b, t, hidden)
     return h + (out if reduce is None else reduce(out))
 
 
@@ -214,13 +285,15 @@ def attention_output_and_moe(
     w: LayerWeights,
     dims: LayerDims,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    act: ActQuant = DYNAMIC,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A sparse layer's rest: (h (b, t, hidden), the chosen experts (b * t, k) int64).
 
     As ``MoEBlock.forward``: the experts' sum plus the shared expert's sigmoid-gated output. Under tensor
     parallelism each rank holds a slice of every expert's intermediate dim, so ``reduce`` sums the slices.
+    ``act`` reaches the o projection only: the experts and the shared expert stay in the rollout dtype.
     """
-    h = attention_output(h, o, w, dims, reduce)
+    h = attention_output(h, o, w, dims, reduce, act)
     out, ids = moe_mlp(rms_norm(h, w.post_norm, dims.eps), w.moe)  # (b, t, hidden), (b * t, k)
     return h + (out if reduce is None else reduce(out)), ids
 

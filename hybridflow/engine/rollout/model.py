@@ -31,7 +31,7 @@ from torch import nn
 from hybridflow.engine.ops.packing import to_device
 from hybridflow.engine.rollout import blocks
 from hybridflow.engine.rollout.binding import WeightBinding
-from hybridflow.engine.rollout.blocks import KSplits, LayerDims, LayerWeights
+from hybridflow.engine.rollout.blocks import ActQuant, KSplits, LayerDims, LayerWeights
 from hybridflow.engine.rollout.kv_cache import KVCache, write_kv
 from hybridflow.engine.rollout.paged_forward import PagedForward, Sink
 from hybridflow.engine.rollout.support import check_structure, check_supported, text_base
@@ -129,6 +129,7 @@ class LlamaRunner(PagedForward):
         self.weights = WeightBinding(
             hf_model, self.dtype, self.device, self.dims, 0 if tp is None else tp.rank
         )
+        self.act_pending = False  # the next paged prefill calibrates the static activation scales
         self.router = router_spec(config)  # None: dense
         # Decode's projections as batched GEMMs over slices of K whose float32 partials the next fused kernel
         # sums (blocks.split_linear); all 1 leaves them to cuBLAS. Worth it only under torch.compile.
@@ -172,6 +173,11 @@ class LlamaRunner(PagedForward):
         """Copy the module's current weights into the cast buffers (``WeightBinding.refresh``); True when the
         parameters moved and the runner rebound them (any captured CUDA graph must be re-captured)."""
         return self.weights.refresh()
+
+    def calibrate_activations(self) -> None:
+        """Have the next paged prefill set the FP8 projections' static activation scales from its tokens (in
+        place), as after every weight refresh; a no-op without FP8 weights."""
+        self.act_pending = bool(self.weights.act_scales)
 
     def release(self) -> int:
         """Free the cast buffers until the next ``refresh()``; returns the bytes freed."""
@@ -266,6 +272,7 @@ class LlamaRunner(PagedForward):
         dims: LayerDims | None = None,
         sink: Sink | None = None,
         embeds: torch.Tensor | None = None,
+        calib: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Embed (b, t) ids at (b, t) positions and run all layers; returns pre-norm hidden (b, t, hidden).
 
@@ -275,17 +282,20 @@ class LlamaRunner(PagedForward):
         applies it); ``dims`` defaults to ``self.dims`` (decode passes its own); ``sink`` takes each
         sparse layer's chosen experts; ``embeds`` (b, t, hidden) replaces the embedding of ``input_ids``
         (a prompt's image features inserted, ``embed_ids``). Positions may be M-RoPE's (3, b, t).
+        ``calib`` (b, t) bool: set the FP8 projections' static activation scales from these tokens; once set,
+        later forwards quantise with them (``blocks.ActQuant``).
         """
         dims = self.dims if dims is None else dims
         h = self.embed_ids(input_ids) if embeds is None else embeds  # (b, t, hidden)
         reduce = None if self.tp is None else self.tp.reduce
+        act = ActQuant(self.weights.act_calibrated, calib, None if self.tp is None else self.tp.reduce_max)
         cos, sin = self._rope_tables(positions)
         for idx, w in enumerate(self.layers):
-            q, k, v = blocks.attention_inputs(h, w, cos, sin, dims, rope)
+            q, k, v = blocks.attention_inputs(h, w, cos, sin, dims, rope, act)
             if w.moe is None:
-                h = blocks.attention_output_and_mlp(h, attend(idx, q, k, v), w, dims, reduce)
+                h = blocks.attention_output_and_mlp(h, attend(idx, q, k, v), w, dims, reduce, act)
                 continue
-            h, ids = blocks.attention_output_and_moe(h, attend(idx, q, k, v), w, dims, reduce)
+            h, ids = blocks.attention_output_and_moe(h, attend(idx, q, k, v), w, dims, reduce, act)
             if sink is not None:
                 sink(w.moe.index, ids)
         return h

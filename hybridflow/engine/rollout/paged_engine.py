@@ -57,7 +57,8 @@ class PagedEngine:
     ``num_blocks``: the pool's blocks; None sizes it from ``gpu_memory_utilization`` on GPU and, on CPU, from
     the work (every sequence of a ``generate`` call at full length). ``block_size``: positions per block.
     ``kv_cache_dtype="fp8"``: K and V in e4m3 (half the bytes of bf16: twice the blocks in the same memory),
-    their per-head scales set by the first prefill after each weight refresh (a session's start, ``resume``).
+    their per-head scales set by the first prefill after each weight refresh (a session's start, ``resume``);
+    so are FP8 projections' static activation scales (kernel ``scaled_mm_static``, ``ops.fp8``).
     """
 
     def __init__(

@@ -7,6 +7,7 @@ A mixin of ``model.LlamaRunner``, kept apart so each file stays readable: it use
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -22,6 +23,8 @@ from hybridflow.engine.rollout.paged_cache import (
     write_kv_paged_fp8,
     write_routing,
 )
+
+logger = logging.getLogger(__name__)
 
 # A prefill chunk's images: (3, b, t) M-RoPE positions, (b, t) image-token mask, features (n, hidden) or None.
 ImageChunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -55,14 +58,16 @@ class PagedForward:
         and the call never waits for the GPU (they go up through pinned memory).
 
         An FP8 cache due for calibration (``cache.calibrate``: the first prefill after a weight refresh) takes
-        its per-head scales from this call's tokens before writing them.
+        its per-head scales from this call's tokens before writing them; so do FP8 projections' static
+        activation scales (``act_pending``, set by ``calibrate_activations``), from the valid tokens' inputs.
         """
         b, t = input_ids.shape
         lengths, start_pos, tables = (x.detach().to("cpu", torch.long) for x in (lengths, start_pos, tables))
         kv_end = int((start_pos + lengths).max())
         causal = not bool(start_pos.any())
         positions = start_pos[:, None] + torch.arange(t)  # (b, t)
-        rows, cols = (torch.arange(t)[None] < lengths[:, None]).nonzero(as_tuple=True)  # (n,) valid tokens
+        valid = torch.arange(t)[None] < lengths[:, None]  # (b, t)
+        rows, cols = valid.nonzero(as_tuple=True)  # (n,) valid tokens
         blocks, offsets = cache.locate(tables, rows, positions[rows, cols])  # (n,) each
         tables = tables[:, : -(-kv_end // cache.block_size)]  # (b, blocks read)
         up = [to_device(x, self.device) for x in (input_ids, positions, rows, cols, blocks, offsets, tables)]
@@ -77,9 +82,14 @@ class PagedForward:
                 embeds = embeds.masked_scatter(where, feats.to(embeds.dtype))
             extra = {"rope_positions": to_device(rope, self.device), "embeds": embeds}
         calibrate, cache.calibrate = cache.calibrate, False
+        if self.act_pending:
+            extra["act_calib"] = to_device(valid, self.device)
         h = self._prefill_paged_layers(
             *up, cache.storage, causal, cache.routing, cache.scales, calibrate, **extra
         )  # (b, t, hidden)
+        if self.act_pending:  # the scales are set (queued on the device, before any later forward reads them)
+            self.act_pending, self.weights.act_calibrated = False, True
+            logger.debug("FP8 static activation scales calibrated on %d prefill tokens", len(rows))
         last = h[torch.arange(b, device=self.device), to_device(lengths, self.device) - 1]  # (b, hidden)
         return self._logits(last)
 
@@ -99,6 +109,7 @@ class PagedForward:
         calibrate: bool = False,  # set kv_scales from this call's tokens first
         rope_positions: torch.Tensor | None = None,  # (3, b, t) M-RoPE positions (else ``positions``)
         embeds: torch.Tensor | None = None,  # (b, t, hidden) the embeddings with image features inserted
+        act_calib: torch.Tensor | None = None,  # (b, t) bool: set the static activation scales from these
     ) -> torch.Tensor:
         """Prefill's layers on the paged cache (``prefill_paged``); compiled by ``compile_prefill``. With an
         FP8 cache the writes quantise and the cached keys and values are read back dequantised; the chunk's own
@@ -140,7 +151,7 @@ class PagedForward:
             )
 
         rope = positions if rope_positions is None else rope_positions
-        return self._forward(input_ids, rope, attend, sink=sink, embeds=embeds)
+        return self._forward(input_ids, rope, attend, sink=sink, embeds=embeds, calib=act_calib)
 
     @torch.no_grad()
     def decode_paged(

@@ -129,6 +129,7 @@ class Session:
         self.pool = BlockPool(blocks, bs)
         self.cache = self._cache(blocks + 1)  # block 0 of the device is scratch (see seats.py)
         self.cache.calibrate = self.cache.fp8  # new weights may have come with this session (refresh above)
+        r.calibrate_activations()  # and the FP8 projections' static activation scales, likewise
         if self.cache.fp8 and not engine.fp8_logged:
             engine.fp8_logged = True
             self._log_fp8(blocks)
@@ -345,12 +346,13 @@ class Session:
 
     def refresh_weights(self) -> None:
         """After an in-place weight update: re-cast into the runner's buffers (new graphs if rebound); an FP8
-        cache recalibrates its scales (in place) on the next prefill."""
+        cache, and FP8 projections' static activation scales, recalibrate (in place) on the next prefill."""
         self.cache.calibrate = self.cache.fp8
         if self.runner.refresh():
             self.engine.warm.clear()
             if self.graphs is not None:
                 self.graphs.graphs.clear()
+        self.runner.calibrate_activations()
 
     def stats(self, concurrent: list[int], preemptions: int) -> GenerationStats:
         """The session's figures so far (device times read when it closes)."""

@@ -168,6 +168,10 @@ class RolloutTP:
         """Sum the partial products of a row-parallel projection over the group."""
         return funcol.all_reduce(x, "sum", self.group)
 
+    def reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise max over the group (FP8 static activation scales' calibration: one scale for all)."""
+        return funcol.all_reduce(x, "max", self.group)
+
     def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel lookup: each rank embeds the ids in its slice, zeros elsewhere, then a sum."""
         local = ids - self.vocab_start  # (b, t)

@@ -6,15 +6,20 @@ import pytest
 import torch
 
 from hybridflow.engine.ops.fp8 import (
+    ACT_SCALE_MARGIN,
     FP8,
     FP8_MAX,
+    calibrate_act_scale,
+    current_kernel,
     dequantise,
     fp8_linear,
     fp8_parameters,
     quantisable,
     quantise,
     quantise_rows,
+    quantise_static,
     row_scales,
+    use_kernel,
 )
 from hybridflow.models import build_tiny_model
 
@@ -61,6 +66,44 @@ def test_the_fp8_linear_is_close_to_the_full_precision_one(dtype: torch.dtype) -
     ref = x.float() @ w.t() + b
     assert y.shape == (3, 7, 48) and y.dtype == dtype
     assert (y.float() - ref).norm() / ref.norm() < 0.06
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_static_activation_scale_is_calibrated_on_the_valid_tokens_and_quantises_elementwise(
+    dtype: torch.dtype,
+) -> None:
+    torch.manual_seed(3)
+    w, b = torch.randn(48, 64) * 0.05, torch.randn(48)
+    x = torch.randn(3, 7, 64).to(dtype)  # (b, t, K): a prefill chunk, right-padded
+    x[1, 2] *= 4  # one token of larger activations: it sets the range
+    valid = torch.arange(7)[None] < torch.tensor([7, 5, 2])[:, None]  # (b, t)
+    x[~valid] = 1000.0  # the padding's values never calibrate
+    q = quantise_rows(w)
+    q.act_scale = buf = torch.ones(1)
+    calibrate_act_scale(x, valid, q.act_scale)
+    assert q.act_scale is buf  # filled in place
+    amax = x[valid].float().abs().max()
+    torch.testing.assert_close(buf, (ACT_SCALE_MARGIN * amax / FP8_MAX).reshape(1))
+    tokens = x[valid]  # (n, K)
+    ref = tokens.float() @ w.t() + b
+    before = current_kernel()
+    try:
+        use_kernel("scaled_mm_static")
+        static = fp8_linear(tokens, q, b.to(dtype), static=True)
+        dynamic = fp8_linear(tokens, q, b.to(dtype))  # not told the scale is calibrated: per token
+        use_kernel("scaled_mm")
+        per_token = fp8_linear(tokens, q, b.to(dtype), static=True)  # this kernel has no static scales
+    finally:
+        use_kernel(before)
+    assert torch.equal(per_token, dynamic) and not torch.equal(static, dynamic)
+    for y in (static, dynamic):
+        assert y.dtype == dtype and (y.float() - ref).norm() / ref.norm() < 0.06
+    # the static path is the dequantised activations times the dequantised weight
+    manual = (quantise_static(tokens, buf).float() * buf) @ dequantise(q).t() + b
+    torch.testing.assert_close(static.float(), manual.to(dtype).float(), rtol=0.02, atol=0.02)
+    # beyond the calibrated range (2x the prefill's largest value) a value saturates, never overflows
+    far = quantise_static(torch.tensor([[3.0 * float(amax)]]), buf).float() * buf
+    torch.testing.assert_close(far, FP8_MAX * buf.reshape(1, 1))
 
 
 def test_only_dense_projections_with_dims_of_sixteen_are_quantised() -> None:
@@ -116,6 +159,10 @@ def test_the_fp8_decode_benchmark_runs_on_cpu(tmp_path) -> None:
         "4",
         "--repeats",
         "1",
+        "--kernels",
+        "scaled_mm",
+        "w8a16",
+        "scaled_mm_static",
     ]
     done = subprocess.run(
         [sys.executable, str(script), *args, "--out", str(out)], capture_output=True, text=True
@@ -130,3 +177,32 @@ def test_the_fp8_decode_benchmark_runs_on_cpu(tmp_path) -> None:
     assert all(0 < r["fp8_logprob_gap"] < 0.1 and 0 < r["fp8_kv_logprob_gap"] < 0.1 for r in rows)
     assert all(r["fp8_kv_tok_s"] > 0 and r["fp8_kv_speedup"] > 0 for r in rows)  # the FP8 KV cache's variants
     assert all(r["fp8_w8a16_kv_tok_s"] > 0 and 0 < r["fp8_w8a16_kv_logprob_gap"] < 0.1 for r in rows)
+    static = ("fp8_scaled_mm_static", "fp8_scaled_mm_static_kv")
+    assert all(r[f"{v}_tok_s"] > 0 and 0 < r[f"{v}_logprob_gap"] < 0.1 for r in rows for v in static)
+
+
+def test_the_fp8_gemm_benchmark_checks_the_kernels_on_cpu() -> None:
+    """benchmarks/fp8_gemm.py's CPU smoke run: each W8A8 variant within FP8's error of the weight-only one."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[3] / "benchmarks" / "fp8_gemm.py"
+    args = [
+        "--device",
+        "cpu",
+        "--shapes",
+        "tiny",
+        "--tokens",
+        "3",
+        "--kernels",
+        "scaled_mm",
+        "scaled_mm_static",
+    ]
+    done = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, cwd=script.parent
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = [json.loads(line) for line in done.stdout.splitlines()]
+    assert 0 < row["scaled_mm_rel_err"] < 0.06 and 0 < row["scaled_mm_static_rel_err"] < 0.06, row
