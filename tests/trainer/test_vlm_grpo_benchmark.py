@@ -28,6 +28,7 @@ def test_tiny_run_trains_on_image_prompts_and_reports_the_step(tmp_path: Path, c
     for key in ("timing_s/gen", "timing_s/update_actor", "perf/time_per_step", "perf/rollout_tokens_per_s"):
         assert record[key] > 0, key
     assert record["rollout/decode_tokens"] == 2 * 2 * 3  # ignore_eos: 4 tokens, the first from prefill
+    assert record["rollout/kv_slots"] > 0  # the built-in paged engine ran (not HF generate's fallback)
     # prompts x samples x (prompt + 4): every prompt holds its 9 image tokens and the question
     assert 2 * 2 * (9 + 4 + 20) < record["perf/total_num_tokens"] < 2 * 2 * (9 + 4 + 96)
     assert 0 < record["mfu/update_actor"] < 1
