@@ -13,8 +13,8 @@ and processor: a char-level tokenizer padded to the whole vocabulary (every id t
 prompts are the built-in ``squares`` task's rows (``hybridflow.data.squares``) drawn at ``--image-size``
 (448 x 448: 16 x 16 cells of 28 pixels, 256 image tokens after the 2 x 2 merge), processed once as the
 dataset is built; the reward is the task's own scorer (random weights score 0: the advantages are zero, the
-update's work is the same). Fixed lengths (``ignore_eos``), one PPO epoch, one mini-batch, no reference, the
-vision tower frozen (``model.freeze_vision_tower``, the default); other settings are the trainer's defaults
+update's work is the same). Fixed lengths (``ignore_eos``), one PPO epoch, one mini-batch (the rollout's
+log-probs are the old ones: no old-log-prob pass), no reference, the vision tower frozen (``model.freeze_vision_tower``, the default); other settings are the trainer's defaults
 (per-layer ``torch.compile`` of the text layers on CUDA; ``rollout.compile_decode`` off) and
 ``grpo_step.trainer_config``'s token budgets. Extra ``key=value`` arguments override the trainer config.
 
