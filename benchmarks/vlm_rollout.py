@@ -36,8 +36,8 @@ from hybridflow.engine.rollout.sampling import SamplingParams
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 151652, 151653, 151655, 151656
 
 
-def build_3b(device: torch.device) -> torch.nn.Module:
-    """The Qwen2.5-VL-3B shape with random weights, built in bf16 directly on ``device``."""
+def build_3b(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """The Qwen2.5-VL-3B shape with random weights, built in ``dtype`` (bf16 by default) directly on ``device``."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     config = Qwen2_5_VLConfig(
@@ -72,10 +72,10 @@ def build_3b(device: torch.device) -> torch.nn.Module:
         tie_word_embeddings=True,
     )
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(dtype)
     try:
         torch.manual_seed(0)
-        with torch.device(device):  # 3.8B parameters: never a float32 copy on the host
+        with torch.device(device):  # 3.8B parameters: never a copy on the host
             model = Qwen2_5_VLForConditionalGeneration(config)
     finally:
         torch.set_default_dtype(default)
