@@ -79,8 +79,11 @@ def test_sft_row_errors(tok) -> None:
         SFTDataset([{"prompt": "", "response": "b"}], tok, max_length=8)
 
 
-def test_rows_with_images_are_refused(tok) -> None:
-    """SFT cannot show a row's images to the model: such a row (the squares task's) is refused, not read as text."""
+def test_rows_with_images_need_a_processor(tok) -> None:
+    """Without a VLM's processor a row's images cannot reach the model: such a row (the squares task's) is refused,
+    naming the row and the fix, not read as text."""
     rows = [*make_task("arithmetic", "train", 2, seed=0), *make_task("squares", "train", 1, seed=0)]
-    with pytest.raises(DataError, match=r"row 2: SFT on rows with images is not supported"):
+    with pytest.raises(
+        DataError, match=r"row 2: the row has images .* no image processor was given; SFT on images"
+    ):
         SFTDataset(rows, tok, max_length=128)
