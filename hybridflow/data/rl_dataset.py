@@ -102,6 +102,75 @@ def encode_prompts(
     return out
 
 
+def slot_images(
+    row: Any, origin: RowOrigin, prompt_key: str, processor: Any, image_key: str = "images"
+) -> tuple[Any, list[Any]]:
+    """The row with its image placeholders as ``processor``'s image slots, and its (undecoded) images.
+
+    Without a processor (a text model) a row with images is refused; its text items are joined.
+    """
+    if not isinstance(row, dict) or prompt_key not in row:
+        return row, []  # the row's validation refuses it, naming the row
+    images = row_images(row, image_key, origin)
+    prompt = row[prompt_key]
+    if processor is None:
+        if images or has_image_items(prompt):
+            raise row_error(
+                origin,
+                f"the row has images (column {image_key!r} or {{'type': 'image'}} items) but the "
+                "model is text-only; use a vision-language model (Qwen2-VL / Qwen2.5-VL) or drop the "
+                f"{image_key!r} column",
+            )
+        text, _ = prompt_with_slots(prompt, origin, prompt_key, PLACEHOLDER)  # text items joined
+        return {**row, prompt_key: text}, []
+    text, count = prompt_with_slots(prompt, origin, prompt_key, image_slot(processor))
+    if count != len(images):
+        raise row_error(
+            origin,
+            f"the prompt has {count} image placeholder(s) ({PLACEHOLDER} in the text or "
+            f"{{'type': 'image'}} items) but column {image_key!r} holds {len(images)} image(s); "
+            "give one placeholder per image, in the images' order",
+        )
+    return {**row, prompt_key: text}, images
+
+
+def attach_images(
+    ids: list[int], images: list[Any], origin: RowOrigin, processor: Any, image_key: str = "images"
+) -> tuple[list[int], dict[str, Any] | None]:
+    """The prompt ids with each image pad expanded and the row's ``multi_modal_inputs`` (its images processed
+    once; None for a text row)."""
+    if not images:
+        if getattr(processor, "image_token_id", None) in ids:
+            raise row_error(
+                origin, "the prompt's text holds image pad tokens but the row has no images; remove them"
+            )
+        return ids, None
+    return process_images(processor, ids, images, origin, image_key)
+
+
+def has_images(row: Any, prompt_key: str = "prompt", image_key: str = "images") -> bool:
+    """Whether a row holds images: a non-empty images column or ``{'type': 'image'}`` items in its prompt."""
+    if not isinstance(row, dict):
+        return False
+    return bool(row_images(row, image_key, RowOrigin("row", 0))) or has_image_items(row.get(prompt_key))
+
+
+def encode_image_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    processor: Any,
+    row: dict[str, Any],
+    origin: RowOrigin,
+    prompt_key: str = "prompt",
+    image_key: str = "images",
+) -> tuple[list[int], dict[str, Any] | None]:
+    """One row's prompt ids and ``multi_modal_inputs`` exactly as ``RLDataset`` (with ``processor``) encodes
+    them: the image slots, the chat template (a text prompt is one user turn) and the expanded image pads."""
+    row, images = slot_images(row, origin, prompt_key, processor, image_key)
+    prompt = check_prompt(lookup(row, prompt_key), origin, prompt_key)
+    (ids,) = encode_prompts(tokenizer, [prompt], template_text=True)
+    return attach_images(ids, images, origin, processor, image_key)
+
+
 class RLDataset:
     """Validated, tokenized RL prompts; ``ds[i]`` is a dict ready for ``collate_prompts``.
 
@@ -172,29 +241,7 @@ class RLDataset:
 
     def _with_image_slots(self, row: Any, origin: RowOrigin, prompt_key: str) -> tuple[Any, list[Any]]:
         """The row with its image placeholders as the model's image slots, and its (undecoded) images."""
-        if not isinstance(row, dict) or prompt_key not in row:
-            return row, []  # _validate refuses it, naming the row
-        images = row_images(row, self.image_key, origin)
-        prompt = row[prompt_key]
-        if self.processor is None:
-            if images or has_image_items(prompt):
-                raise row_error(
-                    origin,
-                    f"the row has images (column {self.image_key!r} or {{'type': 'image'}} items) but the "
-                    "model is text-only; use a vision-language model (Qwen2-VL / Qwen2.5-VL) or drop the "
-                    f"{self.image_key!r} column",
-                )
-            text, _ = prompt_with_slots(prompt, origin, prompt_key, PLACEHOLDER)  # text items joined
-            return {**row, prompt_key: text}, []
-        text, count = prompt_with_slots(prompt, origin, prompt_key, image_slot(self.processor))
-        if count != len(images):
-            raise row_error(
-                origin,
-                f"the prompt has {count} image placeholder(s) ({PLACEHOLDER} in the text or "
-                f"{{'type': 'image'}} items) but column {self.image_key!r} holds {len(images)} image(s); "
-                "give one placeholder per image, in the images' order",
-            )
-        return {**row, prompt_key: text}, images
+        return slot_images(row, origin, prompt_key, self.processor, self.image_key)
 
     def _with_images(
         self, item: dict[str, Any], origin: RowOrigin, ids: list[int], images: list[Any]
@@ -202,14 +249,7 @@ class RLDataset:
         """Process the row's images once (into ``item``) and expand its image pads; text rows get None."""
         if self.processor is None:
             return ids
-        if not images:
-            item[MULTI_MODAL_KEY] = None
-            if getattr(self.processor, "image_token_id", None) in ids:
-                raise row_error(
-                    origin, "the prompt's text holds image pad tokens but the row has no images; remove them"
-                )
-            return ids
-        ids, item[MULTI_MODAL_KEY] = process_images(self.processor, ids, images, origin, self.image_key)
+        ids, item[MULTI_MODAL_KEY] = attach_images(ids, images, origin, self.processor, self.image_key)
         return ids
 
     def _fit(self, ids: list[int], origin: RowOrigin, has_images: bool) -> list[int] | None:

@@ -10,6 +10,11 @@ Rows can be prompt/response files or verl-schema rows (built-in tasks, the GSM8K
 hold tool turns (user, assistant calls, tool results, the answer) and that has no ``response_key`` column is
 a conversation: every assistant turn is trained on and every other token is masked out (``sft_turns``:
 rendered turn by turn, as a rollout is).
+
+Rows with images (an ``images`` column with ``<image>`` placeholders, or Hugging Face's ``{"type": "image"}``
+items; ``hybridflow.data.images``) need a vision-language model's ``processor``: the prompt is encoded as
+``RLDataset`` encodes it (``encode_image_prompt``: image pads expanded) and the item carries the row's
+``multi_modal_inputs`` (processed once), which ``collate_sft`` keeps as the batch's non-tensor field.
 """
 
 from __future__ import annotations
@@ -17,11 +22,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from hybridflow.data.conversations import MESSAGES_KEY
-from hybridflow.data.images import row_images
-from hybridflow.data.rl_dataset import encode_prompts, render_prompt, truncate
+from hybridflow.data.images import MULTI_MODAL_KEY
+from hybridflow.data.rl_dataset import (
+    encode_image_prompt,
+    encode_prompts,
+    has_images,
+    render_prompt,
+    slot_images,
+    truncate,
+)
 from hybridflow.data.rows import (
     DataError,
     RowOrigin,
@@ -65,7 +78,12 @@ def render_response(
 
 class SFTDataset:
     """Tokenized prompt/response pairs or conversations; ``ds[i]`` has ``input_ids`` and ``loss_mask`` (1 on the
-    tokens trained on: the response, or a conversation's assistant turns)."""
+    tokens trained on: the response, or a conversation's assistant turns).
+
+    With a vision-language model's ``processor`` every item also has ``multi_modal_inputs`` (None for a text
+    row); without one a row with images (column ``image_key``) is refused. An image row is never truncated
+    into its prompt (that would cut an image's tokens).
+    """
 
     def __init__(
         self,
@@ -76,6 +94,8 @@ class SFTDataset:
         max_length: int = 512,
         truncation: str = "error",
         source: str | None = None,
+        processor: Any = None,
+        image_key: str = "images",
     ) -> None:
         if truncation not in SFT_TRUNCATIONS:
             raise UserError(f"SFT truncation must be one of {SFT_TRUNCATIONS}, got {truncation!r}")
@@ -85,21 +105,56 @@ class SFTDataset:
         self.source = source_name(origins, source)
         if not rows:
             raise DataError(f"{self.source}: no rows; the dataset is empty", file=self.source)
-        chats = {i for i, r in enumerate(rows) if is_conversation(r, response_key)}
+        self.processor, self.image_key = processor, image_key
+        visual = {i for i, r in enumerate(rows) if has_images(r, prompt_key, image_key)}
+        chats = {i for i, r in enumerate(rows) if i not in visual and is_conversation(r, response_key)}
         pairs = {
             i: self._validate(r, o, prompt_key, response_key)
             for i, (r, o) in enumerate(zip(rows, origins))
-            if i not in chats
+            if i not in chats and i not in visual
         }
         encoded = dict(zip(pairs, self._encode_pairs(tokenizer, list(pairs.values()))))
+        images = {
+            i: self._encode_images(tokenizer, rows[i], origins[i], prompt_key, response_key) for i in visual
+        }
         for i in sorted(chats):
             turns = check_conversation(rows[i][MESSAGES_KEY], origins[i])
             encoded[i] = encode_conversation(tokenizer, turns, origins[i])
         self.items: list[dict[str, Any]] = []
         self.num_truncated = 0
         for i, origin in enumerate(origins):
-            p_ids, r_ids, r_mask = encoded[i]
-            self.items.append(self._item(origin, p_ids, r_ids, r_mask, max_length, truncation))
+            if i in images:
+                p_ids, r_ids, mm = images[i]
+                # Cutting into the prompt would cut an image's tokens: only the response's end may go.
+                cut = "right" if truncation == "right" and len(p_ids) < max_length else "error"
+                item = self._item(origin, p_ids, r_ids, [1] * len(r_ids), max_length, cut)
+            else:
+                item, mm = self._item(origin, *encoded[i], max_length, truncation), None
+            if processor is not None:
+                item[MULTI_MODAL_KEY] = mm
+            self.items.append(item)
+
+    def _encode_images(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        row: dict[str, Any],
+        origin: RowOrigin,
+        prompt_key: str,
+        response_key: str,
+    ) -> tuple[list[int], list[int], dict[str, Any] | None]:
+        """An image row's prompt ids (encoded as ``RLDataset`` encodes them), response ids and images."""
+        if self.processor is None:
+            raise row_error(
+                origin,
+                f"the row has images (column {self.image_key!r} or {{'type': 'image'}} items) but no image "
+                "processor was given; SFT on images needs a vision-language model (Qwen2-VL / Qwen2.5-VL) "
+                f"and its processor, or drop the {self.image_key!r} column",
+            )
+        slotted, _ = slot_images(row, origin, prompt_key, self.processor, self.image_key)
+        prompt, response = self._validate(slotted, origin, prompt_key, response_key)
+        p_ids, mm = encode_image_prompt(tokenizer, self.processor, row, origin, prompt_key, self.image_key)
+        r_ids = tokenizer(render_response(tokenizer, prompt, response), add_special_tokens=False)["input_ids"]
+        return p_ids, list(r_ids), mm
 
     @staticmethod
     def _encode_pairs(
@@ -117,10 +172,6 @@ class SFTDataset:
     def _validate(row: Any, origin: RowOrigin, prompt_key: str, response_key: str) -> tuple[Any, str]:
         if not isinstance(row, dict):
             raise row_error(origin, f"a row must be a dict, got {type(row).__name__}")
-        if row_images(row, "images", origin):  # the prompt would keep '<image>' as text, without the image
-            raise row_error(
-                origin, "SFT on rows with images is not supported; drop the 'images' column or train with RL"
-            )
         prompt = check_prompt(lookup(row, prompt_key), origin, prompt_key)
         response = lookup(row, response_key)
         if is_missing(response):
@@ -169,7 +220,8 @@ def collate_sft(items: Sequence[dict[str, Any]], pad_id: int) -> Batch:
     """Right-pad to the longest sequence: input_ids, attention_mask, position_ids, loss_mask (B, L).
 
     ``loss_mask[b, t] == 1`` where ``input_ids[b, t]`` is a response token (aligned with the inputs, not
-    with the logits: the logit at t - 1 predicts token t, so a trainer shifts both by one).
+    with the logits: the logit at t - 1 predicts token t, so a trainer shifts both by one). Items of a dataset
+    built with a processor add the non-tensor ``multi_modal_inputs`` (None for a text row).
     """
     if not items:
         raise UserError("collate_sft needs at least one item")
@@ -183,11 +235,18 @@ def collate_sft(items: Sequence[dict[str, Any]], pad_id: int) -> Batch:
         attention_mask[b, :n] = 1
         loss_mask[b, :n] = torch.as_tensor(it["loss_mask"], dtype=torch.long)
     position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)  # (B, L)
+    non_tensors = {}
+    if any(MULTI_MODAL_KEY in it for it in items):
+        images = np.empty(len(items), dtype=object)  # filled one by one so each dict stays one element
+        for b, it in enumerate(items):
+            images[b] = it.get(MULTI_MODAL_KEY)
+        non_tensors[MULTI_MODAL_KEY] = images
     return Batch(
         {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "position_ids": position_ids,
             "loss_mask": loss_mask,
-        }
+        },
+        non_tensors,
     )

@@ -102,7 +102,7 @@ def check_vision_training(cfg: Any, config: Any, command: str = "train") -> None
     if not is_vision_language(config):
         return
     kind = f"a vision-language model ({config.model_type})"
-    if command not in ("train", "sft"):  # SFT trains on text rows (its dataset refuses rows with images)
+    if command not in ("train", "sft"):  # SFT takes image rows (with the processor) and text rows alike
         raise UserError(
             f"`hybridflow {command}` with {kind} is not implemented (its datasets carry no images); "
             "train it with `hybridflow train` (GRPO/PPO on image prompts), or point model.path to a text model"

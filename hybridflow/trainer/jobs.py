@@ -16,8 +16,10 @@ from hybridflow.checkpoint.export import save_hf_model as write_hf_model
 from hybridflow.checkpoint.manager import HF_CONFIG
 from hybridflow.config import Config, check_start, save_config
 from hybridflow.data import load_split_rows
+from hybridflow.data.rl_dataset import has_images
 from hybridflow.models import load_causal_lm, load_tokenizer
-from hybridflow.models.vision_tower import check_vision_training
+from hybridflow.models.vision import is_vision_language
+from hybridflow.models.vision_tower import check_vision_training, load_vision_processor
 from hybridflow.trainer.async_ppo import ColocatePPOTrainer
 from hybridflow.trainer.async_separate import SeparatePPOTrainer
 from hybridflow.trainer.builder import (
@@ -33,7 +35,7 @@ from hybridflow.trainer.loop import TrainingLoop
 from hybridflow.trainer.oom import out_of_memory_errors
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.trainer.preference import PreferenceTrainer
-from hybridflow.trainer.sft import encode_pairs, run_sft
+from hybridflow.trainer.sft import TEXT_MODEL_FIX, encode_pairs, run_sft
 from hybridflow.trainer.summary import write_summary
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.trainer.validation import validate
@@ -80,22 +82,32 @@ def sft_job(
     model: torch.nn.Module | None = None,
     tokenizer: Any = None,
     rows: list[dict] | None = None,
+    processor: Any = None,
 ) -> dict[str, float]:
-    """Supervised fine-tuning of ``model.path`` (or the given model) on the train rows; saves to ``out_dir``."""
+    """Supervised fine-tuning of ``model.path`` (or the given model) on the train rows; saves to ``out_dir``.
+
+    A vision-language model trains on image rows too (``processor``: its ``VisionProcessor``; None loads it
+    from ``model.path`` when a row has images); its tower stays frozen unless ``model.freeze_vision_tower`` is
+    false, and the saved directory holds the whole model and the image processor.
+    """
     start_job(cfg, single_process="sft")
     if model is None:
         model, tokenizer = load_policy(cfg)
-    check_vision_training(cfg, model.config, "sft")  # a VLM trains on text rows (image rows are refused)
+    check_vision_training(cfg, model.config, "sft")
     base = copy.deepcopy(model)  # a clean module to receive the trained weights for saving
+    # The built-in tasks keep their images in "images" whatever data.image_key names in files.
+    image_key = cfg.data.image_key if rows is None and cfg.data.train_files else "images"
     rows = rows if rows is not None else load_split_rows(cfg.data, "train", cfg.trainer.seed)
+    processor = processor or _sft_processor(cfg, model, tokenizer, rows, image_key)
     end = eos_ids_of(model, tokenizer)[-1]  # the chat end token for chat models (last of the stop ids)
-    prompts, responses, masks = encode_pairs(tokenizer, rows, end)
+    fix = VLM_PROCESSOR_FIX if is_vision_language(model.config) else TEXT_MODEL_FIX
+    prompts, responses, masks, images = encode_pairs(tokenizer, rows, end, processor, fix, image_key)
     steps = (
         cfg.trainer.total_training_steps
         or max(1, len(rows) // cfg.data.train_batch_size) * cfg.trainer.total_epochs
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    actor = ActorWorker(model, cfg, steps, pad)
+    actor = ActorWorker(model, cfg, steps, pad)  # applies model.freeze_vision_tower
     with staged_dir(out_dir) as staged:  # everything goes beside out_dir, renamed into place at the end
         tracker = Tracker(staged, steps, loggers=cfg.trainer.logger, plot_every=0, **run_names(cfg))
         with out_of_memory_errors(cfg, "actor", "update_sft"):  # SFT calls its actor directly
@@ -109,11 +121,29 @@ def sft_job(
                 cfg.trainer.seed,
                 on_step=tracker.log,
                 masks=masks,
+                images=images,
             )
         tracker.close()
         save_hf_model(actor, tokenizer, base, staged)
+        if processor is not None:  # a VLM's image processor beside it: the directory loads as a whole VLM
+            processor.image_processor.save_pretrained(staged)
         save_config(cfg, staged / "sft_config.yaml")
     return history[-1]
+
+
+VLM_PROCESSOR_FIX = (
+    "pass the model's processor (sft_job(..., processor=...)), or save its image processor "
+    "(preprocessor_config.json) in model.path"
+)
+
+
+def _sft_processor(
+    cfg: Config, model: torch.nn.Module, tokenizer: Any, rows: list[dict], image_key: str
+) -> Any:
+    """A VLM's processor from ``model.path`` when some row has images (None otherwise: text rows need none)."""
+    if not is_vision_language(model.config) or not any(has_images(r, image_key=image_key) for r in rows):
+        return None
+    return load_vision_processor(cfg.model.path, tokenizer, model.config)
 
 
 def run_names(cfg: Config) -> dict[str, Any]:

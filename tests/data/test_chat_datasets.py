@@ -360,7 +360,7 @@ def test_sft_on_an_ultrachat_file_learns_the_last_answer_after_its_conversation(
     save_rows(rows, tmp_path / "u.jsonl")
     loaded = load_split_rows(DataConfig(train_files=[str(tmp_path / "u.jsonl")]), "train", seed=0)
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    prompts, responses, masks = encode_pairs(tok, loaded, end)
+    prompts, responses, masks, _ = encode_pairs(tok, loaded, end)
     assert all(m == [1] * len(r) for r, m in zip(responses, masks))  # no tool turns: the whole answer
     for row, prompt, response in zip(rows, prompts, responses):
         assert tok.decode(prompt) == _chatml(row["messages"][:-1])

@@ -79,8 +79,41 @@ def test_sft_row_errors(tok) -> None:
         SFTDataset([{"prompt": "", "response": "b"}], tok, max_length=8)
 
 
-def test_rows_with_images_are_refused(tok) -> None:
-    """SFT cannot show a row's images to the model: such a row (the squares task's) is refused, not read as text."""
+def test_rows_with_images_need_a_processor(tok) -> None:
+    """Without a VLM's processor a row's images cannot reach the model: such a row (the squares task's) is refused,
+    naming the row and the fix, not read as text."""
     rows = [*make_task("arithmetic", "train", 2, seed=0), *make_task("squares", "train", 1, seed=0)]
-    with pytest.raises(DataError, match=r"row 2: SFT on rows with images is not supported"):
+    with pytest.raises(
+        DataError, match=r"row 2: the row has images .* no image processor was given; SFT on images"
+    ):
         SFTDataset(rows, tok, max_length=128)
+
+
+def test_image_rows_with_a_processor_carry_their_images() -> None:
+    """With a VLM's processor: the RL dataset's prompt ids, the loss on the reply only, the images kept with the
+    item (None for a text row) and collated as the non-tensor ``multi_modal_inputs``; never cut into the prompt."""
+    from hybridflow.data import RLDataset
+    from hybridflow.models.vision import build_tiny_vl_model_and_processor
+
+    _, processor = build_tiny_vl_model_and_processor()
+    tok = processor.tokenizer
+    text = {"prompt": [{"role": "user", "content": "how many?"}], "response": "none at all"}
+    rows = [*make_task("squares", "train", 3, seed=0, style="short"), text]
+    ds = SFTDataset(rows, tok, max_length=128, processor=processor)
+    rl = RLDataset(rows[:3], tok, max_prompt_length=128, processor=processor)
+    for item, want in zip(ds, rl):
+        n = len(want["input_ids"])
+        assert item["input_ids"][:n] == want["input_ids"] and item["loss_mask"] == [0] * n + [1, 1]
+        for key in ("pixel_values", "image_grid_thw"):
+            assert torch.equal(item["multi_modal_inputs"][key], want["multi_modal_inputs"][key])
+    assert ds[3]["multi_modal_inputs"] is None and processor.image_token_id not in ds[3]["input_ids"]
+    batch = collate_sft(list(ds), pad_id=tok.pad_token_id)
+    images = batch["multi_modal_inputs"]
+    assert images.shape == (4,) and images[0] is ds[0]["multi_modal_inputs"] and images[3] is None
+    width = len(rl[0]["input_ids"]) + 1  # the whole prompt and one response token
+    assert (
+        SFTDataset(rows[:1], tok, max_length=width, truncation="right", processor=processor).num_truncated
+        == 1
+    )
+    with pytest.raises(DataError, match=r"row 0: prompt \+ response is"):
+        SFTDataset(rows[:1], tok, max_length=width, truncation="left", processor=processor)

@@ -143,7 +143,7 @@ def test_trainer_sft_rows_carry_the_same_masks(tok) -> None:
 
     rows = make_task("multiply", "train", 8, seed=1, call_fraction=0.5)
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    prompts, responses, masks = encode_pairs(tok, rows, end)
+    prompts, responses, masks, _ = encode_pairs(tok, rows, end)
     ds = SFTDataset(rows, tok, max_length=128)
     for p, r, m, item in zip(prompts, responses, masks, ds):
         assert p + r == item["input_ids"] and [0] * len(p) + m == item["loss_mask"]
