@@ -207,3 +207,32 @@ def test_engine_sessions_calibrate_at_start_and_after_a_refresh_only(kernel) -> 
     assert [len(g[0].token_ids) for g in out] == [10, 10]
     now = [t for layer in _scales(engine.runner) for t in layer.values()]
     assert all(a is t for a, t in zip(now, tensors)) and not torch.equal(torch.cat(now), second)
+
+
+def test_fp8_qkv_and_gate_up_are_bound_as_one_weight_each_on_the_modules_storage(kernel) -> None:
+    # One FP8 GEMM per group (separate, an H200 ran seven small ones a layer): the switch's in-place writes
+    # into each module's weight and weight_scale must land in the joined tensors the runner reads.
+    kernel("scaled_mm_static")
+    fp8, _ = _models("qwen2")
+    runner = LlamaRunner(fp8, torch.float32)
+    for w, layer in zip(runner.layers, fp8.model.layers):
+        groups = [
+            (w.qkv, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+            (w.gate_up, [layer.mlp.gate_proj, layer.mlp.up_proj]),
+        ]
+        for bound, mods in groups:
+            assert len(bound) == 1 and isinstance(bound[0], Fp8Weight)
+            joined = bound[0]
+            want = torch.cat([m.weight.data.view(torch.uint8) for m in mods])  # (N, K)
+            assert torch.equal(joined.data.view(torch.uint8), want)
+            assert torch.equal(joined.scale, torch.cat([m.weight_scale for m in mods]))
+            offset = 0
+            for m in mods:  # each module's tensors are views of the joined ones
+                assert m.weight.data_ptr() == joined.data.data_ptr() + offset * joined.data.shape[1]
+                assert m.weight_scale.data_ptr() == joined.scale.data_ptr() + offset * 4
+                offset += m.weight.shape[0]
+    before = _score(runner)
+    with torch.no_grad():  # a refresh in place through one module changes what the runner computes
+        fp8.model.layers[0].self_attn.v_proj.weight_scale.mul_(2.0)
+    assert runner.refresh() is False
+    assert not torch.allclose(_score(runner), before)
