@@ -2,8 +2,8 @@
 FP8 projections with an FP8 KV cache (``rollout.kv_cache_dtype=fp8``).
 
     python benchmarks/fp8_decode.py [--shapes 0.5b 1.5b 7b] [--batches 16 64 256] [--prompt-len 128]
-        [--new-tokens 256] [--repeats 3] [--compile] [--kernels scaled_mm scaled_mm_static w8a16]
-        [--out results.jsonl]
+        [--new-tokens 256] [--repeats 3] [--compile] [--kernels scaled_mm scaled_mm_static triton_w8a8 w8a16]
+        [--no-fp8-kv] [--out results.jsonl]
     python benchmarks/fp8_decode.py --device cpu --shapes tiny --batches 2 --new-tokens 4   (a smoke run)
 
 Qwen2.5 shapes (``shapes.SHAPES``) with random weights in bf16, CUDA graphs on (compiled decode with
@@ -36,7 +36,9 @@ from pathlib import Path
 import torch
 from shapes import SHAPES, build_model
 
-from hybridflow.engine.ops.fp8 import FP8_KERNELS, fp8_probe, quantise_module, use_kernel
+from hybridflow.engine.ops import fp8_w8a8
+from hybridflow.engine.ops.fp8 import FP8_KERNELS, quantise_module, use_kernel
+from hybridflow.engine.ops.fp8_probe import fp8_probe
 from hybridflow.engine.rollout.paged_engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 
@@ -90,7 +92,12 @@ def run_shape(size: str, args: argparse.Namespace, device: torch.device) -> list
     fp8 = copy.deepcopy(bf16)
     quantised = quantise_module(fp8)
     cfg = bf16.config
-    probe = fp8_probe(cfg.hidden_size, cfg.intermediate_size, device) if device.type == "cuda" else {}
+    kv = cfg.num_key_value_heads * cfg.hidden_size // cfg.num_attention_heads
+    probe = (
+        fp8_probe(cfg.hidden_size, cfg.intermediate_size, device, cfg.hidden_size, kv)
+        if device.type == "cuda"
+        else {}
+    )
     rows = []
     g = torch.Generator().manual_seed(0)
     for batch in args.batches:
@@ -107,7 +114,7 @@ def run_shape(size: str, args: argparse.Namespace, device: torch.device) -> list
         variants = [("bf16", bf16, None, "auto")]
         for k in args.kernels:  # FP8 weights through each kernel, with the model's KV cache and with FP8's
             name = "fp8" if k == "scaled_mm" else f"fp8_{k}"
-            variants += [(name, fp8, k, "auto"), (f"{name}_kv", fp8, k, "fp8")]
+            variants += [(name, fp8, k, "auto")] + ([(f"{name}_kv", fp8, k, "fp8")] if args.fp8_kv else [])
         for name, model, kernel, kv in variants:
             if kernel is not None:
                 use_kernel(kernel)
@@ -153,9 +160,16 @@ def main() -> None:
     ap.add_argument(
         "--compile", action="store_true", help="compiled decode (inductor may fuse the quantisation)"
     )
+    ap.add_argument("--no-fp8-kv", dest="fp8_kv", action="store_false", help="skip the FP8 KV cache variants")
     ap.add_argument("--out", type=Path, default=None, help="append the JSON lines here")
+    ap.add_argument(
+        "--w8a8-table", type=Path, default=None, help="triton_w8a8's launch table (fp8_gemm.py --pick-table)"
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
+    if args.w8a8_table is not None:
+        fp8_w8a8.use_table(json.loads(args.w8a8_table.read_text())["configs"])
+        print("W8A8 table:", fp8_w8a8._CONFIGS, flush=True)
     for size in args.shapes:
         rows = run_shape(size, args, device)
         if args.out is not None:

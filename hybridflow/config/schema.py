@@ -175,7 +175,7 @@ class RolloutConfig:
     )
     quantization_kernel: str = option(
         "auto",
-        "FP8 kernel: auto (probe's fastest), w8a16, scaled_mm (W8A8 per token) or scaled_mm_static (static scales).",
+        "FP8 kernel: auto (probe picks), w8a16, scaled_mm, scaled_mm_static or triton_w8a8 (static scales).",
     )
     kv_cache_dtype: str = option(
         "auto",

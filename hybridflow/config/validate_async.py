@@ -101,7 +101,7 @@ def check_separate(cfg: Config, out: list[Problem]) -> None:
 def check_quantization(cfg: Config, out: list[Problem]) -> None:
     """``rollout.quantization``: null or fp8, on the built-in engine (HF generate runs no FP8 module)."""
     q = cfg.rollout.quantization
-    kernels = ("auto", "w8a16", "scaled_mm", "scaled_mm_static")
+    kernels = ("auto", "w8a16", "scaled_mm", "scaled_mm_static", "triton_w8a8")
     if cfg.rollout.quantization_kernel not in kernels:
         out.append(
             Problem(

@@ -109,21 +109,26 @@ def routed(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def fp8_pays(cfg: Config, config: Any, device: torch.device) -> bool:
-    """Whether to run FP8 projections, and with which kernel (``use_kernel``): on CUDA a probe of the RMSNorm +
-    gate/up GEMM per kernel (logged) picks the fastest, kept only if it beats bf16 or ``rollout.quantization_force``;
-    on CPU (tests) always yes, with ``rollout.quantization_kernel`` (auto: scaled_mm's reference)."""
+    """Whether to run FP8 projections, and with which kernel (``use_kernel``): on CUDA a probe of one decode
+    layer's projections per kernel (``fp8_probe``, logged) picks the fastest, kept only if it beats bf16 or
+    ``rollout.quantization_force``; on CPU (tests) always yes, with ``rollout.quantization_kernel`` (auto: scaled_mm's reference)."""
     asked = cfg.rollout.quantization_kernel
     if device.type != "cuda":
         use_kernel("scaled_mm" if asked == "auto" else asked)
         return True
-    probe = fp8_probe(text_config(config).hidden_size, text_config(config).intermediate_size, device)
+    text = text_config(config)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    tp = cfg.rollout.tensor_model_parallel_size
+    dims = (text.num_attention_heads * head_dim, kv_heads * head_dim)  # q and k/v widths
+    probe = fp8_probe(text.hidden_size, text.intermediate_size, device, *dims, tp)
     kernel = min(FP8_KERNELS, key=probe.get) if asked == "auto" else asked
     use_kernel(kernel)
     faster = probe[kernel] < probe["bf16"]
     if dist_rank() == 0:
         logger.log(
             logging.INFO if faster or cfg.rollout.quantization_force else logging.WARNING,
-            "rollout.quantization=fp8: the RMSNorm + gate/up GEMM on 64 tokens takes %s on this GPU: %s",
+            "rollout.quantization=fp8: one decode layer's projections on 64 tokens take %s on this GPU: %s",
             ", ".join(f"{k} {v:.1f} us" for k, v in probe.items()),
             f"FP8 projections with {kernel}"
             if faster or cfg.rollout.quantization_force

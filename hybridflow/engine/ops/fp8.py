@@ -8,17 +8,20 @@ same way per token, and ``torch._scaled_mm`` multiplies in FP8 and applies both 
 quantisation is elementwise given the scales, so quantising a slice with the full rows' scales equals slicing
 the quantised full weight (the switch relies on that, ``hybrid.resharder``).
 
-Three kernels run an FP8 projection (``use_kernel``, picked at start by ``fp8_probe``): ``scaled_mm`` (W8A8, as
-above), ``scaled_mm_static`` (W8A8 with a static activation scale, below) and ``w8a16`` (``fp8_gemm``: the FP8
+Four kernels run an FP8 projection (``use_kernel``, picked at start by ``fp8_probe``): ``scaled_mm`` (W8A8, as
+above), ``scaled_mm_static`` (W8A8 with a static activation scale, below), ``triton_w8a8`` (static scales too,
+and ``fp8_w8a8``'s Triton GEMM tiled for decode batches, where its table says it is faster; ``_scaled_mm``
+elsewhere and on CPU outside Triton's interpreter) and ``w8a16`` (``fp8_gemm``: the FP8
 weight upcast in registers, bf16 activations, no activation quantisation; on CPU its torch reference).
 
-Static activation scales (``scaled_mm_static``): per-token quantisation is a reduction (the row's amax) before
+Static activation scales (``STATIC_KERNELS``): per-token quantisation is a reduction (the row's amax) before
 the elementwise divide, a chain of separate kernels that cost ~20 us a projection eagerly (benchmarks/
 RESULTS.md, "FP8, second pass"). With one float32 scale per projection input (``Fp8Weight.act_scale``, (1,),
 shared by the projections that read the same activations: q/k/v, gate/up) the quantisation is elementwise,
 ``(x / s).clamp(-448, 448)`` cast to e4m3, which inductor fuses into the RMSNorm or SiLU-mul that produced x
 when the decode step is compiled, and ``fp8_fused``'s Triton kernels do in that op's place when it is not
-(CUDA; they hand over a ``QuantisedInput``). The scales are calibrated on the first prefill after each weight refresh
+(CUDA; they hand over a ``QuantisedInput``; an input no fused op produced, the attention output, goes through
+``fp8_fused.quant``: one kernel). The scales are calibrated on the first prefill after each weight refresh
 (``calibrate_act_scale``, margin ``ACT_SCALE_MARGIN``) and filled in place, so a CUDA graph captured on them stays
 valid; that prefill, and any forward before the first calibration, runs the per-token path.
 """
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridflow.engine.ops import fp8_fused, fp8_gemm
+from hybridflow.engine.ops import fp8_fused, fp8_gemm, fp8_w8a8
 from hybridflow.engine.ops.fp8_fused import QuantisedInput
 
 FP8 = torch.float8_e4m3fn
@@ -42,7 +45,9 @@ MIN_SCALE = 1e-12
 QUANTISED = re.compile(r"\.self_attn\.[qkvo]_proj\.weight$|\.mlp\.(gate|up|down)_proj\.weight$")
 
 
-FP8_KERNELS = ("w8a16", "scaled_mm", "scaled_mm_static")
+FP8_KERNELS = ("w8a16", "scaled_mm", "scaled_mm_static", "triton_w8a8")
+# The kernels that quantise calibrated inputs with a static scale (``Fp8Weight.act_scale``).
+STATIC_KERNELS = ("scaled_mm_static", "triton_w8a8")
 # The calibrated range of a static activation scale over the calibrating prefill's largest magnitude: the
 # scale is margin * amax / 448. As the KV cache's (paged_cache.KV_SCALE_MARGIN), and for the same reasons:
 # e4m3 keeps ~6% relative precision over its 17 binades, so 2x headroom costs one binade at the bottom (values
@@ -74,7 +79,7 @@ class Fp8Weight:
 
     data: torch.Tensor
     scale: torch.Tensor
-    # (1,) float32: the static scale of the input activations (``scaled_mm_static``), one tensor shared by the
+    # (1,) float32: the static scale of the input activations (``STATIC_KERNELS``), one tensor shared by the
     # projections of one input and filled in place by ``calibrate_act_scale``; None: per-token only.
     act_scale: torch.Tensor | None = None
 
@@ -116,14 +121,10 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x (..., K) @ W.T (+ bias) with W in FP8, by the kernel in use; (..., N) in x's dtype. ``scaled_mm``:
     x quantised per token on the device (no host sync: CUDA graphs capture it), one scaled FP8 GEMM.
-    ``static`` (the caller's scales are calibrated) with ``scaled_mm_static`` and ``w.act_scale``: x quantised
+    ``static`` (the caller's scales are calibrated) with a static kernel and ``w.act_scale``: x quantised
     elementwise with that scale instead (``quantise_static``), or already so (a ``QuantisedInput``)."""
     if isinstance(x, QuantisedInput):  # fp8_fused's kernels quantised it with w.act_scale
-        out = torch._scaled_mm(
-            x.data, w.data.t(), scale_a=x.rows, scale_b=w.scale.unsqueeze(0), out_dtype=x.dtype
-        )  # (M, N)
-        out = out if bias is None else out + bias
-        return out.reshape(*x.lead, w.data.shape[0])
+        return _gemm(x.data, x.rows, w, bias, x.dtype).reshape(*x.lead, w.data.shape[0])
     name = _KERNEL["name"]
     if name == "w8a16":
         if x.is_cuda and fp8_gemm.available():
@@ -133,21 +134,41 @@ def fp8_linear(
         )
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)  # (M, K)
-    if static and name == "scaled_mm_static" and w.act_scale is not None:
-        xq = quantise_static(flat, w.act_scale)  # (M, K) fp8
-        # Rowwise on both sides (SM90's _scaled_mm takes rowwise with rowwise, tensorwise with tensorwise, and
-        # the weights are rowwise): the scalar as a contiguous (M, 1), which rowwise scales must be.
-        sx = w.act_scale.expand(flat.shape[0], 1).contiguous()  # (M, 1)
+    if static and name in STATIC_KERNELS and w.act_scale is not None:
+        if flat.is_cuda and fp8_fused.available() and not torch.compiler.is_compiling():
+            xin = fp8_fused.quant(flat, w.act_scale)  # one kernel (compiled, inductor fuses the torch ops)
+            return _gemm(xin.data, xin.rows, w, bias, x.dtype).reshape(*lead, w.data.shape[0])
+        xq, sx = quantise_static(flat, w.act_scale), w.act_scale  # (M, K) fp8, (1,)
     else:
         rows = row_scales(flat.abs().amax(dim=-1))  # (M,)
         xq = quantise(flat, rows)  # (M, K) fp8
         sx = rows.unsqueeze(1)  # (M, 1)
-    out = torch._scaled_mm(
-        xq, w.data.t(), scale_a=sx, scale_b=w.scale.unsqueeze(0), out_dtype=x.dtype
-    )  # (M, N)
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*lead, w.data.shape[0])
+    return _gemm(xq, sx, w, bias, x.dtype).reshape(*lead, w.data.shape[0])
+
+
+def _triton_runs(x: torch.Tensor, w: Fp8Weight) -> bool:
+    """Whether ``triton_w8a8``'s kernel takes this (M, K) input through ``w``: the kernel in use, CUDA (or
+    Triton's CPU interpreter, which the tests run), and a shape its table holds (a decode batch; cuBLAS
+    where it is faster)."""
+    return (
+        _KERNEL["name"] == "triton_w8a8"
+        and fp8_w8a8.available()
+        and (x.is_cuda or fp8_w8a8._interpreting())
+        and fp8_w8a8.config_for(x.shape[0], *w.data.shape) is not None
+    )
+
+
+def _gemm(
+    xq: torch.Tensor, sx: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """FP8 activations xq (M, K) with their scales ``sx`` ((M, 1) rows, or (1,) static) @ W.T (+ bias): (M, N)
+    in ``dtype``."""
+    if _triton_runs(xq, w):
+        return fp8_w8a8.w8a8_linear(xq, sx.reshape(-1), w.data, w.scale, bias, dtype)
+    if sx.dim() == 1:  # SM90's _scaled_mm takes rowwise with rowwise (the weights'): the scalar as (M, 1)
+        sx = sx.expand(xq.shape[0], 1).contiguous()  # (M, 1)
+    out = torch._scaled_mm(xq, w.data.t(), scale_a=sx, scale_b=w.scale.unsqueeze(0), out_dtype=dtype)
+    return out if bias is None else out + bias
 
 
 def quantise_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -211,64 +232,3 @@ def quantise_module(module: torch.nn.Module) -> list[str]:
         owner.weight.data.copy_(q.data)
         owner.weight_scale.copy_(q.scale)
     return names
-
-
-def _graph_us(run, device: torch.device, repeats: int) -> float:
-    """Median µs of one ``run()`` replayed from a CUDA graph of 10 calls (decode runs in graphs: launch costs
-    that a graph removes must not decide the kernel)."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            run()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            run()
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / 10)
-    return sorted(times)[len(times) // 2]
-
-
-def fp8_probe(
-    hidden: int, intermediate: int, device: torch.device, tokens: int = 64, repeats: int = 20
-) -> dict[str, float]:
-    """µs of the model's post-attention RMSNorm and gate/up projection on ``tokens`` decode tokens for each FP8
-    kernel (activation quantisation included: per token; or, for ``scaled_mm_static``, with a pre-set static
-    scale, by ``fp8_fused``'s norm kernel that quantises as it writes, as an uncompiled decode runs it) and for
-    bf16: ``{"w8a16": .., "scaled_mm": .., "scaled_mm_static": .., "bf16": ..}``, medians of ``repeats`` graph
-    replays on ``device`` (CUDA). The norm is in every figure: it is what the static kernel's quantisation
-    rides on. The engine keeps bf16 where no FP8 kernel is faster."""
-    g = torch.Generator(device=device).manual_seed(0)
-    w = torch.randn(2 * intermediate, hidden, device=device, generator=g, dtype=torch.bfloat16) * 0.02
-    h = torch.randn(tokens, hidden, device=device, generator=g, dtype=torch.bfloat16)  # the residual
-    norm = 1 + 0.1 * torch.randn(hidden, device=device, generator=g, dtype=torch.bfloat16)
-
-    def normed() -> torch.Tensor:  # blocks.rms_norm (HF's order of casts)
-        hf = h.float()
-        return norm * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
-
-    q = quantise_rows(w)
-    q.act_scale = act_scale_for(normed().abs().amax()).reshape(1)  # (1,): as calibrated
-    before = current_kernel()
-    out = {}
-    try:
-        for name in FP8_KERNELS:
-            use_kernel(name)
-            if name == "scaled_mm_static" and fp8_fused.available():
-                run = lambda: fp8_linear(fp8_fused.rms_norm_quant(h, norm, 1e-6, q.act_scale), q)  # noqa: E731
-            else:
-                run = lambda: fp8_linear(normed(), q, static=True)  # noqa: E731
-            out[name] = _graph_us(run, device, repeats)
-    finally:
-        use_kernel(before)
-    out["bf16"] = _graph_us(lambda: torch.nn.functional.linear(normed(), w), device, repeats)
-    return out

@@ -8,7 +8,9 @@ over eager kernels, the engine's default) would run the norm, then divide, clamp
 ``quantise_static(F.silu(gate) * up, scale)``, each rounding to the activations' dtype where the torch ops do
 (the norm's cast back, the weight's product, SiLU, the product), so they differ from the torch path only by
 the float32 sum order of the norm's mean square. Both return a ``QuantisedInput`` (the FP8 activations and
-the scale as contiguous (M, 1) rows), which ``fp8.fp8_linear`` takes instead of x.
+the scale as contiguous (M, 1) rows), which ``fp8.fp8_linear`` takes instead of x. ``quant`` is the
+quantisation alone, one kernel instead of torch's divide, clamp and cast, for an input no fused op produces
+(the attention output into o_proj). The three share one epilogue (``_store_quantised``).
 
 Triton's CPU interpreter converts to e4m3 wrongly where rounding carries into the exponent and for subnormals,
 so interpreted (tests on CPU) the kernels store the scaled, clamped float32 values and torch casts them.
@@ -54,6 +56,18 @@ def _interpreting() -> bool:
 if triton is not None:
 
     @triton.jit
+    def _store_quantised(y, s_ptr, q_ptr, offsets, mask, FP8_LIMIT: tl.constexpr, RAW: tl.constexpr):
+        """Quantise float32 ``y`` with the static scale at ``s_ptr`` and store it at ``q_ptr + offsets``:
+        ``(y / s).clamp(-448, 448)`` in e4m3 (float32 when ``RAW``: the interpreter's cast is inexact)."""
+        s = tl.load(s_ptr)
+        q = tl.minimum(tl.maximum(y / s, -FP8_LIMIT), FP8_LIMIT)
+        if RAW:
+            tl.store(q_ptr + offsets, q, mask=mask)
+        else:
+            tl.store(q_ptr + offsets, q.to(tl.float8e4nv), mask=mask)
+        return s
+
+    @triton.jit
     def _rms_norm_quant_kernel(
         x_ptr, w_ptr, s_ptr, q_ptr, rows_ptr, k, stride_x, eps,
         FP8_LIMIT: tl.constexpr, RAW: tl.constexpr, BLOCK: tl.constexpr,
@@ -67,12 +81,7 @@ if triton is not None:
         normed = (xf * inv).to(x.dtype)  # HF: normalise in float32, cast back, then the weight
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
         y = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype).to(tl.float32)
-        s = tl.load(s_ptr)
-        q = tl.minimum(tl.maximum(y / s, -FP8_LIMIT), FP8_LIMIT)
-        if RAW:
-            tl.store(q_ptr + row * k + cols, q, mask=mask)
-        else:
-            tl.store(q_ptr + row * k + cols, q.to(tl.float8e4nv), mask=mask)
+        s = _store_quantised(y, s_ptr, q_ptr, row * k + cols, mask, FP8_LIMIT, RAW)
         tl.store(rows_ptr + row, s)
 
     @triton.jit
@@ -89,12 +98,21 @@ if triton is not None:
         gf = g.to(tl.float32)
         act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # F.silu: float32 math, rounded to the dtype
         y = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
-        s = tl.load(s_ptr)
-        q = tl.minimum(tl.maximum(y / s, -FP8_LIMIT), FP8_LIMIT)
-        if RAW:
-            tl.store(q_ptr + row * n + cols, q, mask=mask)
-        else:
-            tl.store(q_ptr + row * n + cols, q.to(tl.float8e4nv), mask=mask)
+        s = _store_quantised(y, s_ptr, q_ptr, row * n + cols, mask, FP8_LIMIT, RAW)
+        if block == 0:
+            tl.store(rows_ptr + row, s)
+
+    @triton.jit
+    def _quant_kernel(
+        x_ptr, s_ptr, q_ptr, rows_ptr, n, stride_x,
+        FP8_LIMIT: tl.constexpr, RAW: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        block = tl.program_id(1)
+        cols = block * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n
+        y = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        s = _store_quantised(y, s_ptr, q_ptr, row * n + cols, mask, FP8_LIMIT, RAW)
         if block == 0:
             tl.store(rows_ptr + row, s)
 
@@ -134,3 +152,17 @@ def silu_mul_quant(gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor) ->
         FP8_LIMIT=FP8_MAX, RAW=_interpreting(), BLOCK=_BLOCK,
     )  # fmt: skip
     return QuantisedInput(q.to(FP8) if q.dtype != FP8 else q, rows, lead, gate.dtype)
+
+
+def quant(x: torch.Tensor, scale: torch.Tensor) -> QuantisedInput:
+    """``fp8.quantise_static(x, scale)`` (x (..., K), e.g. the attention output into o_proj), one kernel."""
+    lead, n = tuple(x.shape[:-1]), x.shape[-1]
+    flat = x.reshape(-1, n)  # (M, K)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    q, rows = _outputs(flat.shape[0], n, flat)
+    grid = (flat.shape[0], triton.cdiv(n, _BLOCK))
+    _quant_kernel[grid](
+        flat, scale, q, rows, n, flat.stride(0), FP8_LIMIT=FP8_MAX, RAW=_interpreting(), BLOCK=_BLOCK
+    )
+    return QuantisedInput(q.to(FP8) if q.dtype != FP8 else q, rows, lead, x.dtype)

@@ -24,7 +24,14 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.engine.ops import fp8_fused
-from hybridflow.engine.ops.fp8 import Fp8Weight, current_kernel, fp8_linear, input_amax, set_act_scale
+from hybridflow.engine.ops.fp8 import (
+    STATIC_KERNELS,
+    Fp8Weight,
+    current_kernel,
+    fp8_linear,
+    input_amax,
+    set_act_scale,
+)
 from hybridflow.engine.ops.fp8_fused import QuantisedInput
 from hybridflow.models.moe import RouterSpec, route, router_logits, run_experts
 
@@ -137,7 +144,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def fused_scale(weights: list, x: torch.Tensor, act: ActQuant) -> torch.Tensor | None:
     """The static scale (1,) of ``weights``' input where the kernel producing x should quantise it too
-    (``fp8_fused``): calibrated FP8 weights with ``scaled_mm_static``, on CUDA, uncompiled (compiled,
+    (``fp8_fused``): calibrated FP8 weights with a static kernel (``STATIC_KERNELS``), on CUDA, uncompiled (compiled,
     inductor fuses the elementwise quantisation itself); else None."""
     first = weights[0] if weights else None
     if not (
@@ -146,7 +153,7 @@ def fused_scale(weights: list, x: torch.Tensor, act: ActQuant) -> torch.Tensor |
         return None
     if not x.is_cuda or not fp8_fused.available() or torch.compiler.is_compiling():
         return None
-    return first.act_scale if current_kernel() == "scaled_mm_static" else None
+    return first.act_scale if current_kernel() in STATIC_KERNELS else None
 
 
 def norm_input(

@@ -64,6 +64,19 @@ def test_the_fused_silu_mul_quantises_the_halves_of_a_fused_output(dtype: torch.
     _same_up_to_a_step(got.data, quantise_static(act.reshape(6, 1100), scale), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_quantisation_kernel_is_quantise_static(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 1100, generator=g) * torch.rand(5, 1, generator=g) * 3).to(DEVICE, dtype)
+    scale = act_scale_for(x.abs().amax() / 1.5).reshape(1)  # a few values beyond the range: they saturate
+    got = fp8_fused.quant(x[:, :1000], scale)  # strided rows, K = 1000 spans a masked second column block
+    assert got.lead == (5,) and got.rows.shape == (5, 1) and (got.rows == scale).all()
+    want = quantise_static(x[:, :1000], scale)
+    # elementwise from the same values: the same bits (the interpreter stores float32 and torch casts)
+    assert torch.equal(got.data.float(), want.float()) or DEVICE == "cuda"
+    _same_up_to_a_step(got.data, want, torch.float32)
+
+
 def test_the_fp8_gemm_on_fused_activations_is_the_static_path() -> None:
     g = torch.Generator().manual_seed(2)
     x = torch.randn(4, 64, generator=g).to(DEVICE, torch.bfloat16)

@@ -126,12 +126,23 @@ def _check_calibrated(runner: LlamaRunner, ref: torch.nn.Module, rtol: float) ->
             torch.testing.assert_close(scale, want, rtol=rtol, atol=0, msg=group)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_static_scales_score_as_the_per_token_path_and_hold_their_inputs_range(arch: str, kernel) -> None:
+@pytest.mark.parametrize(
+    ("arch", "static_kernel"),
+    [
+        ("qwen2", "scaled_mm_static"),
+        ("llama", "scaled_mm_static"),
+        ("qwen3", "scaled_mm_static"),
+        ("qwen2", "triton_w8a8"),  # Triton's CPU interpreter runs the kernel (tests/conftest.py)
+        ("qwen3", "triton_w8a8"),
+    ],
+)
+def test_static_scales_score_as_the_per_token_path_and_hold_their_inputs_range(
+    arch: str, static_kernel: str, kernel
+) -> None:
     fp8, ref = _models(arch)
     kernel("scaled_mm")
     dynamic = _score(LlamaRunner(fp8, torch.float32))
-    kernel("scaled_mm_static")
+    kernel(static_kernel)
     runner = LlamaRunner(fp8, torch.float32)
     assert not runner.weights.act_calibrated and len(runner.weights.act_scales) == 4 * runner.num_layers
     runner.calibrate_activations()  # as a session's start does

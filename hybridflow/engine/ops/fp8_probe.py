@@ -1,0 +1,135 @@
+"""The start-up probe that picks the FP8 projection kernel: one decode layer's projections timed per kernel.
+
+Whether FP8 weights pay depends on the GPU, the model's widths and the kernel: on an H200 cuBLAS's FP8 GEMM
+loses to bf16 on the 0.5B shape's small projections while the Triton W8A8 kernel wins on the 7B's
+(benchmarks/RESULTS.md, issue 45). So the engine measures before it decides: every projection of one layer
+at this rank's tensor-parallel widths (q/k/v joined, o, gate/up joined, down), each with the op that produces
+its input in a decode step (the RMSNorm, the attention output, the SiLU-mul), replayed from a CUDA graph as
+decode runs. The static kernels' producers are ``fp8_fused``'s norm / SiLU-mul kernels that quantise as they
+write, as an uncompiled decode runs them; the attention output is quantised by the kernel itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from hybridflow.engine.ops import fp8_fused
+from hybridflow.engine.ops.fp8 import (
+    FP8_KERNELS,
+    STATIC_KERNELS,
+    Fp8Weight,
+    act_scale_for,
+    current_kernel,
+    fp8_linear,
+    quantise_rows,
+    use_kernel,
+)
+
+
+def graph_us(run: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median µs of one ``run()`` replayed from a CUDA graph of 10 calls (decode runs in graphs: launch costs
+    that a graph removes must not decide the kernel)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            run()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / 10)
+    return sorted(times)[len(times) // 2]
+
+
+def _rms_norm(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """blocks.rms_norm (HF's order of casts), without importing the rollout layer."""
+    hf = h.float()
+    return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+
+
+def _layer(
+    hidden: int, qkv: int, attn: int, inter: int, tokens: int, device: torch.device
+) -> tuple[dict[str, torch.Tensor], dict[str, Fp8Weight], dict[str, torch.Tensor]]:
+    """Random bf16 weights of one layer's projections, their FP8 copies with calibrated input scales, and the
+    inputs: (weights, fp8 weights, inputs)."""
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape: int, std: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, device=device, generator=g, dtype=torch.bfloat16) * std
+
+    w = {"qkv": randn(qkv, hidden, std=0.02), "o": randn(hidden, attn, std=0.02)}
+    w |= {"gate_up": randn(2 * inter, hidden, std=0.02), "down": randn(hidden, inter, std=0.02)}
+    x = {
+        "h": randn(tokens, hidden),
+        "a": randn(tokens, attn),
+        "g": randn(tokens, inter),
+        "u": randn(tokens, inter),
+    }
+    x["norm"] = 1 + 0.1 * randn(hidden)
+    q = {name: quantise_rows(t) for name, t in w.items()}
+    normed = _rms_norm(x["h"], x["norm"])
+    amax = {"qkv": normed, "gate_up": normed, "o": x["a"], "down": F.silu(x["g"]) * x["u"]}
+    for name, t in amax.items():
+        q[name].act_scale = act_scale_for(t.abs().amax()).reshape(1)  # (1,): as calibrated on a prefill
+    return w, q, x
+
+
+def fp8_probe(
+    hidden: int,
+    intermediate: int,
+    device: torch.device,
+    q_dim: int | None = None,
+    kv_dim: int | None = None,
+    tp: int = 1,
+    tokens: int = 64,
+    repeats: int = 20,
+) -> dict[str, float]:
+    """µs of one decode layer's projections with their producers on ``tokens`` tokens, per FP8 kernel and for
+    bf16: ``{"w8a16": .., "scaled_mm": .., "scaled_mm_static": .., "triton_w8a8": .., "bf16": ..}``, medians of
+    ``repeats`` graph replays on ``device`` (CUDA). ``q_dim``, ``kv_dim``: the q and K/V projections' widths
+    (default ``hidden``); ``tp``: the rollout's tensor-parallel degree (each rank's slices). The engine keeps
+    bf16 where no FP8 kernel is faster."""
+    qd = hidden if q_dim is None else q_dim
+    kv = qd if kv_dim is None else kv_dim
+    w, q, x = _layer(hidden, (qd + 2 * kv) // tp, qd // tp, intermediate // tp, tokens, device)
+    fused = fp8_fused.available()
+
+    def bf16() -> None:
+        normed = _rms_norm(x["h"], x["norm"])
+        F.linear(normed, w["qkv"]), F.linear(x["a"], w["o"]), F.linear(normed, w["gate_up"])
+        F.linear(F.silu(x["g"]) * x["u"], w["down"])
+
+    def fp8() -> None:
+        static = current_kernel() in STATIC_KERNELS and fused
+        for name in ("qkv", "gate_up"):
+            s = q[name].act_scale
+            normed = fp8_fused.rms_norm_quant(x["h"], x["norm"], 1e-6, s) if static else None
+            fp8_linear(normed if static else _rms_norm(x["h"], x["norm"]), q[name], static=True)
+        fp8_linear(x["a"], q["o"], static=True)
+        s = q["down"].act_scale
+        act = fp8_fused.silu_mul_quant(x["g"], x["u"], s) if static else F.silu(x["g"]) * x["u"]
+        fp8_linear(act, q["down"], static=True)
+
+    before = current_kernel()
+    out = {}
+    try:
+        for name in FP8_KERNELS:
+            use_kernel(name)
+            out[name] = graph_us(fp8, device, repeats)
+    finally:
+        use_kernel(before)
+    out["bf16"] = graph_us(bf16, device, repeats)
+    return out
