@@ -121,15 +121,17 @@ def fp8_pays(cfg: Config, config: Any, device: torch.device) -> bool:
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     tp = cfg.rollout.tensor_model_parallel_size
     dims = (text.num_attention_heads * head_dim, kv_heads * head_dim)  # q and k/v widths
-    probe = fp8_probe(text.hidden_size, text.intermediate_size, device, *dims, tp)
+    compiled = cfg.rollout.compile_decode  # inductor then fuses the producers for bf16 too
+    probe = fp8_probe(text.hidden_size, text.intermediate_size, device, *dims, tp, compiled=compiled)
     kernel = min(FP8_KERNELS, key=probe.get) if asked == "auto" else asked
     use_kernel(kernel)
     faster = probe[kernel] < probe["bf16"]
     if dist_rank() == 0:
         logger.log(
             logging.INFO if faster or cfg.rollout.quantization_force else logging.WARNING,
-            "rollout.quantization=fp8: one decode layer's projections on 64 tokens take %s on this GPU: %s",
+            "rollout.quantization=fp8: one decode layer's projections on 64 tokens take %s on this GPU%s: %s",
             ", ".join(f"{k} {v:.1f} us" for k, v in probe.items()),
+            " (compiled decode: GEMMs alone)" if compiled else "",
             f"FP8 projections with {kernel}"
             if faster or cfg.rollout.quantization_force
             else "keeping bf16 (rollout.quantization_force=true uses FP8 anyway)",

@@ -288,7 +288,10 @@ class LlamaRunner(PagedForward):
         dims = self.dims if dims is None else dims
         h = self.embed_ids(input_ids) if embeds is None else embeds  # (b, t, hidden)
         reduce = None if self.tp is None else self.tp.reduce
-        act = ActQuant(self.weights.act_calibrated, calib, None if self.tp is None else self.tp.reduce_max)
+        # A calibrating forward reads no calibration state (``calib`` first: short-circuited), so a compiled
+        # prefill keeps one graph for it across sessions instead of a guard on act_calibrated recompiling it.
+        static = calib is None and self.weights.act_calibrated
+        act = ActQuant(static, calib, None if self.tp is None else self.tp.reduce_max)
         cos, sin = self._rope_tables(positions)
         for idx, w in enumerate(self.layers):
             q, k, v = blocks.attention_inputs(h, w, cos, sin, dims, rope, act)

@@ -14,12 +14,22 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_the_probe_times_every_kernel_and_keeps_the_kernel_in_use(tp: int) -> None:
+@pytest.mark.parametrize(("tp", "compiled"), [(1, False), (2, False), (1, True)])
+def test_the_probe_times_every_kernel_and_keeps_the_kernel_in_use(tp: int, compiled: bool) -> None:
     use_kernel("w8a16")
     try:
         # A GQA layer (q 256 wide, k/v 64) whose widths split over tp = 2.
-        probe = fp8_probe(256, 512, torch.device("cuda"), q_dim=256, kv_dim=64, tp=tp, tokens=16, repeats=3)
+        probe = fp8_probe(
+            256,
+            512,
+            torch.device("cuda"),
+            q_dim=256,
+            kv_dim=64,
+            tp=tp,
+            tokens=16,
+            repeats=3,
+            compiled=compiled,
+        )
         assert current_kernel() == "w8a16"
     finally:
         use_kernel("scaled_mm")

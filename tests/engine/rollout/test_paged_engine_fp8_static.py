@@ -13,6 +13,7 @@ refresh, fixed in between).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -247,3 +248,28 @@ def test_fp8_qkv_and_gate_up_are_bound_as_one_weight_each_on_the_modules_storage
         fp8.model.layers[0].self_attn.v_proj.weight_scale.mul_(2.0)
     assert runner.refresh() is False
     assert not torch.allclose(_score(runner), before)
+
+
+def test_a_compiled_prefill_compiles_each_kind_once_across_sessions(kernel) -> None:
+    # Every session's first prefill calibrates: it must reuse the first session's graph, not recompile (a
+    # recompile in the timed part of a compiled decode run cost more than FP8 saved, RESULTS.md issue 45).
+    kernel("scaled_mm_static")
+    fp8, _ = _models("qwen2")
+    runner = LlamaRunner(fp8, torch.float32)
+    graphs = []
+
+    def backend(gm: torch.fx.GraphModule, _inputs) -> Callable:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    runner.compile_prefill(backend=backend)
+    runner.calibrate_activations()
+    first = _score(runner)  # a session: the calibrating prefill
+    second = _score(runner)  # its later prefill, with the calibrated scales
+    seen = len(graphs)
+    assert seen >= 2  # the two kinds are different graphs
+    runner.calibrate_activations()  # the next session
+    torch.testing.assert_close(_score(runner), first)
+    torch.testing.assert_close(_score(runner), second)
+    assert len(graphs) == seen
