@@ -18,6 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
+from hybridflow.engine.ops.fp8 import FP8_KERNELS
 from hybridflow.trainer.demo import run_demo
 from hybridflow.trainer.plotting import read_metrics
 from hybridflow.trainer.tracking import METRICS_FILE
@@ -46,7 +47,7 @@ def one_run(name: str, extra: list[str], out_dir: Path, device: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out-dir", type=Path, required=True)
-    ap.add_argument("--kernels", nargs="+", default=["w8a16"], choices=["w8a16", "scaled_mm"])
+    ap.add_argument("--kernels", nargs="+", default=["w8a16"], choices=FP8_KERNELS)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("overrides", nargs="*", help="trainer config overrides for every run, key=value")
     args = ap.parse_args()

@@ -25,36 +25,13 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_util import run_world_kept
-
-PROMPTS = [[3, 4, 5, 9, 11, 2, 7, 30, 31, 12, 40], [8, 9, 10], [21, 22, 23, 24, 25, 26], [50]]
-RESPONSES = [[12, 14, 60, 2, 5, 9], [33, 34, 35, 36, 37, 38], [1, 2, 3, 4, 5, 6], [44, 45, 46, 47, 48, 49]]
-BLOCK = 4
+from paged_scoring import score
 
 
 def _model() -> torch.nn.Module:
     from hybridflow.models import build_tiny_model
 
     return build_tiny_model("qwen2", vocab_size=64, hidden_size=64, num_hidden_layers=2, seed=4)
-
-
-def _score(runner, fp8_cache: bool) -> torch.Tensor:
-    """Teacher-forced log-probs (B, R) of RESPONSES after PROMPTS through paged prefill and decode."""
-    from hybridflow.engine.rollout.paged_cache import PagedKVCache
-
-    width = -(-max(len(p) + len(r) for p, r in zip(PROMPTS, RESPONSES)) // BLOCK)
-    tables = torch.stack([torch.arange(width) + 1 + b * width for b in range(len(PROMPTS))])  # (B, width)
-    sizes = (runner.num_layers, len(PROMPTS) * width + 1, BLOCK, runner.num_kv_heads, runner.head_dim)
-    cache = PagedKVCache(*sizes, runner.dtype, fp8=fp8_cache)
-    t = max(map(len, PROMPTS))
-    ids = torch.tensor([p + [0] * (t - len(p)) for p in PROMPTS])  # (B, t) right-padded
-    lengths = torch.tensor([len(p) for p in PROMPTS])
-    logits = runner.prefill_paged(ids, lengths, torch.zeros_like(lengths), cache, tables)  # (B, V)
-    out = []
-    for step in range(len(RESPONSES[0])):
-        fed = torch.tensor([r[step] for r in RESPONSES])  # (B,)
-        out.append(logits.float().log_softmax(-1).gather(-1, fed[:, None])[:, 0])
-        logits = runner.decode_paged(fed, lengths + step, cache, tables)
-    return torch.stack(out, dim=1)  # (B, R)
 
 
 def fp8_rollout_logprobs(rank: int, world: int, tp: int) -> dict[str, torch.Tensor]:
@@ -85,16 +62,16 @@ def fp8_rollout_logprobs(rank: int, world: int, tp: int) -> dict[str, torch.Tens
     before = current_kernel()
     try:
         use_kernel("scaled_mm")  # W8A8: activations quantised per token
-        out = {"fp8": _score(runner, False), "fp8_kv": _score(runner, True)}
+        out = {"fp8": score(runner, False), "fp8_kv": score(runner, True)}
         use_kernel("w8a16")  # weight-only: the FP8 weights upcast, activations in the compute dtype
-        out.update(w8a16=_score(runner, False), w8a16_kv=_score(runner, True))
+        out.update(w8a16=score(runner, False), w8a16_kv=score(runner, True))
         use_kernel("scaled_mm_static")  # W8A8 with static activation scales, set by the next prefill
         runner.calibrate_activations()
-        out["static"] = _score(runner, False)
+        out["static"] = score(runner, False)
         out["act_scales"] = torch.cat(runner.weights.act_scales)  # (4 * layers,)
     finally:
         use_kernel(before)  # a kept process serves other tests
-    out["float"] = _score(LlamaRunner(full, torch.float32), False)  # the full-precision model, whole
+    out["float"] = score(LlamaRunner(full, torch.float32), False)  # the full-precision model, whole
     return out
 
 

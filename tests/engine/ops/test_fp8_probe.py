@@ -1,4 +1,5 @@
-"""The start-up FP8 probe on CUDA: one decode layer per kernel and bf16, timed, the process's kernel kept."""
+"""The start-up FP8 probe: what it runs (every kernel's layer against bf16's, on CPU too) and, on CUDA, its
+timings, with the process's kernel kept."""
 
 from __future__ import annotations
 
@@ -6,15 +7,32 @@ import pytest
 import torch
 
 from hybridflow.engine.ops.fp8 import FP8_KERNELS, current_kernel, use_kernel
-from hybridflow.engine.ops.fp8_probe import fp8_probe
+from hybridflow.engine.ops.fp8_probe import fp8_probe, layer_runs
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_every_kernel_runs_the_layer_bf16_runs(compiled: bool) -> None:
+    # q/k/v 96 rows (q 64 + k/v 16 each), attention 64, intermediate 96; 5 tokens. On CPU the static kernels'
+    # fused producers and the Triton GEMM run in the interpreter (tests/conftest.py) or fall back to torch.
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    bf16, fp8, layers = layer_runs((64, 96, 64, 96), 5, device, compiled)
+    assert layers >= 1
+    want = bf16()
+    before = current_kernel()
+    try:
+        for name in FP8_KERNELS:
+            use_kernel(name)
+            for got, ref in zip(fp8(), want, strict=True):
+                assert got.shape == ref.shape
+                err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+                assert err < 0.08, (name, err)  # e4m3 rounding of weights (and activations for W8A8)
+    finally:
+        use_kernel(before)
 
 
 @pytest.mark.parametrize(("tp", "compiled"), [(1, False), (2, False), (1, True)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_probe_times_every_kernel_and_keeps_the_kernel_in_use(tp: int, compiled: bool) -> None:
     use_kernel("w8a16")
     try:

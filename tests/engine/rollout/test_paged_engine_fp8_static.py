@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from paged_scoring import PROMPTS, score
 
 from hybridflow.engine.ops.fp8 import (
     ACT_SCALE_MARGIN,
@@ -28,14 +29,10 @@ from hybridflow.engine.ops.fp8 import (
     use_kernel,
 )
 from hybridflow.engine.rollout.model import LlamaRunner
-from hybridflow.engine.rollout.paged_cache import PagedKVCache
 from hybridflow.engine.rollout.paged_engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.models import build_tiny_model
 
-PROMPTS = [[3, 4, 5, 9, 11, 2, 7, 30, 31, 12, 40], [8, 9, 10], [21, 22, 23, 24, 25, 26], [50]]
-RESPONSES = [[12, 14, 60, 2, 5, 9], [33, 34, 35, 36, 37, 38], [1, 2, 3, 4, 5, 6], [44, 45, 46, 47, 48, 49]]
-BLOCK = 4
 INPUTS = {"qkv": "q_proj", "o": "o_proj", "gate_up": "gate_proj", "down": "down_proj"}  # group: its module
 
 
@@ -62,24 +59,6 @@ def _dequantised(fp8: torch.nn.Module) -> torch.nn.Module:
             module.weight = torch.nn.Parameter(w, requires_grad=False)
             del module.weight_scale
     return ref
-
-
-def _score(runner: LlamaRunner) -> torch.Tensor:
-    """Teacher-forced log-probs (B, R) of RESPONSES after PROMPTS through one paged prefill and decode."""
-    width = -(-max(len(p) + len(r) for p, r in zip(PROMPTS, RESPONSES)) // BLOCK)
-    tables = torch.stack([torch.arange(width) + 1 + b * width for b in range(len(PROMPTS))])  # (B, width)
-    sizes = (runner.num_layers, len(PROMPTS) * width + 1, BLOCK, runner.num_kv_heads, runner.head_dim)
-    cache = PagedKVCache(*sizes, runner.dtype)
-    t = max(map(len, PROMPTS))
-    ids = torch.tensor([p + [0] * (t - len(p)) for p in PROMPTS])  # (B, t) right-padded
-    lengths = torch.tensor([len(p) for p in PROMPTS])
-    logits = runner.prefill_paged(ids, lengths, torch.zeros_like(lengths), cache, tables)  # (B, V)
-    out = []
-    for step in range(len(RESPONSES[0])):
-        fed = torch.tensor([r[step] for r in RESPONSES])  # (B,)
-        out.append(logits.float().log_softmax(-1).gather(-1, fed[:, None])[:, 0])
-        logits = runner.decode_paged(fed, lengths + step, cache, tables)
-    return torch.stack(out, dim=1)  # (B, R)
 
 
 def _input_amax(ref: torch.nn.Module) -> list[dict[str, float]]:
@@ -142,17 +121,17 @@ def test_static_scales_score_as_the_per_token_path_and_hold_their_inputs_range(
 ) -> None:
     fp8, ref = _models(arch)
     kernel("scaled_mm")
-    dynamic = _score(LlamaRunner(fp8, torch.float32))
+    dynamic = score(LlamaRunner(fp8, torch.float32))
     kernel(static_kernel)
     runner = LlamaRunner(fp8, torch.float32)
     assert not runner.weights.act_calibrated and len(runner.weights.act_scales) == 4 * runner.num_layers
     runner.calibrate_activations()  # as a session's start does
-    static = _score(runner)
+    static = score(runner)
     assert runner.weights.act_calibrated and not runner.act_pending
     # The calibrating prefill quantises its activations per token, so the deeper inputs' largest values
     # are a few percent off the dequantised model's (measured up to ~7%); exact under w8a16 (next test).
     _check_calibrated(runner, ref, rtol=0.1)
-    floats = _score(LlamaRunner(ref, torch.float32))  # the dequantised weights, activations unquantised
+    floats = score(LlamaRunner(ref, torch.float32))  # the dequantised weights, activations unquantised
     # The prefill calibrates (per token: its logits, the first column, are the per-token path's); decode
     # quantises with the static scales, a coarser grid for the small tokens than their own amax gives.
     torch.testing.assert_close(static[:, 0], dynamic[:, 0], atol=1e-6, rtol=0)
@@ -168,12 +147,12 @@ def test_a_weight_update_recalibrates_the_same_tensors(kernel) -> None:
     fp8, ref = _models("qwen2")
     runner = LlamaRunner(fp8, torch.float32)
     runner.calibrate_activations()
-    _score(runner)
+    score(runner)
     _check_calibrated(runner, ref, rtol=1e-5)
     tensors = [t for layer in _scales(runner) for t in layer.values()]
     first = [t.clone() for t in tensors]
     first_by_layer = [{g: t.clone() for g, t in layer.items()} for layer in _scales(runner)]
-    _score(runner)  # no refresh between: the scales stay
+    score(runner)  # no refresh between: the scales stay
     assert all(torch.equal(t, f) for t, f in zip(tensors, first))
     with torch.no_grad():  # the switch fills the FP8 weights and their scales in place
         for module in fp8.modules():
@@ -181,7 +160,7 @@ def test_a_weight_update_recalibrates_the_same_tensors(kernel) -> None:
                 module.weight_scale.mul_(1.5)
     assert runner.refresh() is False  # same storage: nothing rebound, graphs stay
     runner.calibrate_activations()
-    _score(runner)
+    score(runner)
     after = [t for layer in _scales(runner) for t in layer.values()]
     assert all(a is t for a, t in zip(after, tensors))  # the very tensors a captured graph reads
     # o's input (attention over 1.5x V) and down's (SiLU-mul of 1.5x gate and up) grew; the normed inputs
@@ -243,11 +222,11 @@ def test_fp8_qkv_and_gate_up_are_bound_as_one_weight_each_on_the_modules_storage
                 assert m.weight.data_ptr() == joined.data.data_ptr() + offset * joined.data.shape[1]
                 assert m.weight_scale.data_ptr() == joined.scale.data_ptr() + offset * 4
                 offset += m.weight.shape[0]
-    before = _score(runner)
+    before = score(runner)
     with torch.no_grad():  # a refresh in place through one module changes what the runner computes
         fp8.model.layers[0].self_attn.v_proj.weight_scale.mul_(2.0)
     assert runner.refresh() is False
-    assert not torch.allclose(_score(runner), before)
+    assert not torch.allclose(score(runner), before)
 
 
 def test_a_compiled_prefill_compiles_each_kind_once_across_sessions(kernel) -> None:
@@ -265,11 +244,11 @@ def test_a_compiled_prefill_compiles_each_kind_once_across_sessions(kernel) -> N
     torch._dynamo.reset()
     runner.compile_prefill(backend=backend)
     runner.calibrate_activations()
-    first = _score(runner)  # a session: the calibrating prefill
-    second = _score(runner)  # its later prefill, with the calibrated scales
+    first = score(runner)  # a session: the calibrating prefill
+    second = score(runner)  # its later prefill, with the calibrated scales
     seen = len(graphs)
     assert seen >= 2  # the two kinds are different graphs
     runner.calibrate_activations()  # the next session
-    torch.testing.assert_close(_score(runner), first)
-    torch.testing.assert_close(_score(runner), second)
+    torch.testing.assert_close(score(runner), first)
+    torch.testing.assert_close(score(runner), second)
     assert len(graphs) == seen
