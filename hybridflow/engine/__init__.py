@@ -39,6 +39,7 @@ SURFACE: dict[str, str] = {
     "world_line": "hybrid.world",
     "to_dtype": "ops.dtypes",
     "fp8_probe": "ops.fp8_probe",
+    "pick_kernel": "ops.fp8_probe",
     "FP8_KERNELS": "ops.fp8",
     "use_kernel": "ops.fp8",
     "decoder_of": "ops.modules",

@@ -13,7 +13,6 @@ from torch import nn
 
 from hybridflow.config.schema import Config
 from hybridflow.engine import (
-    FP8_KERNELS,
     ActorEngine,
     BroadcastReplica,
     GenerateView,
@@ -34,6 +33,7 @@ from hybridflow.engine import (
     fp8_probe,
     full_state_dict,
     lora_modules,
+    pick_kernel,
     roll_partial,
     to_dtype,
     update_preference,
@@ -110,8 +110,8 @@ def routed(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def fp8_pays(cfg: Config, config: Any, device: torch.device) -> bool:
     """Whether to run FP8 projections, and with which kernel (``use_kernel``): on CUDA a probe of one decode
-    layer's projections per kernel (``fp8_probe``, logged) picks the fastest, kept only if it beats bf16 or
-    ``rollout.quantization_force``; on CPU (tests) always yes, with ``rollout.quantization_kernel`` (auto: scaled_mm's reference)."""
+    layer's projections per kernel (``fp8_probe``, logged) picks the fastest, kept only if it beats bf16 by
+    ``fp8_probe.MIN_GAIN`` or ``rollout.quantization_force``; on CPU (tests) always yes, with ``rollout.quantization_kernel`` (auto: scaled_mm's reference)."""
     asked = cfg.rollout.quantization_kernel
     if device.type != "cuda":
         use_kernel("scaled_mm" if asked == "auto" else asked)
@@ -123,9 +123,8 @@ def fp8_pays(cfg: Config, config: Any, device: torch.device) -> bool:
     dims = (text.num_attention_heads * head_dim, kv_heads * head_dim)  # q and k/v widths
     compiled = cfg.rollout.compile_decode  # inductor then fuses the producers for bf16 too
     probe = fp8_probe(text.hidden_size, text.intermediate_size, device, *dims, tp, compiled=compiled)
-    kernel = min(FP8_KERNELS, key=probe.get) if asked == "auto" else asked
+    kernel, faster = pick_kernel(probe, asked)
     use_kernel(kernel)
-    faster = probe[kernel] < probe["bf16"]
     if dist_rank() == 0:
         logger.log(
             logging.INFO if faster or cfg.rollout.quantization_force else logging.WARNING,

@@ -33,6 +33,19 @@ from hybridflow.engine.ops.fp8 import (
     use_kernel,
 )
 
+# FP8 is kept only where its layer is at least this much faster than bf16's: a near tie is not worth FP8's
+# fixed costs (quantising at every switch, a per-token calibrating prefill, the rollout-trainer mismatch). On
+# an H200 the compiled 0.5B decode probes at 26.1 against 26.4 µs, and its W1 step was slower in FP8 (1.05
+# against 0.87 s; benchmarks/RESULTS.md, issue 45).
+MIN_GAIN = 1.05
+
+
+def pick_kernel(probe: dict[str, float], asked: str = "auto") -> tuple[str, bool]:
+    """(the FP8 kernel to use: the probe's fastest, or ``asked``; whether it pays: ``MIN_GAIN`` x faster than
+    bf16) from ``fp8_probe``'s figures."""
+    kernel = min(FP8_KERNELS, key=probe.get) if asked == "auto" else asked
+    return kernel, probe[kernel] * MIN_GAIN < probe["bf16"]
+
 
 def graph_us(run: Callable[[], object], device: torch.device, repeats: int) -> float:
     """Median µs of one ``run()`` replayed from a CUDA graph of 10 calls (decode runs in graphs: launch costs
