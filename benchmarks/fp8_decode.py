@@ -93,11 +93,10 @@ def run_shape(size: str, args: argparse.Namespace, device: torch.device) -> list
     quantised = quantise_module(fp8)
     cfg = bf16.config
     kv = cfg.num_key_value_heads * cfg.hidden_size // cfg.num_attention_heads
-    probe = (
-        fp8_probe(cfg.hidden_size, cfg.intermediate_size, device, cfg.hidden_size, kv)
-        if device.type == "cuda"
-        else {}
-    )
+    probe = {}  # the engine's start-up figures (CUDA only)
+    if device.type == "cuda":
+        dims = (cfg.hidden_size, cfg.intermediate_size, device, cfg.hidden_size, kv)
+        probe = fp8_probe(*dims, model_layers=cfg.num_hidden_layers)
     rows = []
     g = torch.Generator().manual_seed(0)
     for batch in args.batches:

@@ -32,7 +32,7 @@ def main() -> None:
         for compiled in (False, True):
             us = fp8_probe(
                 c["hidden_size"], c["intermediate_size"], device, c["hidden_size"], kv,
-                tokens=args.tokens, compiled=compiled,
+                tokens=args.tokens, compiled=compiled, model_layers=c["num_hidden_layers"],
             )  # fmt: skip
             best, pays = pick_kernel(us)
             row = {"shape": size, "compiled": compiled, "pick": best if pays else "bf16"}

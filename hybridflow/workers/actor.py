@@ -122,7 +122,10 @@ def fp8_pays(cfg: Config, config: Any, device: torch.device) -> bool:
     tp = cfg.rollout.tensor_model_parallel_size
     dims = (text.num_attention_heads * head_dim, kv_heads * head_dim)  # q and k/v widths
     compiled = cfg.rollout.compile_decode  # inductor then fuses the producers for bf16 too
-    probe = fp8_probe(text.hidden_size, text.intermediate_size, device, *dims, tp, compiled=compiled)
+    probe = fp8_probe(
+        text.hidden_size, text.intermediate_size, device, *dims, tp,
+        compiled=compiled, model_layers=text.num_hidden_layers,
+    )  # fmt: skip
     kernel, faster = pick_kernel(probe, asked)
     use_kernel(kernel)
     if dist_rank() == 0:

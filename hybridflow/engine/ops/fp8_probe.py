@@ -96,18 +96,27 @@ def _weights(
     return w, {name: quantise_rows(t) for name, t in w.items()}
 
 
-def _copies(q: dict[str, Fp8Weight], device: torch.device) -> int:
-    """How many layers the probe cycles through so that their FP8 weights are twice the GPU's L2 cache: decode
-    streams every layer's weights from HBM once a step, and a small layer replayed alone would stay in L2."""
+def copies_for(layer_bytes: int, l2_bytes: int, model_layers: int) -> int:
+    """How many layers the probe cycles through: enough that their FP8 weights are twice the GPU's L2 cache
+    (decode streams every layer's weights from HBM once a step, and a small layer replayed alone would stay in
+    L2), but no more than the model has (a model whose weights fit in L2 decodes from L2 too)."""
+    return max(1, min(model_layers, math.ceil(2 * l2_bytes / max(1, layer_bytes))))
+
+
+def _copies(q: dict[str, Fp8Weight], device: torch.device, model_layers: int) -> int:
+    """``copies_for`` this layer's FP8 weights (one byte an element) on ``device`` (1 off CUDA)."""
     if device.type != "cuda":
         return 1
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    layer = sum(t.data.numel() for t in q.values())  # bytes: one per FP8 element
-    return max(1, math.ceil(2 * l2 / layer))
+    return copies_for(sum(t.data.numel() for t in q.values()), l2, model_layers)
 
 
 def layer_runs(
-    dims: tuple[int, int, int, int], tokens: int, device: torch.device, compiled: bool = False
+    dims: tuple[int, int, int, int],
+    tokens: int,
+    device: torch.device,
+    compiled: bool = False,
+    model_layers: int = 32,
 ) -> tuple[Callable[[], list[torch.Tensor]], Callable[[], list[torch.Tensor]], int]:
     """(bf16 run, FP8 run under the kernel in use, layers per run): one decode step's projections over enough
     random layers of ``dims`` (hidden, q/k/v rows, attention width, intermediate; ``_copies``), each with its
@@ -117,7 +126,8 @@ def layer_runs(
     x = {n: _randn(g, device, tokens, k) for n, k in (("h", hidden), ("a", attn), ("g", inter), ("u", inter))}
     x["norm"] = 1 + 0.1 * _randn(g, device, hidden)
     layers = [_weights(dims, g, device)]
-    layers += [_weights(dims, g, device) for _ in range(_copies(layers[0][1], device) - 1)]
+    copies = _copies(layers[0][1], device, model_layers)
+    layers += [_weights(dims, g, device) for _ in range(copies - 1)]
     normed, act = _rms_norm(x["h"], x["norm"]), F.silu(x["g"]) * x["u"]
     inputs = {"qkv": normed, "o": x["a"], "gate_up": normed, "down": act}
     ready = {}  # the static kernels' inputs as a compiled producer hands them over
@@ -176,6 +186,7 @@ def fp8_probe(
     tokens: int = 64,
     repeats: int = 20,
     compiled: bool = False,
+    model_layers: int = 32,
 ) -> dict[str, float]:
     """µs of one decode layer's projections with their producers on ``tokens`` tokens, per FP8 kernel and for
     bf16: ``{"w8a16": .., "scaled_mm": .., "scaled_mm_static": .., "triton_w8a8": .., "bf16": ..}``, medians of
@@ -183,11 +194,12 @@ def fp8_probe(
     layer. ``q_dim``, ``kv_dim``: the q and K/V projections' widths (default ``hidden``); ``tp``: the
     rollout's tensor-parallel degree (each rank's slices). ``compiled``: the decode step is compiled, where
     inductor fuses the producers (and a static quantisation) for bf16 and FP8 alike, so the static kernels and
-    bf16 are timed on ready inputs, the GEMMs alone. The engine keeps bf16 where no FP8 kernel is faster."""
+    bf16 are timed on ready inputs, the GEMMs alone. ``model_layers``: the model's decoder layers (at most
+    that many are cycled). The engine keeps bf16 where no FP8 kernel is faster (``pick_kernel``)."""
     qd = hidden if q_dim is None else q_dim
     kv = qd if kv_dim is None else kv_dim
     dims = (hidden, (qd + 2 * kv) // tp, qd // tp, intermediate // tp)
-    bf16, fp8, layers = layer_runs(dims, tokens, device, compiled)
+    bf16, fp8, layers = layer_runs(dims, tokens, device, compiled, model_layers)
     before = current_kernel()
     out = {}
     try:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hybridflow.engine.ops.fp8 import FP8_KERNELS, current_kernel, use_kernel
-from hybridflow.engine.ops.fp8_probe import MIN_GAIN, fp8_probe, layer_runs, pick_kernel
+from hybridflow.engine.ops.fp8_probe import MIN_GAIN, copies_for, fp8_probe, layer_runs, pick_kernel
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -47,6 +47,7 @@ def test_the_probe_times_every_kernel_and_keeps_the_kernel_in_use(tp: int, compi
             tokens=16,
             repeats=3,
             compiled=compiled,
+            model_layers=2,
         )
         assert current_kernel() == "w8a16"
     finally:
@@ -69,3 +70,10 @@ def test_fp8_is_kept_only_where_it_beats_bf16_by_the_margin() -> None:
     assert pick_kernel(half_b) == ("triton_w8a8", False)  # faster, not by MIN_GAIN: bf16 stays
     assert pick_kernel(seven_b, "w8a16") == ("w8a16", False)  # asked for, and slower than bf16
     assert pick_kernel({**half_b, "bf16": 26.1 * MIN_GAIN + 0.1}) == ("triton_w8a8", True)
+
+
+def test_the_probe_streams_as_many_layers_as_outgrow_l2_but_no_more_than_the_model_has() -> None:
+    l2 = 50 * 2**20  # the H200's
+    assert copies_for(15 * 2**20, l2, 24) == 7  # a 0.5B layer in FP8: 105 MB over seven
+    assert copies_for(233 * 2**20, l2, 28) == 1  # a 7B layer already outgrows it
+    assert copies_for(2**16, l2, 2) == 2  # a tiny model decodes from L2 too: its own two layers
