@@ -14,8 +14,8 @@ kernel as it is loaded was measured too: every N tile repeats the division, 1.5-
 
 The launch configuration comes from a table keyed by the token count and the projection's shape class
 (``_CONFIGS``; no autotuning: the first call may happen under CUDA-graph capture), which also says where
-cuBLAS is the faster kernel. Triton's CPU interpreter computes FP8 dots on raw bits, so
-interpreted (tests on CPU) the tiles are upcast to float32 for the dot; ``w8a8_reference`` (``fp8.quantise_static``) and the tiles upcast to float32 for the dot; ``w8a8_reference`` is the same math in torch.
+cuBLAS is the faster kernel. Triton's CPU interpreter computes FP8 dots on raw bits, so interpreted (tests
+on CPU) the tiles are upcast to float32 for the dot; ``w8a8_reference`` is the same math in torch.
 """
 
 from __future__ import annotations
