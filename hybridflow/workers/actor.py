@@ -30,18 +30,14 @@ from hybridflow.engine import (
     check_tp,
     fallback_reason,
     follow_rollout_shards,
-    fp8_probe,
     full_state_dict,
     lora_modules,
-    pick_kernel,
     roll_partial,
     to_dtype,
     update_preference,
-    use_kernel,
 )
 from hybridflow.models.adapters import is_adapter_name, merge_adapter_state
 from hybridflow.models.families import check_lora_family, check_tensor_parallel, fallback_notice
-from hybridflow.models.vision import text_config
 from hybridflow.protocol import Batch
 from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.errors import UserError, format_bytes
@@ -50,6 +46,7 @@ from hybridflow.utils.progress import Progress
 from hybridflow.workers.agent_env import MultiTurn
 from hybridflow.workers.dispatch import DataCoord, generate_coord, train_coord
 from hybridflow.workers.rollout_batch import build_rollout, max_model_len, sample_batch
+from hybridflow.workers.rollout_fp8 import fp8_pays
 from hybridflow.workers.rollout_pool import connect_pools
 
 logger = logging.getLogger(__name__)
@@ -106,39 +103,6 @@ def lora_spec(cfg: Config, config: Any, dims: ParallelDims) -> LoraSpec | None:
 def routed(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``routed_experts`` of a pass's results, where it recorded them."""
     return {"routed_experts": out["routed_experts"]} if "routed_experts" in out else {}
-
-
-def fp8_pays(cfg: Config, config: Any, device: torch.device) -> bool:
-    """Whether to run FP8 projections, and with which kernel (``use_kernel``): on CUDA a probe of one decode
-    layer's projections per kernel (``fp8_probe``, logged) picks the fastest, kept only if it beats bf16 by
-    ``fp8_probe.MIN_GAIN`` or ``rollout.quantization_force``; on CPU (tests) always yes, with ``rollout.quantization_kernel`` (auto: scaled_mm's reference)."""
-    asked = cfg.rollout.quantization_kernel
-    if device.type != "cuda":
-        use_kernel("scaled_mm" if asked == "auto" else asked)
-        return True
-    text = text_config(config)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    tp = cfg.rollout.tensor_model_parallel_size
-    dims = (text.num_attention_heads * head_dim, kv_heads * head_dim)  # q and k/v widths
-    compiled = cfg.rollout.compile_decode  # inductor then fuses the producers for bf16 too
-    probe = fp8_probe(
-        text.hidden_size, text.intermediate_size, device, *dims, tp,
-        compiled=compiled, model_layers=text.num_hidden_layers,
-    )  # fmt: skip
-    kernel, faster = pick_kernel(probe, asked)
-    use_kernel(kernel)
-    if dist_rank() == 0:
-        logger.log(
-            logging.INFO if faster or cfg.rollout.quantization_force else logging.WARNING,
-            "rollout.quantization=fp8: one decode layer's projections on 64 tokens take %s on this GPU%s: %s",
-            ", ".join(f"{k} {v:.1f} us" for k, v in probe.items()),
-            " (compiled decode: GEMMs alone)" if compiled else "",
-            f"FP8 projections with {kernel}"
-            if faster or cfg.rollout.quantization_force
-            else "keeping bf16 (rollout.quantization_force=true uses FP8 anyway)",
-        )
-    return faster or cfg.rollout.quantization_force
 
 
 class ActorWorker:
