@@ -104,18 +104,26 @@ def test_grpo_with_the_weight_only_fp8_kernel(data: dict[str, Path], tmp_path: P
         ), step
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize(
+    ("arch", "kernel"),
+    [
+        ("qwen2", "scaled_mm_static"),
+        ("llama", "scaled_mm_static"),
+        ("qwen3", "triton_w8a8"),  # the Triton kernel in the CPU interpreter (tests/conftest.py)
+        ("mixtral", "triton_w8a8"),  # MoE: attention in FP8, experts and router in the rollout dtype
+    ],
+)
 def test_grpo_with_static_activation_scales(
-    data: dict[str, Path], tmp_path: Path, arch: str, caplog: pytest.LogCaptureFixture
+    data: dict[str, Path], tmp_path: Path, arch: str, kernel: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     from hybridflow.engine.ops.fp8 import current_kernel, use_kernel
 
     caplog.set_level("DEBUG", logger="hybridflow.engine.rollout.paged_forward")
     before = current_kernel()
     try:
-        args = ("rollout.quantization_kernel=scaled_mm_static", "rollout.quantization_force=true")
+        args = (f"rollout.quantization_kernel={kernel}", "rollout.quantization_force=true")
         assert run(data, arch, tmp_path / "run", *args) == 0
-        assert current_kernel() == "scaled_mm_static"
+        assert current_kernel() == kernel
     finally:
         use_kernel(before)
     for step, m in metrics(tmp_path / "run").items():
