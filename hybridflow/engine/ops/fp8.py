@@ -135,7 +135,7 @@ def fp8_linear(
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)  # (M, K)
     if static and name in STATIC_KERNELS and w.act_scale is not None:
-        if flat.is_cuda and fp8_fused.available() and not torch.compiler.is_compiling():
+        if fp8_fused.runs_on(flat):
             xin = fp8_fused.quant(flat, w.act_scale)  # one kernel (compiled, inductor fuses the torch ops)
             return _gemm(xin.data, xin.rows, w, bias, x.dtype).reshape(*lead, w.data.shape[0])
         xq, sx = quantise_static(flat, w.act_scale), w.act_scale  # (M, K) fp8, (1,)

@@ -48,6 +48,12 @@ def available() -> bool:
     return triton is not None
 
 
+def runs_on(x: torch.Tensor) -> bool:
+    """Whether the kernels replace torch's ops for ``x``: CUDA, triton, and not under torch.compile (there
+    inductor fuses the elementwise quantisation into the producer itself)."""
+    return x.is_cuda and available() and not torch.compiler.is_compiling()
+
+
 def _interpreting() -> bool:
     """Whether the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 when triton loaded)."""
     return triton is not None and type(_rms_norm_quant_kernel).__name__ == "InterpretedFunction"
@@ -124,6 +130,13 @@ def _outputs(m: int, k: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return q, torch.empty(m, 1, dtype=torch.float32, device=like.device)
 
 
+def _handover(
+    q: torch.Tensor, rows: torch.Tensor, lead: tuple[int, ...], dtype: torch.dtype
+) -> QuantisedInput:
+    """The kernel's outputs as a ``QuantisedInput`` (interpreted, torch casts the float32 values to e4m3)."""
+    return QuantisedInput(q.to(FP8) if q.dtype != FP8 else q, rows, lead, dtype)
+
+
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor) -> QuantisedInput:
     """``blocks.rms_norm(x, weight, eps)`` (x (..., K)) quantised with the static ``scale`` (1,), one kernel."""
     lead, k = tuple(x.shape[:-1]), x.shape[-1]
@@ -136,7 +149,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: tor
         flat, weight, scale, q, rows, k, flat.stride(0), eps,
         FP8_LIMIT=FP8_MAX, RAW=_interpreting(), BLOCK=block,
     )  # fmt: skip
-    return QuantisedInput(q.to(FP8) if q.dtype != FP8 else q, rows, lead, x.dtype)
+    return _handover(q, rows, lead, x.dtype)
 
 
 def silu_mul_quant(gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor) -> QuantisedInput:
@@ -151,7 +164,7 @@ def silu_mul_quant(gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor) ->
         g, u, scale, q, rows, n, g.stride(0), u.stride(0),
         FP8_LIMIT=FP8_MAX, RAW=_interpreting(), BLOCK=_BLOCK,
     )  # fmt: skip
-    return QuantisedInput(q.to(FP8) if q.dtype != FP8 else q, rows, lead, gate.dtype)
+    return _handover(q, rows, lead, gate.dtype)
 
 
 def quant(x: torch.Tensor, scale: torch.Tensor) -> QuantisedInput:
@@ -165,4 +178,4 @@ def quant(x: torch.Tensor, scale: torch.Tensor) -> QuantisedInput:
     _quant_kernel[grid](
         flat, scale, q, rows, n, flat.stride(0), FP8_LIMIT=FP8_MAX, RAW=_interpreting(), BLOCK=_BLOCK
     )
-    return QuantisedInput(q.to(FP8) if q.dtype != FP8 else q, rows, lead, x.dtype)
+    return _handover(q, rows, lead, x.dtype)

@@ -151,9 +151,7 @@ def fused_scale(weights: list, x: torch.Tensor, act: ActQuant) -> torch.Tensor |
         act.static and act.calib is None and isinstance(first, Fp8Weight) and first.act_scale is not None
     ):
         return None
-    if not x.is_cuda or not fp8_fused.available() or torch.compiler.is_compiling():
-        return None
-    return first.act_scale if current_kernel() in STATIC_KERNELS else None
+    return first.act_scale if fp8_fused.runs_on(x) and current_kernel() in STATIC_KERNELS else None
 
 
 def norm_input(
