@@ -9,7 +9,8 @@ Everything here works on plain values (strings, dicts) and imports only the stan
 * ``Tool``, ``ToolSet`` (``schemas()``, ``parse()``, ``validate()``, ``run(call, timeout_s)``), ``ToolResult``,
   ``tool_from_spec(spec)`` for a YAML-style ``{name, description, parameters, function: "module:fn"}``.
 * Built-in tools: ``calculator_tool()`` (``calc``: bounded arithmetic) and ``code_interpreter_tool()``
-  (Python in a limited subprocess, ``run_python``/``SandboxLimits``; not a security boundary, docs/tools.md).
+  (Python in a bubblewrap sandbox of its own namespaces with rlimits, ``run_python``/``SandboxLimits``;
+  ``isolation.probe()`` says whether this host can isolate; docs/tools.md has the threat model).
 """
 
 from __future__ import annotations

@@ -133,7 +133,10 @@ class ToolSet:
         tool = self.tools.get(call.name)
         if tool is None:
             known = ", ".join(sorted(self.tools)) or "none"
-            return f"unknown tool {call.name!r}; available tools: {known}"
+            name = (
+                call.name if len(call.name) <= 60 else call.name[:60] + "..."
+            )  # the policy's text: shortened
+            return f"unknown tool {name!r}; available tools: {known}"
         return _validate_arguments(tool, self._arguments(tool, call))
 
     def run(self, call: ToolCall, timeout_s: float = DEFAULT_TIMEOUT_S) -> ToolResult:

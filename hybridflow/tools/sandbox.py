@@ -1,19 +1,24 @@
-"""The ``code_interpreter`` tool: Python source run in a limited subprocess, every outcome returned as text.
+"""The ``code_interpreter`` tool: Python source run in an isolated, limited process, every outcome returned as text.
 
-Each run gets a fresh interpreter (``sys.executable -I``: no user site, no PYTHON* variables), a new
-session (its process group is killed on timeout or when its output passes the cap), a fresh scratch
-directory as its working directory (deleted afterwards), a minimal environment, and, set by its preamble
-before the user's code runs: RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_FSIZE and no core files, with the hard
-limits lowered so the code cannot raise them again, and an audit hook (``sys.addaudithook``; a hook cannot
-be removed) that refuses sockets' connect/bind/getaddrinfo/sendto and starting processes.
+The policy writes this code, thousands of times an hour, on the machine that holds the trainer: it is hostile
+input. Two layers stand between it and the host:
 
-The limits are set by the child's preamble rather than in ``preexec_fn``: ``preexec_fn`` runs Python between
-fork and exec, which can deadlock in a multi-threaded parent such as the trainer (the subprocess docs warn
-of it); limits set first thing in the child bind the user's code just the same.
+1. **The operating system** (``tools/isolation.py``): each run is a bubblewrap sandbox with its own PID,
+   network, mount, IPC and UTS namespaces, a read-only allow-list of the file system with a size-capped tmpfs
+   as its working directory, and an unprivileged uid. It cannot see or signal the trainer, reach the network
+   or read the run's files, and every process it starts dies with the run. Without bubblewrap (or without the
+   namespaces it needs) the tool is refused at start, unless the user accepts the second layer alone
+   (``allow_unisolated``), with one warning per process.
+2. **The interpreter's preamble**, set before the code runs: rlimits with the hard limits lowered (address
+   space, CPU, processes, file size, open files, no core files) and an audit hook (``sys.addaudithook``; a
+   hook cannot be removed) refusing sockets and process starts. The hook's state is bound into it, not kept
+   in module globals the code could reach, and the calls that could find it (``gc`` introspection, rewriting
+   this hook's defaults or code) are refused. This layer alone is not a security boundary: ``ctypes``
+   or ``_posixsubprocess`` get around it (docs/tools.md).
 
-This is a guard against accidents and a model's clumsy code, not a security boundary: there is no seccomp
-filter and no namespace, so ``ctypes`` calling libc directly, or a bug in CPython, gets around the hook
-(docs/tools.md). Run untrusted code from people in a container or a VM.
+The code itself reaches the child on stdin (no file of the host is shared with it). The limits are set by the
+preamble rather than in ``preexec_fn``: ``preexec_fn`` runs Python between fork and exec, which can deadlock in
+a multi-threaded parent such as the trainer (the subprocess docs warn of it).
 """
 
 from __future__ import annotations
@@ -27,43 +32,65 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
+from hybridflow.tools.isolation import WORKDIR, Isolation, probe, with_data_fds, wrap
 from hybridflow.tools.registry import Tool
+from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 NETWORK_BLOCKED = "network access is disabled in this sandbox"
 PROCESS_BLOCKED = "starting processes is disabled in this sandbox"
+INTROSPECTION_BLOCKED = "this introspection is disabled in this sandbox"
 _READ_CHUNK = 16 * 1024
 
-# Runs in the child before the user's code: argv = [memory bytes, cpu seconds, file bytes, allow processes].
+# Runs in the child before the user's code, whose source comes on stdin.
+# argv = [memory bytes, cpu seconds, file bytes, processes, open files, allow processes, uid to switch to].
 _PREAMBLE = r"""
-import resource, sys
-def _limit(which, value):
-    if value > 0:
-        resource.setrlimit(which, (value, value))
-_limit(resource.RLIMIT_AS, int(sys.argv[1]))
-_limit(resource.RLIMIT_CPU, int(sys.argv[2]))
-_limit(resource.RLIMIT_FSIZE, int(sys.argv[3]))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-_NET = {"socket.connect", "socket.bind", "socket.getaddrinfo", "socket.sendto", "socket.sendmsg"}
-_PROC = {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "subprocess.Popen"}
-_allow_proc = sys.argv[4] == "1"
-def _hook(event, args):
-    if event in _NET:
-        raise PermissionError("%s (%s)" % (NETWORK_BLOCKED, event))
-    if event in _PROC and not _allow_proc:
-        raise PermissionError("%s (%s)" % (PROCESS_BLOCKED, event))
-sys.addaudithook(_hook)
-del _limit, _hook, resource
+import os, resource, sys
+_code = sys.stdin.buffer.read()
+_null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(_null, 0)
+os.close(_null)
+_memory, _cpu, _fsize, _nproc, _nofile, _allow_proc, _uid = map(int, sys.argv[1:8])
+for _which, _value in ((resource.RLIMIT_AS, _memory), (resource.RLIMIT_CPU, _cpu),
+                       (resource.RLIMIT_FSIZE, _fsize), (resource.RLIMIT_NPROC, _nproc),
+                       (resource.RLIMIT_NOFILE, _nofile), (resource.RLIMIT_CORE, 0)):
+    if _value > 0 or _which == resource.RLIMIT_CORE:
+        resource.setrlimit(_which, (_value, _value))
+if _uid >= 0:
+    os.setgroups([])
+    os.setresgid(_uid, _uid, _uid)
+    os.setresuid(_uid, _uid, _uid)
+def _install(net, proc, introspect, allow_proc):
+    def hook(event, args, _net=net, _proc=proc, _introspect=introspect, _allow=allow_proc):
+        if event in _net:
+            raise PermissionError("%s (%s)" % (NETWORK_BLOCKED, event))
+        if event in _proc and not _allow:
+            raise PermissionError("%s (%s)" % (PROCESS_BLOCKED, event))
+        if event in _introspect or (event == "object.__setattr__" and args and args[0] is hook):
+            raise PermissionError("%s (%s)" % (INTROSPECTION_BLOCKED, event))
+    sys.addaudithook(hook)
+_install(
+    frozenset({"socket.connect", "socket.bind", "socket.getaddrinfo", "socket.sendto", "socket.sendmsg"}),
+    frozenset({"os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
+               "subprocess.Popen"}),
+    frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents"}),
+    _allow_proc == 1,
+)
+for _name in ("_install", "_memory", "_cpu", "_fsize", "_nproc", "_nofile", "_allow_proc", "_uid", "_which",
+              "_value", "_null", "resource"):
+    del globals()[_name]
 sys.argv = ["main.py"]
 sys.stdout.reconfigure(errors="backslashreplace")
 sys.stderr.reconfigure(errors="backslashreplace")
-with open("main.py", encoding="utf-8") as _f:
-    _code = compile(_f.read(), "main.py", "exec")
+with open("main.py", "wb") as _f:  # for the traceback's source lines
+    _f.write(_code)
 del _f
+_code = compile(_code, "main.py", "exec")
 import traceback as _tb
 try:
     exec(_code, {"__name__": "__main__", "__builtins__": __builtins__})
@@ -80,12 +107,15 @@ except BaseException as _e:
 class SandboxLimits:
     """Limits of one run; 0 turns a limit off."""
 
-    timeout_s: float = 10.0  # wall clock; the process group is killed at expiry
+    timeout_s: float = 10.0  # wall clock; the run (its whole PID namespace) is killed at expiry
     memory_bytes: int = 1 << 30  # RLIMIT_AS: address space, so allow for the interpreter's own (~30 MB)
-    cpu_s: int = 0  # RLIMIT_CPU; 0: the timeout rounded up, plus one second
+    cpu_s: int = 0  # RLIMIT_CPU; 0: the timeout rounded up, plus two seconds
     file_bytes: int = 64 << 20  # RLIMIT_FSIZE: the largest file the code may write
+    processes: int = 32  # RLIMIT_NPROC, threads included (isolated runs: counted for this run alone)
+    open_files: int = 256  # RLIMIT_NOFILE
+    scratch_bytes: int = 64 << 20  # the isolated run's tmpfs working directory, all files together
     max_output_bytes: int = 64 * 1024  # of stdout and of stderr; past it the run is killed
-    allow_processes: bool = False  # subprocesses would escape the audit hook (and so the network ban)
+    allow_processes: bool = False  # the audit hook refuses process starts unless this is set
 
 
 @dataclass(frozen=True)
@@ -123,17 +153,23 @@ class SandboxResult:
         return f"exit status {code}"
 
 
-def _command(limits: SandboxLimits) -> list[str]:
+def _command(limits: SandboxLimits, uid: int, isolated: bool) -> list[str]:
+    """The interpreter's argv: ``-I`` (no user site, no PYTHON* variables), the preamble and its arguments."""
     cpu = limits.cpu_s or int(limits.timeout_s) + 2
-    args = [limits.memory_bytes, cpu, limits.file_bytes, int(limits.allow_processes)]
-    preamble = _PREAMBLE.replace("NETWORK_BLOCKED", repr(NETWORK_BLOCKED))
-    preamble = preamble.replace("PROCESS_BLOCKED", repr(PROCESS_BLOCKED))
+    # RLIMIT_NPROC counts every process of the uid: only an isolated run has a uid (or namespace) of its own.
+    nproc = limits.processes if isolated else 0
+    args = [limits.memory_bytes, cpu, limits.file_bytes, nproc, limits.open_files]
+    args += [int(limits.allow_processes), uid]
+    preamble = _PREAMBLE
+    for name in ("NETWORK_BLOCKED", "PROCESS_BLOCKED", "INTROSPECTION_BLOCKED"):
+        preamble = preamble.replace(name, repr(globals()[name]))
     return [sys.executable, "-I", "-c", preamble, *map(str, args)]
 
 
-def _environment(scratch: str) -> dict[str, str]:
+def _environment(home: str) -> dict[str, str]:
     """A minimal environment: no credentials or proxies of the trainer leak into the code's process."""
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch, "TMPDIR": scratch}
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home, "TMPDIR": home}
+    env["USER"] = env["LOGNAME"] = "sandbox"
     # One thread per math library: RLIMIT_AS counts every thread's stack.
     env |= {k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
     return env
@@ -167,8 +203,8 @@ def _collect(proc: subprocess.Popen, limits: SandboxLimits) -> tuple[bytes, byte
                     del buf[limits.max_output_bytes :]
                     _kill_group(proc)
                     return bytes(buffers[proc.stdout]), bytes(buffers[proc.stderr]), "truncated"
-    # Both pipes closed: the process has exited, or is about to; a grandchild holding them is not possible
-    # when processes are refused, and is killed with the group otherwise.
+    # Both pipes closed: the process has exited, or is about to. An isolated run's other processes die with
+    # its PID namespace; an unisolated one's with its process group, unless they left it (docs/tools.md).
     try:
         proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
     except subprocess.TimeoutExpired:
@@ -194,22 +230,59 @@ def _status(code: int | None, stderr: str, stopped: str | None) -> str:
     return "error"
 
 
-def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
-    """Run ``code`` in a limited subprocess and return what happened (never raises for the code's faults)."""
-    limits = limits or SandboxLimits()
-    start = time.monotonic()
-    scratch = tempfile.mkdtemp(prefix="hybridflow-sandbox-")
+def _exit_code(returncode: int, isolated: bool) -> int:
+    """The code's exit status, a signal as its negative number: bwrap reports a child killed by signal N as
+    128 + N."""
+    if isolated and returncode > 128 and (returncode - 128) in signal.valid_signals():
+        return 128 - returncode
+    return returncode
+
+
+def _feed(stream: object, data: bytes) -> None:
+    """Write the source to the child's stdin and close it (a thread: a large source fills the pipe)."""
+    with contextlib.suppress(OSError):  # the child died before reading it: its exit status tells why
+        stream.write(data)  # type: ignore[attr-defined]
+    with contextlib.suppress(OSError):
+        stream.close()  # type: ignore[attr-defined]
+
+
+def _start(code: str, limits: SandboxLimits, isolation: Isolation | None, scratch: str) -> subprocess.Popen:
+    """Start the run: inside bubblewrap when ``isolation`` is given, else in ``scratch`` on the host."""
+    fds: list[int] = []
+    if isolation is not None:
+        assert isolation.bwrap is not None
+        wrapped = wrap(isolation.bwrap, limits.scratch_bytes)
+        outer, fds = with_data_fds(wrapped)
+        argv, home = outer + _command(limits, wrapped.uid, True), WORKDIR
+    else:
+        argv, home = _command(limits, -1, False), scratch
     try:
-        with open(os.path.join(scratch, "main.py"), "w", encoding="utf-8") as f:
-            f.write(code)
         proc = subprocess.Popen(
-            _command(limits), cwd=scratch, env=_environment(scratch), stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+            argv, cwd=scratch, env=_environment(home), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True, close_fds=True, pass_fds=fds,
         )  # fmt: skip
+    finally:
+        for fd in fds:
+            os.close(fd)
+    source = code.encode("utf-8", "surrogatepass")  # a lone surrogate from JSON: the child's SyntaxError
+    threading.Thread(target=_feed, args=(proc.stdin, source), daemon=True).start()
+    return proc
+
+
+def run_python(code: str, limits: SandboxLimits | None = None, isolated: bool = True) -> SandboxResult:
+    """Run ``code`` in a limited subprocess, isolated by the operating system unless ``isolated=False``, and
+    return what happened (never raises for the code's faults; UserError when isolation is asked for and
+    this host cannot give it)."""
+    limits = limits or SandboxLimits()
+    isolation = require_isolation() if isolated else None
+    start = time.monotonic()
+    scratch = tempfile.mkdtemp(prefix="hybridflow-sandbox-")  # the host side's cwd (and the unisolated run's)
+    try:
+        proc = _start(code, limits, isolation, scratch)
         try:
             out, err, stopped = _collect(proc, limits)
         finally:
-            _kill_group(proc)  # anything the code left behind in its group
+            _kill_group(proc)  # anything left in its group (an isolated run's namespace dies with bwrap)
             proc.wait()
             proc.stdout.close()  # type: ignore[union-attr]
             proc.stderr.close()  # type: ignore[union-attr]
@@ -217,19 +290,58 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
         shutil.rmtree(scratch, ignore_errors=True)
     stdout = out.decode("utf-8", errors="replace")
     stderr = err.decode("utf-8", errors="replace")
-    code_ = None if stopped == "timeout" else proc.returncode
+    code_ = None if stopped == "timeout" else _exit_code(proc.returncode, isolation is not None)
     status = _status(code_, stderr, stopped)
     seconds = time.monotonic() - start
     logger.debug("sandbox run: %s (exit %s) in %.2f s", status, code_, seconds)
     return SandboxResult(status, code_, stdout, stderr, seconds, truncated=stopped == "truncated")
 
 
-def code_interpreter_tool(limits: SandboxLimits | None = None) -> Tool:
-    """The ``code_interpreter`` Tool: runs Python source, returns the status line and its output."""
+UNISOLATED_KEY = "rollout.multi_turn.sandbox.allow_unisolated"
+
+
+def require_isolation() -> Isolation:
+    """This host's isolation, or a UserError naming what is missing, how to get it, and the weaker choice."""
+    isolation = probe()
+    if not isolation.available:
+        raise UserError(
+            f"code_interpreter runs the policy's code isolated by the operating system, and this host cannot: "
+            f"{isolation.problem}. Or set {UNISOLATED_KEY}=true to run it under the in-process guard alone "
+            "(rlimits and an audit hook: not a security boundary, docs/tools.md)"
+        )
+    return isolation
+
+
+_warned_unisolated = False
+
+
+def _warn_unisolated(problem: str) -> None:
+    """One warning per process that the code runs without isolation."""
+    global _warned_unisolated
+    if not _warned_unisolated:
+        _warned_unisolated = True
+        logger.warning(
+            "code_interpreter runs the policy's code WITHOUT isolation by the operating system (%s=true; %s): "
+            "only rlimits and an audit hook guard the host, and code can get around them (docs/tools.md)",
+            UNISOLATED_KEY, problem,
+        )  # fmt: skip
+
+
+def code_interpreter_tool(limits: SandboxLimits | None = None, allow_unisolated: bool = False) -> Tool:
+    """The ``code_interpreter`` Tool: runs Python source isolated, returns the status line and its output.
+
+    Checks the host's isolation now (a UserError when it has none, unless ``allow_unisolated``, which then
+    warns once and uses the in-process guard alone)."""
     limits = limits or SandboxLimits()
+    isolation = probe()
+    isolated = isolation.available
+    if not isolated:
+        if not allow_unisolated:
+            require_isolation()
+        _warn_unisolated(isolation.problem)
 
     def code_interpreter(code: str) -> str:
-        return run_python(code, limits).to_text()
+        return run_python(code, limits, isolated=isolated).to_text()
 
     return Tool(
         name="code_interpreter",
@@ -241,6 +353,6 @@ def code_interpreter_tool(limits: SandboxLimits | None = None) -> Tool:
             "additionalProperties": False,
         },
         function=code_interpreter,
-        # The sandbox enforces its own wall clock; the thread waits a little past it for the cleanup.
+        # The sandbox enforces the wall clock itself; the thread waits a little past it for the cleanup.
         timeout_s=limits.timeout_s + 5.0,
     )

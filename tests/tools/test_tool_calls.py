@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 
 from hybridflow.tools import ToolCall, find_calls, stop_strings, turn_end
+from hybridflow.tools.calls import MAX_CALL_CHARS, MAX_CALLS
 
 
 def test_hermes_several_calls_in_order() -> None:
@@ -93,3 +97,76 @@ def test_stop_strings_and_turn_end() -> None:
     assert turn_end("no call", "hermes") is None and turn_end("[[calc: 1", "plain") is None
     with pytest.raises(ValueError, match="unknown tool-call format"):
         find_calls("x", "xml")
+
+
+# --- hostile output: whatever a policy samples is answered with an error line, in linear time ---------------
+
+
+def _deep(n: int) -> str:
+    return "[" * n + "]" * n
+
+
+def _call(arguments: str) -> str:
+    return '{"name": "calc", "arguments": ' + arguments + "}"
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (_call(_deep(1000)), "nested 1001 deep"),
+        (_call('{"x": ' + _deep(50) + "}"), "nested 52 deep"),
+        (_call(json.dumps(_deep(1000))), "nested 1000 deep"),  # arguments as a JSON string
+        (_call('{"x": ' + "9" * 5000 + "}"), "an integer of 5000 digits"),
+        (_call(json.dumps('{"x": -' + "9" * 5000 + "}")), "an integer of 5000 digits"),
+        (_call(json.dumps({"x": "a" * MAX_CALL_CHARS})), "characters long"),
+    ],
+)
+def test_hostile_json_is_an_error_line(body: str, reason: str) -> None:
+    text = f'<tool_call>{body}</tool_call><tool_call>{{"name": "ok"}}</tool_call>'
+    result = find_calls(text, "hermes")
+    assert [c.name for c in result.calls] == ["ok"]
+    assert len(result.errors) == 1 and reason in result.errors[0], result.errors[0][:200]
+    assert len(result.errors[0]) < 400  # the error quotes the call shortened
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting() -> None:
+    args = {"code": "x = " + "[" * 100 + "]" * 100, "s": '\\"[{'}
+    result = find_calls(f"<tool_call>{json.dumps({'name': 'py', 'arguments': args})}</tool_call>")
+    assert result.errors == [] and result.calls[0].arguments == args
+
+
+def test_many_calls_in_one_turn_stop_at_the_cap() -> None:
+    for fmt, one in (("hermes", '<tool_call>{"name": "a"}</tool_call>'), ("plain", "[[a: 1]]")):
+        result = find_calls(one * (MAX_CALLS + 50), fmt)
+        assert len(result.calls) == MAX_CALLS and len(result.errors) == 1 and "more than" in result.errors[0]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[[" * 200_000,  # the plain parser was quadratic here
+        "[[calc: 1]" * 100_000,
+        "<tool_call>" * 100_000,
+        "<tool_call>{" * 100_000 + "</tool_call>",
+        "x" * 3_000_000,
+        '<tool_call>{"name": "a", "arguments": {"s": "' + "\\\\" * 200_000 + '"}}</tool_call>',
+    ],
+    ids=["plain-opens", "plain-unclosed", "hermes-opens", "hermes-braces", "3MB-text", "escapes"],
+)
+def test_parsing_is_linear_in_the_text(text: str) -> None:
+    for fmt in ("hermes", "plain"):
+        start = time.perf_counter()
+        result = find_calls(text, fmt)
+        turn_end(text, fmt)
+        assert time.perf_counter() - start < 1.0, fmt  # quadratic parsing took minutes on these
+        assert len(result.calls) + len(result.errors) <= MAX_CALLS + 1
+
+
+def test_text_that_was_not_utf8_parses() -> None:
+    """What a byte-level tokenizer decodes from invalid UTF-8 (replacement characters) and lone surrogates
+    from JSON escapes reach the tool as text, never as an exception."""
+    bad = b'\xff\xfe<tool_call>{"name": "calc", "arguments": {"e": "\xc3"}}</tool_call>'
+    result = find_calls(bad.decode("utf-8", errors="replace"))
+    assert result.calls[0].arguments == {"e": "\ufffd"}
+    lone = find_calls('<tool_call>{"name": "calc", "arguments": {"e": "\\ud800"}}</tool_call>')
+    assert lone.calls[0].arguments == {"e": "\ud800"}
