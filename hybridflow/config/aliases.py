@@ -120,6 +120,8 @@ VERL_ALIASES: dict[str, str] = {
     f"{_ARR}.rollout.multi_turn.format": "rollout.multi_turn.format",
     f"{_ARR}.rollout.multi_turn.tool_config_path": "rollout.multi_turn.tool_config_path",
     f"{_ARR}.rollout.multi_turn.max_assistant_turns": "rollout.multi_turn.max_assistant_turns",
+    f"{_ARR}.rollout.multi_turn.max_user_turns": "rollout.multi_turn.max_user_turns",
+    f"{_ARR}.rollout.multi_turn.max_parallel_calls": "rollout.multi_turn.max_parallel_calls",
     f"{_ARR}.rollout.multi_turn.max_tool_response_length": "rollout.multi_turn.max_tool_response_length",
     f"{_ARR}.rollout.update_weights_bucket_megabytes": "rollout.update_weights_bucket_megabytes",
     f"{_ARR}.hybrid_engine": "actor.hybrid_engine",

@@ -127,6 +127,19 @@ class SamplingConfig:
 
 
 @dataclass
+class SandboxConfig:
+    """Limits of each ``code_interpreter`` run, isolated by the operating system (bubblewrap)."""
+
+    allow_unisolated: bool = option(
+        False, "Where bubblewrap cannot isolate, run the code under the weaker in-process guard, not refuse."
+    )
+    memory_mb: int = option(1024, "Address space of the code's process (RLIMIT_AS), in MiB.")
+    processes: int = option(32, "Processes and threads the code may run at once (RLIMIT_NPROC).")
+    scratch_mb: int = option(64, "Size of the run's private tmpfs working directory, in MiB.")
+    file_mb: int = option(64, "Largest file the code may write (RLIMIT_FSIZE), in MiB.")
+
+
+@dataclass
 class MultiTurnConfig:
     """Multi-turn rollouts with tools (verl's ``rollout.multi_turn``): an agent loop, token in, token out."""
 
@@ -141,10 +154,17 @@ class MultiTurnConfig:
         None, "A YAML file of your own tools: tools: [{name, description, parameters, function}]."
     )
     max_assistant_turns: int = option(5, "Most assistant turns per episode.")
+    max_user_turns: int | None = option(
+        None, "Most tool turns per episode (the episode ends at the next call); null: no cap but the above."
+    )
+    max_parallel_calls: int = option(
+        1, "Most tool calls run per assistant turn, concurrently; the rest are answered with an error."
+    )
     max_tool_response_length: int = option(256, "A tool's output is cut to this many characters.")
     tool_timeout_s: float = option(
-        10.0, "Seconds a tool call may run before it is stopped (an error result)."
+        10.0, "Seconds a tool call may run before it is stopped (an error result); code_interpreter too."
     )
+    sandbox: SandboxConfig = section(SandboxConfig, "The code_interpreter sandbox (docs/tools.md).")
 
 
 @dataclass

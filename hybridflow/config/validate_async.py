@@ -181,6 +181,15 @@ def check_multi_turn(cfg: Config, out: list[Problem]) -> None:
         )
         fix = f"use some of {', '.join(BUILTIN_TOOLS)}, e.g. [calc], or declare yours in a tool_config_path file"
         out.append(Problem("rollout.multi_turn.tools", what, fix))
+    if mt.sandbox.memory_mb < 128:
+        out.append(
+            Problem(
+                "rollout.multi_turn.sandbox.memory_mb",
+                f"is {mt.sandbox.memory_mb}: the interpreter alone needs about 30 MiB of address space, and an "
+                "import of numpy several hundred",
+                "set it to 128 or more (default 1024)",
+            )
+        )
     if mt.tool_config_path and not os.path.isfile(mt.tool_config_path):
         out.append(
             Problem(

@@ -59,7 +59,8 @@ def validate(
 
 
 def episode_summary(turns: list[tuple[int, dict[str, float]]], prefix: str) -> dict[str, float]:
-    """The multi-turn metrics of several rollouts as one: means weighted by samples, extremes of the bounds."""
+    """The multi-turn metrics of several rollouts as one: means weighted by samples, extremes of the bounds,
+    sums of the ``tool/*`` counts."""
     if not turns:
         return {}
     total = sum(n for n, _ in turns)
@@ -68,6 +69,8 @@ def episode_summary(turns: list[tuple[int, dict[str, float]]], prefix: str) -> d
         values = [m[key] for _, m in turns]
         if key.endswith("/min") or key.endswith("/max"):
             out[f"{prefix}/{key}"] = float((min if key.endswith("/min") else max)(values))
+        elif key.startswith("tool/"):  # counts
+            out[f"{prefix}/{key}"] = float(sum(values))
         else:
             out[f"{prefix}/{key}"] = float(sum(n * m[key] for n, m in turns) / total)
     return out

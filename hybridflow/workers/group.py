@@ -161,12 +161,16 @@ def merge_rollout(
     if reshard[0] is not None:
         out.meta["reshard"] = reshard  # every rank's switch: its time, bytes received and peak
     out["uid"] = np.repeat(np.array([str(i) for i in range(prompts)], dtype=object), n)
-    if turns[0] is not None:  # equal shares: means average, the bounds take the extremes
-        out.meta["multi_turn"] = {
-            k: (min if k.endswith("/min") else max if k.endswith("/max") else np.mean)([t[k] for t in turns])
-            for k in turns[0]
-        }
+    if turns[0] is not None:  # equal shares: means average, the bounds take the extremes, counts add up
+        out.meta["multi_turn"] = {k: _merge_turn_metric(k)([t[k] for t in turns]) for k in turns[0]}
     return out
+
+
+def _merge_turn_metric(key: str) -> Any:
+    """How one episode metric of several rollout groups combines: ``tool/*`` are counts."""
+    if key.startswith("tool/"):
+        return sum
+    return min if key.endswith("/min") else max if key.endswith("/max") else np.mean
 
 
 class RoleHandle:

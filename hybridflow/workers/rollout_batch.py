@@ -57,7 +57,7 @@ def sample_batch(
                     "rollout.multi_turn does not carry images yet; turn it off for image prompts "
                     "(data rows with multi_modal_inputs)"
                 )
-            outputs, masks, turn_metrics = multi_turn.generate(rollout, ids, params, group)
+            outputs, masks, turn_metrics = multi_turn.generate(rollout, ids, params, group, bar.update)
         elif images is not None:  # a vision-language model's image prompts (text-only rows: None)
             outputs = rollout.generate(ids, params, progress=bar.update, mm_inputs=images)
         else:

@@ -32,7 +32,9 @@ class ToolTurn:
 
     tokens: list[int]
     calls: int = 0
-    errors: int = 0
+    errors: int = 0  # calls that failed, malformed ones included
+    parse_errors: int = 0  # malformed calls (of ``errors``)
+    skipped: int = 0  # calls past the per-turn cap, answered with an error and not run (of ``errors``)
 
 
 @dataclass
@@ -44,8 +46,11 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)  # nan on appended tokens
     mask: list[int] = field(default_factory=list)  # 1: sampled by the policy, 0: a tool's output
     turns: int = 0  # assistant turns
+    tool_turns: int = 0  # answers appended
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_parse_errors: int = 0
+    tool_skipped: int = 0
     finish_reason: str | None = None
 
 
@@ -77,8 +82,11 @@ class AgentLoop:
     ) -> None:
         self.engine, self.env, self.limits, self.agree = engine, env, limits, agree
 
-    def run(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Episode]]:
-        """``params.n`` episodes per prompt; returns them per prompt, in order."""
+    def run(
+        self, prompts: list[list[int]], params: SamplingParams, progress: Callable[[int], None] | None = None
+    ) -> list[list[Episode]]:
+        """``params.n`` episodes per prompt; returns them per prompt, in order (``progress(1)`` as each ends)."""
+        self.progress = progress or (lambda n: None)
         if self.engine.has_work:
             raise ValueError("the agent loop needs an idle engine")
         self.engine.reset_stats()
@@ -103,6 +111,8 @@ class AgentLoop:
                     self._end_turn(flat[i], seq)
                     if self._continues(flat[i]):
                         pending[i] = pool.submit(self.env.respond, flat[i], list(seq.response))
+                    else:
+                        self.progress(1)
         return groups
 
     def _add(self, e: Episode, params: SamplingParams) -> int:
@@ -133,14 +143,23 @@ class AgentLoop:
             pending.pop(i, None)  # a rank other than 0 takes rank 0's answer, ready or not here
             e, answer = flat[i], ready[i]
             if answer is None:
+                self.progress(1)
                 continue  # no tool call: the episode ends with this turn
-            e.tool_calls += answer.calls
-            e.tool_errors += answer.errors
-            tokens = answer.tokens[: self.limits.max_response_length - len(e.tokens)]
-            e.tokens += tokens
-            e.logprobs += [math.nan] * len(tokens)
-            e.mask += [0] * len(tokens)
+            self._append(e, answer)
             if len(e.tokens) >= self.limits.max_response_length:
                 e.finish_reason = "length"  # the tool's output spent the response budget
+                self.progress(1)
                 continue
             running[self._add(e, params)] = i
+
+    def _append(self, e: Episode, answer: ToolTurn) -> None:
+        """Append a tool turn's tokens (never trained on) and count what its tools did."""
+        e.tool_turns += 1
+        e.tool_calls += answer.calls
+        e.tool_errors += answer.errors
+        e.tool_parse_errors += answer.parse_errors
+        e.tool_skipped += answer.skipped
+        tokens = answer.tokens[: self.limits.max_response_length - len(e.tokens)]
+        e.tokens += tokens
+        e.logprobs += [math.nan] * len(tokens)
+        e.mask += [0] * len(tokens)
