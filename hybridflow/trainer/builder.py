@@ -83,6 +83,16 @@ def check_data_sources(dataset: RLDataset, cfg: Config, reward_fn: Any) -> None:
         dataset.require_data_sources(set(known_sources()), hint="set reward.custom_function.path to score it")
 
 
+def check_tool_isolation(cfg: Config) -> None:
+    """``code_interpreter`` needs isolation by the operating system: refused here, before any model loads, on a
+    host without it (unless ``rollout.multi_turn.sandbox.allow_unisolated``)."""
+    mt = cfg.rollout.multi_turn
+    if mt.enable and "code_interpreter" in mt.tools and not mt.sandbox.allow_unisolated:
+        from hybridflow.tools.sandbox import require_isolation
+
+        require_isolation()
+
+
 def check_rollout_view(cfg: Config, model: torch.nn.Module | None) -> None:
     """Refuse, before any rank starts, a tensor-parallel size (rollout or training) that cannot split the
     policy's heads and MLP, a sequence-parallel size that cannot split its heads, more pipeline stages than it
@@ -258,6 +268,7 @@ def build_components(
     ``trainer.total_training_steps`` (else 1, for a schedule that does not depend on it) for the schedulers.
     """
     logger.info("%s", world_line(cfg))  # first after the layout plan's line: the world, every role's layout
+    check_tool_isolation(cfg)
     model, tokenizer = _policy(cfg, model, tokenizer)
     check_rollout_view(cfg, model)
     check_position_limit(cfg, model)

@@ -203,6 +203,25 @@ def _tool_specs(path: str) -> list[Any]:
     return specs
 
 
+class _Follower:
+    """The environment of a rollout group's other ranks: the group's first rank runs the tools, and its answers
+    reach every rank through ``agree`` (a code run or a tool's side effect happens once, not once per rank)."""
+
+    env_errors = 0
+
+    def respond(self, episode: Episode, turn: list[int]) -> ToolTurn | None:
+        return None  # never used: the loop takes the first rank's answer for every episode
+
+
+def leads(group: Any) -> bool:
+    """Whether this rank runs its rollout group's tools (the group's first rank; every rank at tp = 1)."""
+    if group.group is None:
+        return True
+    import torch.distributed as dist
+
+    return dist.get_rank() == group.view.group_ranks(group.dp_rank)[0]
+
+
 def group_agree(group: Any) -> Any:
     """``agree`` for the agent loop: identity at tp = 1, else rank 0 of the rollout group's object, broadcast."""
     if group.group is None:
@@ -242,8 +261,9 @@ class MultiTurn:
         sampled tokens) and the rollout's multi-turn metrics; ``progress(1)`` as each episode ends."""
 
         agree = group_agree(group)
-        loop = AgentLoop(engine, self.env, self.limits, **({"agree": agree} if agree else {}))
-        failed_before = self.env.env_errors
+        env = self.env if leads(group) else _Follower()
+        loop = AgentLoop(engine, env, self.limits, **({"agree": agree} if agree else {}))
+        failed_before = env.env_errors
         episodes = loop.run(prompts, params, progress)
         outputs = [
             [
@@ -254,4 +274,4 @@ class MultiTurn:
             for g in episodes
         ]  # fmt: skip
         flat = [e for g in episodes for e in g]
-        return outputs, [e.mask for e in flat], episode_metrics(flat, self.env.env_errors - failed_before)
+        return outputs, [e.mask for e in flat], episode_metrics(flat, env.env_errors - failed_before)
