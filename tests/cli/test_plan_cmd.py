@@ -12,7 +12,7 @@ import pytest
 from hybridflow.cli.main import main
 from hybridflow.config import load_config
 from hybridflow.trainer import layout as layout_mod
-from hybridflow.trainer.layout import GB, plan_layout
+from hybridflow.trainer.layout import plan_layout
 from hybridflow.trainer.model_shapes import shape_config
 
 pytestmark = pytest.mark.usefixtures("restore_cli_logging")
@@ -85,36 +85,25 @@ def test_the_table_shows_the_choice_and_the_best_three_of_each_verdict(capsys) -
     """7B on 8 GPUs of 24 GB: 1,500 candidates, slower ones and ones whose generate or update does not fit."""
     argv = ["plan", "--model-shape", "qwen2.5-7b", "--gpus", "8", "--gpu-memory-gb", "24", *WORK]
     assert main(argv) == 0
-    rows = _rows(capsys.readouterr().out)
+    short = capsys.readouterr().out
+    rows = _rows(short)
     assert main([*argv, "--all"]) == 0
     out = capsys.readouterr().out
     every = _rows(out)
     cfg = load_config(None, [*WORK, "trainer.n_gpus_per_node=8"])
     plan = plan_layout(cfg, shape_config("qwen2.5-7b"), 24 * 10**9)
     assert len(every) == len(plan.considered) > 40 and "more candidates" not in out
+    total = len(every)
+    assert f"({total - len(rows)} more candidates not shown; --all lists all {total})" in short
     assert rows[0].endswith("| chosen |")
     kinds = [_kind(r) for r in rows[1:]]
     assert {"slower", "does not fit: generate", "does not fit: update_actor"} <= set(kinds)
-    for kind in set(kinds):  # three of each (all of a kind with fewer), the best of that kind
-        shown = [r for r in rows[1:] if _kind(r) == kind]
-        of_kind = [r for r in every[1:] if _kind(r) == kind]
-        assert len(shown) == min(3, len(of_kind)) and shown == of_kind[: len(shown)]
+    for kind in set(kinds):  # three of each (all of a kind with fewer): the fastest, or the nearest to fit
+        column = 5 if kind == "slower" else 4 if "host" in kind else 3  # est. step s, host GB, GB per GPU
+        shown = [float(r.split("|")[column]) for r in rows[1:] if _kind(r) == kind]
+        of_kind = sorted(float(r.split("|")[column]) for r in every[1:] if _kind(r) == kind)
+        assert shown == of_kind[: min(3, len(of_kind))]
     assert len(rows) == 1 + sum(min(3, sum(_kind(r) == k for r in every[1:])) for k in set(kinds))
-    # the slower ones, fastest first
-    slower = [float(r.split("|")[5]) for r in rows if _kind(r) == "slower"]
-    assert slower == sorted(slower) and slower[0] == min(
-        float(r.split("|")[5]) for r in every[1:] if "slower" in r
-    )
-
-
-def test_the_short_table_says_how_many_it_left_out_and_how_to_see_them(capsys) -> None:
-    argv = ["plan", "--model-shape", "qwen2.5-7b", "--gpus", "8", "--gpu-memory-gb", "80", *WORK]
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    cfg = load_config(None, [*WORK, "trainer.n_gpus_per_node=8"])
-    total = len(plan_layout(cfg, shape_config("qwen2.5-7b"), 80 * 10**9).considered)
-    left = total - len(_rows(out))
-    assert f"({left} more candidates not shown; --all lists all {total})" in out
 
 
 def _kind(row: str) -> str:
@@ -126,45 +115,35 @@ def _kind(row: str) -> str:
 
 
 def test_planning_for_other_gpus_says_the_host_was_not_checked_and_what_it_needs(capsys) -> None:
-    """--gpus 8 --gpu-memory-gb 141 (not this machine's): the 70B plan's CPU step needs ~988 GB of host memory per
-    node; without --host-memory-gb the plan says so, and with it the host is checked."""
-    argv = [
-        "plan",
-        "--model-shape",
-        "llama-3-70b",
-        "--gpus",
-        "8",
-        "--gpu-memory-gb",
-        "141",
-        "data.train_batch_size=64",
-    ]
-    assert main(argv) == 0
+    """--gpus 8 --gpu-memory-gb 141 (not this machine's): the 70B plan's CPU step keeps ~988 GB per node on the
+    host; without --host-memory-gb the plan says it did not check that, and how much it is."""
+    argv = ["plan", "--model-shape", "llama-3-70b", "--gpus", "8", "--gpu-memory-gb", "141"]
+    assert main([*argv, "data.train_batch_size=64"]) == 0
     out = capsys.readouterr().out
-    cfg = load_config(None, ["data.train_batch_size=64", "trainer.n_gpus_per_node=8"])
-    plan = plan_layout(cfg, shape_config("llama-3-70b"), 141 * 10**9)
-    assert plan.cpu_step and plan.host > 900 * GB
-    needs = f"{plan.host / GB:.1f} GB"
-    first = out.splitlines()[0]
-    assert "host memory not checked" in first and needs in first
     (note,) = [line for line in out.splitlines() if line.startswith("host memory per node")]
-    assert "not checked" in note and "--host-memory-gb" in note and needs in note and "per node" in note
-    assert main([*argv, "--host-memory-gb", "512"]) == 0  # checked: the CPU step's 988 GB does not fit
-    out = capsys.readouterr().out
-    assert "not checked" not in out and re.search(r"does not fit: the host needs \d+ of 410 GB per node", out)
+    needs = re.match(r"host memory per node \(offload, CPU step\): ([0-9.]+) GB, not checked", note)[1]
+    assert float(needs) > 900 and "--host-memory-gb" in note
+    first = out.splitlines()[0]
+    assert (
+        "offload=cpu-step" in first
+        and f"host memory not checked: this layout keeps {needs} GB per node" in first
+    )
 
 
 def test_planning_for_this_machines_gpus_checks_its_host_memory(monkeypatch, capsys) -> None:
-    """On a machine with 8 GPUs of 141 GB and 512 GB of memory, `plan --gpus 8` plans for them and checks the
-    host against this machine's memory; --gpus 16 (more GPUs per node than it has) does not."""
+    """On a machine with one GPU of 141 GB and 64 GB of memory, `plan --gpus 1` plans for its GPU and checks the
+    host against its memory (the 7B CPU step's 107 GB does not fit 80% of 64); --gpus 2 (more GPUs per node than
+    it has) is not this machine, and the host is not checked."""
     monkeypatch.setattr(layout_mod, "gpu_memory_bytes", lambda cap=None: 141 * 10**9)
-    monkeypatch.setattr(layout_mod, "gpus_here", lambda: 8)
-    monkeypatch.setattr(layout_mod, "host_memory_bytes", lambda: 512 * 10**9)
-    argv = ["plan", "--model-shape", "llama-3-70b", "data.train_batch_size=64"]
-    assert main([*argv, "--gpus", "8"]) == 0
+    monkeypatch.setattr(layout_mod, "gpus_here", lambda: 1)
+    monkeypatch.setattr(layout_mod, "host_memory_bytes", lambda: 64 * 10**9)
+    argv = ["plan", "--model-shape", "qwen2.5-7b", *WORK, "--all"]
+    assert main([*argv, "--gpus", "1"]) == 0
     out = capsys.readouterr().out
-    assert "not checked" not in out and re.search(r"does not fit: the host needs \d+ of 410 GB per node", out)
-    assert main([*argv, "--gpus", "16", "--all"]) == 0  # more GPUs per node than here: not this machine's
-    assert "the host needs" not in capsys.readouterr().out
+    assert "not checked" not in out and "does not fit: the host needs 107 of 51 GB per node" in out
+    assert main([*argv, "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "the host needs" not in out and "of 141 GB" in out.splitlines()[0]
 
 
 def test_planned_keys_are_not_refused_before_the_plan_chooses_them(tmp_path: Path, capsys) -> None:
