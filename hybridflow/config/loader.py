@@ -13,7 +13,7 @@ import logging
 import re
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -283,8 +283,11 @@ def _build(
     return cls(**kwargs)
 
 
-def _resolve(items: Iterable[_Item], problems: list[Problem]) -> Config:
-    """Lay the items over the defaults, type-check, validate; raise ConfigError listing every problem."""
+def _resolve(items: Iterable[_Item], problems: list[Problem], defer: Collection[str] = ()) -> Config:
+    """Lay the items over the defaults, type-check, validate; raise ConfigError listing every problem.
+
+    ``defer``: fields whose validation problems are left out (fields a later step chooses, such as the layout
+    keys the automatic layout plans, which are validated once chosen)."""
     tree = Config().to_dict()
     given: dict[str, str] = {}
     written: dict[str, str] = {}  # every field set -> the key written for it (the last writer's)
@@ -299,8 +302,11 @@ def _resolve(items: Iterable[_Item], problems: list[Problem]) -> Config:
     cfg = _build(Config, tree, "", given, problems)
     if problems:
         raise ConfigError(problems)
+    deferred = {aliases.resolve_alias(path)[0] for path in defer}
     problems.extend(
-        dataclasses.replace(p, given_as=p.given_as or _spelled(p.path, written)) for p in validate_config(cfg)
+        dataclasses.replace(p, given_as=p.given_as or _spelled(p.path, written))
+        for p in validate_config(cfg)
+        if aliases.resolve_alias(p.path)[0] not in deferred
     )
     if problems:
         raise ConfigError(problems)
@@ -371,20 +377,26 @@ def _read_yaml(path: str | Path) -> Mapping[str, Any]:
     return data
 
 
-def config_from_dict(data: Mapping[str, Any], overrides: list[str] | None = None) -> Config:
-    """Build and validate a Config from a nested mapping (verl keys accepted) and optional overrides."""
+def config_from_dict(
+    data: Mapping[str, Any], overrides: list[str] | None = None, defer: Collection[str] = ()
+) -> Config:
+    """Build and validate a Config from a nested mapping (verl keys accepted) and optional overrides
+    (``defer``: fields validated later, by whoever chooses them; ``_resolve``)."""
     problems: list[Problem] = []
     items: list[_Item] = []
     _flatten("", data, items, problems)
     for key, value in parse_overrides(overrides or []):
         _flatten(key, value, items, problems)
-    return _resolve(items, problems)
+    return _resolve(items, problems, defer)
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
-    """Load a Config: the defaults, then the YAML file ``path`` (if any), then ``key=value`` overrides."""
+def load_config(
+    path: str | None = None, overrides: list[str] | None = None, defer: Collection[str] = ()
+) -> Config:
+    """Load a Config: the defaults, then the YAML file ``path`` (if any), then ``key=value`` overrides
+    (``defer``: fields validated later, by whoever chooses them; ``_resolve``)."""
     data = _read_yaml(path) if path is not None else {}
-    return config_from_dict(data, overrides)
+    return config_from_dict(data, overrides, defer)
 
 
 def save_config(cfg: Config, path: str | Path) -> Path:

@@ -7,6 +7,11 @@ the plan says that layout does not fit (it runs as asked, with a warning giving 
 ``trainer.auto_layout=false`` or the baseline (``actor.hybrid_engine=false``) plans nothing. Without a GPU
 (CPU runs) the plan is the plain layout, whose values are the defaults: a CPU run is the same with or
 without the plan. ``log_plan`` is the one log line naming the planned keys and their values.
+
+The layout keys the user did not set (``plan_chooses``) are not validated when the config is loaded
+(``load_config(..., defer=...)``): their defaults may not suit the run (a micro-batch that does not divide
+the per-GPU mini-batch), and the plan chooses them; ``plan_run`` validates the config once they are chosen,
+or as it is where nothing is planned. A key the user set is validated as set, on loading.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from hybridflow.config import Config, parse_overrides
+from hybridflow.config import Config, check_config, parse_overrides
+from hybridflow.config.aliases import resolve_alias
 from hybridflow.trainer.keywords import file_values
 from hybridflow.trainer.layout import (
     LAYOUT_KEYS,
@@ -43,15 +49,21 @@ def user_keys(file: Mapping[str, Any], overrides: list[str]) -> set[str]:
     return given
 
 
+def plan_chooses(given: set[str]) -> set[str]:
+    """The layout keys the plan chooses: those not in ``given`` (the keys the user set)."""
+    return {path for path in LAYOUT_KEYS if resolve_alias(path)[0] not in given}
+
+
 def plan_run(cfg: Config, given: set[str], gpu_bytes: int | None = THIS_GPU) -> tuple[Config, Layout | None]:
-    """``cfg`` with the planned layout in the layout keys not in ``given``, and the plan (None: not planned).
+    """``cfg`` with the planned layout in the layout keys not in ``given``, and the plan (None: not planned);
+    validated either way (``cfg`` may have been loaded without the keys the plan chooses validated).
 
     ``gpu_bytes``: the memory of one GPU to plan for (default: this machine's first GPU, None on CPU; with
     it, this machine's host memory bounds what offload and the CPU step may keep there), at most
     ``trainer.gpu_memory_gb``.
     """
     if not (cfg.trainer.auto_layout and cfg.actor.hybrid_engine) or cfg.model.path is None:
-        return cfg, None
+        return check_config(cfg), None
     from hybridflow.models.loader import load_config as load_model_config
 
     model_config = load_model_config(cfg.model.path, cfg.model.trust_remote_code)

@@ -8,9 +8,11 @@ once where one wave does not fit (``rollout.max_num_seqs``). For each it estimat
 memory per GPU (``trainer.layout_memory``: the engine's own accounting plus activations and the KV cache) and
 the step time (``trainer.step_time``, from the rates measured in benchmarks/RESULTS.md), and keeps the fastest
 that fits; where none fits, the one of the smallest peak and its shortfall. Keys set in the config are kept
-as they are (the plan only fills the others). ``Layout.line()`` is the one-line log of the choice and why;
-``Layout.table()`` the memory per GPU of each phase and ``candidates_table`` every candidate scored and its
-verdict (``hybridflow plan``).
+as they are (the plan only fills the others). A vision-language model (Qwen2-VL, Qwen2.5-VL) is planned from
+its text model's shapes and every parameter, its vision tower's too, on the views its training takes (FSDP2
+alone, whole rollout replicas). ``Layout.line()`` is the one-line log of the choice and why; ``Layout.table()``
+the memory per GPU of each phase and ``candidates_table`` (``trainer.layout_report``) the candidates scored and
+their verdicts (``hybridflow plan``).
 """
 
 from __future__ import annotations
@@ -29,24 +31,40 @@ from hybridflow.config.parallel import role_sizes
 from hybridflow.config.validate import get_path
 from hybridflow.config.views import divisors
 from hybridflow.engine import (
+    GRAD_BYTES,
+    MASTER_BYTES,
+    MOMENT_BYTES,
     GenerateView,
     ParallelDims,
     ViewMemory,
     unsplit_reason,
     view_memory,
 )
+from hybridflow.models.vision import is_vision_language, text_config
+from hybridflow.models.vision_tower import check_vision_training
 from hybridflow.trainer.layout_memory import (  # noqa: F401 (the machine's memory: re-exported)
     estimate_phases,
     estimate_seconds,
     generation_slots,
     gpu_memory_bytes,
+    gpus_here,
     host_bytes,
     host_memory_bytes,
+)
+from hybridflow.trainer.layout_report import (  # noqa: F401 (candidates_table: re-exported)
+    GB,
+    candidates_table,
+    gb,
+    gigabytes,
+    host_line,
+    parameters_text,
+    seconds,
+    unchecked_host,
+    why,
 )
 
 logger = logging.getLogger(__name__)
 
-GB = 1e9
 HEADROOM = 0.9  # of a GPU's memory a plan may fill (the CUDA context, the allocator's fragmentation)
 HOST_HEADROOM = 0.8  # of a node's host memory offload and the CPU step may fill (the processes, page cache)
 # (the actor's parallel sizes by their long spellings, which a user can paste as they are printed)
@@ -97,6 +115,7 @@ class Layout:
     phases: dict[str, int] = field(default_factory=dict)
     usable: int | None = None
     host: int = 0  # host bytes of one node the offload or the CPU step holds
+    frozen: int = 0  # elements of a frozen vision tower one rank holds (bf16, no gradients or moments)
     host_usable: int | None = None  # None: the host's memory is not checked
     views: ViewMemory | None = None
     state: tuple[int, str, int, int] | None = None  # LoRA: state bytes per GPU, what, adapters, host bytes
@@ -174,33 +193,40 @@ class Layout:
         if self is chosen:
             return "chosen" if self.fits else "nearest, does not fit"
         if not self.host_fits:
-            return f"does not fit: the host needs {self.host / GB:.0f} of {self.host_usable / GB:.0f} GB per node"
+            needs, has = gigabytes(self.host, self.host_usable, decimals=0)
+            return f"does not fit: the host needs {needs} of {has} GB per node"
         if not self.fits:
             name = self.peak_phase()
-            return f"does not fit: {name} needs {self.phases[name] / GB:.1f} of {self.usable / GB:.1f} GB"
-        return f"slower: {self.seconds:.1f} s"
+            needs, has = gigabytes(self.phases[name], self.usable)
+            return f"does not fit: {name} needs {needs} of {has} GB"
+        if self.seconds == chosen.seconds:  # an estimate tie: the simplest of them is chosen
+            return "as fast: the chosen one is simpler"
+        return f"slower: {seconds(self.seconds, chosen.seconds)} s"
 
     def table(self) -> str:
         """The memory per GPU of each phase, and the views' own figures."""
         rows = ["| phase | GB per GPU |", "|---|---|"]
-        rows += [f"| {name} | {b / GB:.2f} |" for name, b in self.phases.items()]
+        rows += [f"| {name} | {gb(b, 2)} |" for name, b in self.phases.items()]
         if self.usable is not None:
-            rows.append(f"| usable ({HEADROOM:.0%} of the GPU) | {self.usable / GB:.2f} |")
+            rows.append(f"| usable ({HEADROOM:.0%} of the GPU) | {gb(self.usable, 2)} |")
         v = self.views
         if v is not None:
-            switch = (
-                "" if v.received_bytes is None else f", {v.received_bytes / GB:.3f} GB received per switch"
-            )
+            switch = "" if v.received_bytes is None else f", {gb(v.received_bytes, 3)} GB received per switch"
             state = "fp32 masters, grads, AdamW moments" + (
                 ", on the host with the CPU step" if self.cpu_step else ""
             )
-            held, state = self.state[:2] if self.state else (v.state_bytes(), state)
+            held = v.state_bytes()
+            if self.frozen:  # the frozen vision tower: its bf16 weights alone
+                held -= self.frozen * (MASTER_BYTES + GRAD_BYTES + MOMENT_BYTES - 2)
+                state += "; the frozen vision tower in bf16"
+            held, state = self.state[:2] if self.state else (held, state)
             rows.append(
-                f"\nper GPU: training state {held / GB:.2f} GB ({state}), "
-                f"generation weights {v.generation_bytes / GB:.2f} GB{switch}"
+                f"\nper GPU: training state {gb(held, 2)} GB ({state}), "
+                f"generation weights {gb(v.generation_bytes, 2)} GB{switch}"
             )
-        if self.host:
-            rows.append(f"host memory per node (offload, CPU step): {self.host / GB:.1f} GB")
+        line = host_line(self)
+        if line is not None:
+            rows.append(line)
         return "\n".join(rows)
 
 
@@ -226,13 +252,15 @@ def set_path(cfg: Config, path: str, value: Any) -> None:
 
 
 def meta_model(model_config: Any) -> torch.nn.Module:
-    """The causal LM of ``model_config`` on the meta device (shapes only, no memory; cached per shape)."""
+    """The model of ``model_config`` on the meta device (shapes only, no memory; cached per shape): the causal
+    LM, or a vision-language model's image-text-to-text model (its text model and vision tower)."""
     key = model_config.to_json_string(use_diff=False)
     if key not in _META_MODELS:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+        auto = AutoModelForImageTextToText if is_vision_language(model_config) else AutoModelForCausalLM
         with torch.device("meta"):
-            _META_MODELS[key] = AutoModelForCausalLM.from_config(model_config)
+            _META_MODELS[key] = auto.from_config(model_config)
     return _META_MODELS[key]
 
 
@@ -268,17 +296,25 @@ def _unique(values: list[Any]) -> list[Any]:
 
 
 def _micro_levers(cfg: Config, dp: int) -> list[tuple[int, int]]:
-    """(micro-batch, token budget) pairs to try: the config's, then halves of the one the run sizes by."""
+    """(micro-batch, token budget) pairs to try: the config's, then halves of the one the run sizes by.
+
+    A config value that cannot be (a micro-batch that does not divide this GPU's share of a mini-batch, a
+    budget below one sample) is a default the plan chooses (a value the user set was checked on loading): the
+    largest micro-batch below it that divides the share, or a budget of one whole sample, stand in for it."""
     a, d = cfg.actor, cfg.data
     micro, budget = a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu
+    length = d.max_prompt_length + d.max_response_length
+    share = -(-a.ppo_mini_batch_size * cfg.rollout.n // max(dp, 1))
+    if a.use_dynamic_bsz:
+        budget = max(budget, length)
+    elif share % micro:
+        micro = max(m for m in range(1, min(micro, share) + 1) if share % m == 0)
     out = [(micro, budget)]
     if a.use_dynamic_bsz:  # halves down to one whole sample
-        length = d.max_prompt_length + d.max_response_length
         while budget // 2 >= length and len(out) < 4:
             budget //= 2
             out.append((micro, budget))
     else:  # halves that still divide this GPU's share of a mini-batch
-        share = -(-a.ppo_mini_batch_size * cfg.rollout.n // max(dp, 1))
         while micro > 1 and len(out) < 4:
             micro //= 2
             if share % micro == 0:
@@ -297,7 +333,12 @@ def _simplicity(cfg: Config, x: Layout) -> tuple:
 
 
 def _splits(model: torch.nn.Module, layout: Layout) -> bool:
-    """Whether the model splits as the layout asks (heads and MLP over tp, layers over pp, heads over sp)."""
+    """Whether the model splits as the layout asks (heads and MLP over tp, layers over pp, heads over sp).
+
+    A vision-language model trains on FSDP2 alone and generates on whole replicas (``check_vision_training``,
+    the switch's ``check_vision_tp``): any other view is refused."""
+    if is_vision_language(model.config):
+        return max(layout.tp_train, layout.pp, layout.sp, layout.ep, layout.tp_generate) == 1
     if unsplit_reason(model, layout.tp_train, layout.tp_generate, layout.ep_generate) is not None:
         return False
     try:  # the view the actor would build (sizes that do not fit the world are refused here too)
@@ -338,10 +379,15 @@ def plan_layout(
 ) -> Layout:
     """The fastest layout (by ``trainer.step_time``'s estimate) whose every phase fits ``gpu_bytes`` per GPU
     (None: no GPU, the plain layout) and whose offload fits ``host_memory`` bytes per node (None: not checked);
-    where none fits, the one of the smallest peak, saying by how much."""
+    where none fits, the one of the smallest peak, saying by how much.
+
+    A vision-language ``model_config``: the text model's shapes size the activations and the KV cache, and what
+    its training refuses (``check_vision_training``) is refused here too."""
     world = cfg.trainer.world_size
     fixed = explicit_layout_keys(cfg, given)
+    check_vision_training(cfg, model_config)
     model = meta_model(model_config)
+    model_config, size = text_config(model_config), parameters_text(cfg, model)
     candidates = _candidates(cfg, model, world, fixed)
     if not candidates:
         layout = Layout(world)
@@ -362,13 +408,13 @@ def plan_layout(
     fitting = [x for x in candidates if x.fits]
     if gpu_bytes is None or fitting:  # stable: among equal estimates the simplest
         best = first if gpu_bytes is None else min(fitting, key=lambda x: x.seconds)
-        best.reason = _why(best, first, fixed, gpu_bytes)
+        best.reason = why(best, first, fixed, gpu_bytes, size) + unchecked_host(best)
         best.considered = candidates
         return _with_switch(model, best)
     best = min(candidates, key=lambda x: (not x.host_fits, x.peak))
     best.reason = (
-        _why(best, first, fixed, gpu_bytes) + "; " + _short_of(cfg, model_config, model, best, usable)
-    )
+        why(best, first, fixed, gpu_bytes, size) + "; " + _short_of(cfg, model_config, model, best, usable)
+    ) + unchecked_host(best)
     if best.peak_phase() == "update_actor" and not best.value(cfg, "model.enable_gradient_checkpointing"):
         best.reason += (
             "; model.enable_gradient_checkpointing=true (or a smaller actor.ppo_micro_batch_size_per_gpu) "
@@ -403,65 +449,6 @@ def _with_switch(model: torch.nn.Module, layout: Layout) -> Layout:
     return layout
 
 
-def _phase_over(layout: Layout) -> str:
-    name = max(layout.phases, key=layout.phases.get)
-    return f"{name} needs {layout.phases[name] / GB:.1f} GB"
-
-
-def _why(layout: Layout, first: Layout, fixed: dict[str, Any], gpu_bytes: int | None) -> str:
-    """Why this layout: the model and GPUs, what did not fit or was slower, the estimate, what the config fixed."""
-    n = layout.params
-    size = f"{n / 1e9:.2f}B parameters" if n >= 1e8 else f"{n / 1e6:.2f}M parameters"
-    kept = f"; kept from the config: {', '.join(f'{k}={v}' for k, v in fixed.items())}" if fixed else ""
-    if gpu_bytes is None:
-        return f"{size} on {layout.world} rank(s) without a GPU: nothing to fit, the plain layout{kept}"
-    gpus = f"{layout.world} GPU(s) of {gpu_bytes / GB:.0f} GB"
-    step = f"; estimated step {layout.seconds:.1f} s (an estimate from benchmarks/RESULTS.md rates)"
-    if not layout.host_fits:
-        return (
-            f"{size} on {gpus}: no layout fits, this one fits the GPU ({_phase_over(layout)}) but its host memory "
-            f"does not ({layout.host / GB:.0f} of {layout.host_usable / GB:.0f} GB per node){kept}"
-        )
-    if not layout.fits:
-        short = (layout.peak - layout.usable) / GB
-        return (
-            f"{size} on {gpus}: no layout fits, the smallest peak is this one ({_phase_over(layout)} of "
-            f"{layout.usable / GB:.1f}, {short:.1f} GB short){kept}"
-        )
-    if layout is first:
-        return (
-            f"{size} on {gpus}: the simplest layout fits ({_phase_over(layout)} of {layout.usable / GB:.1f})"
-            f"{step}{kept}"
-        )
-    if first.fits:
-        return (
-            f"{size} on {gpus}: the fastest that fits ({_phase_over(layout)} of {layout.usable / GB:.1f}); "
-            f"the simplest, {first.describe()}, fits too but is slower ({first.seconds:.1f} s){step}{kept}"
-        )
-    return (
-        f"{size} on {gpus}: {first.describe()} does not fit ({_phase_over(first)} of {first.usable / GB:.1f}); "
-        f"this one does ({_phase_over(layout)}) and is the fastest that fits{step}{kept}"
-    )
-
-
-def candidates_table(layout: Layout, limit: int = 40) -> str:
-    """The candidates the plan scored: peak phase, GB per GPU, estimated step, verdict (fastest fitting first,
-    then the nearest that do not fit); ``limit`` rows at most."""
-    rows = ["| candidate | peak phase | GB per GPU | host GB per node | est. step s | verdict |"]
-    rows.append("|---|---|---|---|---|---|")
-    ranked = sorted(layout.considered, key=lambda x: (not x.fits, x.seconds if x.fits else x.peak))
-    ranked = [layout] + [x for x in ranked if x is not layout]
-    for x in ranked[:limit]:
-        name = x.peak_phase()
-        rows.append(
-            f"| {x.describe()} | {name} | {x.phases[name] / GB:.2f} | {x.host / GB:.0f} | {x.seconds:.1f} "
-            f"| {x.verdict(layout)} |"
-        )
-    if len(ranked) > limit:
-        rows.append(f"({len(ranked) - limit} more candidates not shown)")
-    return "\n".join(rows)
-
-
 def _short_of(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout, usable: int | None) -> str:
     """How many GPUs of this size the run would need (the same layout kinds over more ranks)."""
     for world in (2, 4, 8, 16, 32, 64, 128, 256, 512):
@@ -470,7 +457,9 @@ def _short_of(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout, usab
         wider = copy.deepcopy(cfg)
         wider.trainer.nnodes, wider.trainer.n_gpus_per_node = 1, world
         # the widest rollout group of up to 8 GPUs that splits the model's heads
-        tp_g = next((t for t in (8, 4, 2, 1) if t <= world and unsplit_reason(model, 1, t) is None), 1)
+        tp_g = next(
+            (t for t in (8, 4, 2, 1) if t <= world and _splits(model, Layout(world, tp_generate=t))), 1
+        )
         for offload, name in (((True, True, False), "offload"), ((False, False, True), "the CPU step")):
             trial = Layout(world, 1, 1, 1, tp_g, *offload, True, usable=usable)
             trial.phases = estimate_phases(wider, mc, model, trial)

@@ -2,7 +2,9 @@
 
 ``estimate_phases`` is each phase's bytes per GPU from the engine's own accounting (``engine.hybrid.memory``:
 held boxes, the reshard plan's generation shard) plus activations and the KV cache; ``estimate_seconds`` the
-step's estimated time (``trainer.step_time``). A layout's levers left at None take the config's values.
+step's estimated time (``trainer.step_time``). A layout's levers left at None take the config's values. A
+vision-language model's text model sizes the activations and the KV cache (``mc``: its config or the VLM's, whose
+``text_config`` is taken); a frozen vision tower holds its bf16 weights alone (no gradients or moments).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from hybridflow.engine import (
     lora_elements,
     view_memory,
 )
+from hybridflow.models.vision import text_config
+from hybridflow.models.vision_tower import vision_tower
 from hybridflow.trainer.step_time import Levers, Work, step_seconds
 
 # ``layout`` arguments are ``trainer.layout.Layout`` (not imported: that module imports this one)
@@ -165,14 +169,30 @@ def lora_phases(
     }
 
 
+@functools.lru_cache(maxsize=16)
+def _tower_elements(model: torch.nn.Module, world: int) -> int:
+    """The vision tower's elements the largest rank holds: FSDP2 over every rank (a VLM trains on FSDP2 alone)
+    chunks each parameter's dim 0, the first chunk the largest (0 for a text model)."""
+    tower = vision_tower(model)
+    if tower is None:
+        return 0
+    return sum(
+        -(-p.shape[0] // world) * (p.numel() // p.shape[0]) if p.dim() else 1 for p in tower.parameters()
+    )
+
+
 def estimate_phases(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout) -> dict[str, int]:
     """Bytes per GPU of each phase of a step under ``layout`` (the actor; a colocated reference added)."""
+    mc = text_config(mc)
     v = _views(model, layout.dims(with_sp=False), layout.tp_generate, layout.ep_generate)  # sp: no change
     layout.views, layout.params = v, v.full_elements
     if cfg.model.lora_rank > 0:
         return lora_phases(cfg, mc, model, layout, v)
     held = v.held_elements
-    masters, moments, grads = held * MASTER_BYTES, held * MOMENT_BYTES, held * GRAD_BYTES
+    layout.frozen = _tower_elements(model, layout.world) if cfg.model.freeze_vision_tower else 0
+    trained = held - layout.frozen  # a frozen tower keeps its compute dtype (bf16), trains nothing
+    masters = trained * MASTER_BYTES + layout.frozen * 2
+    moments, grads = trained * MOMENT_BYTES, trained * GRAD_BYTES
     ref = held * 2 if cfg.use_reference and not cfg.ref.fsdp.param_offload else 0
     # At one rank FSDP2 keeps the bf16 layers gathered through the micro-batches; above, two layers at once.
     gathered = held * 2 if layout.world == 1 else 2 * v.layer_bytes
@@ -185,7 +205,7 @@ def estimate_phases(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout
         # moments are on the host. At one rank those shards are also the rollout's weights, each layer is
         # gathered only while it computes (``TrainEngine``), and the micro-batches' gradients accumulate
         # unsharded in the float32 reduce dtype (deferred sync; measured on the H200 with Qwen2-7B).
-        weights, grads = held * 2, held * (4 if layout.world == 1 and not layout.param_offload else 2)
+        weights, grads = held * 2, trained * (4 if layout.world == 1 and not layout.param_offload else 2)
         if layout.world == 1:  # two layers gathered at a time, and the root (embeddings, head) kept gathered
             root = held * 2 - mc.num_hidden_layers * v.layer_bytes
             gathered, generation = 2 * v.layer_bytes + root, 0
@@ -213,13 +233,13 @@ def _log_prob_passes(cfg: Config) -> int:
 
 def estimate_seconds(cfg: Config, mc: Any, layout: Layout) -> float:
     """The layout's estimated step time (``trainer.step_time``; after ``estimate_phases``, which sizes it)."""
-    d, r = cfg.data, cfg.rollout
+    d, r, mc = cfg.data, cfg.rollout, text_config(mc)
     context = d.max_prompt_length + d.max_response_length
     samples = group_samples(cfg, layout)
     slots = max(1, min(layout.value(cfg, "rollout.max_num_seqs"), samples))
     micro_batches, micro_tokens = update_micro(cfg, layout)
     work = Work(
-        params=layout.params, held=layout.views.held_elements, layers=mc.num_hidden_layers,
+        params=layout.params, held=layout.views.held_elements - layout.frozen, layers=mc.num_hidden_layers,
         hidden=mc.hidden_size, world=layout.world, gpus_per_node=cfg.trainer.n_gpus_per_node,
         tokens=d.train_batch_size * r.n * context, response=d.max_response_length, waves=-(-samples // slots),
         slots=slots, kv_bytes_per_token=kv_bytes_per_token(cfg, mc, layout),
@@ -246,8 +266,11 @@ def host_bytes(cfg: Config, layout: Layout) -> int:
     per_element += HOST_BYTES["optimizer_offload"] * bool(layout.optimizer_offload)
     per_element += HOST_BYTES["cpu_step"] * bool(layout.value(cfg, "actor.fsdp.optimizer_step_on_cpu"))
     gpus = min(cfg.trainer.n_gpus_per_node, layout.world)
-    if layout.state is None:
-        return per_element * layout.views.held_elements * gpus
+    if (
+        layout.state is None
+    ):  # a frozen vision tower: its bf16 weights offloaded with the parameters, no state
+        frozen = 2 * layout.frozen * bool(layout.param_offload)
+        return (per_element * (layout.views.held_elements - layout.frozen) + frozen) * gpus
     _, _, adapters, host = layout.state  # LoRA: the adapters' state, and in_place's copy of the base
     return per_element * adapters * gpus + host * gpus
 
@@ -260,6 +283,11 @@ def host_memory_bytes() -> int | None:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def gpus_here() -> int:
+    """How many GPUs this machine has (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def gpu_memory_bytes(cap_gb: float | None = None) -> int | None:

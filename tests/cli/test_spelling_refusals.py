@@ -90,7 +90,7 @@ def test_what_ran_without_a_word_is_refused(
 PLAN = [
     (
         ["--gpu-memory-gb", "0"],
-        "error: --gpu-memory-gb: expected the memory of one GPU in GB, a number greater",
+        "error: --gpu-memory-gb: expected the memory of one GPU in GB, a number of at least 1",
     ),
     (["--gpu-memory-gb", "-80"], "error: --gpu-memory-gb: expected the memory of one GPU in GB"),
     (["--gpu-memory-gb", "nan"], "error: --gpu-memory-gb: expected the memory of one GPU in GB"),

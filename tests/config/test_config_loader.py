@@ -175,3 +175,16 @@ def test_invalid_yaml_names_file_and_line(tmp_path: Path) -> None:
 def test_yaml_that_is_not_a_mapping(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="must hold a mapping"):
         load_config(_write(tmp_path, "- a\n- b\n"))
+
+
+def test_deferred_fields_are_left_to_whoever_chooses_them() -> None:
+    """``defer``: a field's problem waits (the automatic layout chooses it); every other field's is raised."""
+    from hybridflow.config import ConfigError, load_config, validate_config
+
+    five = ["rollout.n=5", "trainer.n_gpus_per_node=8"]  # 10 samples per GPU: the default micro-batch 8 fails
+    with pytest.raises(ConfigError, match=r"actor\.ppo_micro_batch_size_per_gpu: 8 does not divide"):
+        load_config(None, five)
+    cfg = load_config(None, five, defer={"actor.ppo_micro_batch_size_per_gpu"})
+    assert [p.path for p in validate_config(cfg)] == ["actor.ppo_micro_batch_size_per_gpu"]  # still there
+    with pytest.raises(ConfigError, match=r"rollout\.n"):  # only the deferred field waits
+        load_config(None, [*five, "rollout.n=0"], defer={"actor.ppo_micro_batch_size_per_gpu"})

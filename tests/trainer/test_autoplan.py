@@ -212,3 +212,36 @@ def test_plan_command_plans_for_the_runs_gpu_memory_gb(
     """No GPU here: the run's cap stands for the size of the GPU it will run on."""
     assert main(["plan", f"model.path={shape_7b}", *WIDE, "trainer.gpu_memory_gb=24"]) == 0
     assert "GPU(s) of 24 GB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("gpu_bytes", [GB80, None])  # planned for an 80 GB GPU, and on a CPU (no GPU)
+def test_a_vision_language_model_is_planned_by_the_run(gpu_bytes: int | None, tmp_path: Path) -> None:
+    """The train command's planning of a tiny Qwen2.5-VL: FSDP2 alone, whole rollout replicas."""
+    from hybridflow.models.vision import build_tiny_vl_model_and_processor
+
+    build_tiny_vl_model_and_processor(out_dir=tmp_path / "vl")
+    overrides = [f"model.path={tmp_path / 'vl'}", "trainer.n_gpus_per_node=2", "data.train_batch_size=8"]
+    cfg = planned_config(None, [*overrides, "rollout.n=2", "actor.ppo_mini_batch_size=8"], gpu_bytes)
+    assert cfg.actor.tensor_parallel_size == 1 and cfg.rollout.tensor_model_parallel_size == 1
+
+
+# rollout.n=5 on 8 GPUs: 16 prompts x 5 = 80 samples a mini-batch, 10 per GPU, which the default micro-batch (8)
+# does not divide
+FIVE = ["rollout.n=5", "trainer.n_gpus_per_node=8"]
+
+
+@pytest.mark.parametrize("gpu_bytes", [GB80, None])
+def test_the_run_plans_a_micro_batch_its_default_would_not_divide(
+    shape_7b: Path, gpu_bytes: int | None
+) -> None:
+    cfg = planned_config(None, [f"model.path={shape_7b}", *FIVE], gpu_bytes)
+    assert 10 % cfg.actor.ppo_micro_batch_size_per_gpu == 0
+
+
+def test_without_a_plan_the_default_micro_batch_is_checked_as_it_is(shape_7b: Path) -> None:
+    from hybridflow.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"actor\.ppo_micro_batch_size_per_gpu: 8 does not divide"):
+        planned_config(None, [f"model.path={shape_7b}", *FIVE, "trainer.auto_layout=false"], GB80)
+    with pytest.raises(ConfigError, match=r"actor\.ppo_micro_batch_size_per_gpu: 8 does not divide"):
+        planned_config(None, [f"model.path={shape_7b}", *FIVE, "actor.ppo_micro_batch_size_per_gpu=8"], GB80)

@@ -131,3 +131,35 @@ def test_hybridflow_plan_reads_the_models_config_json(tmp_path, capsys) -> None:
     assert main(["plan", f"model.path={tmp_path / 'm'}", "--gpus", "2", "--gpu-memory-gb", "80"]) == 0
     out = capsys.readouterr().out
     assert "M parameters on 2 GPU(s) of 80 GB: the simplest layout fits" in out
+
+
+@pytest.fixture(scope="module")
+def tiny_vl(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny Qwen2.5-VL (2 text layers, 2 vision blocks) saved to a directory, and the model."""
+    from hybridflow.models.vision import build_tiny_vl_model_and_processor
+
+    out = tmp_path_factory.mktemp("vl") / "m"
+    model, _ = build_tiny_vl_model_and_processor(out_dir=out)
+    return out, model
+
+
+def test_a_vision_language_model_plans_its_text_model_and_its_vision_tower(tiny_vl) -> None:
+    """The plan counts every parameter, the tower's too; a frozen tower (the default) holds bf16 weights and no
+    gradients or moments, a trained one float32 masters, gradients and moments (16 bytes an element, not 2)."""
+    from hybridflow.models.loader import load_config as load_model_config
+
+    path, model = tiny_vl
+    mc = load_model_config(path, False)
+    overrides = [*RUN, "trainer.n_gpus_per_node=2"]
+    frozen = plan_layout(load_config(None, overrides), mc, 80 * 10**9)
+    assert frozen.fits and frozen.params == sum(p.numel() for p in model.parameters())
+    assert {(x.tp_train, x.pp, x.sp, x.tp_generate) for x in frozen.considered} == {(1, 1, 1, 1)}
+    trained = plan_layout(load_config(None, [*overrides, "model.freeze_vision_tower=false"]), mc, 80 * 10**9)
+    tower = list(model.model.visual.parameters())
+    held = sum(
+        -(-p.shape[0] // 2) * (p.numel() // p.shape[0]) for p in tower
+    )  # FSDP2's dim-0 chunk of rank 0
+    a, b = frozen.considered[0], trained.considered[0]
+    assert a.describe() == b.describe()
+    assert b.phases["update_actor"] - a.phases["update_actor"] == 14 * held
+    assert b.phases["generate"] - a.phases["generate"] == 10 * held  # masters and moments stay resident

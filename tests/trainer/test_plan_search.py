@@ -107,7 +107,7 @@ def test_the_fastest_that_fits_wins_over_the_first_that_fits() -> None:
 
 
 def test_hybridflow_plan_prints_the_candidates_and_why_each_was_rejected(capsys) -> None:
-    argv = ["plan", "--model-shape", "qwen2.5-7b", "--gpus", "1", "--gpu-memory-gb", "141", *ISSUE]
+    argv = ["plan", "--model-shape", "qwen2.5-7b", "--gpus", "1", "--gpu-memory-gb", "141", *ISSUE, "--all"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| train_view=")]
@@ -168,7 +168,7 @@ def test_offload_and_the_cpu_step_must_fit_the_hosts_memory(capsys) -> None:
         x.verdict(small) == "does not fit: the host needs 107 of 51 GB per node" for x in cpu_step
     )
     argv = ["plan", "--model-shape", "qwen2.5-7b", "--gpus", "1", "--gpu-memory-gb", "141", *ISSUE]
-    assert main([*argv, "--host-memory-gb", "64"]) == 0
+    assert main([*argv, "--host-memory-gb", "64", "--all"]) == 0
     out = capsys.readouterr().out
     assert "| does not fit: the host needs 107 of 51 GB per node |" in out and "no layout fits" in out
 

@@ -23,6 +23,7 @@ from hybridflow.engine.parallel.pipeline import stage_of_param
 from hybridflow.engine.parallel.tp import check_train_tp
 from hybridflow.engine.parallel.view import GenerateView
 from hybridflow.models.families import has_shard_rules, is_moe
+from hybridflow.models.vision import text_config
 
 MASTER_BYTES = 4  # float32 masters
 GRAD_BYTES = 4  # float32 gradients
@@ -87,7 +88,7 @@ def view_memory(
     what takes the time.
     """
     world = view.world
-    config = model.config
+    config = text_config(model.config)  # a vision-language model's text model (its tower's weights count too)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     params = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     # A family without shard rules (GPT-2) only ever has whole weights here: tp = 1 in both views
