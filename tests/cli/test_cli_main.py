@@ -115,7 +115,7 @@ def test_real_process(tmp_path: Path, run_yaml: str) -> None:
     ok = subprocess.run([*cmd, "rollout.top_k=5"], capture_output=True, text=True, env=env, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert yaml.safe_load(ok.stdout)["rollout"]["top_k"] == 5
-    assert "verl key 'actor_rollout_ref.actor.optim.lr' -> 'actor.optim.lr'" in ok.stderr  # the alias notice
+    assert "'actor_rollout_ref.actor.optim.lr' -> 'actor.optim.lr'" in ok.stderr  # the alias notice
     bad = subprocess.run(
         [*cmd, "actor_rollout_ref.rollout.n=abc"], capture_output=True, text=True, env=env, timeout=120
     )
