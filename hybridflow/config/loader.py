@@ -53,6 +53,7 @@ class _Item:
     path: str  # our dotted path (after alias resolution)
     value: Any
     given_as: str | None  # the verl key the user wrote, when it was an alias
+    replaced: bool = False  # its value was replaced (rollout.name=vllm), which a warning line has said
 
 
 def _dict_leaf_prefix(path: str) -> str | None:
@@ -80,7 +81,9 @@ def _flatten(path: str, value: Any, out: list[_Item], problems: list[Problem]) -
             _flatten(f"{path}.{key}" if path else str(key), sub, out, problems)
         return
     if verl_key is not None:
-        out.append(_Item(ours, _translated(verl_key, value), path))
+        translated = _translated(verl_key, value)
+        noted = translated != value and aliases.value_note(verl_key, value) is not None
+        out.append(_Item(ours, translated, path, replaced=noted))
         return
     ignored = aliases.ignored_key(path)
     if ignored is not None:
@@ -259,8 +262,11 @@ def _build(
     return cls(**kwargs)
 
 
-def _resolve(items: Iterable[_Item], problems: list[Problem]) -> Config:
-    """Lay the items over the defaults, type-check, validate; raise ConfigError listing every problem."""
+def _resolve(items: Iterable[_Item], problems: list[Problem], validate: bool = True) -> Config:
+    """Lay the items over the defaults, type-check, validate; raise ConfigError listing every problem.
+
+    ``validate=False`` stops after the type check: the keys and values on their own, nothing across fields.
+    """
     tree = Config().to_dict()
     given: dict[str, str] = {}
     written: dict[str, str] = {}  # every field set -> the key written for it (the last writer's)
@@ -275,6 +281,8 @@ def _resolve(items: Iterable[_Item], problems: list[Problem]) -> Config:
     cfg = _build(Config, tree, "", given, problems)
     if problems:
         raise ConfigError(problems)
+    if not validate:
+        return cfg
     problems.extend(
         dataclasses.replace(p, given_as=p.given_as or _spelled(p.path, written)) for p in validate_config(cfg)
     )
@@ -347,6 +355,16 @@ def _read_yaml(path: str | Path) -> Mapping[str, Any]:
     return data
 
 
+def check_keys(overrides: list[str]) -> None:
+    """Refuse what ``key=value`` overrides get wrong on their own: an unknown or refused key, a value of the
+    wrong type. Nothing across fields is judged: the config they are laid over (the demo's) settles that."""
+    problems: list[Problem] = []
+    items: list[_Item] = []
+    for key, value in parse_overrides(overrides):
+        _flatten(key, value, items, problems)
+    _resolve(items, problems, validate=False)
+
+
 def config_from_dict(data: Mapping[str, Any], overrides: list[str] | None = None) -> Config:
     """Build and validate a Config from a nested mapping (verl keys accepted) and optional overrides."""
     problems: list[Problem] = []
@@ -354,7 +372,8 @@ def config_from_dict(data: Mapping[str, Any], overrides: list[str] | None = None
     _flatten("", data, items, problems)
     for key, value in parse_overrides(overrides or []):
         _flatten(key, value, items, problems)
-    aliases.notice_mappings([(item.given_as, item.path) for item in items if item.given_as is not None])
+    # one line for the keys read as ours; a key whose value was replaced has had its own line
+    aliases.notice_mappings([(i.given_as, i.path) for i in items if i.given_as is not None and not i.replaced])
     return _resolve(items, problems)
 
 
