@@ -168,3 +168,16 @@ def test_config_show_accepts_registered_builtins_and_lists_them(capsys: pytest.C
         "error: actor.policy_loss.loss_mode: unknown value 'vanila'; fix: use one of: vanilla,"
     )
     assert "@register_policy_loss(name)" in err
+
+
+def test_the_readmes_quoted_errors_are_what_the_commands_print(capsys: pytest.CaptureFixture[str]) -> None:
+    lines = (REPO / "README.md").read_text().splitlines()
+    quoted = [
+        (line.removeprefix("$ hybridflow ").split(), lines[i + 1])
+        for i, line in enumerate(lines)
+        if line.startswith("$ hybridflow ") and lines[i + 1].startswith("error: ")
+    ]
+    assert len(quoted) >= 2
+    for argv, error in quoted:
+        assert main(argv) == 2
+        assert capsys.readouterr().err.splitlines()[-1] == error, argv
