@@ -18,6 +18,7 @@ from hybridflow.cli.output import check_output_dir, check_output_file
 from hybridflow.config import Config, load_config
 from hybridflow.config.loader import check_keys
 from hybridflow.utils.errors import MissingFileError, UserError
+from hybridflow.utils.host import check_one_process
 from hybridflow.utils.paths import TOKENIZER_FILES, check_local_dir, check_readable_file, check_writable_dir
 
 DATA_SUFFIXES = (".parquet", ".jsonl")
@@ -86,7 +87,8 @@ def check_rl(args: argparse.Namespace) -> None:
 
 
 def check_sft(args: argparse.Namespace) -> None:
-    """sft: the config and its paths, and the output model directory."""
+    """sft: one process, the config and its paths, and the output model directory."""
+    check_one_process("sft")
     cfg = _run_config(args, demo_without_model=False)
     assert cfg is not None
     out = Path(args.out or Path(cfg.trainer.run_dir()) / "sft_model").expanduser()
@@ -95,7 +97,9 @@ def check_sft(args: argparse.Namespace) -> None:
 
 
 def check_eval(args: argparse.Namespace) -> None:
-    """eval: the config file (with its model and validation files) or the checkpoint folder, and --out."""
+    """eval: one process, the config file (with its model and validation files) or the checkpoint folder, and
+    --out."""
+    check_one_process("eval")
     first, overrides = args.args[0], args.args[1:]
     path = Path(first).expanduser()
     if "=" in first and not path.exists():
