@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import cli_cases
 import pytest
 
 from hybridflow.cli.main import main
@@ -176,6 +177,15 @@ CASES = {
 }
 
 
+def swept(env: cli_cases.Env, case: str) -> tuple[list[str], str]:
+    """A case in the bad-input sweep (tests/reliability): on the sweep's tiny model and folder."""
+    paths = {"model": env.model, "rows": rows_file(env.tmp), "tmp": env.tmp}
+    (env.tmp / "eval.yaml").write_text(f"model:\n  path: {env.model}\n")
+    build, expected = CASES[case]
+    return build(paths), expected.format(tmp=env.tmp, model=env.model).removeprefix("error: ")
+
+
+@cli_cases.sweep(swept)
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_command_refuses_a_bad_path_before_loading_anything(
     case: str, env: dict[str, Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
