@@ -313,20 +313,15 @@ _SAME = "either value gives the same numbers"
 
 def strategy_notice(role: str | None) -> str:
     """How ``role`` (None: every role) trains whatever strategy (fsdp, fsdp2, megatron) a key names."""
-    who = {None: "each role", "ref": "the reference"}.get(role, f"the {role}")
-    verb = "runs" if role == "ref" else "trains"
-    tp, pp = (
-        (f"{role}.tensor_parallel_size", f"{role}.pipeline_parallel_size")
-        if role
-        else (
-            "the role's tensor_parallel_size",
-            "its pipeline_parallel_size",
-        )
-    )
+    if role is None:
+        who, tp, pp = "each role trains", "the role's tensor_parallel_size", "its pipeline_parallel_size"
+    else:
+        who = "the reference runs" if role == "ref" else f"the {role} trains"
+        tp, pp = f"{role}.tensor_parallel_size", f"{role}.pipeline_parallel_size"
     return (
-        f"{who} {verb} with FSDP2 over the data-parallel ranks and, as Megatron does, tensor parallelism "
-        f"inside each layer ({tp}) and pipeline stages ({pp}), which verl's and the write-ups' "
-        "megatron.tp_size / pp_size keys set: fsdp, fsdp2 and megatron all mean this here"
+        f"{who} with FSDP2 over the data-parallel ranks and, as Megatron does, tensor parallelism inside each "
+        f"layer ({tp}) and pipeline stages ({pp}), which verl's and the write-ups' megatron.tp_size / pp_size "
+        "keys set: fsdp, fsdp2 and megatron all mean this here"
     )
 
 
