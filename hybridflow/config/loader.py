@@ -373,7 +373,9 @@ def config_from_dict(data: Mapping[str, Any], overrides: list[str] | None = None
     for key, value in parse_overrides(overrides or []):
         _flatten(key, value, items, problems)
     # one line for the keys read as ours; a key whose value was replaced has had its own line
-    aliases.notice_mappings([(i.given_as, i.path) for i in items if i.given_as is not None and not i.replaced])
+    aliases.notice_mappings(
+        [(i.given_as, i.path) for i in items if i.given_as is not None and not i.replaced]
+    )
     return _resolve(items, problems)
 
 
