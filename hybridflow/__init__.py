@@ -19,4 +19,17 @@ def __getattr__(name: str):
         from hybridflow.trainer.stepwise import Trainer
 
         return Trainer
+    if name == "HybridDataFlow":  # the write-ups' class: an ImportError that says what to use instead
+        raise ImportError(HYBRID_DATAFLOW_POINTER, name="hybridflow")
     raise AttributeError(f"module 'hybridflow' has no attribute {name!r}")
+
+
+HYBRID_DATAFLOW_POINTER = (
+    "hybridflow has no HybridDataFlow (the HybridFlow write-ups' name): its built-in dataflow is that step. "
+    "Every algorithm's training step is already a list of stages (gen, reward, old_log_prob, ref, values, adv, "
+    "update_critic, update_actor) run by hybridflow.trainer.dataflow.Dataflow; each stage is "
+    "Stage(name, reads, writes, run) and runs after the stages that write what it reads, so there is no "
+    "dependencies= to write. To add a stage, build a Dataflow of your own from Stage objects, or write the "
+    "training loop with the step-wise hybridflow.Trainer (generate, critic_score, update_actor) and run your "
+    "stage between its calls; docs/dataflow.md shows both"
+)

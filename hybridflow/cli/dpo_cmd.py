@@ -24,7 +24,6 @@ def run_preference(args: argparse.Namespace, kind: str) -> int:
     """Train with ``kind`` (dpo or kto) and say where the results are; dpo without a config is the demo."""
     from hybridflow.cli.config_cmd import names_a_model, split_file_and_overrides
     from hybridflow.config import load_config
-    from hybridflow.trainer.jobs import preference_job
 
     path, overrides = split_file_and_overrides(args.args)
     own_run = path is not None or names_a_model(overrides)
@@ -38,6 +37,8 @@ def run_preference(args: argparse.Namespace, kind: str) -> int:
             f"hybridflow {kind} needs a config file or model.path=DIR (with data.train_files=[FILE], ...)"
         )
     cfg = load_config(path, overrides)
+    from hybridflow.trainer.jobs import preference_job  # torch and transformers: after the checks
+
     history = preference_job(cfg, kind)
     print(f"done: {len(history)} steps; metrics in {cfg.trainer.run_dir()}/metrics.jsonl")
     return 0

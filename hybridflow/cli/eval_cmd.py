@@ -57,7 +57,26 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or Path(cfg.trainer.run_dir()) / "eval.jsonl").expanduser()
     check_output_file(out, args.overwrite)
     metrics = eval_job(cfg, out, ckpt)
-    for key in sorted(metrics):
-        print(f"{key}: {metrics[key]:.4f}")
+    for line in metric_lines(metrics, cfg.rollout.val_kwargs.n):
+        print(line)
     print(f"generations written to {out}")
     return 0
+
+
+# At one sample per prompt the best, the worst and the majority vote are that sample: the mean says it all.
+_SAME_AT_ONE = ("reward/best@1", "reward/worst@1", "reward/maj@1")
+
+
+def metric_lines(metrics: dict[str, float], n: int) -> list[str]:
+    """One line per metric, sorted; at n = 1 the statistics equal to the mean by definition are left out, and a
+    reward mean equal to the accuracy (a 0/1 reward) is said on the accuracy's line."""
+    shown = dict(metrics)
+    notes: dict[str, str] = {}
+    if n == 1:
+        shown = {k: v for k, v in shown.items() if not k.endswith(_SAME_AT_ONE)}
+        for key in [k for k in shown if k.endswith("/reward/mean@1")]:
+            acc = key.removesuffix("reward/mean@1") + "acc/mean@1"
+            if acc in shown and shown[acc] == shown[key]:
+                del shown[key]
+                notes[acc] = " (reward/mean@1 the same)"
+    return [f"{key}: {shown[key]:.4f}{notes.get(key, '')}" for key in sorted(shown)]

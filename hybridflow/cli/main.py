@@ -2,7 +2,8 @@
 
 A subcommand is a module listed in COMMANDS that defines ``NAME``, ``HELP``, ``add_arguments(parser)``
 and ``run(args) -> int``. Modules import their heavy dependencies (torch, transformers) inside ``run``
-so that ``hybridflow --help`` and ``--version`` stay instant.
+so that ``hybridflow --help`` and ``--version`` stay instant, and ``preflight.check_inputs`` judges the
+command's config, files and directories before ``run``, so that a mistake there is refused in about a second.
 
 Exit statuses: 0 done; 2 a user error (``UserError``: a bad config, file, row, model, checkpoint or output
 directory, a full disk; also an ``OSError`` of a path and a YAML error), printed as one ``error: ...`` line
@@ -107,21 +108,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``hybridflow`` command line; returns the exit status."""
     parser = build_parser()
     args = parse_args(parser, argv)  # --help and --version exit here, before anything heavy is imported
-    # hybridflow.utils imports torch, so it is loaded only once a command runs.
     from hybridflow.utils.logging import setup_console_logging
 
     setup_console_logging(args.log_level)
     if not hasattr(args, "run"):
         parser.print_help(sys.stderr)
         return EXIT_USER_ERROR
-    from hybridflow.workers.group import WorkerError
-
     try:
+        # The cheap checks (config, files, directories, model directories) come before the command imports
+        # torch or loads a model, so a mistake costs a second, not the imports and the load.
+        from hybridflow.cli.preflight import check_inputs
+
+        check_inputs(args)
         return int(args.run(args) or 0)
-    except WorkerError as exc:
-        # A rank failed: its message carries the group, role, rank and the remote traceback.
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_WORKER_ERROR
     except (UserError, yaml.YAMLError) as exc:
         # The message already names the field or file and the fix; a traceback would bury it.
         return report_user_error(exc)
@@ -132,7 +131,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # torch.distributed.checkpoint raises a BaseException of its own
+        if is_worker_error(exc):  # a rank failed: the message carries the group, role, rank and traceback
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_WORKER_ERROR
         return report_internal_error(exc)
+
+
+def is_worker_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed rank's ``WorkerError`` (only possible once the worker groups were imported,
+    so a command that never got that far does not pay for importing them)."""
+    group = sys.modules.get("hybridflow.workers.group")
+    return group is not None and isinstance(exc, group.WorkerError)
 
 
 def report_internal_error(exc: BaseException) -> int:

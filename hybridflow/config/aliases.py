@@ -180,8 +180,10 @@ def _short_forms() -> dict[str, str]:
     out = {"rollout.tp_size": "rollout.tensor_model_parallel_size"}
     out[f"{_ARR}.rollout.tp_size"] = "rollout.tensor_model_parallel_size"
     out["rollout.ep_size"] = out[f"{_ARR}.rollout.ep_size"] = "rollout.expert_parallel_size"
-    # megatron.tp_size / pp_size: a top-level megatron section is the actor's (the reference follows it)
-    megatron = {"": "actor", "actor.": "actor", f"{_ARR}.actor.": "actor", "critic.": "critic"}
+    # megatron.tp_size / pp_size: a top-level megatron section is the actor's (the reference follows it), and
+    # so is the write-ups' actor_rollout_ref.megatron (verl's actor_rollout_ref.actor.megatron)
+    megatron = {"": "actor", f"{_ARR}.": "actor", "actor.": "actor", f"{_ARR}.actor.": "actor"}
+    megatron["critic."] = "critic"
     megatron |= {"ref.": "ref", f"{_ARR}.ref.": "ref"}
     for prefix, role in megatron.items():
         for short, long, ours in (
@@ -212,19 +214,23 @@ SHORTHANDS: dict[str, str] = {
     **_short_forms(),
 }
 
-# verl values that mean something else here, per key (a value not listed passes through unchanged).
+# Values that mean something else here, per key as written: verl's, and the write-ups' rollout.engine=vllm
+# (a value not listed passes through unchanged).
+_ENGINES = {"vllm": "native", "sglang": "native"}  # our built-in engine takes the place of vLLM and SGLang
 VERL_VALUE_MAPS: dict[str, dict[Any, Any]] = {
-    # Our built-in engine takes the place of vLLM and SGLang.
-    f"{_ARR}.rollout.name": {"vllm": "native", "sglang": "native"},
+    f"{_ARR}.rollout.name": _ENGINES,
+    "rollout.engine": _ENGINES,
     f"{_ARR}.actor.router_replay.mode": {"disabled": "off", "R2": "r2", "R3": "r3"},
 }
 
-# What runs in place of a translated value, for its notice ('{value}' is the verl value).
-VERL_VALUE_NOTES: dict[str, str] = {
-    f"{_ARR}.rollout.name": (
-        "the built-in rollout engine runs in place of {value}, on the trainer's own weights"
-    ),
-}
+# What runs in place of a translated value: one warning line ('{key}' is the key as written, '{value}' its
+# value, '{ours}' the value it runs as).
+_ENGINE_NOTE = (
+    "{key}={value}: the built-in rollout engine replaces {name} here (it generates from the trainer's own "
+    "weights, nothing to install); running as rollout.engine={ours}"
+)
+VALUE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}  # how a value is named in a note
+VERL_VALUE_NOTES: dict[str, str] = {f"{_ARR}.rollout.name": _ENGINE_NOTE, "rollout.engine": _ENGINE_NOTE}
 
 
 @dataclass(frozen=True)
@@ -296,10 +302,29 @@ def _yaml_literal(value: Any) -> str:
 
 _BOOL = (True, False)
 _FSDP = ("fsdp", "fsdp2")
-_ONLY_FSDP2 = "hybridflow trains with FSDP2, with Megatron-style training views on top"
-_FSDP_FIX = "set {key}=fsdp2, fsdp or megatron, or remove it"
-_VIEWS = ("fsdp", "fsdp2", "megatron")
+# hybridflow trains every role with FSDP2 and builds Megatron's layouts itself (DTensor tensor parallelism,
+# torch.distributed.pipelining): verl's fsdp, fsdp2 and megatron strategies all mean that here.
+STRATEGIES = ("fsdp", "fsdp2", "megatron")
+_ONLY_FSDP2 = (
+    "hybridflow trains with FSDP2, with Megatron-style tensor and pipeline parallelism on top (the role's "
+    "parallel section)"
+)
+_FSDP_FIX = "set {key}=fsdp2, fsdp or megatron (all three mean this), or remove it"
 _SAME = "either value gives the same numbers"
+
+
+def strategy_notice(role: str | None) -> str:
+    """How ``role`` (None: every role) trains whatever strategy (fsdp, fsdp2, megatron) a key names."""
+    if role is None:
+        who, tp, pp = "each role trains", "the role's tensor_parallel_size", "its pipeline_parallel_size"
+    else:
+        who = "the reference runs" if role == "ref" else f"the {role} trains"
+        tp, pp = f"{role}.tensor_parallel_size", f"{role}.pipeline_parallel_size"
+    return (
+        f"{who} with FSDP2 over the data-parallel ranks and, as Megatron does, tensor parallelism inside each "
+        f"layer ({tp}) and pipeline stages ({pp}), which verl's and the write-ups' megatron.tp_size / pp_size "
+        "keys set: fsdp, fsdp2 and megatron all mean this here"
+    )
 
 
 def _grad_offload(role: str) -> IgnoredKey:
@@ -317,22 +342,9 @@ def _grad_offload(role: str) -> IgnoredKey:
 # already behaves that way (verl scripts run unchanged), refused with the fix where the value asks for
 # something hybridflow does not do.
 VERL_IGNORED: dict[str, IgnoredKey] = {
-    f"{_ARR}.actor.strategy": IgnoredKey(
-        "the actor trains with FSDP2 over the data-parallel ranks and, as Megatron does, tensor parallelism "
-        "inside each layer when actor.tensor_parallel_size > 1 (verl's actor.megatron.* keys): fsdp, fsdp2 "
-        "and megatron all mean this here",
-        _VIEWS,
-        _ONLY_FSDP2,
-        _FSDP_FIX,
-    ),
-    "critic.strategy": IgnoredKey(
-        "the critic trains with FSDP2 over the data-parallel ranks and tensor parallelism inside each layer "
-        "when critic.tensor_parallel_size > 1 (verl's critic.megatron.* keys): fsdp, fsdp2 and megatron all "
-        "mean this here",
-        _VIEWS,
-        _ONLY_FSDP2,
-        _FSDP_FIX,
-    ),
+    f"{_ARR}.actor.strategy": IgnoredKey(strategy_notice("actor"), STRATEGIES, _ONLY_FSDP2, _FSDP_FIX),
+    f"{_ARR}.ref.strategy": IgnoredKey(strategy_notice("ref"), STRATEGIES, _ONLY_FSDP2, _FSDP_FIX),
+    "critic.strategy": IgnoredKey(strategy_notice("critic"), STRATEGIES, _ONLY_FSDP2, _FSDP_FIX),
     "reward_model.strategy": IgnoredKey(
         "the reward model runs forward-only, a whole copy on each rank's device (nothing to shard)",
         _FSDP,
@@ -452,10 +464,13 @@ def translate_value(verl_key: str, value: Any) -> Any:
         return value
 
 
-def value_note(verl_key: str, value: Any) -> str | None:
-    """What runs in place of a translated verl value (e.g. rollout.name=vllm), or None."""
-    note = VERL_VALUE_NOTES.get(verl_key)
-    return None if note is None else note.format(value=value)
+def value_note(key: str, value: Any) -> str | None:
+    """What runs in place of a translated value of ``key`` as written (e.g. rollout.name=vllm), or None."""
+    note = VERL_VALUE_NOTES.get(key)
+    if note is None:
+        return None
+    name = VALUE_NAMES.get(value, value) if isinstance(value, str) else value
+    return note.format(key=key, value=value, name=name, ours=translate_value(key, value))
 
 
 def ignored_key(path: str) -> tuple[str, IgnoredKey] | None:
@@ -476,3 +491,13 @@ def notice_once(message_key: str, message: str, level: int = logging.INFO) -> No
         return
     _noticed.add(message_key)
     logger.log(level, message)
+
+
+def notice_mappings(mappings: list[tuple[str, str]]) -> None:
+    """One INFO line listing the ``(key as written, our key)`` pairs not yet listed in this process."""
+    new = [(written, ours) for written, ours in dict(mappings).items() if written not in _noticed]
+    if not new:
+        return
+    _noticed.update(written for written, _ in new)
+    listed = ", ".join(f"'{written}' -> '{ours}'" for written, ours in new)
+    logger.info("verl keys and short spellings read as hybridflow's: %s", listed)

@@ -8,7 +8,6 @@ field's type, and the result is validated. All problems of one stage are reporte
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 import re
 import types
@@ -23,6 +22,7 @@ import yaml
 from hybridflow.config import aliases, spellings
 from hybridflow.config.errors import ConfigError, Problem
 from hybridflow.config.schema import Config, schema_index
+from hybridflow.config.suggest import all_keys, unknown_key
 from hybridflow.config.validate import validate_config
 from hybridflow.utils.errors import MissingFileError
 
@@ -53,6 +53,7 @@ class _Item:
     path: str  # our dotted path (after alias resolution)
     value: Any
     given_as: str | None  # the verl key the user wrote, when it was an alias
+    replaced: bool = False  # its value was replaced (rollout.name=vllm), which a warning line has said
 
 
 def _dict_leaf_prefix(path: str) -> str | None:
@@ -74,13 +75,15 @@ def _flatten(path: str, value: Any, out: list[_Item], problems: list[Problem]) -
         return  # an empty YAML section ('trainer:' with every key commented out) changes nothing
     free_form = ours in leaves or _dict_leaf_prefix(ours) is not None
     if isinstance(value, Mapping) and (not path or ours in sections or not free_form):
-        if not value and path and not any(k.startswith(path + ".") for k in _all_keys()):
-            problems.append(_unknown(path))  # an empty mapping under a key that leads nowhere
+        if not value and path and not any(k.startswith(path + ".") for k in all_keys()):
+            problems.append(unknown_key(path))  # an empty mapping under a key that leads nowhere
         for key, sub in value.items():
             _flatten(f"{path}.{key}" if path else str(key), sub, out, problems)
         return
     if verl_key is not None:
-        out.append(_Item(ours, _translated(path, ours, verl_key, value), path))
+        translated = _translated(verl_key, value)
+        noted = translated != value and aliases.value_note(verl_key, value) is not None
+        out.append(_Item(ours, translated, path, replaced=noted))
         return
     ignored = aliases.ignored_key(path)
     if ignored is not None:
@@ -92,7 +95,7 @@ def _flatten(path: str, value: Any, out: list[_Item], problems: list[Problem]) -
         return
     if ours not in leaves and _dict_leaf_prefix(ours) is None and _spelling(path, value, problems):
         return
-    out.append(_Item(ours, value, None))
+    out.append(_Item(ours, _translated(path, value), None))
 
 
 def _judge(
@@ -121,39 +124,15 @@ def _spelling(path: str, value: Any, problems: list[Problem]) -> bool:
     return True
 
 
-def _translated(path: str, ours: str, verl_key: str, value: Any) -> Any:
-    """The value a verl key or shorthand means here; its first use logs the mapping (and what runs)."""
-    translated = aliases.translate_value(verl_key, value)
-    note = ""
+def _translated(key: str, value: Any) -> Any:
+    """The value ``key`` (as written: a verl key or ours) means here; a replaced value (rollout.engine=vllm)
+    says once, in one warning line, what runs in its place."""
+    translated = aliases.translate_value(key, value)
     if translated != value:
-        instead = aliases.value_note(verl_key, value)
-        note = f" (value {value!r} -> {translated!r}{': ' + instead if instead else ''})"
-    kind = "shorthand" if verl_key in aliases.SHORTHANDS else "verl key"
-    aliases.notice_once(path, f"{kind} '{path}' -> '{ours}'{note}")
+        note = aliases.value_note(key, value)
+        if note is not None:
+            aliases.notice_once(f"{key}={value}", note, logging.WARNING)
     return translated
-
-
-def _all_keys() -> list[str]:
-    leaves, sections = schema_index()
-    return [*leaves, *sections, *aliases.VERL_ALIASES, *aliases.SHORTHANDS]
-
-
-def _unknown(path: str) -> Problem:
-    """An unknown-key problem with 'did you mean' suggestions over our keys and the verl aliases.
-
-    A dotted key is never offered a section (``algorithm.grpo_n`` -> ``algorithm`` helps nobody).
-    """
-    sections = schema_index()[1]
-    keys = [k for k in _all_keys() if "." not in path or k not in sections]
-    close = difflib.get_close_matches(path, keys, n=3, cutoff=0.6)
-    if not close:  # compare the last component: 'temprature' finds 'rollout.temperature'
-        last = path.rsplit(".", 1)[-1]
-        by_last = {k.rsplit(".", 1)[-1]: k for k in reversed(keys)}
-        close = [by_last[m] for m in difflib.get_close_matches(last, list(by_last), n=3, cutoff=0.75)]
-    fix = (
-        f"did you mean {' or '.join(repr(c) for c in close)}?" if close else "see docs/config.md for all keys"
-    )
-    return Problem(path, "unknown config key", fix)
 
 
 def _apply(tree: dict[str, Any], item: _Item, problems: list[Problem]) -> None:
@@ -171,7 +150,7 @@ def _apply(tree: dict[str, Any], item: _Item, problems: list[Problem]) -> None:
         )
         return
     if item.path not in leaves and dict_leaf is None:
-        problems.append(_unknown(item.given_as or item.path))
+        problems.append(unknown_key(item.given_as or item.path))
         return
     node = tree
     parts = item.path.split(".")
@@ -283,11 +262,15 @@ def _build(
     return cls(**kwargs)
 
 
-def _resolve(items: Iterable[_Item], problems: list[Problem], defer: Collection[str] = ()) -> Config:
+def _resolve(
+    items: Iterable[_Item], problems: list[Problem], defer: Collection[str] = (), validate: bool = True
+) -> Config:
     """Lay the items over the defaults, type-check, validate; raise ConfigError listing every problem.
 
     ``defer``: fields whose validation problems are left out (fields a later step chooses, such as the layout
-    keys the automatic layout plans, which are validated once chosen)."""
+    keys the automatic layout plans, which are validated once chosen). ``validate=False`` stops after the
+    type check: the keys and values on their own, nothing across fields.
+    """
     tree = Config().to_dict()
     given: dict[str, str] = {}
     written: dict[str, str] = {}  # every field set -> the key written for it (the last writer's)
@@ -302,6 +285,8 @@ def _resolve(items: Iterable[_Item], problems: list[Problem], defer: Collection[
     cfg = _build(Config, tree, "", given, problems)
     if problems:
         raise ConfigError(problems)
+    if not validate:
+        return cfg
     deferred = {aliases.resolve_alias(path)[0] for path in defer}
     problems.extend(
         dataclasses.replace(p, given_as=p.given_as or _spelled(p.path, written))
@@ -377,6 +362,16 @@ def _read_yaml(path: str | Path) -> Mapping[str, Any]:
     return data
 
 
+def check_keys(overrides: list[str]) -> None:
+    """Refuse what ``key=value`` overrides get wrong on their own: an unknown or refused key, a value of the
+    wrong type. Nothing across fields is judged: the config they are laid over (the demo's) settles that."""
+    problems: list[Problem] = []
+    items: list[_Item] = []
+    for key, value in parse_overrides(overrides):
+        _flatten(key, value, items, problems)
+    _resolve(items, problems, validate=False)
+
+
 def config_from_dict(
     data: Mapping[str, Any], overrides: list[str] | None = None, defer: Collection[str] = ()
 ) -> Config:
@@ -387,6 +382,10 @@ def config_from_dict(
     _flatten("", data, items, problems)
     for key, value in parse_overrides(overrides or []):
         _flatten(key, value, items, problems)
+    # one line for the keys read as ours; a key whose value was replaced has had its own line
+    aliases.notice_mappings(
+        [(i.given_as, i.path) for i in items if i.given_as is not None and not i.replaced]
+    )
     return _resolve(items, problems, defer)
 
 

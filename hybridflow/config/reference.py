@@ -17,6 +17,7 @@ import yaml
 
 from hybridflow.config.aliases import (
     SHORTHANDS,
+    VALUE_NAMES,
     VERL_ALIASES,
     VERL_IGNORED,
     VERL_UNSUPPORTED,
@@ -61,7 +62,11 @@ def aliases_markdown() -> str:
         values = VERL_VALUE_MAPS.get(verl_key)
         note = " (" + ", ".join(f"`{a}` -> `{b}`" for a, b in values.items()) + ")" if values else ""
         instead = VERL_VALUE_NOTES.get(verl_key)
-        note += f": {instead.format(value=' / '.join(map(str, values or ['it'])))}" if instead else ""
+        if instead and values:
+            replaced = [str(v) for v, to in values.items() if v != to]
+            names = " / ".join(VALUE_NAMES.get(v, v) for v in replaced)
+            runs = " / ".join(dict.fromkeys(str(values[v]) for v in replaced))
+            note += ": " + instead.format(key=verl_key, value=" / ".join(replaced), name=names, ours=runs)
         out.append(f"| `{verl_key}` | `{ours}`{note} |")
     out += [
         "",

@@ -3,8 +3,9 @@
 The HybridFlow write-ups and verl's configs use keys hybridflow has no field for: quantisation outside
 ``rollout.quantization`` (our own key, as ``rollout.kv_cache_dtype`` is), expert parallelism outside a role's
 megatron section (``expert_model_parallel_size``, ``*.ep_size``: it is ``<role>.parallel.ep``), expert tensor
-parallelism, FSDP1's ``mixed_precision.buffer_dtype``, and ``algorithm.grpo_n`` and ``critic.hybrid_engine``,
-which are nobody's keys.
+parallelism, the training strategy outside verl's keys (``actor_rollout_ref.strategy: megatron``: fsdp, fsdp2
+and megatron all mean FSDP2 with Megatron-style views here), FSDP1's ``mixed_precision.buffer_dtype``, and
+``algorithm.grpo_n`` and ``critic.hybrid_engine``, which are nobody's keys.
 Each is judged here only when it is not one of our own keys, verl's keys or a key inside a free-form mapping
 (``model.override_config.quantization_config`` stays the model's). A value that asks for what hybridflow does
 anyway (``quantization: null``, ``expert_model_parallel_size: 1``) is accepted with a notice; any other
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridflow.config.aliases import IgnoredKey, Refusal
+from hybridflow.config.aliases import STRATEGIES, IgnoredKey, Refusal, strategy_notice
 
 EP_WHERE = "expert parallelism is a size of each role's training view, not a key of its own here"
 ETP_ISSUE = (
@@ -79,6 +80,21 @@ BY_NAME: dict[str, IgnoredKey] = {
         )
         for name in ("expert_model_parallel_size", "expert_parallel_size", "ep_size")
     },
+    # the write-ups' actor_rollout_ref.strategy, actor.strategy, ref.strategy (verl's own strategy keys, with
+    # the role's name in the notice, are in aliases.VERL_IGNORED)
+    "strategy": IgnoredKey(
+        strategy_notice(None),
+        STRATEGIES,
+        refusals=(
+            Refusal(
+                _anything,
+                "hybridflow trains with FSDP2, with Megatron-style tensor and pipeline parallelism on top",
+                "set {key}=fsdp2, fsdp or megatron (all three mean this), or remove it; the layout is "
+                "{role}.tensor_parallel_size and {role}.pipeline_parallel_size",
+                "any other (deepspeed, ...)",
+            ),
+        ),
+    ),
     "expert_tensor_parallel_size": IgnoredKey(
         "experts are not split over tensor-parallel ranks in training: each expert is whole on its rank",
         (None, 1),

@@ -26,6 +26,7 @@ from transformers import (
 from hybridflow.models.moe import install_moe, moe_blocks
 from hybridflow.models.vision import is_vision_language
 from hybridflow.utils.errors import UserError
+from hybridflow.utils.paths import check_local_dir
 
 logger = logging.getLogger(__name__)
 
@@ -64,19 +65,7 @@ def _valid_dtypes() -> str:
 
 def resolve_local_dir(path: str | os.PathLike, need: tuple[str, ...] = ("config.json",)) -> Path:
     """Check that ``path`` is a local directory holding one of the files in ``need``; return it."""
-    resolved = Path(path).expanduser()
-    if not resolved.is_dir():
-        raise UserError(
-            f"model path {str(path)!r} is not a local directory. hybridflow never downloads from a model "
-            "hub: download the model first (e.g. `huggingface-cli download <name> --local-dir <dir>`) "
-            "and pass that directory"
-        )
-    if not any((resolved / name).is_file() for name in need):
-        raise UserError(
-            f"directory {str(path)!r} has none of {list(need)}; pass the directory that a Hugging Face "
-            "`save_pretrained` wrote (the one holding config.json and the weights)"
-        )
-    return resolved
+    return check_local_dir(path, need)
 
 
 def apply_override_config(config: PretrainedConfig, overrides: dict[str, Any] | None) -> PretrainedConfig:

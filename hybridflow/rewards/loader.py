@@ -87,6 +87,12 @@ def _check_path(path: str) -> None:
         raise UserError(f"reward function path must be a non-empty string, got {path!r}")
 
 
+def reward_file(path: str) -> str | None:
+    """The .py file a ``reward.custom_function.path`` names (``file.py[:fn]``), or None for a module's name."""
+    target, _ = _split_spec(path.strip(), "compute_score")
+    return target if _is_file_spec(target) else None
+
+
 def import_reward_module(path: str) -> ModuleType:
     """The module a ``reward.custom_function.path`` names (``file.py[:fn]``, ``pkg.module[:fn]``), imported once."""
     _check_path(path)

@@ -40,7 +40,7 @@ from hybridflow.trainer.summary import write_summary
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.trainer.validation import validate
 from hybridflow.utils.device import cap_gpu_memory, cuda_in_use, use_device_type
-from hybridflow.utils.errors import UserError
+from hybridflow.utils.host import check_one_process
 from hybridflow.utils.logging import rank as env_rank
 from hybridflow.utils.seed import set_seed
 from hybridflow.utils.storage import ensure_writable_dir, staged_dir
@@ -55,12 +55,8 @@ def start_job(cfg: Config, single_process: str | None = None) -> None:
     ``single_process`` names a job that runs in one process only: launched on several ranks, every rank
     would repeat the whole job and write the same files, so it is refused.
     """
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if single_process is not None and launched > 1:
-        raise UserError(
-            f"hybridflow {single_process} runs in one process, but this is one of {launched} ranks; launch it "
-            "without torchrun (train, dpo and kto run on several ranks)"
-        )
+    if single_process is not None:
+        check_one_process(single_process)
     use_device_type(cfg.trainer.device)
     cap_gpu_memory(cfg.trainer.gpu_memory_gb)  # before anything is allocated on the GPU
     check_start(cfg, os.environ, cuda_in_use())  # the rollout dtype on this device; VERL_* variables

@@ -28,21 +28,11 @@ from typing import Any
 
 from hybridflow.config import Config, parse_overrides
 from hybridflow.config.aliases import resolve_alias
+from hybridflow.config.suggest import KEYWORD_KEYS
 from hybridflow.config.validate import get_path
 from hybridflow.utils.errors import UserError
 
-DIRECT = {
-    "model_name": "model.path",
-    "algorithm": "algorithm.adv_estimator",
-    "max_steps": "trainer.total_training_steps",
-    "learning_rate": "actor.optim.lr",
-    "num_generations": "rollout.n",
-    "per_device_train_batch_size": "actor.ppo_micro_batch_size_per_gpu",
-    "max_prompt_length": "data.max_prompt_length",
-    "max_completion_length": "data.max_response_length",
-    "output_dir": "trainer.default_local_dir",
-    "use_3d_hybrid": "actor.hybrid_engine",
-}
+DIRECT = KEYWORD_KEYS  # keyword -> the one config key it sets
 KEYWORDS = (*DIRECT, "gradient_accumulation_steps")
 # The notebook API's own defaults, used where neither a keyword nor the config sets the key.
 DEFAULTS = {"algorithm.adv_estimator": "grpo", "actor.hybrid_engine": True}

@@ -26,3 +26,16 @@ def ranks_on_host() -> int:
         return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         return 1
+
+
+def check_one_process(command: str) -> None:
+    """Refuse a job that runs in one process only (``command``: sft, eval) when launched on several ranks:
+    every rank would repeat the whole job and write the same files."""
+    from hybridflow.utils.errors import UserError
+
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1:
+        raise UserError(
+            f"hybridflow {command} runs in one process, but this is one of {launched} ranks; launch it "
+            "without torchrun (train, dpo and kto run on several ranks)"
+        )

@@ -115,7 +115,7 @@ def test_real_process(tmp_path: Path, run_yaml: str) -> None:
     ok = subprocess.run([*cmd, "rollout.top_k=5"], capture_output=True, text=True, env=env, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert yaml.safe_load(ok.stdout)["rollout"]["top_k"] == 5
-    assert "verl key 'actor_rollout_ref.actor.optim.lr' -> 'actor.optim.lr'" in ok.stderr  # the alias notice
+    assert "'actor_rollout_ref.actor.optim.lr' -> 'actor.optim.lr'" in ok.stderr  # the alias notice
     bad = subprocess.run(
         [*cmd, "actor_rollout_ref.rollout.n=abc"], capture_output=True, text=True, env=env, timeout=120
     )
@@ -168,3 +168,16 @@ def test_config_show_accepts_registered_builtins_and_lists_them(capsys: pytest.C
         "error: actor.policy_loss.loss_mode: unknown value 'vanila'; fix: use one of: vanilla,"
     )
     assert "@register_policy_loss(name)" in err
+
+
+def test_the_readmes_quoted_errors_are_what_the_commands_print(capsys: pytest.CaptureFixture[str]) -> None:
+    lines = (REPO / "README.md").read_text().splitlines()
+    quoted = [
+        (line.removeprefix("$ hybridflow ").split(), lines[i + 1])
+        for i, line in enumerate(lines)
+        if line.startswith("$ hybridflow ") and lines[i + 1].startswith("error: ")
+    ]
+    assert len(quoted) >= 2
+    for argv, error in quoted:
+        assert main(argv) == 2
+        assert capsys.readouterr().err.splitlines()[-1] == error, argv

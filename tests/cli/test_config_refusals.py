@@ -95,7 +95,9 @@ def test_refused_at_start_with_exit_2(
 
 def test_a_strategy_refusal_names_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
     line = refused([f"{A}.actor.strategy=deepspeed"], capsys)
-    assert line.endswith(f"fix: set {A}.actor.strategy=fsdp2, fsdp or megatron, or remove it")
+    assert line.endswith(
+        f"fix: set {A}.actor.strategy=fsdp2, fsdp or megatron (all three mean this), or remove it"
+    )
 
 
 @pytest.mark.parametrize(
@@ -104,7 +106,7 @@ def test_a_strategy_refusal_names_the_fix(capsys: pytest.CaptureFixture[str]) ->
         (f"{A}.actor.strategy=fsdp", "the actor trains with FSDP2"),
         (f"{A}.actor.strategy=megatron", "tensor parallelism inside each layer"),
         (f"{A}.rollout.mode=async", "in place of verl's sync"),
-        (f"{A}.rollout.name=vllm", "the built-in rollout engine runs in place of vllm"),
+        (f"{A}.rollout.name=vllm", "the built-in rollout engine replaces vLLM here"),
     ],
 )
 def test_values_we_honour_anyway_run_with_one_notice(

@@ -4,10 +4,12 @@ takes overrides after its options. Every refusal is one ``error:`` line with exi
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import cli_cases
 import pytest
 import yaml
-from spelling_cases import MAPPED, REFUSED
+from spelling_cases import MAPPED, REFUSED, SNIPPETS, Refused, Snippet
 
 from hybridflow.cli.main import main
 from hybridflow.config import aliases
@@ -52,6 +54,28 @@ def test_a_mapped_spelling_shows_as_our_key(
         node = node[part]
     assert node == value
     assert f"'{spelling.split('=')[0]}' -> '{ours}'" in captured.err  # the one notice of the mapping
+
+
+@pytest.mark.parametrize("snippet", SNIPPETS, ids=[s.name for s in SNIPPETS])
+def test_a_write_ups_snippet_runs_or_is_refused_naming_its_keys(
+    snippet: Snippet, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if isinstance(snippet.given, dict):  # a dict as the YAML file it would be
+        (tmp_path / "run.yaml").write_text(yaml.safe_dump(snippet.given))
+        args = [str(tmp_path / "run.yaml"), *snippet.context]
+    else:
+        args = [*snippet.context, *snippet.given]
+    refused = [key for key, fate in snippet.keys.items() if isinstance(fate, Refused)]
+    status = main(["config", "show", *args])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "unknown config key" not in err
+    if not refused and not snippet.verdict:
+        assert status == 0, err
+        return
+    assert status == 2
+    message = err[err.index("error: ") :]
+    assert all(f"{key}: " in message for key in refused)  # refused at the key (the whole file is one run)
+    assert all(f"{path} " in message or f"{path}: " in message for path, _ in snippet.verdict)
 
 
 # settings that ran without a word before issue 38: (config show arguments, the start of the error line)

@@ -105,7 +105,7 @@ def test_kto_with_a_missing_model_names_the_directory(
     ]
     assert main(["kto", *args]) == 2
     err = capsys.readouterr().err
-    assert f"error: model path '{missing}' is not a local directory" in err
+    assert f"error: model.path '{missing}': no such directory" in err
     assert "needs a config file" not in err
 
 

@@ -148,31 +148,68 @@ def test_rollout_name_value_translation(verl_value: str, ours: str) -> None:
     assert load_config(overrides=[f"actor_rollout_ref.rollout.name={verl_value}"]).rollout.engine == ours
 
 
-def test_notice_once_per_key(notices: _Records) -> None:
+MAPPED_LINE = "verl keys and short spellings read as hybridflow's: "
+
+
+def test_one_line_lists_the_mapped_keys_once_per_key(notices: _Records) -> None:
     load_config(overrides=["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.optim.lr=1e-5"])
+    load_config(overrides=["actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.temperature=0.7"])
     load_config(overrides=["actor_rollout_ref.rollout.n=2"])
     assert notices.messages() == [
-        "verl key 'actor_rollout_ref.rollout.n' -> 'rollout.n'",
-        "verl key 'actor_rollout_ref.actor.optim.lr' -> 'actor.optim.lr'",
+        MAPPED_LINE + "'actor_rollout_ref.rollout.n' -> 'rollout.n', "
+        "'actor_rollout_ref.actor.optim.lr' -> 'actor.optim.lr'",
+        MAPPED_LINE + "'actor_rollout_ref.rollout.temperature' -> 'rollout.temperature'",
     ]
     assert all(r.levelno == logging.INFO for r in notices.records)
 
 
+# verl's GRPO example (examples/grpo_trainer/run_qwen2-7b.sh): 12 of its keys are verl's own spellings
+VERL_GRPO = [
+    "algorithm.adv_estimator=grpo",
+    "data.train_batch_size=1024",
+    "actor_rollout_ref.model.path=/models/Qwen2-7B-Instruct",
+    "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.model.use_remove_padding=True",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=256",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.actor.use_kl_loss=True",
+    "actor_rollout_ref.actor.kl_loss_coef=0.001",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+    "actor_rollout_ref.rollout.n=5",
+    "trainer.n_gpus_per_node=8",
+]
+
+
+def test_a_verl_command_line_logs_one_line_for_its_keys(notices: _Records) -> None:
+    load_config(overrides=VERL_GRPO)
+    (message,) = notices.messages()
+    listed = message.removeprefix(MAPPED_LINE).split(", ")
+    assert len(listed) == 12 and listed[0] == "'actor_rollout_ref.model.path' -> 'model.path'"
+
+
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_value_translation_is_in_the_notice(notices: _Records, engine: str) -> None:
-    load_config(overrides=[f"actor_rollout_ref.rollout.name={engine}"])
-    assert notices.messages() == [
-        f"verl key 'actor_rollout_ref.rollout.name' -> 'rollout.engine' (value '{engine}' -> 'native': "
-        f"the built-in rollout engine runs in place of {engine}, on the trainer's own weights)"
-    ]
+@pytest.mark.parametrize("key", ["actor_rollout_ref.rollout.name", "rollout.engine"])
+def test_vllm_and_sglang_say_the_built_in_engine_replaces_them(
+    notices: _Records, engine: str, key: str
+) -> None:
+    assert load_config(overrides=[f"{key}={engine}"]).rollout.engine == "native"
+    name = {"vllm": "vLLM", "sglang": "SGLang"}[engine]
+    replaced = (
+        f"{key}={engine}: the built-in rollout engine replaces {name} here (it generates from the trainer's "
+        "own weights, nothing to install); running as rollout.engine=native"
+    )
+    (warning,) = [r for r in notices.records if r.levelno == logging.WARNING]
+    assert warning.getMessage() == replaced
 
 
 def test_shorthands(notices: _Records) -> None:
     cfg = load_config(overrides=["actor.lr=2e-6", "critic.lr=3e-5"])
     assert cfg.actor.optim.lr == 2e-6 and cfg.critic.optim.lr == 3e-5
     assert notices.messages() == [
-        "shorthand 'actor.lr' -> 'actor.optim.lr'",
-        "shorthand 'critic.lr' -> 'critic.optim.lr'",
+        MAPPED_LINE + "'actor.lr' -> 'actor.optim.lr', 'critic.lr' -> 'critic.optim.lr'"
     ]
 
 
@@ -202,17 +239,28 @@ IGNORED_CASES = [
     (
         f"{A}.actor.strategy",
         ["fsdp", "fsdp2", "megatron"],
-        "the actor trains with FSDP2 over the data-parallel ranks and, as Megatron does, tensor parallelism",
+        "the actor trains with FSDP2 over the data-parallel ranks and, as Megatron does, tensor parallelism "
+        "inside each layer (actor.tensor_parallel_size) and pipeline stages (actor.pipeline_parallel_size)",
         "deepspeed",
-        "FSDP2, with Megatron-style training views",
+        "FSDP2, with Megatron-style tensor and pipeline parallelism",
         f"set {A}.actor.strategy=fsdp2, fsdp or megatron",
+    ),
+    (
+        f"{A}.ref.strategy",
+        ["fsdp", "fsdp2", "megatron"],
+        "the reference runs with FSDP2 over the data-parallel ranks and, as Megatron does, tensor parallelism "
+        "inside each layer (ref.tensor_parallel_size)",
+        "deepspeed",
+        "FSDP2, with Megatron-style tensor and pipeline parallelism",
+        f"set {A}.ref.strategy=fsdp2, fsdp or megatron",
     ),
     (
         "critic.strategy",
         ["fsdp", "fsdp2", "megatron"],
-        "the critic trains with FSDP2 over the data-parallel ranks and tensor parallelism",
+        "the critic trains with FSDP2 over the data-parallel ranks and, as Megatron does, tensor parallelism "
+        "inside each layer (critic.tensor_parallel_size)",
         "deepspeed",
-        "FSDP2, with Megatron-style training views",
+        "FSDP2, with Megatron-style tensor and pipeline parallelism",
         "set critic.strategy=fsdp2, fsdp or megatron",
     ),
     (
@@ -297,9 +345,9 @@ def _override(key: str, value: object) -> str:
 
 def test_the_cases_cover_every_ignored_key() -> None:
     assert [c[0] for c in IGNORED_CASES] == list(aliases_module.VERL_IGNORED)
-    # the 19th, hybrid_engine, is actor.hybrid_engine now; the 20th, ref.ulysses_sequence_parallel_size, is
+    # the 20th, hybrid_engine, is actor.hybrid_engine now; the 21st, ref.ulysses_sequence_parallel_size, is
     # ref.ulysses_sequence_parallel_size
-    assert len(IGNORED_CASES) == 18
+    assert len(IGNORED_CASES) == 19
 
 
 ACCEPTED = [(c[0], value, c[2]) for c in IGNORED_CASES for value in c[1]]
@@ -334,8 +382,8 @@ def test_another_strategy_is_refused_with_the_fix() -> None:
         load_config(overrides=[f"{A}.actor.strategy=deepspeed"])
     assert str(info.value) == (
         f"{A}.actor.strategy: 'deepspeed' is not supported: hybridflow trains with FSDP2, with "
-        "Megatron-style training views on top; "
-        f"fix: set {A}.actor.strategy=fsdp2, fsdp or megatron, or remove it"
+        "Megatron-style tensor and pipeline parallelism on top (the role's parallel section); "
+        f"fix: set {A}.actor.strategy=fsdp2, fsdp or megatron (all three mean this), or remove it"
     )
 
 

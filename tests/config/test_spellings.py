@@ -9,9 +9,20 @@ from typing import Any
 
 import pytest
 import yaml
-from spelling_cases import MAPPED, NO_OPS, REFUSED
+from spelling_cases import (
+    MAPPED,
+    NO_OPS,
+    REFUSED,
+    SNIPPETS,
+    Noted,
+    Refused,
+    Snippet,
+    Taken,
+    leaf_keys,
+    without,
+)
 
-from hybridflow.config import Config, ConfigError, load_config
+from hybridflow.config import Config, ConfigError, Problem, config_from_dict, load_config
 from hybridflow.config import aliases as aliases_module
 from hybridflow.config.schema_base import get_path
 
@@ -125,3 +136,56 @@ def test_the_readme_counts_the_aliases_and_short_spellings() -> None:
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert f"{len(VERL_ALIASES)} verl key aliases and {len(SHORTHANDS)} short spellings" in readme
+
+
+def load_snippet(snippet: Snippet, given: dict[str, Any] | list[str]) -> Config:
+    """The config of a snippet (or part of it) in its context: a dict as a YAML file is read, or overrides."""
+    if isinstance(given, dict):
+        return config_from_dict(given, snippet.context)
+    return load_config(overrides=[*snippet.context, *given])
+
+
+def problems_of(load: Any) -> tuple[Config | None, list[Problem]]:
+    try:
+        return load(), []
+    except ConfigError as exc:
+        return None, exc.problems
+
+
+def as_override(key: str, value: Any) -> str:
+    return f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
+
+
+@pytest.mark.parametrize("snippet", SNIPPETS, ids=[s.name for s in SNIPPETS])
+def test_every_key_of_a_write_ups_snippet_is_taken_or_refused_naming_the_key_to_use(
+    snippet: Snippet, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert sorted(leaf_keys(snippet.given)) == sorted(snippet.keys)  # the table says what becomes of each key
+    monkeypatch.setattr(logging.getLogger("hybridflow"), "propagate", True)
+    refused = {key for key, fate in snippet.keys.items() if isinstance(fate, Refused)}
+    with caplog.at_level(logging.INFO, logger="hybridflow.config.aliases"):
+        _, problems = problems_of(lambda: load_snippet(snippet, snippet.given))
+        assert not [p for p in problems if "unknown config key" in p.message]
+        at_keys = {p.path: p for p in problems if p.path in refused}
+        assert sorted(at_keys) == sorted(refused)
+        for key in refused:
+            assert snippet.keys[key].fix in at_keys[key].fix, at_keys[key]
+        cfg, problems = problems_of(lambda: load_snippet(snippet, without(snippet.given, refused)))
+    logged = [r.getMessage() for r in caplog.records]
+    taken = {key: fate for key, fate in snippet.keys.items() if isinstance(fate, Taken)}
+    for key, fate in taken.items():  # a verl key or short spelling is in the one mapping line (or its own)
+        said = [m for m in logged if f"'{key}' -> '{fate.ours}'" in m or m.startswith(f"{key}=")]
+        assert key == fate.ours or said, key
+    for key, fate in snippet.keys.items():
+        if isinstance(fate, Noted):
+            assert any(m.startswith(f"key '{key}' ignored: ") and fate.words in m for m in logged), key
+    ours = [*snippet.context, *(as_override(f.ours, f.value) for f in taken.values())]
+    same_cfg, same_problems = problems_of(lambda: load_config(overrides=ours))
+    # the snippet means what its translation into our keys means: the same config, or the same refusal
+    assert cfg == same_cfg
+    assert [(p.path, p.message, p.fix) for p in problems] == [
+        (p.path, p.message, p.fix) for p in same_problems
+    ]
+    assert [(p.path, any(w in p.fix for _, w in snippet.verdict)) for p in problems] == [
+        (path, True) for path, _ in snippet.verdict
+    ]

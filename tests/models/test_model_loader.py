@@ -12,19 +12,19 @@ from hybridflow.models import build_char_tokenizer, load_causal_lm, load_tokeniz
 
 def test_missing_directory_raises(tmp_path):
     missing = tmp_path / "nope"
-    with pytest.raises(ValueError, match="not a local directory") as err:
+    with pytest.raises(ValueError, match="no such directory") as err:
         load_causal_lm(missing)
-    assert str(missing) in str(err.value)
-    with pytest.raises(ValueError, match="not a local directory"):
+    assert str(missing) in str(err.value) and "hub" not in str(err.value)
+    with pytest.raises(ValueError, match="no such directory"):
         load_tokenizer(missing)
-    with pytest.raises(ValueError, match="not a local directory"):
-        load_causal_lm("Qwen/Qwen2.5-0.5B")  # a hub id is not fetched
+    with pytest.raises(ValueError, match=r"no such directory; .* local directories only: download it first"):
+        load_causal_lm("Qwen/Qwen2.5-0.5B")  # a hub id is not fetched, and the message says how to get it
 
 
 def test_file_instead_of_directory_raises(tmp_path):
     file = tmp_path / "model.safetensors"
     file.write_bytes(b"")
-    with pytest.raises(ValueError, match="not a local directory"):
+    with pytest.raises(ValueError, match="is a file, not a directory"):
         load_causal_lm(file)
 
 

@@ -93,3 +93,22 @@ def test_a_failing_background_stage_raises_in_the_step() -> None:
 def test_a_background_stage_cannot_replace_the_batch() -> None:
     with pytest.raises(ValueError, match="background stage cannot replace the batch"):
         Stage("gen", ("x",), ("y",), lambda b, m: None, replaces_batch=True, background=True)
+
+
+def test_the_docs_dataflow_of_your_own_runs_as_written(capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "dataflow.md").read_text()
+    section = doc[doc.index("## A dataflow of your own") : doc.index("## A stage in a training run")]
+    (code,) = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+    scope: dict = {}
+    exec(compile(code, "docs/dataflow.md", "exec"), scope)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["['gen', 'reward', 'shape', 'update']", "['loss']"]  # what its comments say
+    # responses [p, p + 1] of 4 tokens: mean token (2, 4, 6) less a 0.4 length penalty, the loss its negative
+    assert torch.allclose(scope["out"]["loss"], torch.tensor([-1.6, -3.6, -5.6]))
+    metrics = scope["metrics"]
+    assert metrics["actor/loss"] == pytest.approx(-3.6)
+    assert {f"timing_s/{s}" for s in ("gen", "reward", "shape", "update")} <= set(metrics)
+    assert metrics["perf/lifecycle_freed_bytes"] > 0

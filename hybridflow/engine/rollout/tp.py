@@ -35,6 +35,9 @@ MOE_RULES = (
     (r"\.mlp\.experts\.gate_up_proj$", "experts_gate_up"),  # (E, 2I, H): rows of each half
     (r"\.mlp\.experts\.down_proj$", "experts_down"),  # (E, H, I): columns
 )
+# The functional all-gather into one tensor: all_gather_single where torch has it (2.13 deprecates
+# all_gather_tensor, with a FutureWarning at every call outside torch.compile), the older name elsewhere.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 # One (start, stop) per dimension: a box of a full tensor, or of a rank's buffer.
 Box = tuple[tuple[int, int], ...]
 
@@ -181,7 +184,7 @@ class RolloutTP:
 
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
         """(b, V / tp) logits of this rank's vocabulary slice -> (b, V), the same on every rank."""
-        parts = funcol.all_gather_tensor(local.contiguous(), 0, self.group)  # (tp * b, V / tp)
+        parts = _all_gather(local.contiguous(), 0, self.group)  # (tp * b, V / tp)
         b = local.shape[0]
         full = parts.view(self.size, b, self.vocab_part).permute(1, 0, 2).reshape(b, -1)  # (b, tp * V/tp)
         return full[:, : self.vocab_size]

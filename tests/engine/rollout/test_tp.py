@@ -169,3 +169,36 @@ def test_the_agreement_check_hashes_tensors_by_content() -> None:
     assert canonical([Out([1, 2], records)]) == canonical([Out([1, 2], view)])
     assert canonical(Out([1], records)) != canonical(Out([1], records.flip(0)))
     assert canonical(records) != canonical(records.view(3, 4))  # the shape counts too
+
+
+def gather_on_ranks(rank: int, world: int) -> dict:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from hybridflow.engine.rollout.tp import RolloutTP
+
+    dist.init_process_group("gloo")
+    comm = RolloutTP(dist.group.WORLD, vocab_size=7)  # slices of 4: the last rank's holds 3 and a pad column
+    full = torch.arange(3 * 8, dtype=torch.float32).view(3, 8) / 7  # 3 rows over the padded vocabulary
+    local = full[:, rank * comm.vocab_part : (rank + 1) * comm.vocab_part]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gathered = comm.gather_logits(local)
+    with warnings.catch_warnings():  # the deprecated call the rollout made before, for the same result
+        warnings.simplefilter("ignore")
+        parts = funcol.all_gather_tensor(local.contiguous(), 0, dist.group.WORLD)
+    before = parts.view(world, 3, comm.vocab_part).permute(1, 0, 2).reshape(3, -1)[:, :7]
+    return {
+        "warnings": [f"{w.category.__name__}: {w.message}" for w in caught],
+        "exact": torch.equal(gathered, full[:, :7]),
+        "same_as_before": torch.equal(gathered, before),
+    }
+
+
+def test_gathering_the_logits_warns_nothing_and_gives_what_it_gave() -> None:
+    for result in run_world(2, gather_on_ranks, 2):
+        assert result["warnings"] == []  # all_gather_tensor's FutureWarning came once per rank per step
+        assert result["exact"] and result["same_as_before"]
