@@ -2,7 +2,8 @@
 
 The config (keys, values, the checks across fields), the files it reads (data, reward function, tool config;
 each exists and is readable), the directories it writes (nothing is created here) and the model directories
-(each exists and holds config.json) are judged from the file system alone, so a mistake in any of them is one
+(each exists and holds config.json) are judged from the file system alone (and the code sandbox's isolation
+from one sandboxed ``python -c pass`` when a run uses ``code_interpreter``), so a mistake in any of them is one
 ``error:`` line within a second or two rather than after the imports and a model load. The commands keep their
 own checks; these only come first. Only what a run will read is checked: the critic's model with a critic, the
 reward model when it is on.
@@ -44,8 +45,13 @@ def check_config_paths(cfg: Config) -> None:
         file = reward_file(cfg.reward.custom_function.path)
         if file is not None:
             check_readable_file(file, "reward.custom_function.path")
-    if cfg.rollout.multi_turn.tool_config_path:
-        check_readable_file(cfg.rollout.multi_turn.tool_config_path, "rollout.multi_turn.tool_config_path")
+    mt = cfg.rollout.multi_turn
+    if mt.tool_config_path:
+        check_readable_file(mt.tool_config_path, "rollout.multi_turn.tool_config_path")
+    if mt.enable and "code_interpreter" in mt.tools and not mt.sandbox.allow_unisolated:
+        from hybridflow.tools.sandbox import require_isolation  # light: the standard library and a probe
+
+        require_isolation()
     t = cfg.trainer
     if (
         t.resume_mode == "resume_path"
