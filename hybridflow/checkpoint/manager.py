@@ -32,6 +32,7 @@ import torch.distributed.checkpoint.api as dcp_api
 from torch import nn
 
 from hybridflow.checkpoint import integrity, rundir
+from hybridflow.checkpoint.identity import check_adapters
 from hybridflow.checkpoint.rng import capture_rng, restore_rng
 from hybridflow.checkpoint.sharded import (
     CheckpointError,
@@ -299,13 +300,15 @@ def user_errors_together(
 
 
 def check_roles(path: str | os.PathLike, meta: Mapping[str, Any], roles: Mapping[str, RoleState]) -> None:
-    """Refuse roles that the checkpoint lacks or whose parameters differ from the saved ones."""
+    """Refuse roles that the checkpoint lacks, whose LoRA settings differ (``identity.check_adapters``) or
+    whose parameters differ from the saved ones."""
     for name, role in roles.items():
         if name not in meta["roles"]:
             raise CheckpointError(
                 f"checkpoint {path} has no {name} (it holds {sorted(meta['roles'])}); the run that saved it "
                 f"was configured differently"
             )
+        check_adapters(Path(path), name, meta["roles"][name].get("lora"), role.lora)
         check_shapes(meta["roles"][name]["shapes"], parameter_shapes(role.module), f"the {name} in {path}")
 
 

@@ -206,6 +206,22 @@ def test_a_lora_checkpoint_resumes_exactly_and_exports(setup: dict[str, Path], t
         torch.testing.assert_close(model(ids).logits, wrapped(ids).logits, atol=1e-5, rtol=0)
 
 
+def test_resuming_with_another_lora_alpha_is_refused_naming_both_values(
+    setup: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # issue 59: the adapter's scale went from alpha / r = 2 to 16 without a word
+    run = tmp_path / "run"
+    first = grpo_args(setup, "qwen2", run, "trainer.save_freq=1", "trainer.total_training_steps=1")
+    assert main(["train", *first]) == 0
+    capsys.readouterr()
+    assert main(["train", *grpo_args(setup, "qwen2", run, "model.lora_alpha=64")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {run / 'global_step_1'} was trained with other")
+    err = errors[0]
+    assert "model.lora_alpha was 8.0 there and is 64.0 here. Resume it with model.lora_alpha=8.0, or" in err
+    assert [m["step"] for m in metrics(run)] == [1]  # nothing trained, nothing overwritten
+
+
 @pytest.mark.parametrize("family", ["gpt2", "qwen2_moe"])
 def test_a_family_without_lora_is_refused_by_name(
     setup: dict[str, Path], tmp_path: Path, family: str
