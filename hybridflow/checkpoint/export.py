@@ -7,6 +7,7 @@ shards in one process (whatever world size saved them) and writes safetensors wi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -49,12 +50,15 @@ def save_hf_model(
     out_dir: str | os.PathLike,
     prefix: str = "",
     base: nn.Module | None = None,
+    staged: bool = True,
 ) -> Path:
     """Write a full state dict (keys under ``prefix``) as a causal-LM Hugging Face directory with its tokenizer.
 
     ``base`` is a module of the architecture to receive the weights; None writes ``state``'s tensors as they
     are, through a model on the meta device: no second host copy of the weights and no random init (a 7B
     model's 30 GB, and minutes of init, on a host that already holds its masters and moments).
+    ``staged=False``: ``out_dir`` is the caller's own staging directory (SFT's, beside its metrics), written
+    into directly; otherwise the model is written beside ``out_dir`` and replaces it whole when complete.
     """
     state = {k.removeprefix(prefix): v for k, v in state.items()}
     if base is not None:
@@ -64,10 +68,11 @@ def save_hf_model(
         base = _meta_model(config)
         state = _checked_state(base, state)
     out = Path(out_dir)
-    with staged_dir(out) as staged:  # written beside and renamed: a kill never leaves a half model
-        base.save_pretrained(staged, state_dict=state, safe_serialization=True)
+    # written beside and renamed: a kill never leaves a half model
+    with staged_dir(out) if staged else contextlib.nullcontext(out) as into:
+        base.save_pretrained(into, state_dict=state, safe_serialization=True)
         if tokenizer is not None:
-            tokenizer.save_pretrained(staged)
+            tokenizer.save_pretrained(into)
     return out
 
 
@@ -196,7 +201,7 @@ def export_adapter(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, role
     _, adapters = load_adapted(ckpt, meta, role)
     with staged_dir(out) as staged:
         write_peft_adapter(staged, adapters, lora, str(base_path(ckpt, meta, role)))
-    logger.info("exported the %s adapters of %s to %s (PEFT format)", role, ckpt, out)
+    logger.debug("exported the %s adapters of %s to %s (PEFT format)", role, ckpt, out)  # the CLI says it
     return out
 
 
@@ -214,5 +219,5 @@ def export_hf(
         for path in config_dir.iterdir():  # tokenizer files and generation config, as saved
             if path.name != "config.json" and path.is_file():
                 shutil.copy2(path, staged / path.name)
-    logger.info("exported the %s of %s to %s", role, ckpt, out)
+    logger.debug("exported the %s of %s to %s", role, ckpt, out)  # the CLI says it (once)
     return out

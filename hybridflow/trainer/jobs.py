@@ -67,13 +67,16 @@ def start_job(cfg: Config, single_process: str | None = None) -> None:
     set_seed(cfg.trainer.seed)
 
 
-def save_hf_model(actor: ActorWorker, tokenizer: Any, base: torch.nn.Module | None, out_dir: Path) -> Path:
-    """Write the actor's current weights as a Hugging Face model directory (with the tokenizer).
+def save_hf_model(actor: ActorWorker, tokenizer: Any, base: torch.nn.Module | None, staged: Path) -> Path:
+    """Write the actor's current weights as a Hugging Face model (with the tokenizer) into ``staged``, a
+    staging directory of the caller's (``staged_dir``), which renames it into place.
 
     ``base`` is a module of the same architecture to receive the weights; None builds one from the config.
     """
     state = actor.hf_state()  # adapters merged
-    return write_hf_model(state, actor.hf_model.config, tokenizer, out_dir, prefix="lm.", base=base)
+    return write_hf_model(
+        state, actor.hf_model.config, tokenizer, staged, prefix="lm.", base=base, staged=False
+    )
 
 
 def sft_job(
@@ -215,7 +218,7 @@ def eval_job(cfg: Config, out: Path, checkpoint_dir: Path | None = None) -> dict
     metrics = validate(cfg, components, prefix="val-core", records=records)
     components.scorer.close()
     write_jsonl(records, out)
-    logger.info("wrote %d generations to %s", len(records), out)
+    logger.debug("wrote %d generations to %s", len(records), out)  # the eval command says where (once)
     return metrics
 
 
