@@ -51,6 +51,7 @@ def save_hf_model(
     prefix: str = "",
     base: nn.Module | None = None,
     staged: bool = True,
+    what: str = "the model",
 ) -> Path:
     """Write a full state dict (keys under ``prefix``) as a causal-LM Hugging Face directory with its tokenizer.
 
@@ -58,8 +59,10 @@ def save_hf_model(
     are, through a model on the meta device: no second host copy of the weights and no random init (a 7B
     model's 30 GB, and minutes of init, on a host that already holds its masters and moments).
     ``staged=False``: ``out_dir`` is the caller's own staging directory (SFT's, beside its metrics), written
-    into directly; otherwise the model is written beside ``out_dir`` and replaces it whole when complete.
+    into directly; otherwise the model is written beside ``out_dir`` and replaces it whole when complete (a
+    full disk is a ``DiskFullError`` naming ``what``, and an earlier ``out_dir`` stays as it was).
     """
+    needed = _bytes(state.values())
     state = {k.removeprefix(prefix): v for k, v in state.items()}
     if base is not None:
         base.load_state_dict(state, strict=True)
@@ -69,11 +72,16 @@ def save_hf_model(
         state = _checked_state(base, state)
     out = Path(out_dir)
     # written beside and renamed: a kill never leaves a half model
-    with staged_dir(out) if staged else contextlib.nullcontext(out) as into:
+    with staged_dir(out, what, needed) if staged else contextlib.nullcontext(out) as into:
         base.save_pretrained(into, state_dict=state, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(into)
     return out
+
+
+def _bytes(tensors: Any) -> int:
+    """What ``tensors`` take on disk (about: safetensors adds a small header)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def auto_class(config: Any, role: str = "actor") -> type:
@@ -199,7 +207,7 @@ def export_adapter(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, role
     if lora is None:
         raise UserError(f"{ckpt}'s {role} was trained without LoRA: export it without --adapter-only")
     _, adapters = load_adapted(ckpt, meta, role)
-    with staged_dir(out) as staged:
+    with staged_dir(out, f"the {role} adapters", _bytes(adapters.values())) as staged:
         write_peft_adapter(staged, adapters, lora, str(base_path(ckpt, meta, role)))
     logger.debug("exported the %s adapters of %s to %s (PEFT format)", role, ckpt, out)  # the CLI says it
     return out
@@ -214,7 +222,8 @@ def export_hf(
     model = load_role_model(ckpt, role)
     model.to(_export_dtype(dtype, model))
     config_dir = ckpt / role / HF_CONFIG
-    with staged_dir(out) as staged:  # written beside and renamed into place when complete
+    # written beside and renamed into place when complete; a full disk leaves an earlier export as it was
+    with staged_dir(out, f"the exported {role}", _bytes(model.parameters())) as staged:
         model.save_pretrained(staged, safe_serialization=True)
         for path in config_dir.iterdir():  # tokenizer files and generation config, as saved
             if path.name != "config.json" and path.is_file():

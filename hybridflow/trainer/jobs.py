@@ -14,6 +14,7 @@ import torch
 from hybridflow.checkpoint import load_role_model
 from hybridflow.checkpoint.export import save_hf_model as write_hf_model
 from hybridflow.checkpoint.manager import HF_CONFIG
+from hybridflow.checkpoint.rundir import is_complete, step_dir
 from hybridflow.config import Config, check_start, save_config
 from hybridflow.data import load_split_rows
 from hybridflow.data.rl_dataset import has_images
@@ -40,7 +41,7 @@ from hybridflow.trainer.summary import write_summary
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.trainer.validation import validate
 from hybridflow.utils.device import cap_gpu_memory, cuda_in_use, use_device_type
-from hybridflow.utils.errors import UserError
+from hybridflow.utils.errors import DiskFullError, UserError
 from hybridflow.utils.logging import rank as env_rank
 from hybridflow.utils.seed import set_seed
 from hybridflow.utils.storage import ensure_writable_dir, staged_dir
@@ -111,7 +112,8 @@ def sft_job(
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     actor = ActorWorker(model, cfg, steps, pad)  # applies model.freeze_vision_tower
-    with staged_dir(out_dir) as staged:  # everything goes beside out_dir, renamed into place at the end
+    # everything goes beside out_dir, renamed into place at the end (a full disk: one line, out_dir as it was)
+    with staged_dir(out_dir, "the SFT model") as staged:
         tracker = Tracker(staged, steps, loggers=cfg.trainer.logger, plot_every=0, **run_names(cfg))
         with out_of_memory_errors(cfg, "actor", "update_sft"):  # SFT calls its actor directly
             history = run_sft(
@@ -174,12 +176,27 @@ def run_loop(trainer: TrainingLoop, run_dir: Path, close: bool) -> list[dict[str
         trainer.tracker = tracker
         with out_of_memory_errors(cfg):  # one line naming the phase, on every rank
             history = trainer.fit()
-    components.groups[0].run_all("save_hf_model", str(run_dir / "final_model"))
+    try:
+        components.groups[0].run_all("save_hf_model", str(run_dir / "final_model"))
+    except DiskFullError as exc:  # say where the trained weights still are, if anywhere
+        raise DiskFullError(
+            f"{exc}; {_trained_weights(run_dir, trainer.global_step, cfg.trainer.save_freq)}"
+        ) from exc
     if close:
         components.close()
     if env_rank() == 0:  # under torchrun every rank runs the driver; one summary is enough
         write_summary(run_dir)
     return history
+
+
+def _trained_weights(run_dir: Path, step: int, save_freq: int) -> str:
+    """Where a run's trained weights are when ``final_model`` could not be written: its last checkpoint."""
+    ckpt = step_dir(run_dir, step)
+    if is_complete(ckpt):
+        return (
+            f"the checkpoint {ckpt} holds the trained weights: hybridflow export {ckpt} --out DIR writes them"
+        )
+    return f"the trained weights are not kept elsewhere: no checkpoint holds step {step} (trainer.save_freq={save_freq})"
 
 
 def rl_job(

@@ -17,6 +17,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from hybridflow.utils.errors import disk_full_errors
+
 logger = logging.getLogger(__name__)
 
 
@@ -109,9 +111,15 @@ def replace_dir(staged: Path, final: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged_dir(final: str | os.PathLike) -> Iterator[Path]:
+def staged_dir(
+    final: str | os.PathLike, what: str = "the output", needed: int | None = None
+) -> Iterator[Path]:
     """Yield an empty directory beside ``final``; on success it replaces ``final`` whole (``replace_dir``),
-    on error it is removed and ``final`` is as it was."""
+    on error it is removed and ``final`` is as it was.
+
+    A full disk, whatever library hit it, is a ``DiskFullError`` naming ``final``, ``what`` is written there
+    and the bytes it ``needed`` (when known).
+    """
     final = Path(final).absolute()
     if final.is_symlink():  # the link's target is the output: write beside it, on its filesystem
         final = final.resolve()
@@ -124,11 +132,13 @@ def staged_dir(final: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(staged)
     staged.mkdir(parents=True)
     try:
-        yield staged
+        with disk_full_errors(final, what, needed):
+            yield staged
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    replace_dir(staged, final)
+    with disk_full_errors(final, what, needed):  # fsync can be where a full disk shows
+        replace_dir(staged, final)
 
 
 def write_text_atomically(path: str | os.PathLike, text: str) -> None:
