@@ -41,6 +41,7 @@ from hybridflow.trainer.summary import write_summary
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.trainer.validation import validate
 from hybridflow.utils.device import cap_gpu_memory, cuda_in_use, use_device_type
+from hybridflow.utils.dirlock import lock_run_dir
 from hybridflow.utils.errors import DiskFullError, UserError
 from hybridflow.utils.logging import rank as env_rank
 from hybridflow.utils.seed import set_seed
@@ -205,12 +206,13 @@ def rl_job(
     """PPO-family training as configured; writes config.yaml, metrics.jsonl and curves.png to the run dir."""
     start_job(cfg)
     run_dir = ensure_writable_dir(cfg.trainer.run_dir(), "the run directory (trainer.default_local_dir)")
-    save_config(cfg, run_dir / "config.yaml")
-    owned = components is None  # close only what this job built: a caller may go on using its components
-    components = components or build_components(cfg, reward_fn=reward_fn)
-    drivers = {"colocate": ColocatePPOTrainer, "separate": SeparatePPOTrainer}
-    trainer = drivers.get(cfg.trainer.async_mode, PPOTrainer)(cfg, components)
-    history = run_loop(trainer, run_dir, close=owned)
+    with lock_run_dir(run_dir):  # before anything is written there; until the run's last file
+        save_config(cfg, run_dir / "config.yaml")
+        owned = components is None  # close only what this job built: a caller may go on using its components
+        components = components or build_components(cfg, reward_fn=reward_fn)
+        drivers = {"colocate": ColocatePPOTrainer, "separate": SeparatePPOTrainer}
+        trainer = drivers.get(cfg.trainer.async_mode, PPOTrainer)(cfg, components)
+        history = run_loop(trainer, run_dir, close=owned)
     logger.info("saved the trained policy to %s", run_dir / "final_model")
     return history
 
@@ -254,8 +256,9 @@ def preference_job(
     cfg = preference_config(cfg)
     start_job(cfg)
     run_dir = ensure_writable_dir(cfg.trainer.run_dir(), "the run directory (trainer.default_local_dir)")
-    save_config(cfg, run_dir / "config.yaml")
-    owned = components is None
-    components = components or build_preference_components(cfg, kind, rows=rows)
-    history = run_loop(PreferenceTrainer(cfg, components, kind), run_dir, close=owned)
+    with lock_run_dir(run_dir):  # one run per directory (``utils.dirlock``)
+        save_config(cfg, run_dir / "config.yaml")
+        owned = components is None
+        components = components or build_preference_components(cfg, kind, rows=rows)
+        history = run_loop(PreferenceTrainer(cfg, components, kind), run_dir, close=owned)
     return history
