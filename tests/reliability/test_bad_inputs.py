@@ -140,6 +140,12 @@ def _negative_steps(env: Env) -> tuple[list[str], str]:
     return argv, "set trainer.total_training_steps to a value that is at least 1"
 
 
+def _response_past_the_position_limit(env: Env) -> tuple[list[str], str]:
+    # issue 59: a warning, then an allocation of 160 GB for the rollout's buffers (an internal error)
+    argv = train_argv(env.model, env.tmp / "r", "data.max_response_length=100000000")
+    return argv, "data.max_response_length=100000000 cannot fit in the model's position limit"
+
+
 def _prompt_past_the_position_limit(env: Env) -> tuple[list[str], str]:
     prompts = env.prompts(b'{"prompt": "' + b"1+" * 300 + b'"}\n')  # 600 tokens, past the limit of 512
     return env.generate(env.model, prompts), "p.jsonl: prompt 1 has 600 tokens"
@@ -172,6 +178,7 @@ CASES: dict[str, Callable[[Env], tuple[list[str], str]]] = {
     "data: bad UTF-8 in a data file": _bad_utf8_data,
     "data: bad UTF-8 in a prompts file": _bad_utf8_prompts,
     "data: a prompt past the model's position limit": _prompt_past_the_position_limit,
+    "config: a response length past the model's position limit": _response_past_the_position_limit,
     "config: a negative step count": _negative_steps,
     "config: invalid YAML": _bad_yaml,
 }
