@@ -73,7 +73,7 @@ def _record() -> dict[str, Any]:
     return {
         "pid": os.getpid(),
         "host": socket.gethostname(),
-        "command": _command_line(),
+        "command": _command_line()[:4096],  # the record stays far below what ``_read`` reads
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 
