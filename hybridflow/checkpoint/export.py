@@ -7,6 +7,7 @@ shards in one process (whatever world size saved them) and writes safetensors wi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -49,13 +50,19 @@ def save_hf_model(
     out_dir: str | os.PathLike,
     prefix: str = "",
     base: nn.Module | None = None,
+    staged: bool = True,
+    what: str = "the model",
 ) -> Path:
     """Write a full state dict (keys under ``prefix``) as a causal-LM Hugging Face directory with its tokenizer.
 
     ``base`` is a module of the architecture to receive the weights; None writes ``state``'s tensors as they
     are, through a model on the meta device: no second host copy of the weights and no random init (a 7B
     model's 30 GB, and minutes of init, on a host that already holds its masters and moments).
+    ``staged=False``: ``out_dir`` is the caller's own staging directory (SFT's, beside its metrics), written
+    into directly; otherwise the model is written beside ``out_dir`` and replaces it whole when complete (a
+    full disk is a ``DiskFullError`` naming ``what``, and an earlier ``out_dir`` stays as it was).
     """
+    needed = _bytes(state.values())
     state = {k.removeprefix(prefix): v for k, v in state.items()}
     if base is not None:
         base.load_state_dict(state, strict=True)
@@ -64,11 +71,17 @@ def save_hf_model(
         base = _meta_model(config)
         state = _checked_state(base, state)
     out = Path(out_dir)
-    with staged_dir(out) as staged:  # written beside and renamed: a kill never leaves a half model
-        base.save_pretrained(staged, state_dict=state, safe_serialization=True)
+    # written beside and renamed: a kill never leaves a half model
+    with staged_dir(out, what, needed) if staged else contextlib.nullcontext(out) as into:
+        base.save_pretrained(into, state_dict=state, safe_serialization=True)
         if tokenizer is not None:
-            tokenizer.save_pretrained(staged)
+            tokenizer.save_pretrained(into)
     return out
+
+
+def _bytes(tensors: Any) -> int:
+    """What ``tensors`` take on disk (about: safetensors adds a small header)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def auto_class(config: Any, role: str = "actor") -> type:
@@ -194,9 +207,9 @@ def export_adapter(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, role
     if lora is None:
         raise UserError(f"{ckpt}'s {role} was trained without LoRA: export it without --adapter-only")
     _, adapters = load_adapted(ckpt, meta, role)
-    with staged_dir(out) as staged:
+    with staged_dir(out, f"the {role} adapters", _bytes(adapters.values())) as staged:
         write_peft_adapter(staged, adapters, lora, str(base_path(ckpt, meta, role)))
-    logger.info("exported the %s adapters of %s to %s (PEFT format)", role, ckpt, out)
+    logger.debug("exported the %s adapters of %s to %s (PEFT format)", role, ckpt, out)  # the CLI says it
     return out
 
 
@@ -209,10 +222,11 @@ def export_hf(
     model = load_role_model(ckpt, role)
     model.to(_export_dtype(dtype, model))
     config_dir = ckpt / role / HF_CONFIG
-    with staged_dir(out) as staged:  # written beside and renamed into place when complete
+    # written beside and renamed into place when complete; a full disk leaves an earlier export as it was
+    with staged_dir(out, f"the exported {role}", _bytes(model.parameters())) as staged:
         model.save_pretrained(staged, safe_serialization=True)
         for path in config_dir.iterdir():  # tokenizer files and generation config, as saved
             if path.name != "config.json" and path.is_file():
                 shutil.copy2(path, staged / path.name)
-    logger.info("exported the %s of %s to %s", role, ckpt, out)
+    logger.debug("exported the %s of %s to %s", role, ckpt, out)  # the CLI says it (once)
     return out

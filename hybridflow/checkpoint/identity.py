@@ -9,6 +9,9 @@ other shard files digest the same; a model of up to ``FULL_DIGEST_BYTES`` is rea
 ``SAMPLES`` evenly spaced blocks of every tensor (a few MB in all: a fine-tune or another seed changes
 nearly every element, and reading 15 GB at every resume would not be cheap). Other weight files
 (``pytorch_model.bin``) are digested as files the same way.
+
+A LoRA run's checkpoint also records its adapters' settings (rank, alpha, dropout, the adapted linears);
+``check_adapters`` refuses resuming them under other settings, naming each key.
 """
 
 from __future__ import annotations
@@ -161,3 +164,50 @@ def check_identity(ckpt: Path, saved: Mapping[str, Any] | None, current: Mapping
                 f"it with {key}={theirs['path']}, or train {mine['path']} in a new trainer.default_local_dir "
                 "(or here from scratch with trainer.resume=disable, whose saves replace these checkpoints)"
             )
+
+
+# A checkpoint's record of a role's adapters (``workers.rank.lora_record``) -> the config key that sets each
+LORA_KEYS = {
+    "rank": "model.lora_rank",
+    "alpha": "model.lora_alpha",
+    "dropout": "model.lora_dropout",
+    "target_modules": "model.target_modules",
+}
+
+
+def check_adapters(
+    ckpt: Path, role: str, saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None
+) -> None:
+    """Refuse resuming adapters trained with other LoRA settings (or none) than this run's, naming each key.
+
+    ``saved`` is the checkpoint's record of the role's adapters (``meta.json["roles"][role]["lora"]``),
+    ``current`` this run's; None is a role trained without LoRA. Another alpha or rank changes the scale
+    alpha / r of what was learned, another dropout what the update sees, other targets which linears it
+    adapts: resuming would continue another model than the one trained, without a word.
+    """
+    theirs = saved if saved is not None else {"rank": 0}
+    mine = current if current is not None else {"rank": 0}
+    differ = {
+        key: (theirs.get(field), mine.get(field))
+        for field, key in LORA_KEYS.items()
+        if theirs.get(field) != mine.get(field) and (field == "rank" or None not in (saved, current))
+    }
+    if not differ:
+        return
+    shown = "; ".join(f"{key} was {a!r} there and is {b!r} here" for key, (a, b) in differ.items())
+    back = {key: a for key, (a, _) in differ.items()}
+    if current is None:  # this run has no adapters: all the checkpoint's settings, or the defaults trip next
+        back = {key: theirs.get(field) for field, key in LORA_KEYS.items()}
+    fix = " ".join(f"{key}={_config_value(value)}" for key, value in back.items())
+    raise CheckpointError(
+        f"{ckpt} was trained with other LoRA settings than this run's ({role}): {shown}. Resume it with "
+        f"{fix}, or train with the new settings in a new trainer.default_local_dir (or here from scratch with "
+        "trainer.resume=disable, whose saves replace these checkpoints)"
+    )
+
+
+def _config_value(value: Any) -> str:
+    """A recorded value as an override writes it (``[self_attn.q_proj,mlp.up_proj]``)."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(str(v) for v in value) + "]"
+    return str(value)

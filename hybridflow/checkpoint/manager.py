@@ -32,6 +32,7 @@ import torch.distributed.checkpoint.api as dcp_api
 from torch import nn
 
 from hybridflow.checkpoint import integrity, rundir
+from hybridflow.checkpoint.identity import check_adapters
 from hybridflow.checkpoint.rng import capture_rng, restore_rng
 from hybridflow.checkpoint.sharded import (
     CheckpointError,
@@ -41,7 +42,7 @@ from hybridflow.checkpoint.sharded import (
     save_sharded,
 )
 from hybridflow.utils.dist import raise_together
-from hybridflow.utils.errors import UserError, disk_full_error, is_disk_full, path_error
+from hybridflow.utils.errors import UserError, disk_full_error, is_disk_full, looks_like_full_disk, path_error
 from hybridflow.utils.faults import kill_point
 from hybridflow.utils.storage import fsync_tree
 
@@ -131,19 +132,6 @@ def _state_bytes(roles: Mapping[str, RoleState]) -> int:
     return total
 
 
-def _looks_like_full_disk(exc: BaseException) -> bool:
-    """ENOSPC in the chain, in DCP's per-rank failures, or torch.save's "unexpected pos" on a full disk."""
-    failures = getattr(exc, "failures", None) or {}  # DCP's CheckpointException: {rank: (exception, trace)}
-    wrapped = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-    text = str(exc)
-    return (
-        is_disk_full(exc)
-        or any(is_disk_full(f) for f in wrapped if isinstance(f, BaseException))
-        or "No space left on device" in text
-        or "unexpected pos" in text
-    )
-
-
 @contextlib.contextmanager
 def disk_full_guard(
     run_dir: str | os.PathLike, tmp: Path, needed: int | None = None, remove: bool = True
@@ -156,7 +144,7 @@ def disk_full_guard(
     try:
         yield
     except (Exception, dcp_api.CheckpointException) as exc:  # DCP's exception is a BaseException
-        if not _looks_like_full_disk(exc):
+        if not looks_like_full_disk(exc):
             raise
         needed = _saved_bytes(run_dir) or needed
         if remove:
@@ -299,13 +287,15 @@ def user_errors_together(
 
 
 def check_roles(path: str | os.PathLike, meta: Mapping[str, Any], roles: Mapping[str, RoleState]) -> None:
-    """Refuse roles that the checkpoint lacks or whose parameters differ from the saved ones."""
+    """Refuse roles that the checkpoint lacks, whose LoRA settings differ (``identity.check_adapters``) or
+    whose parameters differ from the saved ones."""
     for name, role in roles.items():
         if name not in meta["roles"]:
             raise CheckpointError(
                 f"checkpoint {path} has no {name} (it holds {sorted(meta['roles'])}); the run that saved it "
                 f"was configured differently"
             )
+        check_adapters(Path(path), name, meta["roles"][name].get("lora"), role.lora)
         check_shapes(meta["roles"][name]["shapes"], parameter_shapes(role.module), f"the {name} in {path}")
 
 

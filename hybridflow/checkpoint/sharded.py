@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +42,22 @@ class CheckpointError(UserError):
 _DCP_FAILURES = (dcp.api.CheckpointException, RuntimeError, OSError, EOFError, pickle.UnpicklingError)
 
 
+# DCP's notice at every one-process load (``no_dist=True`` or not): export and eval read whole tensors in one
+# process on purpose, so it would only be noise on their console
+_ONE_PROCESS_NOTICE = (
+    r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to load"
+)
+
+
 def _dcp_load(state: dict[str, Any], path: str | os.PathLike, **kwargs: Any) -> None:
     """``dcp.load`` with a damaged folder reported as ``CheckpointError`` naming it."""
     if not (Path(path) / ".metadata").is_file():
         raise CheckpointError(f"{Path(path) / '.metadata'} is missing: the checkpoint is damaged")
     try:
-        dcp.load(state, checkpoint_id=str(path), **kwargs)
+        with warnings.catch_warnings():
+            if kwargs.get("no_dist"):  # DCP warns even when a one-process load is asked for: not news
+                warnings.filterwarnings("ignore", message=_ONE_PROCESS_NOTICE, category=UserWarning)
+            dcp.load(state, checkpoint_id=str(path), **kwargs)
     except CheckpointError:
         raise
     except _DCP_FAILURES as e:

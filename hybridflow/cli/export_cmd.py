@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="A LoRA checkpoint's adapters in PEFT's format (adapter_config.json + adapter_model.safetensors) "
         "instead of the merged model.",
     )
-    add_overwrite_flag(parser, "files in a non-empty --out")
+    add_overwrite_flag(parser, "a non-empty --out directory, whole, once the new model is complete")
 
 
 def run(args: argparse.Namespace) -> int:

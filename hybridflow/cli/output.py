@@ -9,7 +9,7 @@ from hybridflow.utils.errors import UserError
 
 
 def add_overwrite_flag(parser: argparse.ArgumentParser, what: str) -> None:
-    """``--overwrite``: allow replacing ``what`` (e.g. 'files in a non-empty --out')."""
+    """``--overwrite``: allow replacing ``what`` (e.g. 'a non-empty --out directory')."""
     parser.add_argument("--overwrite", action="store_true", help=f"Replace {what}.")
 
 

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="YAML config and overrides (model.path, data.train_files, actor.optim.lr, ...).",
     )
     parser.add_argument("--out", default=None, help="Output model directory (default: {run_dir}/sft_model).")
-    add_overwrite_flag(parser, "files in a non-empty --out")
+    add_overwrite_flag(parser, "a non-empty --out directory, whole, once the new model is complete")
 
 
 def run(args: argparse.Namespace) -> int:

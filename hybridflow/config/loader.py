@@ -21,6 +21,8 @@ import yaml
 
 from hybridflow.config import aliases, spellings
 from hybridflow.config.errors import ConfigError, Problem
+from hybridflow.config.nesting import FIX as NESTING_FIX
+from hybridflow.config.nesting import MAX_DEPTH, TOO_DEEP, check_nesting
 from hybridflow.config.schema import Config, schema_index
 from hybridflow.config.suggest import all_keys, unknown_key
 from hybridflow.config.validate import validate_config
@@ -38,14 +40,21 @@ _Loader.add_implicit_resolver(
 )
 
 
-def parse_value(text: str) -> Any:
-    """Parse one override value with YAML scalar rules: ints, floats (1e-6 too), bools, null, [lists]."""
+def parse_value(text: str, key: str = "the override value") -> Any:
+    """Parse one override value with YAML scalar rules: ints, floats (1e-6 too), bools, null, [lists].
+
+    A value nested too deep for a config (``nesting``) is a ``ConfigError`` naming ``key``.
+    """
     if text.strip() == "":
         return None
     try:
-        return yaml.load(text, Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
+        value = yaml.load(text, Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
     except yaml.YAMLError:
         return text  # an unparseable value is a plain string; the field's type check judges it
+    except RecursionError:  # PyYAML's parser recurses once per level
+        raise ConfigError([Problem(key, TOO_DEEP, NESTING_FIX)]) from None
+    check_nesting(value, key)
+    return value
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,10 @@ def _dict_leaf_prefix(path: str) -> str | None:
 
 def _flatten(path: str, value: Any, out: list[_Item], problems: list[Problem]) -> None:
     """Turn a (possibly nested) mapping under ``path`` into items, resolving verl aliases on the way."""
+    if path.count(".") >= MAX_DEPTH:  # a dotted key into a free-form mapping would build it that deep
+        where = f"{path[:60]}... ({path.count('.') + 1} parts)"
+        problems.append(Problem(where, f"has more than {MAX_DEPTH} dotted parts", NESTING_FIX))
+        return
     ours, verl_key = aliases.resolve_alias(path) if path else ("", None)
     leaves, sections = schema_index()
     if value is None and ours in sections:
@@ -322,7 +335,7 @@ def parse_overrides(overrides: Iterable[str]) -> list[tuple[str, Any]]:
                     )
                 ]
             )
-        pairs.append((key, parse_value(raw)))
+        pairs.append((key, parse_value(raw, key)))
     return pairs
 
 
@@ -347,6 +360,9 @@ def _read_yaml(path: str | Path) -> Mapping[str, Any]:
         raise ConfigError(
             [Problem(str(path), f"is not valid YAML ({where}{what})", "fix the YAML syntax there")]
         ) from None
+    except RecursionError:  # PyYAML's parser recurses once per level
+        raise ConfigError([Problem(str(path), TOO_DEEP, NESTING_FIX)]) from None
+    check_nesting(data, str(path))
     if data is None:
         return {}
     if not isinstance(data, Mapping):
@@ -377,6 +393,7 @@ def config_from_dict(
 ) -> Config:
     """Build and validate a Config from a nested mapping (verl keys accepted) and optional overrides
     (``defer``: fields validated later, by whoever chooses them; ``_resolve``)."""
+    check_nesting(data, "the config mapping")
     problems: list[Problem] = []
     items: list[_Item] = []
     _flatten("", data, items, problems)

@@ -28,6 +28,7 @@ from typing import Any
 
 from hybridflow.config import Config
 from hybridflow.config.loader import _read_yaml, config_from_dict
+from hybridflow.config.nesting import check_nesting
 from hybridflow.data import RLDataset
 from hybridflow.data.user_rows import as_rows
 from hybridflow.rewards.shapes import RewardShape, recognise_reward
@@ -59,6 +60,7 @@ def _read_config(config: ConfigSource) -> dict[str, Any]:
     if config is None:
         return {}
     if isinstance(config, Mapping):
+        check_nesting(config, "config")  # before deepcopy, which recurses once per level
         return copy.deepcopy(dict(config))
     if isinstance(config, (str, os.PathLike)):
         return dict(_read_yaml(config))

@@ -118,31 +118,69 @@ def check_rollout_view(cfg: Config, model: torch.nn.Module | None) -> None:
         view.check_model(config)
 
 
-def check_position_limit(cfg: Config, model: torch.nn.Module | None) -> None:
-    """Refuse a prompt limit the model's positions cannot hold; warn when prompt plus response can pass them."""
+def check_position_limit(cfg: Config, model: torch.nn.Module | None, generated: bool = True) -> None:
+    """Refuse lengths the model's positions cannot hold; warn where the longest sequences are cut or run past.
+
+    ``generated``: the responses are sampled (RL, evaluation) and the rollout stops each where prompt plus
+    response reach the model's limit; else they come whole from the data (DPO, KTO). Nothing is checked for a
+    model that states no limit.
+    """
     from hybridflow.models.loader import load_config as load_model_config
 
     d, m = cfg.data, cfg.model
     config = model.config if model is not None else load_model_config(m.path, m.trust_remote_code)
-    limit = getattr(text_config(config), "max_position_embeddings", None)  # a VLM's: its language model's
-    if isinstance(limit, int) and d.max_prompt_length >= limit:
+    config = text_config(config)  # a VLM's: its language model's
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit <= 0:
+        return
+    prompt, response = d.max_prompt_length, d.max_response_length
+    positions = f"the model's position limit (max_position_embeddings={limit})"
+    if prompt >= limit:
         raise UserError(
-            f"data.max_prompt_length={d.max_prompt_length} is not below the model's position limit "
-            f"(max_position_embeddings={limit}): a prompt that long leaves no room for a response; set "
-            f"data.max_prompt_length below {limit} (and data.max_response_length to fit the rest)"
+            f"data.max_prompt_length={prompt} is not below {positions}: a prompt that long leaves no room for a "
+            f"response; set data.max_prompt_length below {limit} (and data.max_response_length to fit the rest)"
         )
-    need = d.max_prompt_length + d.max_response_length
-    if isinstance(limit, int) and need > limit:
-        logger.warning(
-            "data.max_prompt_length=%d + data.max_response_length=%d = %d tokens is more than the model's "
-            "position limit (max_position_embeddings=%d): the longest sequences go past the positions it was "
-            "trained on; lower data.max_prompt_length or data.max_response_length to fit in %d",
-            d.max_prompt_length,
-            d.max_response_length,
-            need,
-            limit,
-            limit,
+    if generated and response >= limit:
+        raise UserError(
+            f"data.max_response_length={response} cannot fit in {positions}: the rollout stops every response "
+            f"where prompt plus response reach {limit} tokens, so none can be that long; set "
+            f"data.max_response_length={limit - prompt} (the {limit} positions minus data.max_prompt_length={prompt}) "
+            f"or less, so that every response fits"
         )
+    need = prompt + response
+    if need <= limit:
+        return
+    total = f"data.max_prompt_length={prompt} + data.max_response_length={response} = {need} tokens"
+    fit = f"data.max_response_length={limit - prompt}" + (
+        f" (or data.max_prompt_length={limit - response})" if response < limit else ""
+    )
+    if not generated and learned_positions(config):
+        raise UserError(
+            f"{total} cannot fit in {positions}: {config.model_type}'s positions are a learned table of {limit}, "
+            f"so the longest pairs would have no position for their last tokens; set {fit} or less"
+        )
+    if generated:
+        what = (
+            f"the rollout stops a response where prompt plus response reach {limit} tokens, so prompts longer than "
+            f"{limit - response} tokens get shorter responses"
+        )
+    else:
+        what = "the longest sequences run past the positions the model was trained on"
+    logger.warning("%s is more than %s: %s; for whole sequences, set %s or less", total, positions, what, fit)
+
+
+def learned_positions(config: Any) -> bool:
+    """Whether the model's positions are a learned table (GPT-2's, OPT's) rather than rotary: none exists past
+    ``max_position_embeddings``, where a rotary model computes them (past what it was trained on)."""
+    rotary = (
+        "rope_parameters",
+        "rope_theta",
+        "rope_scaling",
+        "rotary_dim",
+        "rotary_pct",
+        "partial_rotary_factor",
+    )
+    return not any(getattr(config, key, None) is not None for key in rotary)
 
 
 def _local_groups(
@@ -358,7 +396,7 @@ def build_preference_components(
     logger.info("%s", world_line(cfg))  # first after the layout plan's line: the world, every role's layout
     model, tokenizer = _policy(cfg, model, tokenizer)
     check_vision_training(cfg, _model_config(cfg, model), kind)  # no images in preference rows yet
-    check_position_limit(cfg, model)
+    check_position_limit(cfg, model, generated=False)  # the pairs come whole from the data
     d = cfg.data
     train = _preference_dataset(cfg, kind, tokenizer, rows)
     if d.train_batch_size % cfg.trainer.world_size:

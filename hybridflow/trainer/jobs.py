@@ -14,6 +14,7 @@ import torch
 from hybridflow.checkpoint import load_role_model
 from hybridflow.checkpoint.export import save_hf_model as write_hf_model
 from hybridflow.checkpoint.manager import HF_CONFIG
+from hybridflow.checkpoint.rundir import is_complete, step_dir
 from hybridflow.config import Config, check_start, save_config
 from hybridflow.data import load_split_rows
 from hybridflow.data.rl_dataset import has_images
@@ -40,6 +41,8 @@ from hybridflow.trainer.summary import write_summary
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.trainer.validation import validate
 from hybridflow.utils.device import cap_gpu_memory, cuda_in_use, use_device_type
+from hybridflow.utils.dirlock import lock_run_dir
+from hybridflow.utils.errors import DiskFullError
 from hybridflow.utils.host import check_one_process
 from hybridflow.utils.logging import rank as env_rank
 from hybridflow.utils.seed import set_seed
@@ -63,13 +66,16 @@ def start_job(cfg: Config, single_process: str | None = None) -> None:
     set_seed(cfg.trainer.seed)
 
 
-def save_hf_model(actor: ActorWorker, tokenizer: Any, base: torch.nn.Module | None, out_dir: Path) -> Path:
-    """Write the actor's current weights as a Hugging Face model directory (with the tokenizer).
+def save_hf_model(actor: ActorWorker, tokenizer: Any, base: torch.nn.Module | None, staged: Path) -> Path:
+    """Write the actor's current weights as a Hugging Face model (with the tokenizer) into ``staged``, a
+    staging directory of the caller's (``staged_dir``), which renames it into place.
 
     ``base`` is a module of the same architecture to receive the weights; None builds one from the config.
     """
     state = actor.hf_state()  # adapters merged
-    return write_hf_model(state, actor.hf_model.config, tokenizer, out_dir, prefix="lm.", base=base)
+    return write_hf_model(
+        state, actor.hf_model.config, tokenizer, staged, prefix="lm.", base=base, staged=False
+    )
 
 
 def sft_job(
@@ -104,7 +110,8 @@ def sft_job(
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     actor = ActorWorker(model, cfg, steps, pad)  # applies model.freeze_vision_tower
-    with staged_dir(out_dir) as staged:  # everything goes beside out_dir, renamed into place at the end
+    # everything goes beside out_dir, renamed into place at the end (a full disk: one line, out_dir as it was)
+    with staged_dir(out_dir, "the SFT model") as staged:
         tracker = Tracker(staged, steps, loggers=cfg.trainer.logger, plot_every=0, **run_names(cfg))
         with out_of_memory_errors(cfg, "actor", "update_sft"):  # SFT calls its actor directly
             history = run_sft(
@@ -167,12 +174,27 @@ def run_loop(trainer: TrainingLoop, run_dir: Path, close: bool) -> list[dict[str
         trainer.tracker = tracker
         with out_of_memory_errors(cfg):  # one line naming the phase, on every rank
             history = trainer.fit()
-    components.groups[0].run_all("save_hf_model", str(run_dir / "final_model"))
+    try:
+        components.groups[0].run_all("save_hf_model", str(run_dir / "final_model"))
+    except DiskFullError as exc:  # say where the trained weights still are, if anywhere
+        raise DiskFullError(
+            f"{exc}; {_trained_weights(run_dir, trainer.global_step, cfg.trainer.save_freq)}"
+        ) from exc
     if close:
         components.close()
     if env_rank() == 0:  # under torchrun every rank runs the driver; one summary is enough
         write_summary(run_dir)
     return history
+
+
+def _trained_weights(run_dir: Path, step: int, save_freq: int) -> str:
+    """Where a run's trained weights are when ``final_model`` could not be written: its last checkpoint."""
+    ckpt = step_dir(run_dir, step)
+    if is_complete(ckpt):
+        return (
+            f"the checkpoint {ckpt} holds the trained weights: hybridflow export {ckpt} --out DIR writes them"
+        )
+    return f"the trained weights are not kept elsewhere: no checkpoint holds step {step} (trainer.save_freq={save_freq})"
 
 
 def rl_job(
@@ -181,12 +203,13 @@ def rl_job(
     """PPO-family training as configured; writes config.yaml, metrics.jsonl and curves.png to the run dir."""
     start_job(cfg)
     run_dir = ensure_writable_dir(cfg.trainer.run_dir(), "the run directory (trainer.default_local_dir)")
-    save_config(cfg, run_dir / "config.yaml")
-    owned = components is None  # close only what this job built: a caller may go on using its components
-    components = components or build_components(cfg, reward_fn=reward_fn)
-    drivers = {"colocate": ColocatePPOTrainer, "separate": SeparatePPOTrainer}
-    trainer = drivers.get(cfg.trainer.async_mode, PPOTrainer)(cfg, components)
-    history = run_loop(trainer, run_dir, close=owned)
+    with lock_run_dir(run_dir):  # before anything is written there; until the run's last file
+        save_config(cfg, run_dir / "config.yaml")
+        owned = components is None  # close only what this job built: a caller may go on using its components
+        components = components or build_components(cfg, reward_fn=reward_fn)
+        drivers = {"colocate": ColocatePPOTrainer, "separate": SeparatePPOTrainer}
+        trainer = drivers.get(cfg.trainer.async_mode, PPOTrainer)(cfg, components)
+        history = run_loop(trainer, run_dir, close=owned)
     logger.info("saved the trained policy to %s", run_dir / "final_model")
     return history
 
@@ -211,7 +234,7 @@ def eval_job(cfg: Config, out: Path, checkpoint_dir: Path | None = None) -> dict
     metrics = validate(cfg, components, prefix="val-core", records=records)
     components.scorer.close()
     write_jsonl(records, out)
-    logger.info("wrote %d generations to %s", len(records), out)
+    logger.debug("wrote %d generations to %s", len(records), out)  # the eval command says where (once)
     return metrics
 
 
@@ -230,8 +253,9 @@ def preference_job(
     cfg = preference_config(cfg)
     start_job(cfg)
     run_dir = ensure_writable_dir(cfg.trainer.run_dir(), "the run directory (trainer.default_local_dir)")
-    save_config(cfg, run_dir / "config.yaml")
-    owned = components is None
-    components = components or build_preference_components(cfg, kind, rows=rows)
-    history = run_loop(PreferenceTrainer(cfg, components, kind), run_dir, close=owned)
+    with lock_run_dir(run_dir):  # one run per directory (``utils.dirlock``)
+        save_config(cfg, run_dir / "config.yaml")
+        owned = components is None
+        components = components or build_preference_components(cfg, kind, rows=rows)
+        history = run_loop(PreferenceTrainer(cfg, components, kind), run_dir, close=owned)
     return history

@@ -48,6 +48,7 @@ from hybridflow.trainer.notebook_runs import Resume, run_dir_settings
 from hybridflow.trainer.ppo import PPOTrainer, score_batch
 from hybridflow.trainer.scoring import Scorer, build_reward_manager, has_scorer, known_sources
 from hybridflow.trainer.tracking import Tracker
+from hybridflow.utils.dirlock import RunLock, lock_run_dir
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.logging import setup_console_logging
 from hybridflow.utils.storage import ensure_writable_dir
@@ -134,10 +135,13 @@ class Trainer:
         else:
             model, self.tokenizer = load_policy(self.cfg)
         self.components = build_components(self.cfg, model, self.tokenizer, self.reward, step_wise=True)
+        self._lock: RunLock | None = None
         try:
             self._start()
         except BaseException:
             self.components.close()  # the workers (Ray actors too) do not outlive a failed construction
+            if self._lock is not None:
+                self._lock.release()
             raise
         self.last_metrics: dict[str, float] = {}
         self._scorers: dict[int, tuple[Callable, Scorer]] = {}
@@ -149,11 +153,12 @@ class Trainer:
                 f"trainer.async_mode={self.cfg.trainer.async_mode}: the step-wise API trains on the prompts "
                 "each call brings, synchronously; use trainer.async_mode=sync (or hybridflow train)"
             )
+        self.run_dir = ensure_writable_dir(self.cfg.trainer.run_dir(), "the run directory (output_dir=)")
+        self._lock = lock_run_dir(self.run_dir, "output_dir=")  # one run per directory, until close()
         self.loop = PPOTrainer(self.cfg, self.components)  # no prompt sampler: the caller brings the prompts
         start = self.loop.resume()
         self._updates = self._rollouts = start
         self._notices = _SaidOnce()
-        self.run_dir = ensure_writable_dir(self.cfg.trainer.run_dir(), "the run directory (output_dir=)")
         save_config(self.cfg, self.run_dir / "config.yaml")
         self.tracker = Tracker(
             self.run_dir,
@@ -345,11 +350,13 @@ class Trainer:
         return path
 
     def close(self) -> None:
-        """Close the metrics file and stop the workers and reward pools."""
+        """Close the metrics file, stop the workers and reward pools, and free the run directory."""
         self.tracker.close()
         for _, scorer in self._scorers.values():
             scorer.close()
         self.components.close()
+        if self._lock is not None:
+            self._lock.release()
 
 
 def _configure(setup: Setup, resume: Resume) -> tuple[Config, Any, int]:

@@ -8,9 +8,11 @@ an ``OSError`` of a path, a full disk) are translated into ``UserError`` at the 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -52,6 +54,37 @@ def is_disk_full(exc: BaseException | None) -> bool:
     """Whether ``exc`` (or an error in its chain) is ENOSPC / EDQUOT."""
     found = find_os_error(exc)
     return found is not None and found.errno in _DISK_FULL
+
+
+def looks_like_full_disk(exc: BaseException) -> bool:
+    """Whether ``exc`` is a full disk: ENOSPC / EDQUOT in its chain or in torch.distributed.checkpoint's
+    per-rank failures, or the message a library gives it without an ``OSError`` (safetensors' "No space left
+    on device (os error 28)", torch.save's "unexpected pos" when its writer comes up short)."""
+    failures = getattr(exc, "failures", None) or {}  # DCP's CheckpointException: {rank: (exception, trace)}
+    wrapped = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    text = str(exc)
+    return (
+        is_disk_full(exc)
+        or any(is_disk_full(f) for f in wrapped if isinstance(f, BaseException))
+        or "No space left on device" in text
+        or "unexpected pos" in text
+    )
+
+
+@contextlib.contextmanager
+def disk_full_errors(path: str | os.PathLike, what: str, needed: int | None = None) -> Iterator[None]:
+    """A full disk inside the block becomes ``DiskFullError`` (one line: ``path``, ``what``, bytes needed and
+    free), whatever the library that hit it raised; any other error passes as it is."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # torch.distributed.checkpoint raises a BaseException of its own
+        if not looks_like_full_disk(exc):
+            raise
+        raise disk_full_error(path, needed, what) from exc
 
 
 def free_bytes(path: str | os.PathLike) -> int | None:

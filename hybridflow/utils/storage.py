@@ -8,11 +8,16 @@ output or the complete new one, never a half-written one.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+from hybridflow.utils.errors import disk_full_errors
 
 logger = logging.getLogger(__name__)
 
@@ -54,43 +59,86 @@ def staging_path(final: str | os.PathLike) -> Path:
     return final.with_name(f".{final.name}.partial")
 
 
-def replace_dir(staged: Path, final: Path) -> None:
-    """Move the complete ``staged`` directory into place at ``final``; durable on return.
+def _old_path(final: Path) -> Path:
+    """Where the two-rename swap parks the old ``final`` until the new one is in place."""
+    return final.with_name(f".{final.name}.old")
 
-    A missing or empty ``final`` is replaced by one rename. Into a non-empty ``final`` (``--overwrite``, or
-    a resumed run's ``final_model``) each staged entry is renamed over its namesake, one atomic rename per
-    file, and the user's other files there stay.
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):  # no glibc 2.28+
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.ENOTSUP):  # this filesystem cannot exchange
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def replace_dir(staged: Path, final: Path) -> None:
+    """Put the complete ``staged`` directory in place of ``final`` (whole: nothing of an old ``final`` stays);
+    durable on return.
+
+    A missing or empty ``final`` is replaced by one rename. A non-empty one (``--overwrite``, a resumed run's
+    ``final_model``) is swapped with ``staged`` in one atomic exchange where the filesystem has it, else
+    renamed aside and ``staged`` renamed in; the old directory is removed only once the new one is in place.
+    A stale file of the old output (an adapter beside a merged model) can never mix with the new one.
     """
     fsync_tree(staged)
-    if final.is_dir() and any(final.iterdir()):
-        for entry in sorted(staged.iterdir()):
-            target = final / entry.name
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            os.replace(entry, target)
-        fsync_dir(final)
-        staged.rmdir()
+    try:
+        os.replace(staged, final)  # absent or empty: atomic
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        old = _old_path(final)
+        if _exchange(staged, final):
+            old = staged  # the old output, now at the staging path
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(staged, final)  # a crash before this: ``staged_dir`` puts the old one back next time
+        fsync_dir(final.parent)
+        shutil.rmtree(old)
         return
-    if final.is_dir():
-        final.rmdir()
-    os.replace(staged, final)
     fsync_dir(final.parent)
 
 
 @contextlib.contextmanager
-def staged_dir(final: str | os.PathLike) -> Iterator[Path]:
-    """Yield an empty directory beside ``final``; on success it replaces ``final``, on error it is removed."""
+def staged_dir(
+    final: str | os.PathLike, what: str = "the output", needed: int | None = None
+) -> Iterator[Path]:
+    """Yield an empty directory beside ``final``; on success it replaces ``final`` whole (``replace_dir``),
+    on error it is removed and ``final`` is as it was.
+
+    A full disk, whatever library hit it, is a ``DiskFullError`` naming ``final``, ``what`` is written there
+    and the bytes it ``needed`` (when known).
+    """
     final = Path(final).absolute()
+    if final.is_symlink():  # the link's target is the output: write beside it, on its filesystem
+        final = final.resolve()
+    old = _old_path(final)
+    if old.is_dir() and not final.exists():  # a swap interrupted between its two renames
+        logger.warning("%s was moved aside by an interrupted write; putting it back", final)
+        os.rename(old, final)
     staged = staging_path(final)
     if staged.exists():
         shutil.rmtree(staged)
     staged.mkdir(parents=True)
     try:
-        yield staged
+        with disk_full_errors(final, what, needed):
+            yield staged
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    replace_dir(staged, final)
+    with disk_full_errors(final, what, needed):  # fsync can be where a full disk shows
+        replace_dir(staged, final)
 
 
 def write_text_atomically(path: str | os.PathLike, text: str) -> None:

@@ -187,5 +187,7 @@ class RankWorker:
         state = self._actor_state()
         with user_errors_together("the trained model"):  # a full disk on rank 0 stops every rank
             if env_rank() == 0:
-                save_hf_model(state, actor.hf_model.config, self._files(), out_dir, "lm.")
+                save_hf_model(
+                    state, actor.hf_model.config, self._files(), out_dir, "lm.", what="the trained model"
+                )
         return out_dir

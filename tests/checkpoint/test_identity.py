@@ -101,3 +101,65 @@ def test_a_checkpoint_without_a_record_resumes_with_a_notice(
     with caplog.at_level(logging.WARNING, logger="hybridflow.checkpoint.identity"):
         check_identity(tmp_path / "global_step_1", None, {"actor": model_identity(models["b"])})
     assert len(caplog.records) == 1 and "does not record which model it was trained from" in caplog.text
+
+
+LORA = {
+    "rank": 8,
+    "alpha": 16.0,
+    "dropout": 0.0,
+    "target_modules": ["self_attn.q_proj", "self_attn.v_proj"],
+}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "key", "shown"),
+    [
+        ("alpha", 128.0, "model.lora_alpha", "model.lora_alpha was 16.0 there and is 128.0 here"),
+        ("rank", 4, "model.lora_rank", "model.lora_rank was 8 there and is 4 here"),
+        ("dropout", 0.1, "model.lora_dropout", "model.lora_dropout was 0.0 there and is 0.1 here"),
+        (
+            "target_modules",
+            ["self_attn.q_proj"],
+            "model.target_modules",
+            "model.target_modules was ['self_attn.q_proj', 'self_attn.v_proj'] there and is "
+            "['self_attn.q_proj'] here",
+        ),
+    ],
+)
+def test_other_lora_settings_are_refused_naming_the_key_both_values_and_the_fix(
+    tmp_path: Path, field: str, value: object, key: str, shown: str
+) -> None:
+    ckpt = tmp_path / "global_step_2"
+    identity.check_adapters(ckpt, "actor", LORA, dict(LORA))  # the same settings resume
+    with pytest.raises(CheckpointError) as err:
+        identity.check_adapters(ckpt, "actor", LORA, {**LORA, field: value})
+    message = str(err.value)
+    assert message.startswith(
+        f"{ckpt} was trained with other LoRA settings than this run's (actor): {shown}. "
+    )
+    back = {
+        "alpha": "16.0",
+        "rank": "8",
+        "dropout": "0.0",
+        "target_modules": "[self_attn.q_proj,self_attn.v_proj]",
+    }[field]
+    assert (
+        f"Resume it with {key}={back}, or train with the new settings in a new trainer.default_local_dir"
+        in (message)
+    )
+    assert "trainer.resume=disable" in message
+
+
+def test_adapters_against_a_run_without_them_and_the_reverse_are_refused(tmp_path: Path) -> None:
+    ckpt = tmp_path / "global_step_2"
+    identity.check_adapters(ckpt, "actor", None, None)  # neither has adapters
+    with pytest.raises(CheckpointError) as err:
+        identity.check_adapters(ckpt, "actor", LORA, None)
+    assert "model.lora_rank was 8 there and is 0 here" in str(err.value)
+    # every setting to put back, not the rank alone (the defaults would trip the next attempt)
+    assert (
+        "Resume it with model.lora_rank=8 model.lora_alpha=16.0 model.lora_dropout=0.0 "
+        "model.target_modules=[self_attn.q_proj,self_attn.v_proj]," in str(err.value)
+    )
+    with pytest.raises(CheckpointError, match=r"model.lora_rank was 0 there and is 8 here\. .*lora_rank=0,"):
+        identity.check_adapters(ckpt, "actor", None, LORA)

@@ -140,6 +140,12 @@ def _negative_steps(env: Env) -> tuple[list[str], str]:
     return argv, "set trainer.total_training_steps to a value that is at least 1"
 
 
+def _response_past_the_position_limit(env: Env) -> tuple[list[str], str]:
+    # issue 59: a warning, then an allocation of 160 GB for the rollout's buffers (an internal error)
+    argv = train_argv(env.model, env.tmp / "r", "data.max_response_length=100000000")
+    return argv, "data.max_response_length=100000000 cannot fit in the model's position limit"
+
+
 def _prompt_past_the_position_limit(env: Env) -> tuple[list[str], str]:
     prompts = env.prompts(b'{"prompt": "' + b"1+" * 300 + b'"}\n')  # 600 tokens, past the limit of 512
     return env.generate(env.model, prompts), "p.jsonl: prompt 1 has 600 tokens"
@@ -172,6 +178,7 @@ CASES: dict[str, Callable[[Env], tuple[list[str], str]]] = {
     "data: bad UTF-8 in a data file": _bad_utf8_data,
     "data: bad UTF-8 in a prompts file": _bad_utf8_prompts,
     "data: a prompt past the model's position limit": _prompt_past_the_position_limit,
+    "config: a response length past the model's position limit": _response_past_the_position_limit,
     "config: a negative step count": _negative_steps,
     "config: invalid YAML": _bad_yaml,
 }
@@ -256,6 +263,76 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(
     assert str(run_dir) in line and "it needs about" in line
     assert sorted(p.name for p in run_dir.iterdir() if "global_step" in p.name) == ["global_step_1"]
     shutil.rmtree(run_dir)
+
+
+def _no_space_for_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk fills while transformers writes model.safetensors: half a file, then safetensors' own error
+    (what a full filesystem gives: a SafetensorError, not an OSError)."""
+    import safetensors
+    import transformers.modeling_utils as modeling_utils
+
+    def no_space(tensors: object, filename: str, metadata: object = None) -> None:
+        Path(filename).write_bytes(b"\0" * 1024)
+        raise safetensors.SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+
+    monkeypatch.setattr(modeling_utils, "safe_save_file", no_space)
+
+
+@pytest.mark.parametrize("save_freq", [0, 1])
+def test_a_full_disk_writing_final_model_exits_2_and_keeps_what_was_saved(
+    model_dir: Path,
+    trained: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    save_freq: int,
+) -> None:
+    # issue 59: an internal error, and with trainer.save_freq=0 the trained policy was lost without a word
+    run_dir = copy_of(trained, tmp_path / "run")  # global_step_1 and the final_model of step 1
+    earlier = {p.name: p.read_bytes() for p in (run_dir / "final_model").iterdir()}
+    _no_space_for_weights(monkeypatch)
+    argv = train_argv(model_dir, run_dir, "trainer.total_training_steps=2", f"trainer.save_freq={save_freq}")
+    line = _check_user_error(
+        argv, f"the disk is full: writing the trained model to {run_dir / 'final_model'}", capsys
+    )
+    assert "it needs about" in line
+    if save_freq:
+        assert (
+            f"the checkpoint {run_dir / 'global_step_2'} holds the trained weights: hybridflow export" in line
+        )
+    else:
+        assert line.endswith("no checkpoint holds step 2 (trainer.save_freq=0)")
+    assert {p.name: p.read_bytes() for p in (run_dir / "final_model").iterdir()} == earlier
+    assert (run_dir / "global_step_1" / "meta.json").is_file()  # nothing already saved is removed
+    assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".final_model")]
+
+
+@pytest.mark.parametrize("where", ["weights", "tokenizer files"])
+def test_a_full_disk_during_export_exits_2_and_keeps_the_earlier_export(
+    trained: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    where: str,
+) -> None:
+    out = tmp_path / "exported"
+    assert main(["export", str(trained), "--out", str(out)]) == 0
+    earlier = {p.name: p.read_bytes() for p in out.iterdir()}
+    if where == "weights":
+        _no_space_for_weights(monkeypatch)
+    else:  # shutil's copy raises ENOSPC without a file name
+
+        def no_space(src: object, dst: object, **kwargs: object) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(shutil, "copy2", no_space)
+    argv = ["export", str(trained), "--out", str(out), "--overwrite"]
+    line = _check_user_error(argv, f"the disk is full: writing the exported actor to {out} failed", capsys)
+    assert "it needs about" in line
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == earlier
+    assert [p.name for p in tmp_path.iterdir()] == ["exported"]  # the partial export is gone
 
 
 def test_every_checkpoint_damaged_is_refused_unless_a_fresh_start_is_asked_for(

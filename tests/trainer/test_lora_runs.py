@@ -206,6 +206,54 @@ def test_a_lora_checkpoint_resumes_exactly_and_exports(setup: dict[str, Path], t
         torch.testing.assert_close(model(ids).logits, wrapped(ids).logits, atol=1e-5, rtol=0)
 
 
+@pytest.fixture(scope="module")
+def lora_run(setup: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A LoRA GRPO run of one step on Qwen2 with its checkpoint, global_step_1."""
+    run = tmp_path_factory.mktemp("lora_run") / "run"
+    args = grpo_args(setup, "qwen2", run, "trainer.save_freq=1", "trainer.total_training_steps=1")
+    assert main(["train", *args]) == 0
+    return run
+
+
+def test_resuming_with_another_lora_alpha_is_refused_naming_both_values(
+    setup: dict[str, Path], lora_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # issue 59: the adapter's scale went from alpha / r = 2 to 16 without a word
+    capsys.readouterr()
+    assert main(["train", *grpo_args(setup, "qwen2", lora_run, "model.lora_alpha=64")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {lora_run / 'global_step_1'} was trained with")
+    err = errors[0]
+    assert "model.lora_alpha was 8.0 there and is 64.0 here. Resume it with model.lora_alpha=8.0, or" in err
+    assert [m["step"] for m in metrics(lora_run)] == [1]  # nothing trained, nothing overwritten
+
+
+def test_export_overwrite_replaces_the_directory_whole_and_says_so_once(
+    lora_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], recwarn: pytest.WarningsRecorder
+) -> None:
+    # issue 59: a merged export over an adapter-only one kept adapter_config.json, so transformers loaded
+    # the base with the stale adapter instead of the merged weights
+    from transformers import AutoModelForCausalLM
+
+    ckpt, out = lora_run / "global_step_1", tmp_path / "out"
+    assert main(["export", str(lora_run), "--out", str(out), "--adapter-only"]) == 0
+    assert {p.name for p in out.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    capsys.readouterr()
+    assert main(["export", str(lora_run), "--out", str(out), "--overwrite"]) == 0
+    said = capsys.readouterr()
+    assert (said.out + said.err).count(f"exported the actor of {ckpt} to {out}") == 1
+    assert not [w for w in recwarn if "torch.distributed is disabled" in str(w.message)]
+    names = {p.name for p in out.iterdir()}
+    assert "model.safetensors" in names and not names & {"adapter_config.json", "adapter_model.safetensors"}
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging or old copy left beside it
+    ids = torch.randint(3, 40, (2, 9))
+    with torch.no_grad():
+        want = load_role_model(ckpt)(ids).logits
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out)(ids).logits, want)
+    assert main(["export", str(lora_run), "--out", str(out), "--overwrite", "--adapter-only"]) == 0
+    assert {p.name for p in out.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+
+
 @pytest.mark.parametrize("family", ["gpt2", "qwen2_moe"])
 def test_a_family_without_lora_is_refused_by_name(
     setup: dict[str, Path], tmp_path: Path, family: str

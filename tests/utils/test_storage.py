@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridflow.utils import storage
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.storage import ensure_writable_dir, read_utf8_lines, staged_dir, staged_file
 
@@ -21,14 +22,37 @@ def test_a_staged_directory_appears_only_when_complete(tmp_path: Path) -> None:
     assert (out / "weights").read_text() == "new"
 
 
-def test_a_staged_directory_over_a_full_one_keeps_the_users_other_files(tmp_path: Path) -> None:
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
+def test_a_staged_directory_replaces_a_full_one_whole_and_only_once_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
+) -> None:
+    # issue 59: files were renamed in one by one, so an old adapter_config.json stayed beside a merged model
+    if not exchange:  # a filesystem without RENAME_EXCHANGE (NFS): renamed aside, then the new one in
+        monkeypatch.setattr(storage, "_exchange", lambda a, b: False)
     out = tmp_path / "model"
     out.mkdir()
-    (out / "weights").write_text("old")
-    (out / "notes.txt").write_text("mine")
+    (out / "adapter_config.json").write_text("old adapter")
+    (out / "adapter_model.safetensors").write_text("old weights")
+    with pytest.raises(RuntimeError), staged_dir(out) as staged:
+        (staged / "model.safetensors").write_text("half")
+        raise RuntimeError("killed mid-write")
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     with staged_dir(out) as staged:
-        (staged / "weights").write_text("new")
-    assert (out / "weights").read_text() == "new" and (out / "notes.txt").read_text() == "mine"
+        (staged / "config.json").write_text("{}")
+        (staged / "model.safetensors").write_text("merged")
+        assert (out / "adapter_config.json").read_text() == "old adapter"  # untouched until complete
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no staging or old copy left beside it
+
+
+def test_a_swap_interrupted_between_its_renames_puts_the_old_output_back(tmp_path: Path) -> None:
+    out = tmp_path / "model"
+    aside = tmp_path / ".model.old"  # where the two-rename swap parks the old output
+    aside.mkdir()
+    (aside / "model.safetensors").write_text("old")
+    with pytest.raises(RuntimeError), staged_dir(out):
+        raise RuntimeError("this write fails too")
+    assert (out / "model.safetensors").read_text() == "old" and not aside.exists()
 
 
 def test_a_staged_file_replaces_the_old_one_only_at_the_end(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ Three switches read the adapter:
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from hybridflow.engine.ops.tensors import local_shard
 from hybridflow.models.adapters import is_adapter_name
 from hybridflow.utils.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 ALL_LINEAR = "all-linear"
 
@@ -183,10 +186,61 @@ def check_targets(layers: list[nn.Module], targets: tuple[str, ...]) -> list[str
     return [n for n in names if _targeted(n, targets)]
 
 
+def _widths(layers: list[nn.Module], chosen: list[str]) -> dict[str, tuple[int, int]]:
+    """(in, out) of each chosen layer-relative linear (the narrowest over the layers, if they differ)."""
+    out: dict[str, tuple[int, int]] = {}
+    for layer in layers:
+        for name in chosen:
+            mod = layer.get_submodule(name)
+            if isinstance(mod, nn.Linear):
+                shape = (mod.in_features, mod.out_features)
+                out[name] = min(out.get(name, shape), shape, key=min)
+    return out
+
+
+def check_rank(layers: list[nn.Module], chosen: list[str], rank: int) -> None:
+    """Refuse a rank above the width of every adapted linear; warn when above the narrowest ones only.
+
+    B A (out x in) has rank at most min(in, out): rank beyond a linear's width adds parameters and lowers
+    the scale alpha / r without adding capacity. Above every width nothing can use it (a typo such as 640
+    for 64): refused. Above some widths only, the wider linears use the rank; one rank for linears of
+    different widths (GQA's narrow k_proj and v_proj beside q_proj and the MLP) is legitimate: a warning.
+    """
+    widths = _widths(layers, chosen)
+    if not widths:
+        return
+    narrow = sorted((min(io), name) for name, io in widths.items() if min(io) < rank)
+    if not narrow:
+        return
+    width, name = narrow[0]
+    n_in, n_out = widths[name]
+    widest = max(min(io) for io in widths.values())
+    if len(narrow) == len(widths):
+        raise UserError(
+            f"model.lora_rank={rank} is above the width of every linear it adapts: B A (out x in) cannot have "
+            f"a rank above min(in, out), at most {widest} here (the narrowest, {name}, is in={n_in}, "
+            f"out={n_out}: {width}); the extra rank only adds parameters and lowers the scale "
+            f"model.lora_alpha / model.lora_rank. Set model.lora_rank={widest} or less"
+        )
+    logger.warning(
+        "model.lora_rank=%d is above the width of %s (the narrowest, %s, is in=%d, out=%d: %d): their "
+        "adapters are full rank and the extra rank only adds parameters there, while the wider linears use "
+        "it. To avoid it, set model.lora_rank=%d or less, or leave them out of model.target_modules",
+        rank,
+        ", ".join(n for _, n in narrow),
+        name,
+        n_in,
+        n_out,
+        width,
+        width,
+    )
+
+
 def apply_lora(model: nn.Module, layers: list[nn.Module], spec: LoraSpec) -> list[str]:
     """Freeze ``model`` and wrap the targeted linears of ``layers`` in place; the wrapped layer-relative
-    names (e.g. ``self_attn.q_proj``)."""
+    names (e.g. ``self_attn.q_proj``). A rank above the linears' widths is checked first (``check_rank``)."""
     chosen = check_targets(layers, spec.targets)
+    check_rank(layers, chosen, spec.rank)
     for p in model.parameters():
         p.requires_grad_(False)
     for layer in layers:

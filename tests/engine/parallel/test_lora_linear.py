@@ -88,6 +88,40 @@ def test_an_unknown_target_is_refused_naming_the_model_linears(tiny: nn.Module) 
         apply_lora(model, list(model.model.layers), LoraSpec(2, 4.0, ("q_proj", "qkv_proj")))
 
 
+@pytest.mark.parametrize(
+    ("rank", "targets", "width"),
+    [(33, ("all-linear",), 32), (100_000, ("all-linear",), 32), (17, ("k_proj", "v_proj"), 16)],
+)
+def test_a_rank_above_the_width_of_every_adapted_linear_is_refused_with_the_numbers(
+    tiny: nn.Module, rank: int, targets: tuple[str, ...], width: int
+) -> None:
+    # the tiny model's linears: q, o, down min(in, out) = 32; gate, up 32; k, v (GQA) 32 -> 16
+    model = copy.deepcopy(tiny)
+    with pytest.raises(UserError) as err:
+        apply_lora(model, list(model.model.layers), LoraSpec(rank, 16.0, targets))
+    assert f"model.lora_rank={rank} is above the width of every linear it adapts" in str(err.value)
+    assert "self_attn.k_proj, is in=32, out=16: 16" in str(err.value)
+    assert str(err.value).endswith(f"Set model.lora_rank={width} or less")
+    assert not lora_modules(model)  # refused before anything is wrapped
+
+
+def test_a_rank_above_the_narrowest_linears_only_is_warned_and_applied(
+    tiny: nn.Module, caplog: pytest.LogCaptureFixture
+) -> None:
+    # legitimate: one rank for all linears, the wide ones (32) use 20; k_proj and v_proj (16) saturate
+    model = copy.deepcopy(tiny)
+    with caplog.at_level("WARNING", logger="hybridflow.engine.parallel.lora"):
+        apply_lora(model, list(model.model.layers), LoraSpec(20, 16.0, ("all-linear",)))
+    assert "model.lora_rank=20 is above the width of self_attn.k_proj, self_attn.v_proj" in caplog.text
+    assert "set model.lora_rank=16 or less" in caplog.text
+    assert len(lora_modules(model)) == 2 * 7
+    caplog.clear()
+    fits = copy.deepcopy(tiny)
+    with caplog.at_level("WARNING", logger="hybridflow.engine.parallel.lora"):
+        apply_lora(fits, list(fits.model.layers), LoraSpec(16, 16.0, ("all-linear",)))
+    assert not caplog.text  # a rank equal to the narrowest width is full rank there: nothing to say
+
+
 def test_parallelize_keeps_the_base_frozen_and_the_optimizer_sees_only_adapters(tiny: nn.Module) -> None:
     model = copy.deepcopy(tiny)
     fsdp = FSDPConfig(param_dtype="bfloat16")  # the compute dtype of a GPU run, here on the CPU
