@@ -316,6 +316,11 @@ class TrainerConfig:
     nnodes: int = option(1, "Number of nodes.")
     n_gpus_per_node: int = option(1, "Devices per node (processes per node on CPU).")
     device: str = option("auto", "Device type: auto (cuda when available, else cpu), cuda or cpu.")
+    cpu_threads: int = option(
+        0,
+        "Intra-op threads of each CPU rank; 0 = auto (the CPUs allowed, less those other processes are busy on, "
+        "split between the ranks on the host; OMP_NUM_THREADS if set). GPU runs keep torch's count.",
+    )
     backend: str = option("local", "Worker backend: local (in-process, one rank) or ray.")
     ray_address: str | None = option(None, "Ray cluster to join; null starts a local Ray instance.")
     placement: str = option("colocated", "Role placement: colocated (share devices) or split.")

@@ -75,6 +75,7 @@ _RANGES: dict[str, list[str]] = {
         "rollout.multi_turn.tool_timeout_s",
         "reward.num_workers", "reward.overlong_buffer.len", "reward.overlong_buffer.penalty_factor",
         "algorithm.kl_ctrl.kl_coef", "trainer.critic_warmup", "trainer.log_val_generations",
+        "trainer.cpu_threads",
         "preference.sft_coef", "preference.desirable_weight", "preference.undesirable_weight",
         "model.lora_rank",
     ],

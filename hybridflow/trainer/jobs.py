@@ -44,13 +44,15 @@ from hybridflow.utils.errors import UserError
 from hybridflow.utils.logging import rank as env_rank
 from hybridflow.utils.seed import set_seed
 from hybridflow.utils.storage import ensure_writable_dir, staged_dir
+from hybridflow.utils.threads import configure_cpu_threads, passive_wait_env
 from hybridflow.workers.actor import ActorWorker
 
 logger = logging.getLogger(__name__)
 
 
 def start_job(cfg: Config, single_process: str | None = None) -> None:
-    """What every job does first in its process: take the device type (``trainer.device``) and seed.
+    """What every job does first in its process: take the device type (``trainer.device``), size the CPU
+    threads (``trainer.cpu_threads``, ``utils.threads``) and seed.
 
     ``single_process`` names a job that runs in one process only: launched on several ranks, every rank
     would repeat the whole job and write the same files, so it is refused.
@@ -62,6 +64,9 @@ def start_job(cfg: Config, single_process: str | None = None) -> None:
             "without torchrun (train, dpo and kto run on several ranks)"
         )
     use_device_type(cfg.trainer.device)
+    # The processes this job starts (Ray ranks, reward workers) wait passively; a CPU run sizes its threads.
+    passive_wait_env(os.environ)
+    configure_cpu_threads(cfg.trainer.cpu_threads, on_cpu=not cuda_in_use())
     cap_gpu_memory(cfg.trainer.gpu_memory_gb)  # before anything is allocated on the GPU
     check_start(cfg, os.environ, cuda_in_use())  # the rollout dtype on this device; VERL_* variables
     set_seed(cfg.trainer.seed)
