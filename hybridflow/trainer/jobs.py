@@ -42,6 +42,7 @@ from hybridflow.trainer.validation import validate
 from hybridflow.utils.device import cap_gpu_memory, cuda_in_use, use_device_type
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.logging import rank as env_rank
+from hybridflow.utils.progress import nice_every
 from hybridflow.utils.seed import set_seed
 from hybridflow.utils.storage import ensure_writable_dir, staged_dir
 from hybridflow.utils.threads import configure_cpu_threads, passive_wait_env
@@ -114,7 +115,11 @@ def sft_job(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     actor = ActorWorker(model, cfg, steps, pad)  # applies model.freeze_vision_tower
     with staged_dir(out_dir) as staged:  # everything goes beside out_dir, renamed into place at the end
-        tracker = Tracker(staged, steps, loggers=cfg.trainer.logger, plot_every=0, **run_names(cfg))
+        # About ten console lines, each with the pace (the warm-up of the demos is hundreds of short steps).
+        every = nice_every(steps)
+        tracker = Tracker(
+            staged, steps, loggers=cfg.trainer.logger, plot_every=0, console_every=every, **run_names(cfg)
+        )
         with out_of_memory_errors(cfg, "actor", "update_sft"):  # SFT calls its actor directly
             history = run_sft(
                 actor,
@@ -161,8 +166,13 @@ def run_names(cfg: Config) -> dict[str, Any]:
     }
 
 
-def run_loop(trainer: TrainingLoop, run_dir: Path, close: bool) -> list[dict[str, float]]:
-    """Resume, train with the tracker, save ``final_model``; ``close`` stops the workers afterwards."""
+def run_loop(
+    trainer: TrainingLoop, run_dir: Path, close: bool, log_summary: bool = True
+) -> list[dict[str, float]]:
+    """Resume, train with the tracker, save ``final_model``; ``close`` stops the workers afterwards.
+
+    ``summary.md`` is written at the end; ``log_summary=False`` leaves its table out of the log (a demo logs it
+    after its own results, ``summary.log_summary``)."""
     cfg, components = trainer.cfg, trainer.c
     start = trainer.resume()
     with Tracker(
@@ -180,14 +190,15 @@ def run_loop(trainer: TrainingLoop, run_dir: Path, close: bool) -> list[dict[str
     if close:
         components.close()
     if env_rank() == 0:  # under torchrun every rank runs the driver; one summary is enough
-        write_summary(run_dir)
+        write_summary(run_dir, log=log_summary)
     return history
 
 
 def rl_job(
-    cfg: Config, components: Components | None = None, reward_fn: Any = None
+    cfg: Config, components: Components | None = None, reward_fn: Any = None, log_summary: bool = True
 ) -> list[dict[str, float]]:
-    """PPO-family training as configured; writes config.yaml, metrics.jsonl and curves.png to the run dir."""
+    """PPO-family training as configured; writes config.yaml, metrics.jsonl, curves.png and summary.md to the
+    run dir (``log_summary``: its table in the log too)."""
     start_job(cfg)
     run_dir = ensure_writable_dir(cfg.trainer.run_dir(), "the run directory (trainer.default_local_dir)")
     save_config(cfg, run_dir / "config.yaml")
@@ -195,7 +206,7 @@ def rl_job(
     components = components or build_components(cfg, reward_fn=reward_fn)
     drivers = {"colocate": ColocatePPOTrainer, "separate": SeparatePPOTrainer}
     trainer = drivers.get(cfg.trainer.async_mode, PPOTrainer)(cfg, components)
-    history = run_loop(trainer, run_dir, close=owned)
+    history = run_loop(trainer, run_dir, close=owned, log_summary=log_summary)
     logger.info("saved the trained policy to %s", run_dir / "final_model")
     return history
 
@@ -233,7 +244,11 @@ def preference_config(cfg: Config) -> Config:
 
 
 def preference_job(
-    cfg: Config, kind: str, components: Components | None = None, rows: list[dict] | None = None
+    cfg: Config,
+    kind: str,
+    components: Components | None = None,
+    rows: list[dict] | None = None,
+    log_summary: bool = True,
 ) -> list[dict[str, float]]:
     """DPO/IPO (``kind="dpo"``) or KTO (``kind="kto"``) as configured, in the run directory like RL runs."""
     cfg = preference_config(cfg)
@@ -242,5 +257,7 @@ def preference_job(
     save_config(cfg, run_dir / "config.yaml")
     owned = components is None
     components = components or build_preference_components(cfg, kind, rows=rows)
-    history = run_loop(PreferenceTrainer(cfg, components, kind), run_dir, close=owned)
+    history = run_loop(
+        PreferenceTrainer(cfg, components, kind), run_dir, close=owned, log_summary=log_summary
+    )
     return history

@@ -397,14 +397,14 @@ class PPOTrainer(TrainingLoop):
         return out
 
     def _update_critic(self, batch: Batch, metrics: dict[str, float]) -> None:
-        with Progress("update critic", unit="steps") as bar:
+        with Progress("update critic", unit="step") as bar:
             metrics.update(self.c.critic.update_critic(batch))
             bar.update()
 
     def _update_actor(self, batch: Batch, metrics: dict[str, float]) -> None:
         if self.global_step <= self.cfg.trainer.critic_warmup:
             return
-        with Progress("update actor", unit="steps") as bar:
+        with Progress("update actor", unit="step") as bar:
             update_metrics, own = self.c.actor.update_actor(batch)
             metrics.update(update_metrics)
             bar.update()
