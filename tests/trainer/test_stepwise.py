@@ -148,3 +148,33 @@ def test_how_rows_become_prompts_is_said_once_per_trainer(model_dir: Path, tmp_p
     said = [r.getMessage() for r in caplog.records if r.name.startswith("hybridflow.data")]
     assert sum("have both a 'prompt' string and 'messages'" in m for m in said) == 1, said
     assert sum("prompts are text" in m for m in said) == 1, said
+
+
+def test_the_step_time_is_the_whole_step_not_the_callers_pauses(
+    model_dir: Path, tmp_path: Path, caplog
+) -> None:
+    import time
+
+    caplog.set_level(logging.INFO, logger="hybridflow.trainer.tracking")
+    prompts = ["1+1=", "what is 2+3?", "count to four, then stop"]
+    with hybridflow.Trainer(
+        actor_model=str(model_dir),
+        reward_fn=lambda text: float(len(text) % 3),
+        max_steps=2,
+        num_generations=2,
+        overrides=["data.max_response_length=24", f"trainer.default_local_dir={tmp_path / 'run'}"],
+    ) as trainer:
+        for _ in range(2):
+            responses = trainer.generate(prompts)
+            time.sleep(0.6)  # the caller's own work between the calls is not the trainer's step
+            rewards = trainer.critic_score(responses)
+            metrics = trainer.update_actor(responses, rewards)
+            stages = sum(v for k, v in metrics.items() if k.startswith("timing_s/") and "gen_" not in k)
+            # generate, score and update, as RLTrainer's step counts them (its stages and the bookkeeping around)
+            assert metrics["timing_s/gen"] > 0 and metrics["perf/time_per_step"] >= stages
+            assert metrics["perf/time_per_step"] < stages + 0.5
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Step ")]
+    assert (
+        lines[-1].startswith("Step 2/2 | Loss: ")
+        and f"Time: {metrics['perf/time_per_step']:.2f}s" in lines[-1]
+    )
