@@ -364,7 +364,13 @@ def build_preference_components(
     actor, ref, _ = _handles(cfg, groups, pad_id_of(tokenizer))
     scorer = Scorer(build_reward_manager(cfg, None), tokenizer, cfg, None)
     eos = groups[0].run_all("stop_tokens")[0]
-    logger.info("%s: %d training rows, %d steps, %d rank(s)", kind, len(train), steps, cfg.trainer.world_size)
+    logger.info(
+        "%s: %d training rows, %s, %d rank(s)",
+        kind,
+        len(train),
+        counted(steps, "step"),
+        cfg.trainer.world_size,
+    )
     return Components(
         tokenizer, pad_id_of(tokenizer), eos, actor, ref, None, train, val, scorer, steps, groups
     )

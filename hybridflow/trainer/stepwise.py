@@ -58,7 +58,8 @@ logger = logging.getLogger(__name__)
 
 SCORE_STAGES = ("reward", "values")  # critic_score; generate runs "gen", update_actor the rest
 POSITION = "prompt_position"  # each sample's prompt: its position in the generate call's prompts
-DATA_LOGGERS = ("user_rows", "rl_dataset")  # the modules whose notices say how rows become prompts
+DATA_LOGGERS = ("user_rows", "rl_dataset")
+GIVEN_SCORES = "the scores given to update_actor"  # the modules whose notices say how rows become prompts
 
 
 @dataclass
@@ -89,6 +90,7 @@ class Responses:
     busy_s: float = 0.0
     done: set[str] = field(default_factory=set)  # the stages run on it so far
     rewards: Rewards | None = None  # critic_score's result
+    scored_by: Callable[[], str] = field(default=lambda: GIVEN_SCORES)  # who scored (a warning names it)
     trained_at: int | None = None  # the step update_actor trained on it
 
     def __len__(self) -> int:
@@ -243,6 +245,7 @@ class Trainer:
             flow, SCORE_STAGES, responses.batch, responses.metrics, responses.done, scorer
         )
         responses.rewards = _rewards_of(responses.batch)
+        responses.scored_by = scorer.describe
         responses.busy_s += time.perf_counter() - started
         return responses.rewards
 
@@ -276,6 +279,7 @@ class Trainer:
             batch["token_level_scores"] = place_on_last_token(scores, batch["response_mask"])
             batch["acc"] = np.asarray((scores > 0).float().tolist(), dtype=object)
             responses.done.add("reward")
+            responses.scored_by = lambda: GIVEN_SCORES
         step = self._updates + 1
         metrics = responses.metrics
         metrics["training/global_step"] = float(step)
@@ -288,12 +292,14 @@ class Trainer:
         self._updates = self.loop.global_step = step
         responses.batch, responses.trained_at = batch, step
         responses.busy_s += time.perf_counter() - started
-        self._step_metrics(batch, metrics, responses.busy_s)
+        self._step_metrics(batch, metrics, responses.busy_s, responses.scored_by)
         self.tracker.log(step, metrics)
         self.last_metrics = metrics
         return metrics
 
-    def _step_metrics(self, batch: Batch, metrics: dict[str, float], seconds: float) -> None:
+    def _step_metrics(
+        self, batch: Batch, metrics: dict[str, float], seconds: float, scored_by: Callable[[], str]
+    ) -> None:
         """The step's data, throughput and memory metrics, as the dataflow adds them; ``seconds``: the step's
         time, its generate, score and update calls together (the dataflow's whole step in ``RLTrainer``)."""
         memory = self.components.actor.memory()
@@ -302,6 +308,7 @@ class Trainer:
         metrics.update(throughput_metrics(batch, seconds, self.cfg.trainer.world_size))
         metrics.update(step_peak_memory(memory))
         self.loop.clip_watch.update(metrics)
+        self.loop.signal_watch.update(metrics, scored_by)
 
     def _check_trainable(self, responses: Responses, allow_stale: bool) -> None:
         """Refuse responses trained on already, sampled by an older policy (unless allowed), or a step past

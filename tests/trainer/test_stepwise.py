@@ -178,3 +178,22 @@ def test_the_step_time_is_the_whole_step_not_the_callers_pauses(
         lines[-1].startswith("Step 2/2 | Loss: ")
         and f"Time: {metrics['perf/time_per_step']:.2f}s" in lines[-1]
     )
+
+
+def test_groups_that_tie_in_every_early_step_are_said_once(model_dir: Path, tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="hybridflow.trainer.metrics")
+    with hybridflow.Trainer(
+        actor_model=str(model_dir),
+        num_generations=2,
+        overrides=[SHORT, f"trainer.default_local_dir={tmp_path / 'run'}"],
+    ) as trainer:
+        for step in range(4):
+            responses = trainer.generate(["1+1=", "name a colour"])
+            # each prompt's two samples tie; the prompts differ: no sample is better than its group's other
+            metrics = trainer.update_actor(
+                responses, [1.0, 1.0, 0.0, 0.0] if step < 3 else [1.0, 0.0, 0.0, 0.0]
+            )
+            assert metrics["critic/score/zero_std_frac"] == (1.0 if step < 3 else 0.5)
+    said = [r.getMessage() for r in caplog.records if "zero_std_frac" in r.getMessage()]
+    assert len(said) == 1 and "every prompt's 2 samples got the same reward" in said[0]
+    assert "check the scores given to update_actor" in said[0]
