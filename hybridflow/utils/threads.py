@@ -246,3 +246,33 @@ def configure_cpu_threads(setting: int, on_cpu: bool) -> ThreadPlan | None:
     _decided = (setting, plan)
     logger.info("%s", plan.line())
     return plan
+
+
+def current_cpu_threads() -> int | None:
+    """The count ``configure_cpu_threads`` chose in this process; None where it chose none (a GPU run)."""
+    return None if _decided is None else _decided[1].threads
+
+
+def keep_resumed_threads(saved: int | None, setting: int, on_cpu: bool) -> ThreadPlan | None:
+    """A resumed CPU run with the automatic count computes with the count its checkpoint was saved with.
+
+    float32 results on the CPU may move in their last bits with the thread count, and the automatic count
+    follows the machine's load at each start: taking the saved one keeps a resumed run on the numbers of an
+    uninterrupted one. A count the config or ``OMP_NUM_THREADS`` sets wins. Returns the plan when it changed.
+    """
+    global _decided
+    if not on_cpu or not saved or setting > 0 or "OMP_NUM_THREADS" in os.environ:
+        return None
+    if current_cpu_threads() == saved:
+        return None
+    import torch
+
+    plan = ThreadPlan(
+        saved,
+        "the checkpoint's count, so that the run goes on computing as it did; "
+        "trainer.cpu_threads=N sets another",
+    )
+    torch.set_num_threads(saved)
+    _decided = (0, plan)
+    logger.info("%s", plan.line())
+    return plan

@@ -154,6 +154,35 @@ def test_threads_are_sized_once_per_process_and_only_on_cpu(monkeypatch: pytest.
         torch.set_num_threads(before)
 
 
+def test_a_resume_keeps_the_count_its_checkpoint_computed_with(
+    monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "_decided", (0, threads.ThreadPlan(1, "auto")))  # the load said 1 this time
+    try:
+        with caplog.at_level("INFO", logger="hybridflow.utils.threads"):
+            assert (
+                threads.keep_resumed_threads(None, 0, on_cpu=True) is None
+            )  # saved before there was a count
+            assert threads.keep_resumed_threads(2, 0, on_cpu=False) is None  # a GPU run
+            assert threads.keep_resumed_threads(2, 3, on_cpu=True) is None  # trainer.cpu_threads=3 wins
+            kept = threads.keep_resumed_threads(2, 0, on_cpu=True)
+            assert kept is not None and kept.threads == 2 and torch.get_num_threads() == 2
+            assert threads.current_cpu_threads() == 2
+            assert threads.keep_resumed_threads(2, 0, on_cpu=True) is None  # already so
+            monkeypatch.setenv("OMP_NUM_THREADS", "1")
+            assert threads.keep_resumed_threads(1, 0, on_cpu=True) is None  # the environment's count wins
+        assert [r.getMessage() for r in caplog.records] == [
+            "cpu threads: 2 (the checkpoint's count, so that the run goes on computing as it did; "
+            "trainer.cpu_threads=N sets another)"
+        ]
+    finally:
+        torch.set_num_threads(before)
+
+
 # Runs the command line as the `hybridflow` script does, noting the wait policy in the environment at the moment
 # torch is first imported (OpenMP reads it then), and torch's thread count at the end.
 WATCHER = """
