@@ -14,7 +14,8 @@ this process may use (its affinity mask and its cgroup's CPU quota), less the co
 (the 1-minute load average, less this process's own share of it), split between the ranks on this host
 (``LOCAL_WORLD_SIZE``). ``trainer.cpu_threads=N`` sets the count; ``OMP_NUM_THREADS`` in the environment is kept
 as the user's (or the launcher's: torchrun sets 1 for several processes per host). On a GPU torch keeps its
-own count. The decision is taken once per process and logged once.
+own count. The decision is taken once per process and logged once; a resumed run takes the count its checkpoint
+was saved with (float32 results may move in their last bits with the count).
 
 The functions that decide are pure (affinity sizes, cgroup file contents, load averages in, a count out);
 ``configure_cpu_threads`` reads the machine and applies the result.
@@ -159,7 +160,8 @@ class ThreadPlan:
     why: str
 
     def line(self) -> str:
-        """The log line, e.g. ``cpu threads: 2 (2 CPUs allowed, load 0.3, 1 rank on this host)``."""
+        """The log line, e.g. ``cpu threads: 2 (2 CPUs allowed, load 0.3 from other processes, 1 rank on this
+        host)``."""
         return f"cpu threads: {self.threads} ({self.why})"
 
 
