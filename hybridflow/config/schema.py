@@ -318,8 +318,7 @@ class TrainerConfig:
     device: str = option("auto", "Device type: auto (cuda when available, else cpu), cuda or cpu.")
     cpu_threads: int = option(
         0,
-        "Intra-op threads of each CPU rank; 0 = auto (the CPUs allowed, less those other processes are busy on, "
-        "split between the ranks on the host; OMP_NUM_THREADS if set). GPU runs keep torch's count.",
+        "Torch threads per CPU rank; 0 = auto (free CPUs split between the host's ranks, or OMP_NUM_THREADS).",
     )
     backend: str = option("local", "Worker backend: local (in-process, one rank) or ray.")
     ray_address: str | None = option(None, "Ray cluster to join; null starts a local Ray instance.")
