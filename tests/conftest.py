@@ -15,6 +15,12 @@ if not torch.cuda.is_available():
     # (importing torch does not import it; transformers does).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One thread count for the whole suite, this process and every process it starts: many tests compare a run in
+# this process with one in a subprocess (a kill and a resume, Ray against torchrun) to the last bits, and float32
+# results on the CPU may move with the thread count, which the automatic policy (hybridflow/utils/threads.py)
+# sizes to the machine's load at each start. Tests of that policy clear it. A count given to pytest is kept.
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip `gpu` tests without CUDA and `ray` tests without Ray installed."""

@@ -37,6 +37,7 @@ from hybridflow.algos.aggregation import (
     agg_loss,
     local_batch_info,
 )
+from hybridflow.algos.group_stats import group_zero_std_fraction
 from hybridflow.algos.kl import (
     VALID_KL_PENALTIES,
     AdaptiveKLController,
@@ -158,6 +159,7 @@ __all__ = [
     "get_adv_estimator_fn",
     "get_kl_controller",
     "get_policy_loss_fn",
+    "group_zero_std_fraction",
     "kl_penalty",
     "kl_penalty_forward",
     "local_batch_info",

@@ -24,13 +24,17 @@ def run_preference(args: argparse.Namespace, kind: str) -> int:
     """Train with ``kind`` (dpo or kto) and say where the results are; dpo without a config is the demo."""
     from hybridflow.cli.config_cmd import names_a_model, split_file_and_overrides
     from hybridflow.config import load_config
+    from hybridflow.utils.progress import counted
 
     path, overrides = split_file_and_overrides(args.args)
     own_run = path is not None or names_a_model(overrides)
     if not own_run and kind == "dpo":
         from hybridflow.trainer.demo import format_table, run_dpo_demo
+        from hybridflow.trainer.summary import log_summary
 
-        print(format_table(run_dpo_demo(overrides), "DPO"))
+        result = run_dpo_demo(overrides)
+        print(format_table(result, "DPO"), flush=True)  # the accuracy before and after, then the run summary
+        log_summary(result["run_dir"])
         return 0
     if not own_run:
         raise UserError(
@@ -40,7 +44,7 @@ def run_preference(args: argparse.Namespace, kind: str) -> int:
     from hybridflow.trainer.jobs import preference_job  # torch and transformers: after the checks
 
     history = preference_job(cfg, kind)
-    print(f"done: {len(history)} steps; metrics in {cfg.trainer.run_dir()}/metrics.jsonl")
+    print(f"done: {counted(len(history), 'step')}; metrics in {cfg.trainer.run_dir()}/metrics.jsonl")
     return 0
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -105,14 +104,16 @@ def read_prompts(path: str, tokenizer: Any) -> list[list[int]]:
 def run(args: argparse.Namespace) -> int:
     """Load the model, generate, write one JSON line per sample and report tokens/s."""
     import torch
-    from tqdm import tqdm
 
     from hybridflow.engine import make_rollout
     from hybridflow.models import load_causal_lm, load_tokenizer
     from hybridflow.utils.device import cuda_in_use, use_device_type
+    from hybridflow.utils.progress import Progress
+    from hybridflow.utils.threads import configure_cpu_threads
 
     check_output_file(Path(args.out), args.overwrite)
     use_device_type(args.device, "--device")  # a missing GPU stops here, with the fix
+    configure_cpu_threads(0, on_cpu=not cuda_in_use())  # utils/threads.py: sized to the CPUs free here
     device = torch.device("cuda" if cuda_in_use() else "cpu")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     tokenizer = load_tokenizer(args.tokenizer or args.model, fix_option="--tokenizer")
@@ -125,13 +126,7 @@ def run(args: argparse.Namespace) -> int:
         model, args.engine, pad_token_id=tokenizer.pad_token_id or 0, max_num_seqs=args.max_num_seqs, **extra
     )
     start = time.perf_counter()
-    with tqdm(
-        total=len(prompts) * args.n,
-        desc="generate",
-        unit="seq",
-        file=sys.stderr,
-        disable=not sys.stderr.isatty(),
-    ) as bar:
+    with Progress("generate", total=len(prompts) * args.n, unit="sample") as bar:  # lines in a log file
         results = engine.generate(prompts, params, progress=bar.update)
     elapsed = time.perf_counter() - start
     total = write_samples(Path(args.out), results, tokenizer)

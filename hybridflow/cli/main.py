@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -26,6 +27,8 @@ import yaml
 
 import hybridflow
 from hybridflow.utils.errors import UserError, path_error
+from hybridflow.utils.logging import quiet_library_bars
+from hybridflow.utils.threads import passive_wait_env
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +109,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``hybridflow`` command line; returns the exit status."""
+    # First, before anything imports torch: OpenMP reads its wait policy once, when torch loads it, and every
+    # process this one starts (ranks, reward workers) inherits the environment (utils/threads.py).
+    passive_wait_env(os.environ)
+    quiet_library_bars(os.environ, sys.stderr.isatty())
     parser = build_parser()
     args = parse_args(parser, argv)  # --help and --version exit here, before anything heavy is imported
     from hybridflow.utils.logging import setup_console_logging

@@ -64,6 +64,7 @@ def load_run(run_dir: Path) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
     """Draw the runs and say where the picture went."""
     from hybridflow.trainer.plotting import plot_runs, run_label
+    from hybridflow.utils.progress import counted
 
     dirs = [Path(p).expanduser() for p in args.runs]
     runs = {name: load_run(d) for name, d in zip(run_label(dirs), dirs)}
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     if out.is_dir():
         raise UserError(f"--out {out} is a directory; give a file name such as {out / 'curves.png'}")
     steps = max(int(r["step"]) for records in runs.values() for r in records)
-    title = " vs ".join(runs) + f"  ({steps} steps)"
+    title = " vs ".join(runs) + f"  ({counted(steps, 'step')})"
     plot_runs(runs, out, title=title)
     print(f"wrote {out}")
     return 0

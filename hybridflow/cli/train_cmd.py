@@ -30,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
     if path is None and not names_a_model(overrides):
         from hybridflow.data.tasks import TOOL_TASKS
         from hybridflow.trainer.demo import demo_task, format_table, run_demo
+        from hybridflow.trainer.summary import log_summary
         from hybridflow.trainer.tool_demo import run_tool_demo
         from hybridflow.trainer.vision_demo import VISION_TASKS, run_vision_demo
 
@@ -37,13 +38,16 @@ def run(args: argparse.Namespace) -> int:
         # a visual task (data.task=squares) too: a tiny vision-language model, GRPO on image prompts.
         task = demo_task(overrides)
         demo = run_tool_demo if task in TOOL_TASKS else run_vision_demo if task in VISION_TASKS else run_demo
-        print(format_table(demo(overrides)))
+        result = demo(overrides)
+        print(format_table(result), flush=True)  # the accuracy before and after, then the run summary
+        log_summary(result["run_dir"])
         return 0
     from hybridflow.trainer.jobs import rl_job
+    from hybridflow.utils.progress import counted
 
     cfg = planned_config(path, overrides)
     history = rl_job(cfg)
-    print(f"done: {len(history)} steps; metrics in {cfg.trainer.run_dir()}/metrics.jsonl")
+    print(f"done: {counted(len(history), 'step')}; metrics in {cfg.trainer.run_dir()}/metrics.jsonl")
     return 0
 
 

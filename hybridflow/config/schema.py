@@ -336,6 +336,10 @@ class TrainerConfig:
     nnodes: int = option(1, "Number of nodes.")
     n_gpus_per_node: int = option(1, "Devices per node (processes per node on CPU).")
     device: str = option("auto", "Device type: auto (cuda when available, else cpu), cuda or cpu.")
+    cpu_threads: int = option(
+        0,
+        "Torch threads per CPU rank; 0 = auto (free CPUs split between the host's ranks, or OMP_NUM_THREADS).",
+    )
     backend: str = option("local", "Worker backend: local (in-process, one rank) or ray.")
     ray_address: str | None = option(None, "Ray cluster to join; null starts a local Ray instance.")
     placement: str = option("colocated", "Role placement: colocated (share devices) or split.")

@@ -77,6 +77,7 @@ _RANGES: dict[str, list[str]] = {
         "actor.policy_loss.ppo_kl_coef", "actor.router_aux_loss_coef",
         "reward.num_workers", "reward.overlong_buffer.len", "reward.overlong_buffer.penalty_factor",
         "algorithm.kl_ctrl.kl_coef", "trainer.critic_warmup", "trainer.log_val_generations",
+        "trainer.cpu_threads",
         "preference.sft_coef", "preference.desirable_weight", "preference.undesirable_weight",
         "model.lora_rank",
     ],

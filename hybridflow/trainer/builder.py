@@ -18,6 +18,7 @@ from hybridflow.models.vision_tower import check_vision_training
 from hybridflow.trainer.scoring import Scorer, build_reward_manager, has_scorer, known_sources
 from hybridflow.utils.dist import init_distributed
 from hybridflow.utils.errors import UserError
+from hybridflow.utils.progress import counted
 from hybridflow.workers.actor import ActorWorker, make_sampling_params
 from hybridflow.workers.build import (
     COLOCATED,
@@ -315,12 +316,12 @@ def build_components(
         train = val = None
         steps = cfg.trainer.total_training_steps or 1
         data = "prompts from the caller's loop (step-wise Trainer), " + (
-            f"{steps} steps" if cfg.trainer.total_training_steps else "no step limit"
+            counted(steps, "step") if cfg.trainer.total_training_steps else "no step limit"
         )
     else:
         train, val = _datasets(cfg, tokenizer, reward_fn, train, val, processor)
         steps = total_training_steps(cfg, len(train))
-        data = f"{len(train)} prompts from {train.source}, {steps} steps"
+        data = f"{len(train)} prompts from {train.source}, {counted(steps, 'step')}"
     groups = _groups(cfg, model, tokenizer, steps, processor)
     pool = _rollout_pool(cfg, groups, steps)
     eos = groups[0].run_all("stop_tokens")[0]
@@ -412,7 +413,13 @@ def build_preference_components(
     actor, ref, _ = _handles(cfg, groups, pad_id_of(tokenizer))
     scorer = Scorer(build_reward_manager(cfg, None), tokenizer, cfg, None)
     eos = groups[0].run_all("stop_tokens")[0]
-    logger.info("%s: %d training rows, %d steps, %d rank(s)", kind, len(train), steps, cfg.trainer.world_size)
+    logger.info(
+        "%s: %d training rows, %s, %d rank(s)",
+        kind,
+        len(train),
+        counted(steps, "step"),
+        cfg.trainer.world_size,
+    )
     return Components(
         tokenizer, pad_id_of(tokenizer), eos, actor, ref, None, train, val, scorer, steps, groups
     )

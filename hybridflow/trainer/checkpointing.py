@@ -12,6 +12,8 @@ from hybridflow.checkpoint.identity import check_identity, model_identity
 from hybridflow.checkpoint.manager import user_errors_together, verify_checkpoint
 from hybridflow.checkpoint.rundir import is_complete, step_dir, temp_dir
 from hybridflow.config.schema import Config
+from hybridflow.utils.device import cuda_in_use
+from hybridflow.utils.threads import current_cpu_threads, keep_resumed_threads
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +55,14 @@ def trainer_state(trainer: Any) -> dict[str, Any]:
         # trainer.async_mode=colocate: the groups in flight, continued after a resume (never trained twice);
         # separate: where the sampler stood before the batches in flight (drawn again after a resume)
         "in_flight": trainer.inflight.state_dict() if getattr(trainer, "inflight", None) else None,
+        "cpu_threads": current_cpu_threads(),  # a CPU run's automatic count, kept by a resume (utils.threads)
     }
 
 
 def restore_trainer_state(trainer: Any, state: dict[str, Any]) -> None:
     """Put back what ``trainer_state`` saved."""
     trainer.global_step = int(state["global_step"])
+    keep_resumed_threads(state.get("cpu_threads"), trainer.cfg.trainer.cpu_threads, on_cpu=not cuda_in_use())
     if trainer.sampler is not None and state.get("sampler") is not None:  # the step-wise API saves none
         trainer.sampler.load_state_dict(state["sampler"])
     if trainer.kl_ctrl is not None and state.get("kl_ctrl") is not None:

@@ -29,6 +29,7 @@ from hybridflow.trainer.ppo import prompt_fields
 from hybridflow.trainer.tracking import METRICS_FILE
 from hybridflow.trainer.validation import validate
 from hybridflow.utils.errors import UserError
+from hybridflow.utils.progress import counted
 from hybridflow.utils.seed import set_seed
 
 logger = logging.getLogger(__name__)
@@ -204,7 +205,7 @@ def warm_up(
     model, tokenizer = build_tiny_model_and_tokenizer(
         run_dir / "base_model", arch=cfg.model.tiny_arch, seed=cfg.trainer.seed, **TINY_MODEL
     )
-    logger.info("demo: SFT warm-up for %d steps", sft_cfg.trainer.total_training_steps)
+    logger.info("demo: SFT warm-up for %s", counted(sft_cfg.trainer.total_training_steps, "step"))
     rows = load_split_rows(sft_cfg.data, "train", sft_cfg.trainer.seed)
     sft_job(sft_cfg, run_dir / "sft_model", model, tokenizer, rows)
     cfg.model.path = str(run_dir / "sft_model")
@@ -232,8 +233,8 @@ def run_demo(overrides: list[str] | None = None, sft_overrides: list[str] | None
     components = load_components_from(run_dir / "sft_model", cfg)
     # With trainer.val_before_train (the demo's default) the run validates at step 0 and at its last step.
     before = None if cfg.trainer.val_before_train else accuracy(validate(cfg, components))
-    logger.info("demo: GRPO for %d steps", components.total_steps)
-    history = rl_job(cfg, components)
+    logger.info("demo: GRPO for %s", counted(components.total_steps, "step"))
+    history = rl_job(cfg, components, log_summary=False)  # the command line logs it after the accuracy table
     records = read_metrics(run_dir / METRICS_FILE)
     if before is None:
         before = logged_accuracy(records, 0)
@@ -254,8 +255,8 @@ def grpo_from_warm_up(cfg: Config, run_dir: Path, what: str) -> tuple[dict[str, 
     """GRPO from the warmed-up ``run_dir/sft_model`` (a demo's second phase): held-out accuracy at step 0 and at
     the last step, the run directory, history and validation size; and the run's metrics records."""
     components = load_components_from(run_dir / "sft_model", cfg)
-    logger.info("%s: GRPO for %d steps", what, components.total_steps)
-    history = rl_job(cfg, components)
+    logger.info("%s: GRPO for %s", what, counted(components.total_steps, "step"))
+    history = rl_job(cfg, components, log_summary=False)  # the command line logs it after the accuracy table
     records = read_metrics(run_dir / METRICS_FILE)
     last = components.total_steps
     components.close()
@@ -307,9 +308,11 @@ def run_dpo_demo(
     model, tokenizer = load_policy(pcfg)
     components = build_preference_components(pcfg, "dpo", model, tokenizer, rows=rows)
     logger.info(
-        "demo: held-out accuracy after SFT %.1f%%; DPO for %d steps", 100 * before, components.total_steps
+        "demo: held-out accuracy after SFT %.1f%%; DPO for %s",
+        100 * before,
+        counted(components.total_steps, "step"),
     )
-    history = preference_job(pcfg, "dpo", components)
+    history = preference_job(pcfg, "dpo", components, log_summary=False)
     after = accuracy(validate(pcfg, components))
     components.close()
     return {

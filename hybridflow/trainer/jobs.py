@@ -45,15 +45,18 @@ from hybridflow.utils.dirlock import lock_run_dir
 from hybridflow.utils.errors import DiskFullError
 from hybridflow.utils.host import check_one_process
 from hybridflow.utils.logging import rank as env_rank
+from hybridflow.utils.progress import nice_every
 from hybridflow.utils.seed import set_seed
 from hybridflow.utils.storage import ensure_writable_dir, staged_dir
+from hybridflow.utils.threads import configure_cpu_threads, passive_wait_env
 from hybridflow.workers.actor import ActorWorker
 
 logger = logging.getLogger(__name__)
 
 
 def start_job(cfg: Config, single_process: str | None = None) -> None:
-    """What every job does first in its process: take the device type (``trainer.device``) and seed.
+    """What every job does first in its process: take the device type (``trainer.device``), size the CPU
+    threads (``trainer.cpu_threads``, ``utils.threads``) and seed.
 
     ``single_process`` names a job that runs in one process only: launched on several ranks, every rank
     would repeat the whole job and write the same files, so it is refused.
@@ -61,6 +64,9 @@ def start_job(cfg: Config, single_process: str | None = None) -> None:
     if single_process is not None:
         check_one_process(single_process)
     use_device_type(cfg.trainer.device)
+    # The processes this job starts (Ray ranks, reward workers) wait passively; a CPU run sizes its threads.
+    passive_wait_env(os.environ)
+    configure_cpu_threads(cfg.trainer.cpu_threads, on_cpu=not cuda_in_use())
     cap_gpu_memory(cfg.trainer.gpu_memory_gb)  # before anything is allocated on the GPU
     check_start(cfg, os.environ, cuda_in_use())  # the rollout dtype on this device; VERL_* variables
     set_seed(cfg.trainer.seed)
@@ -112,7 +118,11 @@ def sft_job(
     actor = ActorWorker(model, cfg, steps, pad)  # applies model.freeze_vision_tower
     # everything goes beside out_dir, renamed into place at the end (a full disk: one line, out_dir as it was)
     with staged_dir(out_dir, "the SFT model") as staged:
-        tracker = Tracker(staged, steps, loggers=cfg.trainer.logger, plot_every=0, **run_names(cfg))
+        # About ten console lines, each with the pace (the warm-up of the demos is hundreds of short steps).
+        every = nice_every(steps)
+        tracker = Tracker(
+            staged, steps, loggers=cfg.trainer.logger, plot_every=0, console_every=every, **run_names(cfg)
+        )
         with out_of_memory_errors(cfg, "actor", "update_sft"):  # SFT calls its actor directly
             history = run_sft(
                 actor,
@@ -159,8 +169,13 @@ def run_names(cfg: Config) -> dict[str, Any]:
     }
 
 
-def run_loop(trainer: TrainingLoop, run_dir: Path, close: bool) -> list[dict[str, float]]:
-    """Resume, train with the tracker, save ``final_model``; ``close`` stops the workers afterwards."""
+def run_loop(
+    trainer: TrainingLoop, run_dir: Path, close: bool, log_summary: bool = True
+) -> list[dict[str, float]]:
+    """Resume, train with the tracker, save ``final_model``; ``close`` stops the workers afterwards.
+
+    ``summary.md`` is written at the end; ``log_summary=False`` leaves its table out of the log (a demo logs it
+    after its own results, ``summary.log_summary``)."""
     cfg, components = trainer.cfg, trainer.c
     start = trainer.resume()
     with Tracker(
@@ -183,7 +198,7 @@ def run_loop(trainer: TrainingLoop, run_dir: Path, close: bool) -> list[dict[str
     if close:
         components.close()
     if env_rank() == 0:  # under torchrun every rank runs the driver; one summary is enough
-        write_summary(run_dir)
+        write_summary(run_dir, log=log_summary)
     return history
 
 
@@ -198,9 +213,10 @@ def _trained_weights(run_dir: Path, step: int, save_freq: int) -> str:
 
 
 def rl_job(
-    cfg: Config, components: Components | None = None, reward_fn: Any = None
+    cfg: Config, components: Components | None = None, reward_fn: Any = None, log_summary: bool = True
 ) -> list[dict[str, float]]:
-    """PPO-family training as configured; writes config.yaml, metrics.jsonl and curves.png to the run dir."""
+    """PPO-family training as configured; writes config.yaml, metrics.jsonl, curves.png and summary.md to the
+    run dir (``log_summary``: its table in the log too)."""
     start_job(cfg)
     run_dir = ensure_writable_dir(cfg.trainer.run_dir(), "the run directory (trainer.default_local_dir)")
     with lock_run_dir(run_dir):  # before anything is written there; until the run's last file
@@ -209,7 +225,7 @@ def rl_job(
         components = components or build_components(cfg, reward_fn=reward_fn)
         drivers = {"colocate": ColocatePPOTrainer, "separate": SeparatePPOTrainer}
         trainer = drivers.get(cfg.trainer.async_mode, PPOTrainer)(cfg, components)
-        history = run_loop(trainer, run_dir, close=owned)
+        history = run_loop(trainer, run_dir, close=owned, log_summary=log_summary)
     logger.info("saved the trained policy to %s", run_dir / "final_model")
     return history
 
@@ -247,7 +263,11 @@ def preference_config(cfg: Config) -> Config:
 
 
 def preference_job(
-    cfg: Config, kind: str, components: Components | None = None, rows: list[dict] | None = None
+    cfg: Config,
+    kind: str,
+    components: Components | None = None,
+    rows: list[dict] | None = None,
+    log_summary: bool = True,
 ) -> list[dict[str, float]]:
     """DPO/IPO (``kind="dpo"``) or KTO (``kind="kto"``) as configured, in the run directory like RL runs."""
     cfg = preference_config(cfg)
@@ -257,5 +277,7 @@ def preference_job(
         save_config(cfg, run_dir / "config.yaml")
         owned = components is None
         components = components or build_preference_components(cfg, kind, rows=rows)
-        history = run_loop(PreferenceTrainer(cfg, components, kind), run_dir, close=owned)
+        history = run_loop(
+            PreferenceTrainer(cfg, components, kind), run_dir, close=owned, log_summary=log_summary
+        )
     return history

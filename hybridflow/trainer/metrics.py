@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from hybridflow.protocol import Batch
 from hybridflow.utils.device import cuda_in_use
+from hybridflow.utils.logging import rank as env_rank
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +79,64 @@ class ClipWatch:
                 100 * mean,
                 self.steps,
                 self.max_response_length,
+            )
+
+
+ZERO_STD_KEY = "critic/score/zero_std_frac"  # TRL logs the same fraction as frac_reward_zero_std
+
+
+class SignalWatch:
+    """Says once, after the run's first ``steps`` steps, when they gave the policy nothing to learn from.
+
+    Two cases, each a warning naming who scores (``Scorer.describe``) and the fixes: every sample got the
+    same reward in all of those steps (a constant reward: every advantage is zero, whatever the estimator);
+    or, with a group-relative estimator, every group's samples tied in each of them
+    (``critic/score/zero_std_frac`` = 1: GRPO's advantages are all zero). Runs shorter than ``steps`` are
+    judged at their last step. Only rank 0 speaks.
+    """
+
+    def __init__(self, cfg: Any, total_steps: int | None, steps: int = 3) -> None:
+        self.steps = steps if total_steps is None else max(1, min(steps, total_steps))
+        self.n = cfg.rollout.n
+        self.temperature = cfg.rollout.temperature
+        self.seen: list[tuple[float, float, float | None]] = []  # (score min, max, zero_std_frac) per step
+        self.said = env_rank() != 0
+
+    def update(self, metrics: dict[str, float], who: Callable[[], str]) -> None:
+        """Count one step's scores; at the last of the first steps, warn if none of them had a signal.
+        ``who()`` names who scored (asked only for a warning)."""
+        if self.said or "critic/score/min" not in metrics:
+            return
+        self.seen.append(
+            (metrics["critic/score/min"], metrics["critic/score/max"], metrics.get(ZERO_STD_KEY))
+        )
+        if len(self.seen) < self.steps:
+            return
+        self.said = True
+        lows, highs, tied = zip(*self.seen)
+        steps = f"the first {self.steps} step{'s' if self.steps != 1 else ''}"
+        if len(set(lows) | set(highs)) == 1:
+            logger.warning(
+                "the reward was %g for every sample of %s (%s): a constant reward teaches nothing, every "
+                "advantage is 0. Check that it gives different values to better and worse responses (the "
+                "responses may never show what it looks for: see trainer.rollout_data_dir's samples)",
+                lows[0],
+                steps,
+                who(),
+            )
+        elif all(t is not None and t >= 1.0 for t in tied):
+            logger.warning(
+                "in each of %s every prompt's %d samples got the same reward (%s = 1; TRL's "
+                "frac_reward_zero_std): group-relative advantages are all 0 and the policy learns nothing. "
+                "Fix: a reward that tells the samples of one prompt apart (partial credit; check %s), more "
+                "varied samples (rollout.temperature, now %g; rollout.n), or "
+                "algorithm.filter_groups.enable=true (DAPO's dynamic sampling: trains only on groups whose "
+                "rewards differ)",
+                steps,
+                self.n,
+                ZERO_STD_KEY,
+                who(),
+                self.temperature,
             )
 
 

@@ -16,6 +16,7 @@ from hybridflow.algos import (
     compute_rollout_correction_and_rejection_mask,
     get_adv_estimator_fn,
     get_kl_controller,
+    group_zero_std_fraction,
 )
 from hybridflow.config.schema import Config
 from hybridflow.data import PromptSampler, collate_prompts
@@ -27,7 +28,9 @@ from hybridflow.trainer.dataflow import Dataflow, Stage
 from hybridflow.trainer.dumps import rollout_records, write_jsonl
 from hybridflow.trainer.loop import TrainingLoop
 from hybridflow.trainer.metrics import (
+    ZERO_STD_KEY,
     ClipWatch,
+    SignalWatch,
     add_reshard_stats,
     add_rollout_stats,
     compute_data_metrics,
@@ -135,6 +138,7 @@ class PPOTrainer(TrainingLoop):
         self.dataflow = self._dataflow(self.old_source)
         self._dataflows = {self.old_source: self.dataflow}
         self.clip_watch = ClipWatch(cfg.data.max_response_length)
+        self.signal_watch = SignalWatch(cfg, self.total_steps)  # a run whose first steps teach nothing
 
     def dataflow_for(self, prompts: int) -> Dataflow:
         """The step's dataflow for a batch of ``prompts`` prompts: whether the update needs a separate
@@ -234,6 +238,7 @@ class PPOTrainer(TrainingLoop):
         metrics.update(throughput_metrics(batch, elapsed, self.cfg.trainer.world_size))
         metrics.update(step_peak_memory(memory))
         self.clip_watch.update(metrics)
+        self.signal_watch.update(metrics, self.c.scorer.describe)
         return metrics
 
     def _next_prompts(self) -> Batch:
@@ -373,6 +378,10 @@ class PPOTrainer(TrainingLoop):
             kwargs.update(reward_baselines=batch["reward_baselines"])
         elif est != "reinforce_plus_plus":
             kwargs.update(index=np.asarray(batch["uid"]), norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo)
+            # groups whose samples all scored alike: a group-relative estimator learns nothing from them
+            tied = group_zero_std_fraction(batch["token_level_scores"].sum(-1), kwargs["index"])
+            if tied is not None:
+                metrics[ZERO_STD_KEY] = tied
         advantages, returns = get_adv_estimator_fn(est)(**kwargs)
         out = Batch({"advantages": advantages, "returns": returns, "token_level_rewards": rewards})
         if "old_log_probs" not in batch:  # on-policy: the update reports the mismatch metrics
@@ -397,14 +406,14 @@ class PPOTrainer(TrainingLoop):
         return out
 
     def _update_critic(self, batch: Batch, metrics: dict[str, float]) -> None:
-        with Progress("update critic", unit="steps") as bar:
+        with Progress("update critic", unit="step") as bar:
             metrics.update(self.c.critic.update_critic(batch))
             bar.update()
 
     def _update_actor(self, batch: Batch, metrics: dict[str, float]) -> None:
         if self.global_step <= self.cfg.trainer.critic_warmup:
             return
-        with Progress("update actor", unit="steps") as bar:
+        with Progress("update actor", unit="step") as bar:
             update_metrics, own = self.c.actor.update_actor(batch)
             metrics.update(update_metrics)
             bar.update()

@@ -107,7 +107,7 @@ class PreferenceTrainer(TrainingLoop):
         cache: dict[int, torch.Tensor] = {}
         size = self.cfg.data.train_batch_size
         order = list(range(len(self.c.train)))
-        with Progress("reference log-probs", total=len(order), unit="pairs") as bar:
+        with Progress("reference log-probs", total=len(order), unit="pair") as bar:
             for start in range(0, len(order), size):
                 idx = order[start : start + size]
                 batch = self.collate(idx)
@@ -119,6 +119,6 @@ class PreferenceTrainer(TrainingLoop):
 
     def _update(self, batch: Batch, metrics: dict[str, float]) -> None:
         batch.meta["preference_kind"] = self.kind
-        with Progress("update actor", unit="steps") as bar:
+        with Progress("update actor", unit="step") as bar:
             metrics.update(self.c.actor.update_preference(batch))
             bar.update()

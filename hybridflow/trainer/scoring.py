@@ -56,10 +56,27 @@ class Scorer:
         self.tokenizer = tokenizer
         self.overlong = cfg.reward.overlong_buffer
         self.max_response_length = cfg.data.max_response_length
+        self.model_path = cfg.reward.model.path
+        self.sources: set[str] = set()  # the data sources scored so far (a warning names them)
+
+    def describe(self) -> str:
+        """Who scores, as a warning names it: the reward model, the function, or the built-in scorer, with the
+        data sources seen so far."""
+        sources = ", ".join(repr(s) for s in sorted(self.sources)[:5]) + (
+            ", ..." if len(self.sources) > 5 else ""
+        )
+        of = f"data_source {sources}" if sources else "no data scored yet"
+        if self.reward_model is not None:
+            return f"the reward model {self.model_path} ({of})"
+        if self.manager.fn_name == "default_compute_score":
+            return f"the built-in scorer of {of}"
+        return f"the reward function {self.manager.fn_name} ({of})"
 
     def score(self, batch: Batch) -> tuple[torch.Tensor, dict[str, list[float]]]:
         """Decode each response (valid tokens only) and score it against its ground truth."""
         mask = batch["response_mask"].bool()  # (B, R)
+        if "data_source" in batch:
+            self.sources.update(str(s) for s in batch["data_source"])
         if self.reward_model is not None:
             out = self.reward_model.compute_scores(batch)  # (B,)
             return self._with_penalty(out, {"acc": (out > 0).float().tolist()}, mask)

@@ -59,7 +59,8 @@ logger = logging.getLogger(__name__)
 
 SCORE_STAGES = ("reward", "values")  # critic_score; generate runs "gen", update_actor the rest
 POSITION = "prompt_position"  # each sample's prompt: its position in the generate call's prompts
-DATA_LOGGERS = ("user_rows", "rl_dataset")  # the modules whose notices say how rows become prompts
+DATA_LOGGERS = ("user_rows", "rl_dataset")
+GIVEN_SCORES = "the scores given to update_actor"  # the modules whose notices say how rows become prompts
 
 
 @dataclass
@@ -76,7 +77,9 @@ class Responses:
 
     ``prompt_index[i]`` is the position, among the prompts given to ``generate``, of the prompt of
     ``texts[i]`` (prompts over the length limit are left out, see ``trainer.lengths``). ``sampled_at`` is the
-    step the samples were drawn for: one more than the actor's updates at the time.
+    step the samples were drawn for: one more than the actor's updates at the time. ``busy_s`` is the time
+    the trainer's calls on these samples took so far (generate, critic_score): the step's time
+    (``perf/time_per_step``) is theirs plus the update's, and not the caller's own time between the calls.
     """
 
     batch: Batch
@@ -85,9 +88,10 @@ class Responses:
     prompts: int
     sampled_at: int
     metrics: dict[str, float] = field(default_factory=dict)
-    started: float = field(default_factory=time.perf_counter)
+    busy_s: float = 0.0
     done: set[str] = field(default_factory=set)  # the stages run on it so far
     rewards: Rewards | None = None  # critic_score's result
+    scored_by: Callable[[], str] = field(default=lambda: GIVEN_SCORES)  # who scored (a warning names it)
     trained_at: int | None = None  # the step update_actor trained on it
 
     def __len__(self) -> int:
@@ -210,6 +214,7 @@ class Trainer:
 
     def generate(self, prompts: Any) -> Responses:
         """``rollout.n`` responses per prompt (prompt strings, chat messages, rows or a dataset), interleaved."""
+        started = time.perf_counter()
         needs_truth = self.reward is not None and self.reward.needs_ground_truth
         with self._notices.applied():  # how rows become prompts: said once per Trainer
             data = build_dataset(
@@ -230,12 +235,14 @@ class Trainer:
         ids = [row[m].tolist() for row, m in zip(batch["responses"], mask)]
         texts = batch_decode(self.tokenizer, ids, skip_special_tokens=True)
         positions = [int(p) for p in batch[POSITION]]
-        return Responses(batch, texts, positions, len(data), self._updates + 1, metrics, done=done)
+        busy = time.perf_counter() - started
+        return Responses(batch, texts, positions, len(data), self._updates + 1, metrics, busy, done=done)
 
     def critic_score(self, responses: Responses, reward_fn: Callable | None = None) -> Rewards:
         """Each response's score, by ``reward_fn`` (any shape ``RLTrainer`` takes) or the trainer's reward
         (function, ``reward.custom_function``, reward model or built-in scorer), and the critic's values."""
         _check_responses(responses)
+        started = time.perf_counter()
         scorer = self._scorer(reward_fn, responses.batch)
         flow = self.loop.dataflow_for(responses.prompts)
         responses.done.discard("reward")  # scoring again (another function) replaces the scores
@@ -243,6 +250,8 @@ class Trainer:
             flow, SCORE_STAGES, responses.batch, responses.metrics, responses.done, scorer
         )
         responses.rewards = _rewards_of(responses.batch)
+        responses.scored_by = scorer.describe
+        responses.busy_s += time.perf_counter() - started
         return responses.rewards
 
     def update_actor(
@@ -258,6 +267,7 @@ class Trainer:
         ``allow_stale=True`` trains on responses sampled before the actor's latest update (off-policy)."""
         _check_responses(responses)
         self._check_trainable(responses, allow_stale)
+        started = time.perf_counter()
         flow = self.loop.dataflow_for(responses.prompts)
         if isinstance(rewards, Rewards):
             if rewards is not responses.rewards:
@@ -267,12 +277,14 @@ class Trainer:
                 )
         elif callable(rewards) or (rewards is None and "reward" not in responses.done):
             self.critic_score(responses, rewards)
+            started = time.perf_counter()  # critic_score counted its own time
         elif rewards is not None:
             scores = check_scores(rewards, len(responses))  # (B,)
             batch = responses.batch
             batch["token_level_scores"] = place_on_last_token(scores, batch["response_mask"])
             batch["acc"] = np.asarray((scores > 0).float().tolist(), dtype=object)
             responses.done.add("reward")
+            responses.scored_by = lambda: GIVEN_SCORES
         step = self._updates + 1
         metrics = responses.metrics
         metrics["training/global_step"] = float(step)
@@ -284,19 +296,24 @@ class Trainer:
             self.loop.global_step = self._updates
         self._updates = self.loop.global_step = step
         responses.batch, responses.trained_at = batch, step
-        self._step_metrics(batch, metrics, responses.started)
+        responses.busy_s += time.perf_counter() - started
+        self._step_metrics(batch, metrics, responses.busy_s, responses.scored_by)
         self.tracker.log(step, metrics)
         self.last_metrics = metrics
         return metrics
 
-    def _step_metrics(self, batch: Batch, metrics: dict[str, float], started: float) -> None:
-        """The step's data, throughput and memory metrics, as the dataflow adds them."""
+    def _step_metrics(
+        self, batch: Batch, metrics: dict[str, float], seconds: float, scored_by: Callable[[], str]
+    ) -> None:
+        """The step's data, throughput and memory metrics, as the dataflow adds them; ``seconds``: the step's
+        time, its generate, score and update calls together (the dataflow's whole step in ``RLTrainer``)."""
         memory = self.components.actor.memory()
         metrics.update(memory)
         metrics.update(compute_data_metrics(batch, self.cfg.data.max_response_length))
-        metrics.update(throughput_metrics(batch, time.perf_counter() - started, self.cfg.trainer.world_size))
+        metrics.update(throughput_metrics(batch, seconds, self.cfg.trainer.world_size))
         metrics.update(step_peak_memory(memory))
         self.loop.clip_watch.update(metrics)
+        self.loop.signal_watch.update(metrics, scored_by)
 
     def _check_trainable(self, responses: Responses, allow_stale: bool) -> None:
         """Refuse responses trained on already, sampled by an older policy (unless allowed), or a step past

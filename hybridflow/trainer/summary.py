@@ -18,6 +18,7 @@ from typing import Any
 
 from hybridflow.checkpoint import find_latest
 from hybridflow.trainer.plotting import read_metrics, stage_keys, validation_series, value_of
+from hybridflow.utils.progress import counted
 from hybridflow.utils.storage import write_text_atomically
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ def format_summary(s: RunSummary) -> str:
     """The console table: first and last values, best validation, time per stage, memory and paths."""
     width = max([len(label) for label, *_ in s.metrics] + [len("held-out score (x)") + 8])
     lines = [
-        f"run summary: {s.run_dir} ({s.steps} steps)",
+        f"run summary: {s.run_dir} ({counted(s.steps, 'step')})",
         f"  {'metric':<{width}}  {'first':>9}  {'last':>9}",
     ]
     for source, (first, last) in s.val_first_last.items():
@@ -131,7 +132,12 @@ def format_summary(s: RunSummary) -> str:
 
 def summary_markdown(s: RunSummary) -> str:
     """``summary.md``: the same content as the console table, as Markdown tables."""
-    out = [f"# Run summary: {s.run_dir.name}", "", f"Run directory `{s.run_dir}`, {s.steps} steps.", ""]
+    out = [
+        f"# Run summary: {s.run_dir.name}",
+        "",
+        f"Run directory `{s.run_dir}`, {counted(s.steps, 'step')}.",
+        "",
+    ]
     out += ["| metric | first (step) | last (step) |", "|---|---|---|"]
     out += [f"| {label} | {_fmt(a)} ({i}) | {_fmt(b)} ({j}) |" for label, i, a, j, b in s.metrics]
     if s.best_val:
@@ -149,8 +155,10 @@ def summary_markdown(s: RunSummary) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_summary(run_dir: str | Path) -> RunSummary:
-    """Summarise the run in ``run_dir``: ``summary.md`` there and the table in the log; returns the summary."""
+def write_summary(run_dir: str | Path, log: bool = True) -> RunSummary:
+    """Summarise the run in ``run_dir``: ``summary.md`` there and (``log``) the table in the log; returns the
+    summary. A caller that prints its own results first (the demos' accuracy table) logs it afterwards with
+    ``log_summary``."""
     summary = summarize_run(run_dir)
     summary.paths["summary"] = Path(run_dir) / SUMMARY_FILE
     try:
@@ -158,5 +166,15 @@ def write_summary(run_dir: str | Path) -> RunSummary:
     except OSError as e:  # the run is done; a full disk must not turn it into a failure
         logger.warning("could not write %s: %s", summary.paths["summary"], e)
         summary.paths["summary"] = None
+    if log:
+        logger.info("%s", format_summary(summary))
+    return summary
+
+
+def log_summary(run_dir: str | Path) -> RunSummary:
+    """The table of a run summarised already (``write_summary(..., log=False)``), in the log."""
+    summary = summarize_run(run_dir)
+    written = Path(run_dir) / SUMMARY_FILE
+    summary.paths["summary"] = written if written.is_file() else None
     logger.info("%s", format_summary(summary))
     return summary

@@ -21,6 +21,7 @@ from typing import Any, TextIO
 from hybridflow.trainer.plotting import plot_runs
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.logging import rank as env_rank
+from hybridflow.utils.progress import format_pace
 from hybridflow.utils.storage import write_text_atomically
 
 logger = logging.getLogger(__name__)
@@ -80,8 +81,9 @@ def validation_accuracy(metrics: Mapping[str, float]) -> dict[str, float]:
     return {source: float(v) for source, (_, v) in best.items()}
 
 
-def format_step_line(step: int, total_steps: int | None, metrics: Mapping[str, float]) -> str:
-    """The console line, e.g. ``Step 3/100 | Loss: 0.012 | Reward: 0.72 | Time: 0.58s | Val acc: 0.45``.
+def format_step_line(step: int, total_steps: int | None, metrics: Mapping[str, float], pace: str = "") -> str:
+    """The console line, e.g. ``Step 3/100 | Loss: 0.012 | Reward: 0.72 | Time: 0.58s | Val acc: 0.45``, then
+    the run's ``pace`` when given (``| 0.4 steps/s · about 4 min left``, ``utils.progress.format_pace``).
 
     ``total_steps=None`` (a loop of the caller's with no step limit) shows the step alone: ``Step 3 | ...``.
     """
@@ -93,6 +95,8 @@ def format_step_line(step: int, total_steps: int | None, metrics: Mapping[str, f
     for source, value in accuracy.items():
         label = "Val acc" if len(accuracy) == 1 else f"Val acc ({source})"
         parts.append(f"{label}: {value:.4g}")
+    if pace:
+        parts.append(pace)
     return " | ".join(parts)
 
 
@@ -122,9 +126,15 @@ class Tracker:
     metrics.jsonl; an int keeps the earlier lines with ``step <= resume_step`` (and plots them), so a resumed
     run's file matches an uninterrupted one; ``saved_records`` (``{step: metrics}`` saved in the resumed
     checkpoint) puts back a kept step whose line a kill lost. ``use_tqdm=None`` shows a progress bar when stderr is a terminal.
+
+    The console line ends with the run's pace (steps per second and the time left, from the steps logged so far).
+    ``console_every=N`` writes it every N steps (and at the last step, at a validation, and at least every
+    ``console_every_s`` seconds) instead of every step: an SFT of hundreds of short steps says where it is in
+    a few lines.
     """
 
     plot_interval_s = 20.0  # the shortest time between two drawings of curves.png during training
+    console_every_s = 60.0  # with console_every > 1: the longest time between two console lines
 
     def __init__(
         self,
@@ -140,6 +150,7 @@ class Tracker:
         config: Mapping[str, Any] | None = None,
         use_tqdm: bool | None = None,
         rank: int | None = None,
+        console_every: int = 1,
     ) -> None:
         self.loggers = check_loggers(loggers)
         if plot_every < 0:
@@ -152,6 +163,9 @@ class Tracker:
         self._records: list[dict[str, Any]] = []  # every step's metrics so far, for curves.png
         self._plotted_at: float | None = None
         self._last_step: int | None = None
+        self.console_every = max(1, console_every)
+        self._first_step = resume_step or 0  # the pace counts the steps of this process only
+        self._started = self._line_at = time.monotonic()
         self._file = self._bar = self._tb = self._wandb = None
         if not self.active:
             return
@@ -267,12 +281,26 @@ class Tracker:
         return self._plotted_at is None or time.monotonic() - self._plotted_at >= self.plot_interval_s
 
     def _console(self, step: int, metrics: Mapping[str, float]) -> None:
-        line = format_step_line(step, self.total_steps, metrics)
+        now = time.monotonic()
+        if self._bar is not None:
+            self._bar.update(max(step - self._bar.n, 0))
+        due = (
+            self.console_every == 1
+            or step % self.console_every == 0
+            or step == self.total_steps
+            or bool(validation_accuracy(metrics))
+            or now - self._line_at >= self.console_every_s
+        )
+        if not due:
+            return
+        self._line_at = now
+        total = None if self.total_steps is None else self.total_steps - self._first_step
+        pace = format_pace(step - self._first_step, total, now - self._started, "step")
+        line = format_step_line(step, self.total_steps, metrics, pace)
         if self._bar is None:
             logger.info("%s", line)
-            return
-        self._bar.update(max(step - self._bar.n, 0))
-        self._bar.write(line, file=sys.stderr)
+        else:
+            self._bar.write(line, file=sys.stderr)
 
     def plot(self) -> Path | None:
         """Refresh ``{run_dir}/curves.png`` from the metrics logged so far; returns its path (None off rank 0)."""

@@ -5,7 +5,8 @@
 2. Warm it up with a short SFT on image prompts that ask for the *green and blue* squares ("blue squares:" ->
    "2"): it learns the answer's form and to read the board, but has never been asked about red, and its
    held-out accuracy on red is at or below chance (about 1 in 4: the answers are drawn evenly from 0-3).
-3. GRPO on image prompts that ask for the *red* squares, with the exact-count reward: the rise in held-out
+3. GRPO on image prompts that ask for the *red* squares, with the exact-count reward and DAPO's overlong
+   penalty (an answer is the count and its end token; a longer response loses reward): the rise in held-out
    red accuracy is what RL taught. (A warm-up on the questions without their images left the model deaf to
    the image: its answers stopped depending on the board and GRPO stayed at chance.)
 4. Held-out greedy accuracy (red questions) at step 0 and at the last step.
@@ -53,6 +54,15 @@ VISION_DEMO_OVERRIDES = [
     "trainer.val_before_train=true",
     "trainer.resume=disable",
 ]
+# The GRPO phase sets these on top. The scorer reads the count a response starts with, so nothing told the policy
+# to stop after it: the end token's probability drifted away (by the last steps 73-96% of the samples ran into the
+# 4-token cap and the entropy rose from 1.0 to 3-4 nats, with the run's own clipping warning). DAPO's overlong penalty (0 up to the answer and its end token,
+# -0.5 for a third token, -1 for a fourth) keeps the answers at two tokens; the held-out accuracy rises as before.
+VISION_GRPO_OVERRIDES = [
+    "reward.overlong_buffer.enable=true",
+    "reward.overlong_buffer.len=2",
+    "reward.overlong_buffer.penalty_factor=1.0",
+]
 # The warm-up's own settings (after the arithmetic demo's SFT_OVERRIDES): the answer's form and the board, on
 # the other colours' questions.
 VISION_SFT_OVERRIDES = [
@@ -65,7 +75,7 @@ VISION_SFT_OVERRIDES = [
 def warm_up_vision(overrides: list[str], sft_overrides: list[str] | None) -> tuple[Any, Path]:
     """Build the tiny VLM and SFT it on the green and blue questions; returns (config, run directory)."""
     sft = VISION_SFT_OVERRIDES + list(sft_overrides or [])
-    cfg, sft_cfg = demo_configs(overrides, sft, [], [], base=VISION_DEMO_OVERRIDES)
+    cfg, sft_cfg = demo_configs(overrides, sft, [], VISION_GRPO_OVERRIDES, base=VISION_DEMO_OVERRIDES)
     run_dir = Path(cfg.trainer.run_dir())
     set_seed(cfg.trainer.seed)
     model, processor = build_tiny_vl_model_and_processor(run_dir / "base_model", seed=cfg.trainer.seed)

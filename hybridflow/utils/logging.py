@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import MutableMapping
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -40,3 +41,16 @@ def setup_console_logging(level: str | int = "INFO") -> None:
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
     root.addHandler(handler)
+
+
+def quiet_library_bars(env: MutableMapping[str, str], tty: bool) -> bool:
+    """Turn off the progress bars of transformers and huggingface_hub ("Loading weights") when stderr is no
+    terminal: in a log file each redraw is a carriage return on one endless line. A value the user set in
+    ``HF_HUB_DISABLE_PROGRESS_BARS`` is kept. Returns whether the bars are off.
+
+    transformers reads the variable when it is first imported: call this before (the command line does, first
+    thing); processes started later (ranks, workers) inherit it.
+    """
+    if not tty and "HF_HUB_DISABLE_PROGRESS_BARS" not in env:
+        env["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    return env.get("HF_HUB_DISABLE_PROGRESS_BARS", "").strip().lower() in ("1", "true", "yes", "on")

@@ -16,6 +16,7 @@ from typing import Any
 
 from hybridflow.config.schema import Config
 from hybridflow.utils.errors import UserError
+from hybridflow.utils.threads import PASSIVE_WAIT, configure_cpu_threads, passive_wait_env
 from hybridflow.workers.dispatch import DataLayout
 from hybridflow.workers.group import WorkerError, WorkerGroup
 
@@ -42,7 +43,10 @@ def ensure_ray(address: str | None, min_cpus: int = 1) -> Any:
     """
     ray = import_ray()
     if not ray.is_initialized():
-        env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}}
+        # Ranks wait passively, as the driver does (or keep the wait policy the user set for the driver).
+        waits = {k: os.environ[k] for k in PASSIVE_WAIT if k in os.environ}
+        passive_wait_env(waits)
+        env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **waits}}
         cpus = None if address else max(os.cpu_count() or 1, min_cpus)
         ray.init(address=address, num_cpus=cpus, runtime_env=env, log_to_driver=True, include_dashboard=False)
         logger.info("Ray: %s", "joined " + address if address else "started a local instance")
@@ -83,13 +87,14 @@ class RankProcess:
             MASTER_ADDR=master[0],
             MASTER_PORT=str(master[1]),
         )
-        from hybridflow.utils.device import cap_gpu_memory, use_device_type
+        from hybridflow.utils.device import cap_gpu_memory, cuda_in_use, use_device_type
         from hybridflow.utils.dist import init_distributed
         from hybridflow.utils.logging import setup_console_logging
         from hybridflow.workers.build import build_rank_worker
 
         setup_console_logging("INFO" if self.rank == 0 else "WARNING")
         use_device_type(cfg.trainer.device)
+        configure_cpu_threads(cfg.trainer.cpu_threads, on_cpu=not cuda_in_use())
         cap_gpu_memory(cfg.trainer.gpu_memory_gb)
         init_distributed(timeout_s=cfg.trainer.nccl_timeout)
         self.worker = build_rank_worker(cfg, total_steps, roles, self.group)

@@ -50,7 +50,7 @@ def sample_batch(
     if before is not None:
         before(ids, params)
     masks, turn_metrics = None, None
-    with Progress(desc, total=len(ids) * params.n, unit="samples") as bar:
+    with Progress(desc, total=len(ids) * params.n, unit="sample") as bar:
         if multi_turn is not None:  # episodes of turns and tool outputs (rollout.multi_turn)
             if images is not None:
                 raise UserError(

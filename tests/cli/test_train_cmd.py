@@ -158,3 +158,43 @@ def test_a_tensor_parallel_rollout_that_cannot_split_the_model_is_refused_before
     err = capsys.readouterr().err
     assert "rollout.tensor_model_parallel_size=4 does not split this model: num_attention_heads=6" in err
     assert "Traceback" not in err
+
+
+def test_the_demo_prints_its_accuracy_then_the_summary_and_its_warm_up_in_a_few_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restore_cli_logging: None
+) -> None:
+    import io
+    import sys
+
+    # The demo with a shrunken budget (its warm-up keeps its own settings on the command line: shrink them here).
+    sft = [
+        "trainer.total_training_steps=12",
+        "data.train_batch_size=8",
+        "actor.ppo_micro_batch_size_per_gpu=8",
+    ]
+    full = demo.run_demo
+    monkeypatch.setattr(demo, "run_demo", lambda overrides: full(overrides, sft_overrides=sft))
+    both = io.StringIO()  # stdout (the table) and stderr (the log) as one terminal shows them, in order
+    monkeypatch.setattr(sys, "stdout", both)
+    monkeypatch.setattr(sys, "stderr", both)
+    args = [
+        f"trainer.default_local_dir={tmp_path}",
+        "data.task_train_size=64",
+        "data.task_val_size=8",
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=4",
+        "actor.ppo_micro_batch_size_per_gpu=8",
+        "rollout.n=2",
+        "trainer.total_training_steps=1",
+        "model.tiny_arch=llama",
+    ]
+    assert main(["train", *args]) == 0
+    out = both.getvalue()
+    assert out.index("held-out greedy accuracy") < out.index("run summary:")  # as the README says
+    assert out.count("run summary:") == 1
+    warm_up = [line.split(": ", 1)[1] for line in out.splitlines() if "/12 | Loss" in line]
+    # A line every 2 steps of the 12, each with the pace, not one per step.
+    assert [line.split(" |")[0] for line in warm_up] == [f"Step {s}/12" for s in (2, 4, 6, 8, 10, 12)]
+    assert all("steps/s" in line or "s/step" in line for line in warm_up)
+    assert "about" in warm_up[0] and "left" in warm_up[0]
+    assert "(1 step)" in out and "1 steps" not in out

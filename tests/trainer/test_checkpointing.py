@@ -307,3 +307,26 @@ def test_eval_of_a_config_uses_its_model_path(tmp_path: Path, model_dir: Path, c
     assert main(["eval", str(config), "--out", str(tmp_path / "gen.jsonl")]) == 0
     assert "val-core/arithmetic/acc/mean@1" in capsys.readouterr().out
     assert len((tmp_path / "gen.jsonl").read_text().splitlines()) == 3
+
+
+def test_the_trainer_state_carries_the_cpu_thread_count_to_the_resume(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from types import SimpleNamespace
+
+    from hybridflow.trainer.checkpointing import restore_trainer_state, trainer_state
+    from hybridflow.utils import threads
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    saver = SimpleNamespace(global_step=4, sampler=None, kl_ctrl=None)
+    monkeypatch.setattr(threads, "_decided", (0, threads.ThreadPlan(2, "auto, when the run started")))
+    state = trainer_state(saver)
+    assert state["cpu_threads"] == 2
+    monkeypatch.setattr(threads, "_decided", (0, threads.ThreadPlan(1, "auto, busier now")))
+    resumed = SimpleNamespace(global_step=0, sampler=None, kl_ctrl=None, cfg=load_config(None, []))
+    try:
+        restore_trainer_state(resumed, state)
+        assert resumed.global_step == 4 and torch.get_num_threads() == 2  # computes as the saved run did
+    finally:
+        torch.set_num_threads(before)

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from hybridflow.trainer.metrics import add_reshard_stats, add_rollout_stats, step_peak_memory
+from hybridflow.trainer.metrics import (
+    ZERO_STD_KEY,
+    SignalWatch,
+    add_reshard_stats,
+    add_rollout_stats,
+    step_peak_memory,
+)
 
 
 def test_the_step_peak_is_the_largest_phase_peak() -> None:
@@ -62,3 +70,78 @@ def test_reshard_stats_count_what_a_frozen_vision_tower_saved() -> None:
     without: dict[str, float] = {}
     add_reshard_stats(without, [{"seconds": 0.1, "bytes": 1.0}])
     assert "reshard/frozen_skipped_mib" not in without
+
+
+def _cfg(n: int = 8, temperature: float = 0.6) -> SimpleNamespace:
+    return SimpleNamespace(rollout=SimpleNamespace(n=n, temperature=temperature))
+
+
+def _step(low: float, high: float, tied: float | None) -> dict[str, float]:
+    out = {"critic/score/min": low, "critic/score/max": high, "critic/score/mean": (low + high) / 2}
+    if tied is not None:
+        out[ZERO_STD_KEY] = tied
+    return out
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_a_constant_reward_is_said_once_after_the_first_steps(caplog) -> None:
+    watch = SignalWatch(_cfg(), total_steps=40)
+    with caplog.at_level("WARNING", logger="hybridflow.trainer.metrics"):
+        for step in range(1, 6):
+            watch.update(_step(0.5, 0.5, 1.0), lambda: "the reward function <lambda> (data_source 'x')")
+            assert len(_warnings(caplog)) == (0 if step < 3 else 1)
+    (said,) = _warnings(caplog)
+    assert said.startswith(
+        "the reward was 0.5 for every sample of the first 3 steps (the reward function <lambda>"
+    )
+    assert "every advantage is 0" in said
+
+
+def test_tied_groups_in_every_early_step_name_the_fixes(caplog) -> None:
+    watch = SignalWatch(_cfg(n=4, temperature=0.7), total_steps=None)  # a loop with no step limit
+    with caplog.at_level("WARNING", logger="hybridflow.trainer.metrics"):
+        for low, high in [(0.0, 1.0), (0.0, 1.0), (1.0, 2.0)]:  # groups differ from each other, not within
+            watch.update(_step(low, high, 1.0), lambda: "the built-in scorer of data_source 'gsm8k'")
+    (said,) = _warnings(caplog)
+    assert "in each of the first 3 steps every prompt's 4 samples got the same reward" in said
+    assert "critic/score/zero_std_frac = 1; TRL's frac_reward_zero_std" in said
+    for fix in ("check the built-in scorer of data_source 'gsm8k'", "rollout.temperature, now 0.7",
+                "algorithm.filter_groups.enable=true"):  # fmt: skip
+        assert fix in said
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        [(0.0, 1.0, 1.0), (0.0, 1.0, 0.75), (0.0, 1.0, 1.0)],  # one step had a group that varied: a signal
+        [(0.0, 1.0, None), (0.0, 1.0, None), (0.0, 1.0, None)],  # GAE: no groups, varied scores
+        [
+            (0.5, 0.5, 1.0),
+            (0.5, 0.5, 1.0),
+            (0.0, 1.0, 0.5),
+            (0.5, 0.5, 1.0),
+        ],  # judged on the first three only
+    ],
+)
+def test_a_run_with_some_signal_is_not_warned_about(steps, caplog) -> None:
+    watch = SignalWatch(_cfg(), total_steps=100)
+    with caplog.at_level("WARNING", logger="hybridflow.trainer.metrics"):
+        for low, high, tied in steps:
+            watch.update(_step(low, high, tied), lambda: "nobody")
+    assert _warnings(caplog) == []
+
+
+def test_a_shorter_run_is_judged_at_its_last_step_and_other_ranks_stay_quiet(caplog, monkeypatch) -> None:
+    with caplog.at_level("WARNING", logger="hybridflow.trainer.metrics"):
+        watch = SignalWatch(_cfg(), total_steps=2)
+        watch.update(_step(0.0, 0.0, 1.0), lambda: "f")
+        assert _warnings(caplog) == []
+        watch.update(_step(0.0, 0.0, 1.0), lambda: "f")
+        assert _warnings(caplog)[0].startswith("the reward was 0 for every sample of the first 2 steps (f)")
+        monkeypatch.setenv("RANK", "1")
+        quiet = SignalWatch(_cfg(), total_steps=1)
+        quiet.update(_step(0.0, 0.0, 1.0), lambda: "f")
+    assert len(_warnings(caplog)) == 1

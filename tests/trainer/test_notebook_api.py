@@ -185,3 +185,24 @@ def test_the_step_wise_loop_with_a_critic_and_scores_of_ones_own(model_dir: Path
         assert path.name == "global_step_2" and (tmp_path / "hf" / "model.safetensors").exists()
     finally:
         trainer.close()
+
+
+def test_the_snippets_reward_says_it_teaches_nothing(model_dir: Path, tmp_path: Path, caplog) -> None:
+    # The write-ups' reward on a model that never writes "Transformer": 0.5 for every sample, every step.
+    trainer = hybridflow.RLTrainer(
+        model_name=str(model_dir),
+        reward_fn=lambda x: 1.0 if "Transformer" in x else 0.5,
+        overrides=[*COMMON, f"trainer.default_local_dir={tmp_path / 'run'}"],
+        **keywords(max_steps=3),
+    )
+    with caplog.at_level("WARNING", logger="hybridflow.trainer.metrics"):
+        history = trainer.train(ROWS)
+    assert [h["critic/score/zero_std_frac"] for h in history] == [1.0, 1.0, 1.0]
+    said = [
+        r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "reward was" in r.getMessage()
+    ]
+    assert len(said) == 1, said
+    assert said[0].startswith(
+        "the reward was 0.5 for every sample of the first 3 steps (the reward function "
+    )
+    assert "<lambda>" in said[0] and "data_source" in said[0]

@@ -148,3 +148,52 @@ def test_how_rows_become_prompts_is_said_once_per_trainer(model_dir: Path, tmp_p
     said = [r.getMessage() for r in caplog.records if r.name.startswith("hybridflow.data")]
     assert sum("have both a 'prompt' string and 'messages'" in m for m in said) == 1, said
     assert sum("prompts are text" in m for m in said) == 1, said
+
+
+def test_the_step_time_is_the_whole_step_not_the_callers_pauses(
+    model_dir: Path, tmp_path: Path, caplog
+) -> None:
+    import time
+
+    caplog.set_level(logging.INFO, logger="hybridflow.trainer.tracking")
+    prompts = ["1+1=", "what is 2+3?", "count to four, then stop"]
+    with hybridflow.Trainer(
+        actor_model=str(model_dir),
+        reward_fn=lambda text: float(len(text) % 3),
+        max_steps=2,
+        num_generations=2,
+        overrides=["data.max_response_length=24", f"trainer.default_local_dir={tmp_path / 'run'}"],
+    ) as trainer:
+        for _ in range(2):
+            responses = trainer.generate(prompts)
+            time.sleep(0.6)  # the caller's own work between the calls is not the trainer's step
+            rewards = trainer.critic_score(responses)
+            metrics = trainer.update_actor(responses, rewards)
+            stages = sum(v for k, v in metrics.items() if k.startswith("timing_s/") and "gen_" not in k)
+            # generate, score and update, as RLTrainer's step counts them (its stages and the bookkeeping around)
+            assert metrics["timing_s/gen"] > 0 and metrics["perf/time_per_step"] >= stages
+            assert metrics["perf/time_per_step"] < stages + 0.5
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Step ")]
+    assert (
+        lines[-1].startswith("Step 2/2 | Loss: ")
+        and f"Time: {metrics['perf/time_per_step']:.2f}s" in lines[-1]
+    )
+
+
+def test_groups_that_tie_in_every_early_step_are_said_once(model_dir: Path, tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="hybridflow.trainer.metrics")
+    with hybridflow.Trainer(
+        actor_model=str(model_dir),
+        num_generations=2,
+        overrides=[SHORT, f"trainer.default_local_dir={tmp_path / 'run'}"],
+    ) as trainer:
+        for step in range(4):
+            responses = trainer.generate(["1+1=", "name a colour"])
+            # each prompt's two samples tie; the prompts differ: no sample is better than its group's other
+            metrics = trainer.update_actor(
+                responses, [1.0, 1.0, 0.0, 0.0] if step < 3 else [1.0, 0.0, 0.0, 0.0]
+            )
+            assert metrics["critic/score/zero_std_frac"] == (1.0 if step < 3 else 0.5)
+    said = [r.getMessage() for r in caplog.records if "zero_std_frac" in r.getMessage()]
+    assert len(said) == 1 and "every prompt's 2 samples got the same reward" in said[0]
+    assert "check the scores given to update_actor" in said[0]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.trainer.summary import SUMMARY_FILE, format_summary, summarize_run, write_summary
+from hybridflow.trainer.summary import SUMMARY_FILE, format_summary, log_summary, summarize_run, write_summary
 
 
 def make_run(run_dir: Path) -> Path:
@@ -57,3 +57,21 @@ def test_summary_md_is_written_and_logged(tmp_path: Path, caplog) -> None:
 def test_a_run_without_metrics_still_gets_a_summary(tmp_path: Path) -> None:
     tmp_path.joinpath("empty").mkdir()
     assert "0 steps" in format_summary(write_summary(tmp_path / "empty"))
+
+
+def test_a_one_step_run_says_1_step(tmp_path: Path) -> None:
+    run = tmp_path / "one"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "critic/score/mean": 0.5}) + "\n")
+    summary = write_summary(run)
+    assert f"run summary: {run} (1 step)" in format_summary(summary)
+    assert "1 step." in (run / SUMMARY_FILE).read_text()
+
+
+def test_a_summary_written_quietly_is_logged_later_whole(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="hybridflow.trainer.summary")
+    run = make_run(tmp_path / "run")
+    write_summary(run, log=False)  # a demo: its accuracy table comes first
+    assert "run summary:" not in caplog.text
+    log_summary(run)
+    assert "run summary:" in caplog.text and f"summary: {run / SUMMARY_FILE}" in caplog.text

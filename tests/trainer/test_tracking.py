@@ -12,6 +12,7 @@ import pytest
 import torch
 from matplotlib.image import imread
 
+from hybridflow.trainer import tracking
 from hybridflow.trainer.tracking import Tracker, check_loggers, format_step_line, validation_accuracy
 
 LOGGER = "hybridflow.trainer.tracking"
@@ -33,19 +34,79 @@ def test_jsonl_lines_with_plain_floats_and_null_for_nan(tmp_path):
     assert "NaN" not in (tmp_path / "metrics.jsonl").read_text()  # strict JSON, readable by any parser
 
 
-def test_console_line_format(tmp_path, caplog):
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def step_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.getMessage().startswith("Step")]
+
+
+def test_console_line_format(tmp_path, caplog, monkeypatch):
     caplog.set_level(logging.INFO, logger=LOGGER)
+    clock = FakeClock()
+    monkeypatch.setattr(tracking.time, "monotonic", clock)
     t = Tracker(tmp_path, total_steps=100, plot_every=0, use_tqdm=False)
+    clock.now += 6.0  # 3 steps in 6 s: 2 s a step, 97 steps left
     t.log(3, {"actor/pg_loss": 0.012, "critic/score/mean": 0.72, "perf/time_per_step": 0.58, "other": 9.0})
+    clock.now += 0.5
     t.log(4, {"critic/score/mean": 0.5})
+    clock.now += 0.5
     t.log(5, {"actor/pg_loss": float("nan")})
     t.close()
-    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER and r.getMessage().startswith("Step")]
-    assert lines == [
-        "Step 3/100 | Loss: 0.012 | Reward: 0.72 | Time: 0.58s",
-        "Step 4/100 | Reward: 0.5",
-        "Step 5/100 | Loss: nan",
+    assert step_lines(caplog) == [
+        "Step 3/100 | Loss: 0.012 | Reward: 0.72 | Time: 0.58s | 2 s/step · about 3 min left",
+        "Step 4/100 | Reward: 0.5 | 1.62 s/step · about 3 min left",
+        "Step 5/100 | Loss: nan | 1.4 s/step · about 2 min left",
     ]
+
+
+def test_a_line_every_n_steps_with_the_pace_for_long_runs_of_short_steps(tmp_path, caplog, monkeypatch):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    clock = FakeClock()
+    monkeypatch.setattr(tracking.time, "monotonic", clock)
+    t = Tracker(tmp_path, total_steps=165, plot_every=0, use_tqdm=False, console_every=20)
+    for step in range(1, 166):
+        clock.now += 0.25 if step < 100 else 1.5  # the steps slow down (the machine got busy)
+        metrics = {"sft/loss": 1.0 / step}
+        if step == 50:
+            metrics["val/accuracy"] = 0.5  # a validation always gets its line
+        t.log(step, metrics)
+    t.close()
+    lines = step_lines(caplog)
+    assert [line.split(" |")[0] for line in lines] == [
+        "Step 20/165", "Step 40/165", "Step 50/165", "Step 60/165", "Step 80/165",
+        "Step 100/165", "Step 120/165", "Step 140/165", "Step 160/165", "Step 165/165",
+    ]  # fmt: skip
+    assert lines[0] == "Step 20/165 | Loss: 0.05 | 4 steps/s · about 36 s left"
+    assert lines[-1].endswith("| 1.33 steps/s")  # the end: the rate over the run, no time left
+    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 165  # every step is in the metrics all the same
+
+
+def test_slow_steps_get_a_line_at_least_every_minute(tmp_path, caplog, monkeypatch):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    clock = FakeClock()
+    monkeypatch.setattr(tracking.time, "monotonic", clock)
+    t = Tracker(tmp_path, total_steps=1000, plot_every=0, use_tqdm=False, console_every=100)
+    for step in range(1, 8):
+        clock.now += 25.0
+        t.log(step, {"sft/loss": 0.5})
+    assert [line.split(" |")[0] for line in step_lines(caplog)] == ["Step 3/1000", "Step 6/1000"]
+    assert step_lines(caplog)[0].endswith("25 s/step · about 6 h 55 min left")
+
+
+def test_a_resumed_run_counts_its_pace_from_where_it_resumed(tmp_path, caplog, monkeypatch):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    clock = FakeClock()
+    monkeypatch.setattr(tracking.time, "monotonic", clock)
+    t = Tracker(tmp_path, total_steps=20, plot_every=0, use_tqdm=False, resume_step=10)
+    clock.now += 10.0
+    t.log(11, {"critic/score/mean": 0.5})
+    assert step_lines(caplog) == ["Step 11/20 | Reward: 0.5 | 10 s/step · about 2 min left"]
 
 
 def test_console_line_shows_validation_accuracy():

@@ -73,3 +73,7 @@ def test_grpo_raises_the_held_out_accuracy_on_the_red_questions(tmp_path: Path) 
     assert result["before"] <= 0.35  # about chance (0.25) or below after the green/blue warm-up
     assert result["after"] >= result["before"] + 0.3, result
     assert result["num_val"] == 100 and result["last_step"] == 200
+    # It stops on its own: the answer and its end token, not a response run into the 4-token cap.
+    late = result["history"][-20:]
+    assert sum(h["response_length/clip_ratio"] for h in late) / len(late) < 0.1, late[-1]
+    assert late[-1]["actor/entropy"] < result["history"][0]["actor/entropy"]
