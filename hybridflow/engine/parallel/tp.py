@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 from hybridflow.config.parallel import size_key
 from hybridflow.models.families import check_tensor_parallel, is_moe
 from hybridflow.models.family import FamilySpec, family_of
-from hybridflow.models.moe import MoEBlock
+from hybridflow.models.moe import is_sparse_block
 from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -79,8 +79,8 @@ def _plan(layer: nn.Module, family: FamilySpec) -> dict[str, Any]:
     stay whole on every tp rank: their input, the residual stream after o's all-reduce, is the same there, so
     their gradients are too)."""
     names = {name for name, _ in layer.named_modules()}
-    sparse = isinstance(getattr(layer, "mlp", None), MoEBlock)
-    plan = family.train_plan(sparse)
+    block = getattr(layer, family.experts.block, None) if family.experts is not None else None
+    plan = family.train_plan(block is not None and is_sparse_block(block))  # HF's sparse block or MoEBlock
     missing = [n for n, kind in plan.items() if n not in names and kind != "head_norm"]
     if missing:
         raise UserError(
