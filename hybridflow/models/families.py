@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from hybridflow.config.parallel import size_key
-from hybridflow.models.family import family_name, family_of, names
+from hybridflow.models.family import family_name, family_names, family_of
 from hybridflow.models.moe import num_experts
 from hybridflow.utils.errors import UserError
 
@@ -43,7 +43,7 @@ def has_shard_rules(config: Any) -> bool:
 
 def _listed(where: Any) -> str:
     """The families an entry predicate holds for, as a message lists them."""
-    return ", ".join(names(lambda s: s.part_of is None and where(s)))
+    return ", ".join(family_names(lambda s: s.part_of is None and where(s)))
 
 
 def check_tensor_parallel(config: Any, key: str, size: int) -> None:

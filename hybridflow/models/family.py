@@ -281,14 +281,14 @@ def family_of(config: Any) -> FamilySpec | None:
     return FAMILIES.get(getattr(config, "model_type", None) or "")
 
 
-def names(where: Any) -> list[str]:
-    """The names of the families an entry predicate holds for, e.g. ``names(lambda s: s.lora)``."""
+def family_names(where: Any) -> list[str]:
+    """The names of the families an entry predicate holds for, e.g. ``family_names(lambda s: s.lora)``."""
     return [s.name for s in FAMILIES.values() if where(s)]
 
 
 def rollout_families() -> list[str]:
     """The top-level families the built-in rollout engine runs (not the VLMs' language models)."""
-    return names(lambda s: s.rollout is None and s.part_of is None)
+    return family_names(lambda s: s.rollout is None and s.part_of is None)
 
 
 def expert_fields() -> tuple[str, ...]:
