@@ -222,7 +222,11 @@ FAMILIES: dict[str, FamilySpec] = {
         ),
         *(
             FamilySpec(
-                f"{vlm}_text", f"{title}'s language model", **_LLAMA, tensor_parallel=False, part_of=vlm
+                f"{vlm}_text",
+                f"{title}'s language model",
+                **{**_LLAMA, "layers": "model.language_model.layers"},  # in the VLM's causal LM
+                tensor_parallel=False,
+                part_of=vlm,
             )
             for vlm, title in (("qwen2_vl", "Qwen2-VL"), ("qwen2_5_vl", "Qwen2.5-VL"))
         ),

@@ -93,6 +93,19 @@ def test_the_training_plan_and_the_rollout_rules_split_the_same_projections(arch
     assert rollout_split == set(spec.train_plan(sparse=False)) - set(spec.head_norms)
 
 
+def test_every_family_the_engine_runs_has_the_names_its_binding_reads() -> None:
+    # The rollout's binding (engine/rollout/binding.py) reads the Llama-style names; an entry the engine runs
+    # with other names (Phi-3's fused qkv_proj) would pass the support check and fail to bind: more than an entry.
+    bound = {f"self_attn.{p}_proj" for p in "qkvo"} | {f"mlp.{p}_proj" for p in ("gate", "up", "down")}
+    for spec in FAMILIES.values():
+        if spec.rollout is None and spec.text is None:
+            assert set(spec.column) | set(spec.kv) | set(spec.row) <= bound, spec.name
+            assert set(spec.norms) <= {"input_layernorm", "post_attention_layernorm"} and spec.layers == (
+                "model.language_model.layers" if spec.part_of else "model.layers"
+            ), spec.name
+            assert set(spec.head_norms) <= {"self_attn.q_norm", "self_attn.k_norm"}, spec.name
+
+
 def test_the_moe_rules_of_the_rollout_are_the_entries(models: dict[str, nn.Module]) -> None:
     kinds = {
         arch: {
