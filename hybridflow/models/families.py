@@ -1,12 +1,13 @@
-"""What hybridflow does with each model family: the built-in engine's Llama family, the rest, and MoE.
+"""What hybridflow does with each model family, as the family's entry (``models.family``) says: the refusals.
 
-The built-in rollout engine and the tensor-parallel shard rules cover Llama-style decoders: the dense Llama
-family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) and the mixtures of experts Qwen2-MoE, Qwen3-MoE and Mixtral (a
-tensor-parallel rollout slices every expert on its intermediate dim; training splits their attention and keeps
-the MoE blocks whole, or splits the experts with expert parallelism, ``parallel.ep``, checked here against the
-model). Any other causal LM (GPT-2, DeepSeek-V3, ...) still trains with FSDP2 over every rank and generates
-with HF ``generate`` on a whole replica per rank; only the layouts that need shard rules (tensor parallelism)
-are refused, at start, naming the family.
+The built-in rollout engine and the tensor-parallel shard rules cover the families whose ``FamilySpec`` says
+so: Llama-style decoders, dense (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Seed-OSS) or mixtures of experts
+(Qwen2-MoE, Qwen3-MoE, Mixtral: a tensor-parallel rollout slices every expert on its intermediate dim; training
+splits their attention and keeps the MoE blocks whole, or splits the experts with expert parallelism,
+``parallel.ep``, checked here against the model). Any other causal LM (GPT-2, DeepSeek-V3, a family without an
+entry) still trains with FSDP2 over every rank and generates with HF ``generate`` on a whole replica per rank;
+only the layouts that need shard rules (tensor parallelism), a Llama-style decoder (pipeline stages, Ulysses)
+or tested adapters (LoRA) are refused, at start, naming the family.
 """
 
 from __future__ import annotations
@@ -17,22 +18,16 @@ from typing import Any
 from torch import nn
 
 from hybridflow.config.parallel import size_key
+from hybridflow.models.family import family_name, family_names, family_of
 from hybridflow.models.moe import num_experts
 from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-# Families whose HF module is a Llama-style decoder (model.embed_tokens, model.layers of self_attn + mlp,
-# model.norm, model.rotary_emb): pipeline stages and Ulysses split these, dense or mixture of experts.
-LLAMA_LAYOUT = (*LLAMA_FAMILY, "qwen2_moe", "qwen3_moe", "mixtral")
-SHARD_RULES_FAMILY = LLAMA_LAYOUT  # tensor-parallel shard rules: these decoders, dense or mixture of experts
-MOE_FAMILY = ("qwen2_moe", "qwen3_moe", "mixtral")  # the mixtures of experts with shard rules
-
 
 def model_type(config: Any) -> str:
     """The config's ``model_type`` (the family's name), or its class name when it has none."""
-    return getattr(config, "model_type", None) or type(config).__name__
+    return family_name(config)
 
 
 def is_moe(config: Any) -> bool:
@@ -41,8 +36,14 @@ def is_moe(config: Any) -> bool:
 
 
 def has_shard_rules(config: Any) -> bool:
-    """Whether tensor-parallel shard rules exist for this family (Llama-style decoders, dense or MoE)."""
-    return model_type(config) in SHARD_RULES_FAMILY
+    """Whether tensor-parallel shard rules exist for this family (its ``FamilySpec.has_shard_rules``)."""
+    spec = family_of(config)
+    return spec is not None and spec.has_shard_rules
+
+
+def _listed(where: Any) -> str:
+    """The families an entry predicate holds for, as a message lists them."""
+    return ", ".join(family_names(lambda s: s.part_of is None and where(s)))
 
 
 def check_tensor_parallel(config: Any, key: str, size: int) -> None:
@@ -51,11 +52,10 @@ def check_tensor_parallel(config: Any, key: str, size: int) -> None:
     Whether the sizes divide is each side's own check (``layout.check_tp``, ``tp.check_train_tp``)."""
     if size <= 1 or has_shard_rules(config):
         return
-    family = model_type(config)
     raise UserError(
-        f"{key}={size}: tensor parallelism has shard rules for the Llama family only ({', '.join(LLAMA_FAMILY)}, "
-        f"and the mixtures of experts {', '.join(MOE_FAMILY)}), not for {family!r}; set {key}=1 (this model "
-        "trains with FSDP2 over every rank and generates with HF generate on a whole replica per rank)"
+        f"{key}={size}: tensor parallelism has shard rules for {_listed(lambda s: s.has_shard_rules)}, not "
+        f"for {model_type(config)!r}; set {key}=1 (this model trains with FSDP2 over every rank and "
+        "generates with HF generate on a whole replica per rank)"
     )
 
 
@@ -78,23 +78,25 @@ def check_expert_parallel(config: Any, key: str, size: int) -> None:
 
 def check_layer_split(config: Any, key: str, size: int, what: str) -> None:
     """Refuse ``key=size`` > 1 (pipeline stages, Ulysses) for a family without a Llama-style decoder."""
-    family = model_type(config)
-    if size > 1 and family not in LLAMA_LAYOUT:
+    spec = family_of(config)
+    if size > 1 and (spec is None or not spec.decoder):
         raise UserError(
-            f"{key}={size}: {what} splits Llama-style decoders ({', '.join(LLAMA_LAYOUT)}), not {family!r}; "
-            f"set {key}=1 (this model trains with FSDP2 over every rank)"
+            f"{key}={size}: {what} splits Llama-style decoders ({_listed(lambda s: s.decoder)}), not "
+            f"{model_type(config)!r}; set {key}=1 (this model trains with FSDP2 over every rank)"
         )
 
 
 def fallback_notice(config: Any, reason: str) -> str:
-    """The one warning of a model the built-in rollout engine does not run: what runs instead and why."""
-    family = model_type(config)
-    if is_moe(config) and family not in MOE_FAMILY:
-        why = (
-            f"which runs dense {', '.join(LLAMA_FAMILY)} and the mixtures of experts {', '.join(MOE_FAMILY)}"
-        )
-    elif family not in SHARD_RULES_FAMILY:
-        why = f"which runs dense {', '.join(LLAMA_FAMILY)}"
+    """The one warning of a model the built-in rollout engine does not run: what runs instead and why.
+
+    ``reason``: ``engine.rollout.support.fallback_reason``'s; a family the engine runs names it (this model's
+    settings), any other its entry's reason, or that it has none."""
+    family, spec = model_type(config), family_of(config)
+    runs = _listed(lambda s: s.rollout is None)
+    if spec is None:
+        why = f"it has no entry in models/family.py; the engine runs {runs}"
+    elif spec.rollout is not None:
+        why = f"it {spec.rollout}; the engine runs {runs}"
     else:
         why = f"this {family} model: {reason}"
     return (
@@ -109,7 +111,8 @@ def disable_dropout(model: nn.Module) -> list[str]:
     RL needs the distribution the rollout sampled from (eval mode, no dropout) to be the one the update
     scores: with dropout the first on-policy ratio is not 1 and the rollout's log-probs differ from the
     trainer's (TRL's ``disable_dropout``). GPT-2 ships with 0.1 on its residual, embedding and attention
-    paths; the Llama family with 0. The config is left as it is, so an exported model keeps its settings.
+    paths, Seed-OSS with 0.1 on its attention and residual paths; Llama and Qwen with 0. The config is left
+    as it is, so an exported model keeps its settings.
     """
     config = getattr(model, "config", None)
     rates = {
@@ -120,10 +123,11 @@ def disable_dropout(model: nn.Module) -> list[str]:
     for module in model.modules():
         if isinstance(module, nn.Dropout) and module.p > 0:
             module.p = 0.0
-        # The attention of transformers' Llama-style layers reads a float attribute, not a Dropout module.
-        rate = getattr(module, "attention_dropout", None)
-        if isinstance(rate, float) and rate > 0:
-            module.attention_dropout = 0.0
+        # transformers' Llama-style layers keep rates as float attributes for ``F.dropout``, not as Dropout
+        # modules: the attention's ``attention_dropout``, Seed-OSS's ``residual_dropout`` after o and down.
+        for name, rate in list(vars(module).items()):
+            if name.endswith("dropout") and isinstance(rate, float) and rate > 0:
+                setattr(module, name, 0.0)
     return [f"{k}={v:g}" for k, v in sorted(rates.items())]
 
 
@@ -159,14 +163,14 @@ def check_router_replay(config: Any, mode: str, engine: str, sizes: dict[str, in
 def check_lora_family(config: Any) -> None:
     """Refuse ``model.lora_rank`` > 0 for a family the adapters are not built for (UserError naming it).
 
-    LoRA wraps the ``nn.Linear`` projections of dense Llama-style decoders; a mixture of experts keeps its
-    experts as fused 3-D weights (no linear to wrap, and an adapted router would move the routing), and other
-    families are not tested (GPT-2's projections are ``Conv1D``)."""
-    family = model_type(config)
-    if family in LLAMA_FAMILY:
+    LoRA wraps the ``nn.Linear`` projections of dense Llama-style decoders whose entry says ``lora`` (tested);
+    a mixture of experts keeps its experts as fused 3-D weights (no linear to wrap, and an adapted router would
+    move the routing), and other families are not tested (GPT-2's projections are ``Conv1D``)."""
+    spec = family_of(config)
+    if spec is not None and spec.lora:
         return
     why = "its experts are fused 3-D weights, not nn.Linear" if is_moe(config) else "it is not tested"
     raise UserError(
-        f"model.lora_rank: LoRA is built for the dense Llama family ({', '.join(LLAMA_FAMILY)}), not for "
-        f"{family!r} ({why}); set model.lora_rank=0 to train every weight"
+        f"model.lora_rank: LoRA is built for the dense families {_listed(lambda s: s.lora)}, not for "
+        f"{model_type(config)!r} ({why}); set model.lora_rank=0 to train every weight"
     )

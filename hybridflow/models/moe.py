@@ -2,9 +2,10 @@
 
 transformers 5 stores a sparse block's experts fused: ``experts.gate_up_proj`` (E, 2I, H), gate half first, and
 ``experts.down_proj`` (E, H, I); the router ``gate.weight`` (E, H) is applied with ``F.linear``. Routing differs
-by family (``RouterSpec``): Qwen2/3-MoE take a float32 softmax, the top k, and renormalise only with
-``norm_topk_prob``; Mixtral always renormalises and keeps the weights in float32; DeepSeek-V3 scores with a
-sigmoid, picks with a correction bias and a group limit, and scales by ``routed_scaling_factor``.
+by family (``RouterSpec``, from the family's ``family.Experts`` entry): Qwen2/3-MoE take a float32 softmax, the
+top k, and renormalise only with ``norm_topk_prob``; Mixtral always renormalises and keeps the weights in
+float32; DeepSeek-V3 scores with a sigmoid, picks with a correction bias and a group limit, and scales by
+``routed_scaling_factor``.
 
 ``route`` is the one routing function: the trainer's ``MoEBlock`` (swapped in for HF's block at load, same
 parameter names) and the rollout engine both call it, so a token's experts are chosen by the same float32
@@ -25,12 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridflow.models.family import FAMILIES, expert_fields, family_name, family_of
 from hybridflow.utils.errors import UserError
 
 # A routing record's "no expert" id (uint8): the token was not routed where the record was made.
 NO_EXPERT = 255
-# Config fields holding the number of routed experts, by family (Qwen2/3-MoE, Mixtral, DeepSeek).
-_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,8 @@ class RouterSpec:
 
 
 def num_experts(config: Any) -> int:
-    """The number of routed experts of a config (0: dense)."""
-    for field in _EXPERT_FIELDS:
+    """The number of routed experts of a config (0: dense), read from any family's expert-count field."""
+    for field in expert_fields():
         value = getattr(config, field, None)
         if isinstance(value, int) and value > 0:
             return value
@@ -59,32 +59,31 @@ def num_experts(config: Any) -> int:
 
 
 def router_spec(config: Any) -> RouterSpec | None:
-    """The routing of a HF MoE config (None for a dense one); UserError for a family whose routing is unknown."""
+    """The routing of a HF MoE config (None for a dense one), as its family's entry says (``family.Experts``);
+    UserError for a family whose routing is unknown."""
     experts = num_experts(config)
     if not experts:
         return None
-    family = getattr(config, "model_type", None)
-    k = int(config.num_experts_per_tok)
-    if family in ("qwen2_moe", "qwen3_moe"):
-        return RouterSpec(experts, k, renormalize=bool(getattr(config, "norm_topk_prob", False)))
-    if family == "mixtral":
-        return RouterSpec(experts, k, renormalize=True, float32_weights=True)
-    if family in ("deepseek_v3",):
-        return RouterSpec(
-            experts,
-            k,
-            scoring="sigmoid",
-            renormalize=bool(getattr(config, "norm_topk_prob", True)),
-            float32_weights=True,
-            float32_logits=True,
-            num_groups=int(getattr(config, "n_group", 1) or 1),
-            topk_groups=int(getattr(config, "topk_group", 1) or 1),
-            scaling=float(getattr(config, "routed_scaling_factor", 1.0)),
-            correction_bias=True,
+    spec = family_of(config)
+    e = spec.experts if spec is not None else None
+    if e is None:
+        known = ", ".join(s.name for s in FAMILIES.values() if s.experts is not None)
+        raise UserError(
+            f"model_type {family_name(config)!r} is a mixture of experts whose routing hybridflow does not know; "
+            f"supported: {known}"
         )
-    raise UserError(
-        f"model_type {family!r} is a mixture of experts whose routing hybridflow does not know; supported: "
-        "qwen2_moe, qwen3_moe, mixtral, deepseek_v3"
+    renormalize = e.renormalize if e.renormalize_field is None else getattr(config, e.renormalize_field, None)
+    return RouterSpec(
+        experts,
+        int(config.num_experts_per_tok),
+        scoring=e.scoring,
+        renormalize=bool(e.renormalize if renormalize is None else renormalize),
+        float32_weights=e.float32_weights,
+        float32_logits=e.float32_logits,
+        num_groups=int(getattr(config, "n_group", 1) or 1) if e.grouped else 1,
+        topk_groups=int(getattr(config, "topk_group", 1) or 1) if e.grouped else 1,
+        scaling=float(getattr(config, e.scaling_field, 1.0)) if e.scaling_field else 1.0,
+        correction_bias=e.correction_bias,
     )
 
 

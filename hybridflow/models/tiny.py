@@ -1,4 +1,7 @@
-"""Tiny Qwen2/Llama models and a character-level tokenizer, built locally for tests and the demo."""
+"""Tiny models of every family and a character-level tokenizer, built locally for tests and the demo.
+
+A family's tiny model is its config class (``AutoConfig.for_model``) at the shared small sizes plus its entry's
+``tiny`` keywords (``models.family``): adding a family's entry adds its tiny model."""
 
 from __future__ import annotations
 
@@ -8,25 +11,10 @@ from pathlib import Path
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from transformers import (
-    GenerationConfig,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MixtralConfig,
-    MixtralForCausalLM,
-    PreTrainedModel,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen2MoeConfig,
-    Qwen2MoeForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
-)
+from transformers import AutoConfig, GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from hybridflow.models.family import FAMILIES, FamilySpec
 
 logger = logging.getLogger(__name__)
 
@@ -47,43 +35,36 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-_ARCHS = {
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM),  # per-head q/k RMSNorm
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    # Outside the built-in rollout engine (HF generate): learned positions, LayerNorm, GELU, fused c_attn.
-    "gpt2": (GPT2Config, GPT2LMHeadModel),
-    # Mixtures of experts (4 experts, 2 per token): Qwen2-MoE adds a gated shared expert.
-    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
-    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
-    "mixtral": (MixtralConfig, MixtralForCausalLM),
-}
 TINY_EXPERTS, TINY_EXPERTS_PER_TOKEN = 4, 2
 
 
-def _family_kwargs(
-    arch: str, hidden: int, layers: int, heads: int, kv_heads: int, inter: int, positions: int
-) -> dict:
-    """The config keywords of one family for the shared tiny sizes."""
-    if arch == "gpt2":  # GPT-2 spells its sizes its own way and has no grouped KV heads
-        return dict(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=inter, n_positions=positions)
-    out = dict(
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        intermediate_size=inter,
-        max_position_embeddings=positions,
-    )
-    if arch in ("qwen3", "qwen3_moe"):  # Qwen3's config defaults to 128-wide heads whatever the hidden size
-        out["head_dim"] = hidden // heads
-    if arch in ("qwen2_moe", "qwen3_moe", "mixtral"):
-        out.update(num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_EXPERTS_PER_TOKEN)
-    if arch in ("qwen2_moe", "qwen3_moe"):
-        out.update(moe_intermediate_size=inter // 2, decoder_sparse_step=1)
-    if arch == "qwen2_moe":
-        out["shared_expert_intermediate_size"] = inter
-    return out
+def tiny_archs() -> list[str]:
+    """The families ``build_tiny_model`` builds: every causal LM with an entry in ``models.family`` (a
+    vision-language model's tiny model is ``models.vision``'s)."""
+    return [s.name for s in FAMILIES.values() if s.text is None and s.part_of is None]
+
+
+def _family_kwargs(spec: FamilySpec, sizes: dict) -> dict:
+    """The config keywords of one family's tiny model: the shared sizes the config class knows (GPT-2's own
+    spellings through its attribute map, ``n_inner`` for the MLP), 4 experts, 2 per token, for a mixture of
+    experts (half-size routed experts and a full-size shared one where the family sizes them apart), and the
+    entry's ``tiny`` keywords."""
+    config_cls = type(AutoConfig.for_model(spec.name))
+    known = set(getattr(config_cls, "__dataclass_fields__", {})) | set(config_cls.attribute_map)
+    if "intermediate_size" not in known and "n_inner" in known:
+        sizes = {**sizes, "n_inner": sizes["intermediate_size"]}
+    out = {k: v for k, v in sizes.items() if k in known}
+    width = sizes["hidden_size"] // sizes["num_attention_heads"]
+    if getattr(config_cls(**out), "head_dim", None) not in (None, width):  # Qwen3's, Seed-OSS's: 128 always
+        out["head_dim"] = width
+    e = spec.experts
+    if e is not None:
+        out.update({e.count: TINY_EXPERTS, "num_experts_per_tok": TINY_EXPERTS_PER_TOKEN})
+        if e.size != "intermediate_size":
+            out[e.size] = sizes["intermediate_size"] // 2
+        if e.shared_size:
+            out[e.shared_size] = sizes["intermediate_size"]
+    return {**out, **spec.tiny}
 
 
 def _byte_symbols() -> list[str]:
@@ -174,34 +155,42 @@ def build_tiny_model(
     eos_token_id: int | list[int] | None = None,
     attn_implementation: str | None = None,
 ) -> PreTrainedModel:
-    """Build a randomly initialised causal LM of ``arch`` (a key of ``_ARCHS``) from a small config.
+    """Build a randomly initialised causal LM of ``arch`` (a family of ``tiny_archs()``) from a small config.
 
     ``vocab_size`` defaults to the char tokenizer's, ``intermediate_size`` to 4 * hidden_size and
-    ``tie_word_embeddings`` to the family's small models (True for qwen2, qwen3 and gpt2, False for the
-    others). GPT-2 ignores ``num_key_value_heads``; the MoE families get 4 experts, 2 per token. The same
-    ``seed`` gives the same weights, and the global RNG state is left untouched.
+    ``tie_word_embeddings`` to the family's small models (its entry's ``tiny`` keywords: True for qwen2, qwen3
+    and gpt2, False for the others). GPT-2 ignores ``num_key_value_heads``; the MoE families get 4 experts, 2
+    per token. The same ``seed`` gives the same weights, and the global RNG state is left untouched.
     """
-    if arch not in _ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; use one of {sorted(_ARCHS)}")
+    if arch not in tiny_archs():
+        raise ValueError(f"unknown arch {arch!r}; use one of {sorted(tiny_archs())}")
     if hidden_size % num_attention_heads or num_attention_heads % num_key_value_heads:
         raise ValueError(
             f"hidden_size ({hidden_size}) must be divisible by num_attention_heads ({num_attention_heads}), "
             f"which must be divisible by num_key_value_heads ({num_key_value_heads})"
         )
-    config_cls, model_cls = _ARCHS[arch]
-    inter = intermediate_size if intermediate_size is not None else 4 * hidden_size
-    heads = (num_attention_heads, num_key_value_heads)
-    sizes = _family_kwargs(arch, hidden_size, num_hidden_layers, *heads, inter, max_position_embeddings)
-    tied = arch in ("qwen2", "qwen3", "gpt2") if tie_word_embeddings is None else tie_word_embeddings
-    config = config_cls(
+    sizes = dict(
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        intermediate_size=intermediate_size if intermediate_size is not None else 4 * hidden_size,
+        max_position_embeddings=max_position_embeddings,
+    )
+    kwargs = _family_kwargs(FAMILIES[arch], sizes)
+    if tie_word_embeddings is not None:
+        kwargs["tie_word_embeddings"] = tie_word_embeddings
+    config = AutoConfig.for_model(
+        arch,
         vocab_size=vocab_size if vocab_size is not None else char_vocab_size(),
-        tie_word_embeddings=tied,
+        tie_word_embeddings=kwargs.pop("tie_word_embeddings", False),
         pad_token_id=pad_token_id,
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id[0] if isinstance(eos_token_id, list) else eos_token_id,
         attn_implementation=attn_implementation,
-        **sizes,
+        **kwargs,
     )
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     # Initialise in float32 under a forked RNG so weights depend only on `seed`, not on the dtype or on
     # whatever ran before; then cast once.
     with torch.random.fork_rng(devices=[]):

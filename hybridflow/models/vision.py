@@ -28,9 +28,12 @@ import torch
 from tokenizers import AddedToken
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hybridflow.models.family import family_names
+
 logger = logging.getLogger(__name__)
 
-VISION_FAMILIES = ("qwen2_5_vl", "qwen2_vl")
+# The vision-language families: those whose entry names a language model (``models.family``).
+VISION_FAMILIES = tuple(family_names(lambda s: s.text is not None))
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)

@@ -55,7 +55,9 @@ def test_which_family_runs_where(models: dict[str, torch.nn.Module]) -> None:
     # The built-in engine runs the mixtures of experts too (issue 42); GPT-2 falls back to HF generate.
     for arch in ("qwen2_moe", "qwen3_moe", "mixtral"):
         assert fallback_reason(models[arch]) is None
-    assert "not in the Llama family" in fallback_reason(models["gpt2"])
+    assert "model_type 'gpt2' is not a Llama-style decoder: learned positions" in fallback_reason(
+        models["gpt2"]
+    )
 
 
 def test_the_fallback_warning_names_the_family_and_why(models: dict[str, torch.nn.Module]) -> None:

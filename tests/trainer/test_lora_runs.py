@@ -260,7 +260,7 @@ def test_a_family_without_lora_is_refused_by_name(
 ) -> None:
     cfg = load_config(None, grpo_args(setup, family, tmp_path / "run", "trainer.save_freq=-1"))
     with pytest.raises(
-        UserError, match=f"model.lora_rank: LoRA is built for the dense Llama family.*'{family}'"
+        UserError, match=f"model.lora_rank: LoRA is built for the dense families llama, .*not for '{family}'"
     ):
         build_components(cfg)
 

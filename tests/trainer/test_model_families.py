@@ -1,5 +1,6 @@
-"""Every model family trains GRPO with the hybrid engine: the built-in engine's Llama family, and GPT-2 (tied
-and untied) and the mixtures of experts on the HF fallback, with exactly one warning naming the family.
+"""Every model family trains GRPO with the hybrid engine: the built-in engine's Llama-style families (Seed-OSS,
+added by its entry in models/family.py alone, among them) and mixtures of experts, and GPT-2 (tied and untied)
+and Phi-3 (a family without an entry) on the HF fallback, with exactly one warning naming the family.
 
 One step each on chat prompts of very different lengths (``realistic_rows``), four prompts per call: the
 first on-policy step has ppo_kl == 0, the loss is finite, and the rollout's log-probs equal the trainer's
@@ -15,11 +16,12 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from dist_util import run_world_kept
 from realistic import realistic_rows, write_jsonl
 
 from hybridflow.config import load_config
-from hybridflow.models import build_tiny_model_and_tokenizer
+from hybridflow.models import build_char_tokenizer, build_tiny_model_and_tokenizer
 from hybridflow.trainer.builder import build_components
 from hybridflow.trainer.ppo import PPOTrainer
 
@@ -29,8 +31,8 @@ REWARD_SOURCE = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return sum(map(ord, solution_str)) % 11 / 10
 """
-NATIVE = ("qwen2", "qwen3", "llama", "qwen2_moe", "qwen3_moe", "mixtral")
-FALLBACK = ("gpt2", "gpt2_untied")
+NATIVE = ("qwen2", "qwen3", "llama", "seed_oss", "qwen2_moe", "qwen3_moe", "mixtral")
+FALLBACK = ("gpt2", "gpt2_untied", "phi3")
 COMMON = [
     "algorithm.adv_estimator=grpo",
     "data.max_prompt_length=400",
@@ -60,12 +62,29 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
     out["reward"].write_text(REWARD_SOURCE)
     for name in (*NATIVE, *FALLBACK):
+        out[name] = root / name
+        if name == "phi3":
+            save_phi3(out[name])
+            continue
         arch, tied = ("gpt2", False) if name == "gpt2_untied" else (name, None)
         build_tiny_model_and_tokenizer(
-            out_dir=root / name, arch=arch, hidden_size=32, num_hidden_layers=1, tie_word_embeddings=tied
+            out_dir=out[name], arch=arch, hidden_size=32, num_hidden_layers=1, tie_word_embeddings=tied
         )
-        out[name] = root / name
     return out
+
+
+def save_phi3(out: Path) -> None:
+    """A tiny Phi-3 (fused qkv_proj and gate_up_proj: no entry in models/family.py) and the char tokenizer."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    tokenizer = build_char_tokenizer()
+    ids = {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id") for k in ("pad", "bos", "eos")}
+    sizes = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    config = Phi3Config(vocab_size=len(tokenizer), num_hidden_layers=1, **sizes, **ids)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        Phi3ForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def overrides(setup: dict[str, Path], name: str, run_dir: Path, *extra: str) -> list[str]:

@@ -23,6 +23,7 @@ from hybridflow.engine.parallel.pipeline import stage_of_param
 from hybridflow.engine.parallel.tp import check_train_tp
 from hybridflow.engine.parallel.view import GenerateView
 from hybridflow.models.families import has_shard_rules, is_moe
+from hybridflow.models.family import family_of
 from hybridflow.models.vision import text_config
 
 MASTER_BYTES = 4  # float32 masters
@@ -93,7 +94,8 @@ def view_memory(
     params = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     # A family without shard rules (GPT-2) only ever has whole weights here: tp = 1 in both views
     # (unsplit_reason refuses more), so every parameter is whole and needs no rule.
-    kinds = [generation_kind(n, ep_generate) if has_shard_rules(config) else "replicated" for n, _ in params]
+    family = family_of(model.config) if has_shard_rules(model.config) else None
+    kinds = [generation_kind(n, ep_generate, family) if family else "replicated" for n, _ in params]
     trained = [_trained_kind(config, n, k) for k, (n, _) in zip(kinds, params)]
     lays = [ShardLayout(k, shape, tp_generate, head_dim) for k, (_, shape) in zip(kinds, params)]
     fsdp_dims = [

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from hybridflow.models.family import FAMILIES
 from hybridflow.models.moe import MoEBlock, moe_blocks, run_experts
 
 logger = logging.getLogger(__name__)
@@ -141,6 +142,10 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[ExpertShard]:
     return shards
 
 
+# Every family's fused experts (``family.Experts.fused``): what expert parallelism splits.
+_EXPERT_PARAMS = tuple(dict.fromkeys(n for s in FAMILIES.values() if s.experts for n in s.experts.fused))
+
+
 def is_expert(name: str) -> bool:
     """Whether parameter ``name`` is a MoE block's fused experts (split over ep; the router is not)."""
-    return name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+    return name.endswith(_EXPERT_PARAMS)

@@ -1,4 +1,8 @@
-"""Tensor-parallel shards of a Llama-family model for the rollout, in Megatron's layout.
+"""Tensor-parallel shards of a model for the rollout, in Megatron's layout, by its family's shard rules.
+
+Which parameter is column-, KV-, row- or vocabulary-parallel, replicated or an expert is its family's entry
+(``models.family.FamilySpec.shard_rules``, the same projections the training plan splits); here is what each
+kind means for the ranks.
 
 Rank t of a rollout group of tp ranks holds: the t-th slice of the attention heads (q rows; k/v rows of its
 KV heads, or, with fewer KV heads than tp, one whole KV head shared by tp / KVH ranks, as vLLM does) and of
@@ -32,40 +36,16 @@ from torch import nn
 
 from hybridflow.engine.parallel.fsdp import FSDP_SHARD_DIM
 from hybridflow.models.families import check_tensor_parallel
+from hybridflow.models.family import FAMILIES, FamilySpec, family_of
 from hybridflow.models.moe import num_experts
 from hybridflow.utils.errors import UserError
 
 # One (start, stop) per dimension of a tensor: the part of a full parameter a rank holds or needs.
 Box = tuple[tuple[int, int], ...]
 
-KINDS = (
-    "replicated",
-    "column",
-    "kv",
-    "row",
-    "vocab",
-    "first",
-    "experts_column",
-    "experts_row",
-    "experts_split",
-)
-_RULES = (  # (name pattern, kind) for the Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3)
-    (r"(^|\.)embed_tokens\.weight$|(^|\.)lm_head\.weight$", "vocab"),
-    (r"\.self_attn\.q_proj\.(weight|bias)$", "column"),
-    (r"\.self_attn\.[kv]_proj\.(weight|bias)$", "kv"),
-    (r"\.self_attn\.o_proj\.weight$|\.mlp\.down_proj\.weight$", "row"),
-    (r"\.self_attn\.o_proj\.bias$|\.mlp\.down_proj\.bias$", "first"),
-    (r"\.mlp\.(gate|up)_proj\.(weight|bias)$", "column"),
-    (r"(norm|layernorm)\.weight$", "replicated"),
-    # mixtures of experts (Qwen2/3-MoE, Mixtral): the router replicated, the experts on their intermediate dim
-    (r"\.mlp\.experts\.gate_up_proj$", "experts_column"),
-    (r"\.mlp\.experts\.down_proj$", "experts_row"),
-    (r"\.mlp\.gate\.weight$|\.mlp\.shared_expert_gate\.weight$", "replicated"),
-    (r"\.mlp\.shared_experts?\.(gate|up)_proj\.weight$", "column"),
-    (r"\.mlp\.shared_experts?\.down_proj\.weight$", "row"),
-)
-# the config field of the number of routed experts, by family (messages name it)
-EXPERT_FIELD = {"qwen2_moe": "num_experts", "qwen3_moe": "num_experts", "mixtral": "num_local_experts"}
+# (name pattern, kind) of every family with shard rules (``FamilySpec.shard_rules``): the union ``kind_of``
+# reads when no family is named. Families agree on the names they share (tests/models/test_family.py).
+_RULES = tuple(dict.fromkeys(rule for spec in FAMILIES.values() for rule in spec.shard_rules()))
 # the dim of the plan's shape (``ShardLayout.plan_shape``) each kind slices over tp
 _SPLIT_DIM = {"row": 1, "experts_row": 2, "experts_column": 2, "experts_split": 0}
 
@@ -154,16 +134,24 @@ class ShardLayout:
         return tuple((start, stop) if d == dim else (0, n) for d, n in enumerate(self.shape))
 
 
-def kind_of(name: str) -> str:
-    """The tensor-parallel kind of a Llama-style decoder's parameter (dense or MoE), from its name; UserError
-    when unknown."""
-    for pattern, kind in _RULES:
+def kind_of(name: str, family: FamilySpec | None = None) -> str:
+    """The tensor-parallel kind of a parameter, from its name and its family's shard rules (``family=None``:
+    any family's, which agree on the names they share); UserError when no rule covers it."""
+    rules = _RULES if family is None else family.shard_rules()
+    for pattern, kind in rules:
         if re.search(pattern, name):
             return kind
+    where = "any family with shard rules" if family is None else f"the {family.name} family's entry"
     raise UserError(
-        f"parameter {name!r} has no tensor-parallel layout for the rollout (Llama-style decoders only); set "
-        "rollout.tensor_model_parallel_size=1"
+        f"parameter {name!r} has no tensor-parallel layout for the rollout (no shard rule of {where}, "
+        "models/family.py); set rollout.tensor_model_parallel_size=1"
     )
+
+
+def _family(model: nn.Module) -> FamilySpec | None:
+    """The entry of ``model``'s family, when it has one with shard rules (None: ``kind_of`` reads them all)."""
+    spec = family_of(getattr(model, "config", None))
+    return spec if spec is not None and spec.has_shard_rules else None
 
 
 def layouts(model: nn.Module, tp: int, ep: int = 1) -> dict[str, ShardLayout]:
@@ -171,17 +159,17 @@ def layouts(model: nn.Module, tp: int, ep: int = 1) -> dict[str, ShardLayout]:
     = tp splits a mixture of experts' experts whole over the group instead of slicing each one."""
     if tp == 1:  # a whole replica: every parameter whole, whatever the family (no shard rule needed)
         return {name: ShardLayout("replicated", tuple(p.shape), 1) for name, p in model.named_parameters()}
-    config = model.config
+    config, family = model.config, _family(model)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return {
-        name: ShardLayout(generation_kind(name, ep), tuple(p.shape), tp, head_dim)
+        name: ShardLayout(generation_kind(name, ep, family), tuple(p.shape), tp, head_dim)
         for name, p in model.named_parameters()
     }
 
 
-def generation_kind(name: str, ep: int = 1) -> str:
+def generation_kind(name: str, ep: int = 1, family: FamilySpec | None = None) -> str:
     """``kind_of`` for a generation view whose experts are split whole over its group when ``ep`` > 1."""
-    kind = kind_of(name)
+    kind = kind_of(name, family)
     return "experts_split" if ep > 1 and kind in ("experts_column", "experts_row") else kind
 
 
@@ -195,9 +183,9 @@ def follow_rollout_shards(model: nn.Module, world: int, tp: int) -> int:
     """
     if tp == 1:
         return 0
-    marked = 0
+    marked, family = 0, _family(model)
     for name, param in model.named_parameters():
-        if kind_of(name) == "row" and param.shape[1] % world == 0:
+        if kind_of(name, family) == "row" and param.shape[1] % world == 0:
             setattr(param, FSDP_SHARD_DIM, 1)
             marked += 1
     return marked
@@ -205,18 +193,22 @@ def follow_rollout_shards(model: nn.Module, world: int, tp: int) -> int:
 
 def moe_problems(config: Any, tp: int, ep: int = 1) -> list[str]:
     """The sparse blocks' sizes ``tp`` does not divide ("field=value" each; none for a dense config): every
-    expert's intermediate dim, or with ``ep`` > 1 (experts split whole) their number; a shared expert's."""
-    experts = num_experts(config)
-    if ep > 1:
-        problems = [f"{EXPERT_FIELD.get(config.model_type, 'num_experts')}={experts}"] if experts % tp else []
-        fields: tuple[str, ...] = ("shared_expert_intermediate_size",)
+    expert's intermediate dim, or with ``ep`` > 1 (experts split whole) their number; a shared expert's. The
+    fields are the family entry's (``family.Experts``)."""
+    spec = family_of(config)
+    experts = spec.experts if spec is not None else None
+    if experts is None or not num_experts(config):
+        return []
+    if ep > 1:  # whole experts: their number, not their size
+        problems = [f"{experts.count}={num_experts(config)}"] if num_experts(config) % tp else []
+        fields = [experts.shared_size]
     else:
-        problems, fields = [], ("moe_intermediate_size", "shared_expert_intermediate_size")
-    if getattr(config, "model_type", None) == "mixtral":  # its experts use intermediate_size, checked anyway
-        return problems
-    return problems + [
+        problems, fields = [], [experts.size, experts.shared_size]
+    fields = [f for f in fields if f and f != "intermediate_size"]  # the dense MLP's, checked by check_tp
+    problems += [
         f"{f}={getattr(config, f)}" for f in fields if getattr(config, f, None) and getattr(config, f) % tp
     ]
+    return problems
 
 
 def check_tp(config: Any, tp: int, ep: int = 1) -> None:
@@ -237,8 +229,11 @@ def check_tp(config: Any, tp: int, ep: int = 1) -> None:
         problems.append(f"num_attention_heads={heads}")
     if kv % tp and tp % kv:
         problems.append(f"num_key_value_heads={kv} (a multiple of tp, or a divisor of it)")
-    experts_use_it = ep > 1 and getattr(config, "model_type", None) == "mixtral"  # Mixtral's experts' size
-    if config.intermediate_size % tp and not experts_use_it:
+    spec = family_of(config)
+    experts = spec.experts if spec is not None else None
+    # Mixtral's experts use intermediate_size: split whole (ep > 1), it need not divide
+    whole = ep > 1 and experts is not None and experts.size == "intermediate_size"
+    if config.intermediate_size % tp and not whole:
         problems.append(f"intermediate_size={config.intermediate_size}")
     problems += moe_problems(config, tp, ep)  # each expert sliced on its intermediate dim, or split whole
     if problems:

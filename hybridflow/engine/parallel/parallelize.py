@@ -184,7 +184,7 @@ def parallelize(
     frozen = compute if fsdp.master_dtype == "auto" else None  # frozen weights need no float32 master
     cast_parameters(scorer, master_dtype(fsdp.master_dtype, trainable, compute), frozen)  # 2. masters' dtype
     if dims.tp_mesh is not None:
-        apply_tp(layers, dims.tp_mesh)  # 3. tensor parallelism inside the layers
+        apply_tp(layers, dims.tp_mesh, model.config)  # 3. tensor parallelism inside the layers
     experts = []
     if dims.ep > 1:
         dims.check_model(model.config)

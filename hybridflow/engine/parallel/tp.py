@@ -2,15 +2,16 @@
 
 Column-parallel q/k/v and gate/up (each rank computes its slice of the heads and of the MLP's intermediate
 rows), row-parallel o and down (each rank's product is a partial sum, all-reduced into a replicated output),
-as torchtitan applies it with ``parallelize_module``. The attention code of the Hugging Face layer is left
-as it is: it reshapes with ``-1`` heads, so it runs on the local heads. The embedding, the final norm and
-the LM head stay replicated across ``tp`` (FSDP2 still shards them over ``dp``): our fused log-prob head reads
-a whole vocabulary row per token, and at the model sizes tp is for, the head is a small part of the layers'
-memory (``benchmarks/views.py`` counts it). Gradients of replicated weights need no extra reduction: their
+as torchtitan applies it with ``parallelize_module``; which projections are which is the family's entry
+(``models.family.FamilySpec.train_plan``: the projections the rollout's shard rules slice alike). The
+attention code of the Hugging Face layer is left as it is: it reshapes with ``-1`` heads, so it runs on the
+local heads. The embedding, the final norm and the LM head stay replicated across ``tp`` (FSDP2 still shards
+them over ``dp``): our fused log-prob head reads a whole vocabulary row per token, and at the model sizes tp is
+for, the head is a small part of the layers' memory (``benchmarks/views.py`` counts it). Gradients of replicated weights need no extra reduction: their
 inputs are the same on every tensor-parallel rank after each row-parallel all-reduce, and DTensor's backward
 of a column-parallel input sums the partial input gradients. The exception is Qwen3's per-head q/k norms,
 which see only the rank's heads: the plan makes them replicated DTensors so that DTensor sums their
-gradients over tp (``_HEAD_NORMS``).
+gradients over tp (``_STYLES``).
 """
 
 from __future__ import annotations
@@ -29,19 +30,23 @@ from torch.distributed.tensor.parallel import (
 
 from hybridflow.config.parallel import size_key
 from hybridflow.models.families import check_tensor_parallel, is_moe
-from hybridflow.models.moe import MoEBlock
+from hybridflow.models.family import FamilySpec, family_of
+from hybridflow.models.moe import is_sparse_block
 from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-_COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-_ROW = ("self_attn.o_proj", "mlp.down_proj")
-# Qwen3's RMSNorms over each head's q and k. They run on the rank's own heads, so as plain tensors each tp
-# rank's weight gradient would be the sum over its heads only and the copies would drift apart. As replicated
+# The DTensor style of each kind of a family's training plan (``FamilySpec.train_plan``). Qwen3's RMSNorms
+# over each head's q and k ("head_norm") run on the rank's own heads, so as plain tensors each tp rank's
+# weight gradient would be the sum over its heads only and the copies would drift apart. As replicated
 # DTensors whose input is sharded on the heads dim of (b, s, heads, head_dim), the gradient is a partial sum
 # that DTensor reduces over tp (FSDP2 redistributes it before its reduce-scatter over dp). SequenceParallel
 # is torch's style for exactly that (a module with replicated weights on a sharded input), here on dim 2.
-_HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+_STYLES = {
+    "column": ColwiseParallel,
+    "row": RowwiseParallel,
+    "head_norm": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),
+}
 
 
 def check_train_tp(config: Any, tp: int, role: str = "actor") -> None:
@@ -68,31 +73,31 @@ def check_train_tp(config: Any, tp: int, role: str = "actor") -> None:
         )
 
 
-def _plan(layer: nn.Module) -> dict[str, Any]:
-    """The layer's tensor-parallel plan: the Llama family's seven projections, and Qwen3's q/k norms; a MoE
-    layer's attention only (its router, experts and shared expert stay whole on every tp rank: their input,
-    the residual stream after o's all-reduce, is the same there, so their gradients are too)."""
+def _plan(layer: nn.Module, family: FamilySpec) -> dict[str, Any]:
+    """The layer's tensor-parallel plan, from its family's entry (``FamilySpec.train_plan``): the column and
+    row projections and Qwen3's q/k norms; a MoE layer's attention only (its router, experts and shared expert
+    stay whole on every tp rank: their input, the residual stream after o's all-reduce, is the same there, so
+    their gradients are too)."""
     names = {name for name, _ in layer.named_modules()}
-    moe = isinstance(getattr(layer, "mlp", None), MoEBlock)
-    wanted = [n for n in (*_COLUMN, *_ROW) if not (moe and n.startswith("mlp."))]
-    missing = [n for n in wanted if n not in names]
+    block = getattr(layer, family.experts.block, None) if family.experts is not None else None
+    plan = family.train_plan(block is not None and is_sparse_block(block))  # HF's sparse block or MoEBlock
+    missing = [n for n, kind in plan.items() if n not in names and kind != "head_norm"]
     if missing:
         raise UserError(
-            f"{type(layer).__name__} has no {missing}: tensor-parallel training covers Llama-family layers "
-            "(q/k/v/o and gate/up/down projections); set tensor_parallel_size=1 for this model"
+            f"{type(layer).__name__} has no {missing}, which the {family.name} family's entry splits "
+            "(models/family.py); set tensor_parallel_size=1 for this model"
         )
-    plan: dict[str, Any] = {name: ColwiseParallel() for name in _COLUMN if name in wanted}
-    plan.update({name: RowwiseParallel() for name in _ROW if name in wanted})
-    plan.update(
-        {n: SequenceParallel(sequence_dim=2, use_local_output=True) for n in _HEAD_NORMS if n in names}
-    )
-    return plan
+    return {n: _STYLES[kind]() for n, kind in plan.items() if n in names}
 
 
-def apply_tp(layers: list[nn.Module], tp_mesh: DeviceMesh) -> None:
-    """Split every decoder layer's projections over ``tp_mesh`` in place (before FSDP2 shards them)."""
+def apply_tp(layers: list[nn.Module], tp_mesh: DeviceMesh, config: Any) -> None:
+    """Split every decoder layer's projections over ``tp_mesh`` in place (before FSDP2 shards them), as the
+    family of ``config`` (the model's) says."""
     if tp_mesh.size() == 1:
         return
+    check_tensor_parallel(config, "tensor_parallel_size", tp_mesh.size())
+    family = family_of(config)
+    assert family is not None  # has_shard_rules, checked above
     for layer in layers:
-        parallelize_module(layer, tp_mesh, _plan(layer))
+        parallelize_module(layer, tp_mesh, _plan(layer, family))
     logger.info("tensor parallelism: %d decoder layers split over %d ranks", len(layers), tp_mesh.size())

@@ -37,6 +37,7 @@ from hybridflow.engine.rollout.paged_forward import PagedForward, Sink
 from hybridflow.engine.rollout.support import check_structure, check_supported, text_base
 from hybridflow.engine.rollout.tp import RolloutTP
 from hybridflow.engine.rollout.weights import local_tensor
+from hybridflow.models.family import family_of
 from hybridflow.models.moe import grouped_experts, router_spec
 from hybridflow.models.vision import is_vision_language, text_config
 
@@ -92,8 +93,9 @@ class LlamaRunner(PagedForward):
         # (3, b, t) positions; decode is plain RoPE at index + delta.
         self.mrope_section = list(rope["mrope_section"]) if self.visual is not None else None
         # A Mistral window is harmless only while no cached sequence is longer than it (check_supported).
+        family = family_of(config)
         self.max_cache_len = (
-            getattr(config, "sliding_window", None) if config.model_type in ("mistral", "mixtral") else None
+            getattr(config, "sliding_window", None) if family and family.sliding_window else None
         )
         self.config = config
         self._model = hf_model

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from hybridflow.models.families import LLAMA_FAMILY, is_moe
+from hybridflow.models.families import is_moe
+from hybridflow.models.family import FamilySpec, family_name, family_of, rollout_families
 from hybridflow.models.vision import is_vision_language, text_config
 from hybridflow.utils.errors import UserError
 
@@ -17,12 +18,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Mixtures of experts whose layers are the Llama family's with a routed MLP (``blocks.moe_mlp``).
-MOE_FAMILY = ("qwen2_moe", "qwen3_moe", "mixtral")
-FAMILY = (*LLAMA_FAMILY, *MOE_FAMILY)
-# The language models of the vision-language models the engine runs (Qwen2 layers, M-RoPE positions).
-VL_TEXT = ("qwen2_5_vl_text", "qwen2_vl_text")
-_WINDOWED = ("mistral", "mixtral")  # a sliding window that is exact while no sequence outgrows it
 # These RoPE types recompute inv_freq from the current sequence length inside HF's forward
 # (transformers' dynamic_rope_update): data-dependent, so not capturable; HF generate handles them.
 _DYNAMIC_ROPE = ("dynamic", "longrope")
@@ -32,42 +27,42 @@ _FALLBACK_HINT = "set rollout.engine=hf to generate with HF generate instead"
 def unsupported_reason(config: Any, max_len: int | None = None) -> str | None:
     """Why the fast path cannot run this HF config exactly, or None when it can.
 
-    ``max_len`` (the longest sequence the engine will hold) lets a Mistral config with a sliding window
-    through when no sequence can be longer than the window, where sliding attention equals full attention.
+    Whether it runs the family at all is the family's entry (``models.family``); then the config's own
+    settings. ``max_len`` (the longest sequence the engine will hold) lets a config whose family has a
+    sliding window (Mistral) through when no sequence can be longer than the window, where sliding attention
+    equals full attention.
     """
-    if is_vision_language(config):  # judged by its language model; the vision tower is HF's own module
+    spec, family = family_of(config), family_name(config)
+    runs = ", ".join(rollout_families())
+    if spec is None:
+        return f"model_type {family!r} has no entry in models/family.py; the rollout engine runs {runs}"
+    if spec.rollout is not None:
+        return f"model_type {family!r} {spec.rollout}; the rollout engine runs {runs}"
+    if spec.text is not None:  # judged by its language model; the vision tower is HF's own module
         config = text_config(config)
-        if getattr(config, "model_type", None) not in VL_TEXT:
-            return f"a vision-language model whose language model is {config.model_type!r} is not supported"
-        return _text_reason(config, max_len)
-    model_type = getattr(config, "model_type", None)
-    if model_type == "deepseek_v3":
+        text = family_of(config)
+        if text is None or text.rollout is not None or text.name != spec.text:
+            return f"a vision-language model whose language model is {family_name(config)!r} is not supported"
+        spec = text
+    if is_moe(config) and spec.experts is None:
         return (
-            "model_type 'deepseek_v3' uses multi-head latent attention (MLA), which the rollout engine does "
-            f"not implement; it runs {', '.join(FAMILY)}"
+            f"model_type {family!r} has routed experts, but its entry in models/family.py is a dense family"
         )
-    if model_type not in FAMILY or (is_moe(config) and model_type not in MOE_FAMILY):
-        kind = "a mixture of experts" if is_moe(config) else "not in the Llama family"
-        return (
-            f"model_type {model_type!r} is {kind}; the rollout engine runs dense {', '.join(LLAMA_FAMILY)} "
-            f"and the mixtures of experts {', '.join(MOE_FAMILY)}"
-        )
-    return _text_reason(config, max_len)
+    return _text_reason(config, spec, max_len)
 
 
-def _text_reason(config: Any, max_len: int | None) -> str | None:
-    """``unsupported_reason``'s checks of a Llama-family config's activation, attention and RoPE."""
-    model_type = getattr(config, "model_type", None)
+def _text_reason(config: Any, spec: FamilySpec, max_len: int | None) -> str | None:
+    """``unsupported_reason``'s checks of a runnable family's config: activation, attention and RoPE."""
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         return f"hidden_act {act!r} is not supported (only SiLU-gated MLPs)"
     layer_types = getattr(config, "layer_types", None) or []
     if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
         return "sliding-window attention (use_sliding_window=true) is not supported"
-    window = getattr(config, "sliding_window", None) if model_type in _WINDOWED else None
+    window = getattr(config, "sliding_window", None) if spec.sliding_window else None
     if window is not None and (max_len is None or max_len > window):
         return (
-            f"this {model_type} config uses a sliding window of {window} tokens, which the rollout engine does not "
+            f"this {spec.name} config uses a sliding window of {window} tokens, which the rollout engine does not "
             f"implement; sequences of at most {window} tokens are exact (pass max_len)"
         )
     rope = getattr(config, "rope_parameters", None) or {}

@@ -25,15 +25,18 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from hybridflow.engine.parallel.layout import check_tp, moe_problems  # noqa: F401 (re-exported: the MoE rules)
+from hybridflow.models.family import FAMILIES, family_of
 from hybridflow.models.moe import is_sparse_block
 
-# (parameter name pattern, kind) of the sparse blocks of Qwen2/3-MoE and Mixtral (HF's names, MoEBlock's too).
-MOE_RULES = (
-    (r"\.mlp\.gate\.weight$|\.mlp\.shared_expert_gate\.weight$", "replicated"),
-    (r"\.mlp\.shared_expert\.(gate|up)_proj\.weight$", "column"),
-    (r"\.mlp\.shared_expert\.down_proj\.weight$", "row"),
-    (r"\.mlp\.experts\.gate_up_proj$", "experts_gate_up"),  # (E, 2I, H): rows of each half
-    (r"\.mlp\.experts\.down_proj$", "experts_down"),  # (E, H, I): columns
+# (parameter name pattern, kind) of the sparse blocks of every mixture of experts with shard rules (HF's names,
+# MoEBlock's too), from the families' entries (``FamilySpec.expert_rules``), in this module's kind names.
+_MOE_KIND = {"experts_column": "experts_gate_up", "experts_row": "experts_down"}
+MOE_RULES = tuple(
+    dict.fromkeys(
+        (pattern, _MOE_KIND.get(kind, kind))
+        for spec in FAMILIES.values()
+        for pattern, kind in spec.expert_rules()
+    )
 )
 # The functional all-gather into one tensor: all_gather_single where torch has it (2.13 deprecates
 # all_gather_tensor, with a FutureWarning at every call outside torch.compile), the older name elsewhere.
@@ -80,10 +83,12 @@ def local_config(config: Any, tp: int, ep: int = 1) -> Any:
     local.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     local.num_attention_heads = heads // tp
     local.num_key_value_heads = max(kv // tp, 1)
-    whole = ep > 1 and config.model_type == "mixtral"  # Mixtral's experts use intermediate_size
+    spec = family_of(config)
+    experts = spec.experts if spec is not None else None
+    sliced = [] if experts is None else [experts.shared_size, *([] if ep > 1 else [experts.size])]
+    whole = ep > 1 and experts is not None and experts.size == "intermediate_size"  # Mixtral's experts' size
     local.intermediate_size = config.intermediate_size // (1 if whole else tp)
-    sliced = ("shared_expert_intermediate_size",) + (() if ep > 1 else ("moe_intermediate_size",))
-    for field in sliced:  # a shared expert, and Qwen2/3-MoE's experts when each one is sliced
+    for field in [f for f in sliced if f and f != "intermediate_size"]:  # a shared expert, each sliced expert
         if getattr(config, field, None):
             setattr(local, field, getattr(config, field) // tp)
     local.vocab_size = -(-config.vocab_size // tp)

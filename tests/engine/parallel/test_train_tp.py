@@ -1,7 +1,7 @@
 """The training tensor-parallel plan (``engine/parallel/tp.py``) on its own, without the whole engine.
 
 Without processes: the plan of a decoder layer of each family the engine trains with tp (Qwen2 with q/k/v
-biases, Qwen3 with per-head q/k norms, Llama) splits q/k/v/gate/up by columns and o/down by rows, covers
+biases, Qwen3 with per-head q/k norms, Llama, Seed-OSS: its entry in models/family.py alone) splits q/k/v/gate/up by columns and o/down by rows, covers
 every Linear and every parameter of the layer (a projection a family gains must fail here rather than stay
 replicated unnoticed), and families without shard rules are refused; ``check_train_tp`` names the field,
 the model fields that do not divide and the fix.
@@ -25,9 +25,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from hybridflow.engine.parallel.tp import _plan, check_train_tp
 from hybridflow.models import build_char_tokenizer, build_tiny_model
+from hybridflow.models.family import FAMILIES as SPECS
 from hybridflow.utils.errors import UserError
 
-FAMILIES = ("qwen2", "qwen3", "llama")  # the dense Llama family, as build_tiny_model builds it
+FAMILIES = ("qwen2", "qwen3", "llama", "seed_oss")  # the dense Llama-style families build_tiny_model builds
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW = ("self_attn.o_proj", "mlp.down_proj")
 HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")  # Qwen3: RMSNorm over each head's q and k
@@ -52,7 +53,7 @@ def owner(name: str) -> str:
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_the_plan_splits_every_projection_column_then_row(arch: str) -> None:
     layer = tiny(arch).model.layers[0]
-    plan = _plan(layer)
+    plan = _plan(layer, SPECS[arch])
     linears = {name for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
     split = {name for name, style in plan.items() if isinstance(style, (ColwiseParallel, RowwiseParallel))}
     assert split == linears == {*COLUMN, *ROW}, "a Linear of the layer is not in the plan (or gone)"
@@ -82,8 +83,8 @@ def test_families_without_shard_rules_are_refused_by_the_check_and_by_the_plan(
     arch: str, missing: str
 ) -> None:
     """GPT-2 (fused c_attn, no KV groups): the config check refuses tp > 1 first, naming the family and the
-    fix (tests/models/test_families.py covers every such family); a layer that reaches ``_plan`` anyway is
-    refused naming the projections it lacks, never split in part."""
+    fix (tests/models/test_families.py covers every such family); a layer planned by an entry whose
+    projections it lacks is refused naming them, never split in part."""
     model = tiny(arch, vocab_size=64)
     check_train_tp(model.config, 1)  # tp = 1 splits nothing and needs no rule
     with pytest.raises(UserError) as err:
@@ -93,26 +94,33 @@ def test_families_without_shard_rules_are_refused_by_the_check_and_by_the_plan(
     assert "et critic.tensor_parallel_size=1" in message  # "set ..." or "Set ..."
     layer = model.get_decoder().layers[0] if arch != "gpt2" else model.transformer.h[0]
     with pytest.raises(UserError) as err:
-        _plan(layer)
+        _plan(layer, SPECS["llama"])
     message = str(err.value)
     assert missing in message and "tensor_parallel_size=1" in message and type(layer).__name__ in message
+    assert "the llama family's entry" in message
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_a_mixture_of_experts_splits_its_attention_and_keeps_its_moe_blocks_whole(arch: str) -> None:
     """Training tp for a MoE: q/k/v/o (and Qwen3's q/k norms) split, the router and experts whole on every tp
-    rank; an HF sparse block not swapped for a ``MoEBlock`` is refused naming what it lacks."""
-    from hybridflow.models.moe import install_moe
+    rank, whether the block is HF's sparse block or the ``MoEBlock`` swapped in for it."""
+    from hybridflow.models.moe import MoEBlock, install_moe
 
     model = tiny(arch, vocab_size=64)
-    layer = model.get_decoder().layers[0]
-    with pytest.raises(UserError, match=r"'mlp\.gate_proj'"):
-        _plan(layer)
+    before = {name: type(style) for name, style in _plan(model.get_decoder().layers[0], SPECS[arch]).items()}
     install_moe(model)
+    assert isinstance(model.get_decoder().layers[0].mlp, MoEBlock)
     check_train_tp(model.config, TP)  # heads and KV heads divide; the experts are not split
-    plan = _plan(model.get_decoder().layers[0])
+    plan = _plan(model.get_decoder().layers[0], SPECS[arch])
     assert not any(name.startswith("mlp.") for name in plan)
     assert {"self_attn.q_proj", "self_attn.o_proj"} <= plan.keys()
+    assert {name: type(style) for name, style in plan.items()} == before
+    # A dense layer of the same family (Qwen's mlp_only_layers) splits its MLP as the dense families do.
+    if arch != "mixtral":
+        dense = tiny(arch, vocab_size=64)
+        dense.config.mlp_only_layers = [0]
+        layer = type(dense.get_decoder().layers[0])(dense.config, 0)
+        assert {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"} <= _plan(layer, SPECS[arch]).keys()
 
 
 # --------------------------------------------------------------------------------- the model-size check
@@ -239,7 +247,7 @@ def tp_against_whole(rank: int, batch: dict) -> dict:
         whole = tiny(arch)
         use_packed_attention(whole)  # as the engine runs (it still serves padded calls unchanged)
         split = copy.deepcopy(whole)
-        apply_tp(decoder_layers(split), tp_mesh)
+        apply_tp(decoder_layers(split), tp_mesh, split.config)
         out[arch] = {
             "shards": local_shards(split),
             **{
@@ -248,8 +256,9 @@ def tp_against_whole(rank: int, batch: dict) -> dict:
             },
         }
     one = init_device_mesh("cpu", (TP, 1), mesh_dim_names=("dp", "tp"))["tp"]  # a tp mesh of one rank
-    layers = decoder_layers(tiny("qwen3"))
-    apply_tp(layers, one)
+    model = tiny("qwen3")
+    layers = decoder_layers(model)
+    apply_tp(layers, one, model.config)
     out["one_rank_untouched"] = not any(hasattr(p, "placements") for p in layers[0].parameters())
     return out
 

@@ -17,6 +17,7 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -417,7 +418,8 @@ def test_free_drops_the_cache_tensors() -> None:
 @pytest.mark.parametrize(
     "config,match",
     [
-        (GPT2Config(), "not in the Llama family"),
+        (GPT2Config(), "'gpt2' is not a Llama-style decoder"),
+        (Phi3Config(), "'phi3' has no entry in models/family.py"),  # a family without an entry
         (Qwen2Config(use_sliding_window=True), "sliding-window"),
         (Qwen3Config(use_sliding_window=True), "sliding-window"),
         (MistralConfig(sliding_window=64), "sliding window of 64"),
@@ -436,7 +438,7 @@ def test_supports_and_the_mistral_window_bound() -> None:
     assert not supports(tiny("qwen2").model)  # the base model has no lm_head
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=32))
     assert not supports(gpt2)
-    with pytest.raises(ValueError, match="not in the Llama family"):
+    with pytest.raises(ValueError, match="not a Llama-style decoder"):
         LlamaRunner(gpt2)
 
     windowed = _build(MistralForCausalLM, MistralConfig(**SMALL, **HEADS, **NO_SPECIAL, sliding_window=16))

@@ -1,5 +1,6 @@
 """The tensor-parallel generation view on CPU (gloo): resharded from FSDP2 shards, it generates what one
-process generates on the same weights (tiny Qwen2 and Qwen3 with tied embeddings, Llama untied, all GQA)."""
+process generates on the same weights (tiny Qwen2 and Qwen3 with tied embeddings, Llama untied, all GQA; at
+tp = 2 on two ranks also Seed-OSS, the family added by its entry in models/family.py alone: q/k/v biases)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dist_util import run_world
 pytestmark = pytest.mark.slow
 
 ARCHS = ("qwen2", "qwen3", "llama")
+NEW_FAMILY = "seed_oss"  # its shard rules come from its FamilySpec only
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15], [20]]
 
 
@@ -48,7 +50,7 @@ def minimum_bytes(full, tp: int, world: int, rank: int, elem: int) -> int:
     return total * elem
 
 
-def generate_on_ranks(rank: int, world: int, tp: int) -> dict[str, dict]:
+def generate_on_ranks(rank: int, world: int, tp: int, archs: tuple[str, ...] = ARCHS) -> dict[str, dict]:
     import torch
     import torch.distributed as dist
 
@@ -65,7 +67,7 @@ def generate_on_ranks(rank: int, world: int, tp: int) -> dict[str, dict]:
     dist.init_process_group("gloo")
     view, out = GenerateView(world, tp), {}
     group = RolloutGroup(view, rank)
-    for arch in ARCHS:
+    for arch in archs:
         lm = build_tiny_model(
             arch, vocab_size=70, hidden_size=32, num_attention_heads=4, num_key_value_heads=2
         )
@@ -131,7 +133,9 @@ def generate_on_ranks(rank: int, world: int, tp: int) -> dict[str, dict]:
 
 @pytest.mark.parametrize(("world", "tp"), [(2, 2), (4, 2), (4, 4)])  # tp = 1: tests/engine/test_reshard.py
 def test_the_generation_view_generates_what_one_process_does(world: int, tp: int) -> None:
-    results = run_world(world, generate_on_ranks, world, tp, timeout=600)
+    archs = (*ARCHS, NEW_FAMILY) if world == tp == 2 else ARCHS
+    results = run_world(world, generate_on_ranks, world, tp, archs, timeout=600)
+    assert all(r.keys() == set(archs) for r in results)
     for rank, by_arch in enumerate(results):
         for arch, r in by_arch.items():
             where = (world, tp, rank, arch)
