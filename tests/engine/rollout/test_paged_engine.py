@@ -1,5 +1,4 @@
-"""The paged engine's step API on CPU (issue 41's reference): greedy tokens equal to the slot engine and HF
-``generate``, preemption on a small pool, ``extend``, ``pause`` / weight refresh / ``resume``, ``abort``,
+"""The paged engine's step API on CPU (issue 41's reference): greedy tokens equal to HF ``generate``, preemption on a small pool, ``extend``, ``pause`` / weight refresh / ``resume``, ``abort``,
 log-probs equal to the trainer's recomputation, and every block back in the pool after each test."""
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ import torch
 from dist_util import run_world_kept as run_world
 from test_engine import PROMPTS, greedy, hf_greedy_left_padded, lively_model
 
-from hybridflow.engine.rollout.engine import RolloutEngine
 from hybridflow.engine.rollout.paged_engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.utils.errors import UserError
@@ -21,17 +19,27 @@ def _all_back(engine: PagedEngine) -> None:
     assert not engine.has_work and engine.pool.num_free == len(engine.pool.blocks)
 
 
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new: int) -> list[int]:
+    """HF ``generate``'s greedy continuation of one prompt (no EOS)."""
+    return hf_greedy_left_padded(model, [prompt], max_new)[0]
+
+
+def until_stop(tokens: list[int], stops: list[int]) -> tuple[list[int], str]:
+    """A greedy run's tokens cut after the first of ``stops``, and the finish reason that gives."""
+    end = next((k + 1 for k, t in enumerate(tokens) if t in stops), None)
+    return (tokens, "length") if end is None else (tokens[:end], "eos")
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
-def test_greedy_generations_equal_the_slot_engine_and_hf(arch: str) -> None:
+def test_greedy_generations_equal_hf(arch: str) -> None:
     model = lively_model(arch)
-    free = RolloutEngine(model).generate(PROMPTS, greedy(10))
-    stops = [free[0][0].token_ids[3], free[2][0].token_ids[6]]  # EOS ids that end samples at different places
+    free = hf_greedy_left_padded(model, PROMPTS, 10)
+    stops = [free[0][3], free[2][6]]  # EOS ids that end samples at different places
     params = greedy(10, n=2, eos_token_ids=stops)
-    want = RolloutEngine(model).generate(PROMPTS, params)
     engine = PagedEngine(model, num_blocks=64, block_size=4)
     got = engine.generate(PROMPTS, params)
     assert [[(s.token_ids, s.finish_reason) for s in g] for g in got] == [
-        [(s.token_ids, s.finish_reason) for s in g] for g in want
+        [until_stop(f, stops)] * 2 for f in free
     ]
     assert {s.finish_reason for g in got for s in g} == {"eos", "length"}
     assert [g[0].token_ids for g in engine.generate(PROMPTS, greedy(8))] == hf_greedy_left_padded(
@@ -43,10 +51,10 @@ def test_greedy_generations_equal_the_slot_engine_and_hf(arch: str) -> None:
 def test_a_pool_too_small_for_the_batch_completes_through_preemption() -> None:
     model = lively_model("qwen2")
     params = greedy(12, n=2)
-    want = RolloutEngine(model).generate(PROMPTS, params)
+    want = hf_greedy_left_padded(model, PROMPTS, 12)
     engine = PagedEngine(model, num_blocks=12, block_size=4)  # 8 sequences of up to 23 tokens: ~40 blocks
     got = engine.generate(PROMPTS, params)
-    assert [[s.token_ids for s in g] for g in got] == [[s.token_ids for s in g] for g in want]
+    assert [[s.token_ids for s in g] for g in got] == [[w, w] for w in want]
     assert engine.preemptions > 0 and engine.pool.stats.peak_used == 12
     stats = engine.stats()
     assert stats["rollout/kv_blocks_used"] == 1.0 and stats["rollout/preemptions"] == engine.preemptions
@@ -68,7 +76,7 @@ def test_extend_then_step_equals_generating_from_the_whole_prompt() -> None:
         engine.step()
     assert 3 <= len(first) < 14 - len(tool)  # a step prefills and decodes: a new sequence gets two tokens
     rest = 14 - len(first) - len(tool)
-    want = RolloutEngine(model).generate([prompt + first + tool], greedy(rest))[0][0].token_ids
+    want = hf_greedy(model, prompt + first + tool, rest)
     assert seq.response == first + tool + want
     k = len(first)
     assert seq.trainable == [True] * k + [False] * 5 + [True] * rest
@@ -96,9 +104,7 @@ def test_pause_refresh_resume_continues_under_the_new_weights() -> None:
         engine.step()
     for (i,), prompt in zip(ids, PROMPTS[:3]):
         s = seqs[i]
-        fresh = (
-            RolloutEngine(model).generate([prompt + before[i]], greedy(9 - len(before[i])))[0][0].token_ids
-        )
+        fresh = hf_greedy(model, prompt + before[i], 9 - len(before[i]))
         assert s.response == before[i] + fresh
         assert s.versions == [0] * len(before[i]) + [1] * len(fresh)
     _all_back(engine)
@@ -229,7 +235,7 @@ def test_extend_on_a_preempted_sequence_waits_for_its_next_prefill() -> None:
         engine.step()
     prompt = PROMPTS[[i for (i,) in ids].index(preempted.id)]
     rest = 12 - len(so_far) - 2
-    want = RolloutEngine(model).generate([prompt + so_far + [40, 41]], greedy(rest))[0][0].token_ids
+    want = hf_greedy(model, prompt + so_far + [40, 41], rest)
     assert preempted.response == [*so_far, 40, 41, *want]
     _all_back(engine)
 
@@ -247,20 +253,16 @@ def test_an_extension_that_spends_the_budget_ends_the_sequence() -> None:
     _all_back(engine)
 
 
-def test_per_sample_lengths_end_each_sample_where_asked_in_both_engines() -> None:
+def test_per_sample_lengths_end_each_sample_where_asked() -> None:
     """``generate(lengths=)`` (the long-tail benchmark's drawn lengths): each sample stops at its own limit,
-    with the tokens an unbounded run gives up to there, in the slot and the paged engine alike."""
+    with the tokens an unbounded run gives up to there."""
     model = lively_model("qwen2")
     lengths = [[3, 7], [1, 9], [5, 5], [8, 2]]  # ties within a prompt and samples that differ
-    full = RolloutEngine(model).generate(PROMPTS, greedy(9, n=2))
-    slot = RolloutEngine(model).generate(PROMPTS, greedy(9, n=2), lengths=lengths)
+    full = hf_greedy_left_padded(model, PROMPTS, 9)
     engine = PagedEngine(model, block_size=4)
-    paged = engine.generate(PROMPTS, greedy(9, n=2), lengths=lengths)
-    for got in (slot, paged):
-        assert [[len(s.token_ids) for s in g] for g in got] == lengths
-        assert [[s.token_ids for s in g] for g in got] == [
-            [s.token_ids[:n] for s, n in zip(g, row)] for g, row in zip(full, lengths)
-        ]
+    got = engine.generate(PROMPTS, greedy(9, n=2), lengths=lengths)
+    assert [[len(s.token_ids) for s in g] for g in got] == lengths
+    assert [[s.token_ids for s in g] for g in got] == [[f[:n] for n in row] for f, row in zip(full, lengths)]
     with pytest.raises(ValueError, match="lengths must give each of the 4 prompts' 2 samples a limit"):
         engine.generate(PROMPTS, greedy(9, n=2), lengths=[[3, 10]] * 4)
     _all_back(engine)
@@ -314,7 +316,7 @@ def test_a_next_turn_finds_the_blocks_of_the_turn_before_it() -> None:
     assert engine.pool.stats.hit_blocks == 4  # the first turn's full blocks whose positions were all written
     assert engine.session.counts.prefill_tokens - before == len(turn2) - 16
     (second,) = [s for s in _drain(engine) if s.id == turn2_id]
-    assert second.response == RolloutEngine(model).generate([turn2], greedy(5))[0][0].token_ids
+    assert second.response == hf_greedy(model, turn2, 5)
     _all_back(engine)
 
 

@@ -1,14 +1,13 @@
 """The paged engine on CUDA: CUDA graphs and the fused paged kernel give the eager path's tokens, float32
-greedy equals the slot engine, a small pool completes through preemption, and the pool is sized from
+greedy equals HF ``generate``, a small pool completes through preemption, and the pool is sized from
 ``gpu_memory_utilization`` and handed back at the end."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import PROMPTS, greedy, lively_model
+from test_engine import PROMPTS, greedy, hf_greedy_left_padded, lively_model
 
-from hybridflow.engine.rollout.engine import RolloutEngine
 from hybridflow.engine.rollout.paged_engine import PagedEngine
 from hybridflow.engine.rollout.paged_session import Session
 from hybridflow.engine.rollout.sampling import SamplingParams
@@ -26,7 +25,7 @@ def _tokens(out) -> list[list[list[int]]]:
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 def test_graphs_and_the_paged_kernel_give_the_eager_tokens_in_bf16(arch: str) -> None:
     model = lively_model(arch).cuda().to(torch.bfloat16)
-    free = RolloutEngine(model, enforce_eager=True).generate(PROMPTS, greedy(12))
+    free = PagedEngine(model, block_size=4, enforce_eager=True).generate(PROMPTS, greedy(12))
     stops = [free[0][0].token_ids[3], free[2][0].token_ids[6]]
     for params in (greedy(12, n=2, eos_token_ids=stops), SamplingParams(n=3, max_new_tokens=12, seed=5)):
         eager = PagedEngine(model, block_size=4, enforce_eager=True)
@@ -38,13 +37,13 @@ def test_graphs_and_the_paged_kernel_give_the_eager_tokens_in_bf16(arch: str) ->
         assert graphs.session is None and graphs.pool.num_free == len(graphs.pool.blocks)
 
 
-def test_float32_greedy_equals_the_slot_engine_and_a_small_pool_preempts() -> None:
+def test_float32_greedy_equals_hf_and_a_small_pool_preempts() -> None:
     model = lively_model("qwen2").cuda()
     params = greedy(14, n=2)
-    want = RolloutEngine(model).generate(PROMPTS, params)
-    assert _tokens(PagedEngine(model, block_size=4).generate(PROMPTS, params)) == _tokens(want)
+    want = [[w, w] for w in hf_greedy_left_padded(model, PROMPTS, 14)]
+    assert _tokens(PagedEngine(model, block_size=4).generate(PROMPTS, params)) == want
     small = PagedEngine(model, num_blocks=12, block_size=4)
-    assert _tokens(small.generate(PROMPTS, params)) == _tokens(want)
+    assert _tokens(small.generate(PROMPTS, params)) == want
     assert small.last_stats.preemptions > 0 and small.last_stats.kv_blocks_used == 1.0
 
 
