@@ -1,6 +1,6 @@
 """Drives ``LlamaRunner``'s prefill and decode directly, without the engine's scheduler: a paged KV cache in
-which row r of a call owns its own run of blocks (block 0 is the device's scratch block, as in the engine), so a
-test addresses sequences by row as the engine addresses them by block table."""
+which row r of a call owns its own run of blocks (block 0 is the device's scratch block, as in the engine),
+so a test addresses sequences by row as the engine addresses them by block table."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ class RowCache:
     def decode(
         self, tokens: torch.Tensor, positions: torch.Tensor, rows: list[int] | None = None
     ) -> torch.Tensor:
-        """One decode step: token b of row ``rows[b]`` (default b) written at ``positions[b]``; logits (B, V)."""
+        """One decode step: token b of row ``rows[b]`` (default b) written at ``positions[b]``; logits
+        (B, V)."""
         rows = list(range(tokens.shape[0])) if rows is None else rows
         tables = self.tables[rows].to(self.runner.device)
         return self.runner.decode_paged(tokens, positions, self.cache, tables)

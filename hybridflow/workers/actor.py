@@ -261,7 +261,8 @@ class ActorWorker:
         return 0
 
     def _make_room(self, ids: list[list[int]], params: SamplingParams) -> None:
-        """``optimizer_offload=auto``: moments to the host for a rollout that would otherwise run in waves.
+        """``optimizer_offload=auto``: moments to the host for a rollout whose sequences would not all fit the
+        KV cache at once.
 
         The engines of ``room_donors`` give up their moments in turn (the actor's first) until the KV cache
         holds every sequence at once; each gets them back at its next phase's ``onload()``.
@@ -274,8 +275,8 @@ class ActorWorker:
                 return
             freed = donor.make_room()
             logger.info(
-                "optimizer_offload=auto: the KV cache was %.2f GiB short of one wave; moved %.2f GiB of "
-                "optimizer state to the host for this rollout",
+                "optimizer_offload=auto: the KV cache was %.2f GiB short of every sequence at once; moved "
+                "%.2f GiB of optimizer state to the host for this rollout",
                 short / 2**30,
                 freed / 2**30,
             )

@@ -113,8 +113,8 @@ def test_the_rollout_holds_no_weight_copy_before_it_generates() -> None:
 
 
 def utilization_short_by(rollout, rows: list[list[int]], params, short: float) -> float:
-    """The ``rollout.gpu_memory_utilization`` at which the KV pool lacks ``short`` bytes to hold every sequence
-    of this call at once, at the memory in use now."""
+    """The ``rollout.gpu_memory_utilization`` at which the KV pool lacks ``short`` bytes to hold every
+    sequence of this call at once, at the memory in use now."""
     from hybridflow.utils.device import gpu_memory_limit
 
     rollout.cfg.gpu_memory_utilization = 0.0

@@ -192,22 +192,32 @@ class Session:
         # a budget of 0.9 of an H200 left no room for (the slot engine never ran that many rows at once).
         return num_seats * (runner.vocab_size * 10 + 32 * runner.config.intermediate_size)
 
+    @staticmethod
+    def pool_block_bytes(runner: LlamaRunner, cfg: SessionConfig) -> int:
+        """Device bytes of one block of the pool: its K and V, and its routing records when kept."""
+        per = Session.block_bytes(runner, cfg.block_size, cfg.fp8)
+        if cfg.record_routing:  # each position's expert ids (uint8) beside its K and V
+            per += cfg.block_size * math.prod(runner.routing_shape)
+        return per
+
     @classmethod
     def shortfall(cls, runner: LlamaRunner, cfg: SessionConfig, count: int, max_len: int) -> int:
-        """Bytes the pool lacks to hold ``count`` sequences of ``max_len`` positions at once."""
-        need = count * -(-max_len // cfg.block_size) * cls.block_bytes(runner, cfg.block_size, cfg.fp8)
+        """Bytes the pool lacks to hold ``count`` sequences of ``max_len`` positions at once: what
+        ``_blocks_for_memory`` sizes it by (every sequence at full length, a block of headroom per seat, the
+        scratch block and the decode step's workspace), so that with this much more room it holds them all."""
+        seats = min(count, cfg.max_num_seqs)
+        demand = count * -(-max_len // cfg.block_size) + seats
+        need = (demand + 1) * cls.pool_block_bytes(runner, cfg) + cls.workspace(runner, seats)
         return max(0, math.ceil(need - cls.budget(runner, cfg, pending=runner.pending_bytes())))
 
     def _blocks_for_memory(self, demand: int, num_seats: int) -> int:
-        """Blocks for the work (``demand``: every sequence at full length), within the memory budget on GPU,
-        less the decode step's workspace at ``num_seats`` rows."""
+        """Blocks for the work (``demand``: every sequence at full length, and a block per seat), within the
+        memory budget on GPU, less the decode step's workspace at ``num_seats`` rows."""
         r, cfg = self.runner, self.engine.cfg
         if r.device.type != "cuda":
             return demand
         kept = self.engine.kept_cache.storage.nbytes if self.engine.kept_cache is not None else 0
-        per = self.block_bytes(r, cfg.block_size, cfg.fp8)
-        if cfg.record_routing:  # each position's expert ids (uint8) beside its K and V
-            per += cfg.block_size * math.prod(r.routing_shape)
+        per = self.pool_block_bytes(r, cfg)
         fit = blocks_that_fit(self.budget(r, cfg, kept) - self.workspace(r, num_seats), per)
         if self.engine.tp is not None:  # the ranks of a group must schedule alike: the smallest pool rules
             fit = int(funcol.all_reduce(torch.tensor([fit], device=r.device), "min", self.engine.tp.group))

@@ -258,3 +258,31 @@ def test_without_free_cache_engine_the_cache_and_weights_stay_for_the_next_call(
     assert engine.kept_cache is cache and again == first  # same pool: the kept cache is reused
     engine.generate(PROMPTS[:1], greedy(3))  # another pool size: a new cache
     assert engine.kept_cache is not None and engine.kept_cache is not cache
+
+
+def test_the_memory_shortfall_is_what_a_pool_holding_every_sequence_at_once_needs(monkeypatch) -> None:
+    """``optimizer_offload=auto`` frees memory until ``memory_shortfall`` is 0: the pool a session then sizes
+    must hold every sequence at full length at once (with the seats' growth headroom, the scratch block and
+    the decode step's workspace), and a byte less must not. A GPU of 2**30 bytes with 3 MiB in use, given to
+    the engine's memory figures (no CUDA here); on CPU the pool is sized from the work, not from memory."""
+    from hybridflow.engine.rollout import paged_session
+    from hybridflow.engine.rollout.paged_session import Session
+
+    engine = PagedEngine(lively_model(), block_size=4, max_num_seqs=6)
+    cuda, total = torch.device("cuda"), 2**30
+    monkeypatch.setattr(engine, "device", cuda)
+    monkeypatch.setattr(engine.runner, "device", cuda)
+    monkeypatch.setattr(paged_session, "gpu_memory_limit", lambda _: total)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda _: 3 * 2**20)
+    params = greedy(10, n=2)  # 8 sequences of up to 11 + 10 positions in 6 seats
+    demand = 8 * -(-21 // 4) + 6  # every sequence at full length, and a block per seat
+    sizing = Session.__new__(Session)  # the pool's sizing alone (a session would allocate on the GPU)
+    sizing.runner, sizing.engine = engine.runner, engine
+    engine.cfg.gpu_memory_utilization = 0.0
+    everything = engine.memory_shortfall(PROMPTS, params)  # the pool and all the memory in use
+    engine.cfg.gpu_memory_utilization = everything / total
+    assert engine.memory_shortfall(PROMPTS, params) == 0
+    assert sizing._blocks_for_memory(demand, 6) == demand
+    engine.cfg.gpu_memory_utilization = (everything - 1) / total
+    assert engine.memory_shortfall(PROMPTS, params) == 1
+    assert sizing._blocks_for_memory(demand, 6) < demand
