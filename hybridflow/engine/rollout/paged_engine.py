@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 
 class PagedEngine:
-    """Generation over a paged KV cache; the keyword arguments are ``RolloutEngine``'s, plus the pool's.
+    """Generation over a paged KV cache; the keyword arguments are ``SessionConfig``'s.
 
     ``num_blocks``: the pool's blocks; None sizes it from ``gpu_memory_utilization`` on GPU and, on CPU, from
     the work (every sequence of a ``generate`` call at full length). ``block_size``: positions per block.
@@ -91,8 +91,8 @@ class PagedEngine:
         self._pool: BlockPool | None = None  # the current (or last) session's
         self._ids = itertools.count()
         self.last_stats = GenerationStats()  # of the last session
-        # As the slot engine: the fused Triton sampler on CUDA (reads the compute-dtype logits), CUDA graphs of
-        # the decode step unless enforce_eager, and with compile_decode the step compiled per batch bucket.
+        # The fused Triton sampler on CUDA (reads the compute-dtype logits), CUDA graphs of the decode step
+        # unless enforce_eager, and with compile_decode the step compiled per batch bucket.
         self.fused_sampler = fused_sampler_available(self.device)
         self.runner.float_logits = not self.fused_sampler
         self.use_graphs = not cfg.enforce_eager and self.device.type == "cuda" and graphs_fit(self.runner)
@@ -142,7 +142,7 @@ class PagedEngine:
         if self.session is not None:
             check_params(self.session.params, params)
         mm = mm_prompt(prompt, mm_inputs, self.runner.image_token_id, self.runner.merge_size)
-        room = limit - len(prompt)  # the response stops at the context's end, as the slot engine's do
+        room = limit - len(prompt)  # the response stops at the context's end
         budget = room if room < params.max_new_tokens else 0
         if max_new is not None:
             budget = min(max_new, room)
@@ -420,7 +420,7 @@ class PagedEngine:
                 return 0
             # Tokens each may still sample. With no early stop possible (ignore_eos, or no EOS) the round runs
             # until the first sequence ends by length, but at least sync_interval steps while others go on
-            # (a finished sequence rides along as the slot engine's do: fewer syncs for ragged lengths);
+            # (a finished sequence rides along until the sync: fewer syncs for ragged lengths);
             # with EOS, sync_interval steps. 0 everywhere: all finished at prefill, nothing to decode.
             left = [s.budget_end - len(s.tokens) - s.pending for s in seated]
             if max(left) <= 0:

@@ -53,9 +53,9 @@ class PagedForward:
         that replace the embeddings of its image tokens (``multimodal.chunk_inputs``).
 
         When every row starts at 0 attention runs on the chunk alone, causal (right padding only adds keys
-        after every valid query), as the slot engine's first chunk does; else each row reads its blocks up to
-        the longest row's end. ``lengths``, ``start_pos`` and ``tables`` are read on the host: pass CPU tensors
-        and the call never waits for the GPU (they go up through pinned memory).
+        after every valid query); else each row reads its blocks up to the longest row's end. ``lengths``,
+        ``start_pos`` and ``tables`` are read on the host: pass CPU tensors and the call never waits for the
+        GPU (they go up through pinned memory).
 
         An FP8 cache due for calibration (``cache.calibrate``: the first prefill after a weight refresh) takes
         its per-head scales from this call's tokens before writing them; so do FP8 projections' static

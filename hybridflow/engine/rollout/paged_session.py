@@ -35,13 +35,14 @@ logger = logging.getLogger(__name__)
 
 # A memory-bound pool is a multiple of this many blocks: the compiled decode step is specialised on the
 # cache's shape, so a pool that moved with a few MB of other allocations between calls would recompile
-# every batch bucket (the slot engine's SLOT_GRANULE, for the same reason).
+# every batch bucket (~80 s in the second step of W2 at 1.5B on an H200, seen when the old slot cache's
+# count moved from 962 to 960).
 BLOCK_GRANULE = 256
 
 
 @dataclasses.dataclass
 class SessionConfig:
-    """The engine's settings (``RolloutEngine``'s names, plus the pool's)."""
+    """The engine's settings: the pool's, the batch bounds, the memory share, and how decode runs."""
 
     num_blocks: int | None = None
     block_size: int = 128  # a multiple of the decode kernel's tile (64 or 128): one block id per tile
@@ -189,7 +190,7 @@ class Session:
         """Device bytes a decode step needs beside the pool at ``num_seats`` rows."""
         # A step's logits in the compute dtype, their float32 copy in filtered sampling, a float32 row of
         # the sampler's, and the hidden and MLP activations: at 4,096 rows of a 152k vocabulary ~5 GB, which
-        # a budget of 0.9 of an H200 left no room for (the slot engine never ran that many rows at once).
+        # a budget of 0.9 of an H200 left no room for.
         return num_seats * (runner.vocab_size * 10 + 32 * runner.config.intermediate_size)
 
     @staticmethod
@@ -229,8 +230,8 @@ class Session:
         if fit >= demand:
             return demand
         blocks = fit - fit % BLOCK_GRANULE if fit >= 2 * BLOCK_GRANULE else fit
-        # Not a wave as in the slot engine: sequences hold what they use, and only if they all grow long at
-        # once are the youngest preempted (rollout/preemptions counts them).
+        # Not waves: sequences hold what they use, and only if they all grow long at once are the youngest
+        # preempted (rollout/preemptions counts them).
         logger.info(
             "KV pool: %d blocks of %d positions (%.1f GiB) at rollout.gpu_memory_utilization=%s, %.0f%% of what "
             "every sequence at full length would take",

@@ -10,7 +10,8 @@ from batches import grouped_batch
 from dist_util import run_world_kept as run_world
 
 from hybridflow.engine.rollout.blocks import KSplits
-from hybridflow.engine.rollout.engine import HFRollout, make_rollout
+from hybridflow.engine.rollout.factory import make_rollout
+from hybridflow.engine.rollout.hf_fallback import HFRollout
 from hybridflow.engine.rollout.paged_engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.models import build_tiny_model

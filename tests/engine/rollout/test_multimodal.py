@@ -18,7 +18,7 @@ from vlm_cases import (
     prompts,
 )
 
-from hybridflow.engine.rollout.engine import HFRollout
+from hybridflow.engine.rollout.hf_fallback import HFRollout
 from hybridflow.engine.rollout.model import LlamaRunner
 from hybridflow.engine.rollout.multimodal import chunk_inputs, image_features, mm_prompt
 from hybridflow.engine.rollout.paged_cache import PagedKVCache
