@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from hybridflow.engine.rollout.paged_engine import PagedEngine
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 
 Z99 = 2.3263  # the standard normal's 99th percentile

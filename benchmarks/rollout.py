@@ -26,7 +26,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybridflow.engine.rollout.blocks import KSplits
-from hybridflow.engine.rollout.paged_engine import PagedEngine
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy bandwidth of the H200

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.engine.rollout.paged_cache import PagedKVCache
+from hybridflow.engine.rollout.kv_cache import PagedKVCache
 
 
 class RowCache:

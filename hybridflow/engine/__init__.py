@@ -63,7 +63,7 @@ SURFACE: dict[str, str] = {
     "CriticEngine": "roles.critic",
     "update_preference": "roles.preference",
     "HFRollout": "rollout.hf_fallback",
-    "PagedEngine": "rollout.paged_engine",
+    "PagedEngine": "rollout.engine",
     "GroupState": "rollout.partial",
     "AgentLoop": "rollout.agent_loop",
     "Episode": "rollout.agent_loop",

@@ -73,7 +73,7 @@ def cast_buffer_bytes(rank: int) -> dict:
     """Bytes of the rollout's cast weights at build time and after a call, and the call's tokens."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from hybridflow.config import load_config
-    from hybridflow.engine.rollout.paged_engine import PagedEngine
+    from hybridflow.engine.rollout.engine import PagedEngine
     from hybridflow.models import build_tiny_model
     from hybridflow.workers.actor import ActorWorker
 

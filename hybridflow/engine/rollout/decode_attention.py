@@ -431,7 +431,7 @@ def decode_attention_rope_paged(
 ) -> torch.Tensor:
     """The fused kernel on the paged cache (layers, 2, blocks, KVH, block size, D) through block ``tables``
     (B, max_blocks): RoPE, the write of the step's k and v, and attention, one launch -> (B, H, 1, D).
-    ``kv_scales`` (layers, 2, KVH): the cache is FP8 (``paged_cache``)."""
+    ``kv_scales`` (layers, 2, KVH): the cache is FP8 (``kv_cache``)."""
     new = NewToken(k_new, v_new, cos, sin)
     k, v = kv_storage[layer, 0], kv_storage[layer, 1]  # (blocks, KVH, block size, D) each
     scales = None if kv_scales is None else kv_scales[layer]  # (2, KVH)

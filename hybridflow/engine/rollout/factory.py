@@ -7,8 +7,8 @@ import logging
 
 from torch import nn
 
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.hf_fallback import HFRollout
-from hybridflow.engine.rollout.paged_engine import PagedEngine
 from hybridflow.engine.rollout.support import fallback_reason
 from hybridflow.models.families import fallback_notice
 from hybridflow.utils.errors import UserError

@@ -10,7 +10,7 @@ The math follows transformers' modeling_llama / modeling_qwen2 / modeling_qwen3 
 pieces around attention are in ``blocks``): RoPE tables computed in float32 from the module's own
 ``rotary_emb`` (which carries rope scaling such as llama3's or yarn's ``attention_scaling``) and cast to the
 compute dtype, attention through SDPA with ``enable_gqa=True`` so K/V are never repeated. Prefill and decode
-run over the paged KV cache (``paged_forward``).
+run over the paged KV cache (``forward``).
 Decode attention on CUDA in bf16/fp16 uses the split-K Triton kernel of ``decode_attention`` instead, which
 reads each sequence's blocks only up to its own position and also applies RoPE and writes the step's k and v.
 
@@ -32,7 +32,7 @@ from torch import nn
 from hybridflow.engine.rollout import blocks
 from hybridflow.engine.rollout.binding import WeightBinding
 from hybridflow.engine.rollout.blocks import ActQuant, KSplits, LayerDims, LayerWeights
-from hybridflow.engine.rollout.paged_forward import PagedForward, Sink
+from hybridflow.engine.rollout.forward import PagedForward, Sink
 from hybridflow.engine.rollout.support import check_structure, check_supported, text_base
 from hybridflow.engine.rollout.tp import RolloutTP
 from hybridflow.engine.rollout.weights import local_tensor

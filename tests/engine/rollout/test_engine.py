@@ -1,4 +1,7 @@
-"""The rollout engine end to end: HF parity, batching invariance, log-probs vs the trainer, finish reasons."""
+"""The rollout engine (``PagedEngine``) on CPU end to end: greedy tokens equal to HF ``generate``, a row's
+tokens independent of the rest of the batch (seats, shared prompt blocks, chunked prefill, preemption on a
+small pool), log-probs equal to the trainer's recomputation, finish reasons and limits, tensor-parallel
+shards, the cast weights and the cache between calls, the memory figures. The step API: test_engine_steps.py."""
 
 from __future__ import annotations
 
@@ -10,9 +13,9 @@ from batches import grouped_batch
 from dist_util import run_world_kept as run_world
 
 from hybridflow.engine.rollout.blocks import KSplits
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.factory import make_rollout
 from hybridflow.engine.rollout.hf_fallback import HFRollout
-from hybridflow.engine.rollout.paged_engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.models import build_tiny_model
 from hybridflow.utils.errors import UserError
@@ -52,6 +55,21 @@ def hf_greedy_left_padded(model: torch.nn.Module, prompts: list[list[int]], max_
         pad_token_id=0,
     )
     return out[:, width:].tolist()
+
+
+def all_back(engine: PagedEngine) -> None:
+    assert not engine.has_work and engine.pool.num_free == len(engine.pool.blocks)
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new: int) -> list[int]:
+    """HF ``generate``'s greedy continuation of one prompt (no EOS)."""
+    return hf_greedy_left_padded(model, [prompt], max_new)[0]
+
+
+def until_stop(tokens: list[int], stops: list[int]) -> tuple[list[int], str]:
+    """A greedy run's tokens cut after the first of ``stops``, and the finish reason that gives."""
+    end = next((k + 1 for k, t in enumerate(tokens) if t in stops), None)
+    return (tokens, "length") if end is None else (tokens[:end], "eos")
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
@@ -266,14 +284,14 @@ def test_the_memory_shortfall_is_what_a_pool_holding_every_sequence_at_once_need
     must hold every sequence at full length at once (with the seats' growth headroom, the scratch block and
     the decode step's workspace), and a byte less must not. A GPU of 2**30 bytes with 3 MiB in use, given to
     the engine's memory figures (no CUDA here); on CPU the pool is sized from the work, not from memory."""
-    from hybridflow.engine.rollout import paged_session
-    from hybridflow.engine.rollout.paged_session import Session
+    from hybridflow.engine.rollout import session as session_module
+    from hybridflow.engine.rollout.session import Session
 
     engine = PagedEngine(lively_model(), block_size=4, max_num_seqs=6)
     cuda, total = torch.device("cuda"), 2**30
     monkeypatch.setattr(engine, "device", cuda)
     monkeypatch.setattr(engine.runner, "device", cuda)
-    monkeypatch.setattr(paged_session, "gpu_memory_limit", lambda _: total)
+    monkeypatch.setattr(session_module, "gpu_memory_limit", lambda _: total)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda _: 3 * 2**20)
     params = greedy(10, n=2)  # 8 sequences of up to 11 + 10 positions in 6 seats
     demand = 8 * -(-21 // 4) + 6  # every sequence at full length, and a block per seat
@@ -287,3 +305,147 @@ def test_the_memory_shortfall_is_what_a_pool_holding_every_sequence_at_once_need
     engine.cfg.gpu_memory_utilization = (everything - 1) / total
     assert engine.memory_shortfall(PROMPTS, params) == 1
     assert sizing._blocks_for_memory(demand, 6) < demand
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+def test_greedy_generations_equal_hf(arch: str) -> None:
+    model = lively_model(arch)
+    free = hf_greedy_left_padded(model, PROMPTS, 10)
+    stops = [free[0][3], free[2][6]]  # EOS ids that end samples at different places
+    params = greedy(10, n=2, eos_token_ids=stops)
+    engine = PagedEngine(model, num_blocks=64, block_size=4)
+    got = engine.generate(PROMPTS, params)
+    assert [[(s.token_ids, s.finish_reason) for s in g] for g in got] == [
+        [until_stop(f, stops)] * 2 for f in free
+    ]
+    assert {s.finish_reason for g in got for s in g} == {"eos", "length"}
+    all_back(engine)
+
+
+def test_a_pool_too_small_for_the_batch_completes_through_preemption() -> None:
+    model = lively_model("qwen2")
+    params = greedy(12, n=2)
+    want = hf_greedy_left_padded(model, PROMPTS, 12)
+    engine = PagedEngine(model, num_blocks=12, block_size=4)  # 8 sequences of up to 23 tokens: ~40 blocks
+    got = engine.generate(PROMPTS, params)
+    assert [[s.token_ids for s in g] for g in got] == [[w, w] for w in want]
+    assert engine.preemptions > 0 and engine.pool.stats.peak_used == 12
+    stats = engine.stats()
+    assert stats["rollout/kv_blocks_used"] == 1.0 and stats["rollout/preemptions"] == engine.preemptions
+    assert 1 <= stats["rollout/concurrent_seqs_mean"] <= stats["rollout/concurrent_seqs_peak"] <= 8
+    all_back(engine)
+
+
+def test_sampled_log_probs_equal_hf_forward_at_the_temperature() -> None:
+    model = lively_model("qwen3").float()
+    engine = PagedEngine(model, num_blocks=64, block_size=4)
+    params = SamplingParams(temperature=0.7, max_new_tokens=9, n=3, seed=11)
+    out = engine.generate(PROMPTS, params)
+    assert len({tuple(s.token_ids) for s in out[1]}) > 1  # the samples differ
+    for prompt, samples in zip(PROMPTS, out):
+        for s in samples:
+            ids = torch.tensor([prompt + s.token_ids])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / 0.7  # (R, V)
+            want = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(s.logprobs), want, rtol=0, atol=1e-5)
+    all_back(engine)
+
+
+def paged_on_ranks(rank: int, world: int) -> dict:
+    """Rollout tensor-parallel shards (the hybrid engine's generation view at tp = world) on the paged engine."""
+    import copy
+
+    import torch.distributed as dist
+
+    from hybridflow.engine.hybrid.switch import RolloutShard
+    from hybridflow.engine.parallel.fsdp import shard_model
+    from hybridflow.engine.parallel.layout import follow_rollout_shards
+    from hybridflow.engine.parallel.rollout_group import RolloutGroup
+    from hybridflow.engine.parallel.view import GenerateView
+    from hybridflow.engine.rollout.tp import RolloutTP
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    view = GenerateView(world, world)
+    group = RolloutGroup(view, rank)
+    out = {}
+    for arch in ("qwen3", "llama"):
+        lm = lively_model(arch)
+        full = copy.deepcopy(lm)
+        follow_rollout_shards(lm, world, world)
+        shard_model(lm, list(lm.model.layers), torch.device("cpu"))
+        shard = RolloutShard(lm, view, rank, torch.float32, torch.device("cpu"), bucket_bytes=4096)
+        shard.sync(lm)
+        engine = PagedEngine(
+            shard.module, num_blocks=16, block_size=4, dtype=torch.float32, tp=RolloutTP(group.group, 64)
+        )
+        params = greedy(10, n=2)
+        got = engine.generate(PROMPTS, params)
+        want = PagedEngine(full, num_blocks=64, block_size=4).generate(PROMPTS, params)
+        out[arch] = {
+            "equal": [[s.token_ids for s in g] for g in got] == [[s.token_ids for s in g] for g in want],
+            "gap": max(
+                abs(u - v)
+                for g, h in zip(got, want)
+                for x, y in zip(g, h)
+                for u, v in zip(x.logprobs, y.logprobs)
+            ),
+            "preempted": engine.preemptions,
+            "back": engine.pool.num_free == 16,
+        }
+    return out
+
+
+def test_tensor_parallel_shards_generate_what_one_process_does() -> None:
+    """tp = 2 on gloo processes, a pool small enough to preempt: the tokens and log-probs of one process."""
+    for rank, by_arch in enumerate(run_world(2, paged_on_ranks, 2)):
+        for arch, r in by_arch.items():
+            assert r["equal"] and r["gap"] < 1e-5 and r["back"], (rank, arch, r)
+            assert r["preempted"] > 0, (rank, arch)
+
+
+def test_prompts_that_cannot_run_are_refused_naming_the_limit() -> None:
+    engine = PagedEngine(lively_model("qwen2"), num_blocks=8, block_size=4)
+    limit = engine.runner.max_position_embeddings
+    with pytest.raises(UserError, match=f"leaves no room to generate within the context of {limit} tokens"):
+        engine.add([5] * limit, greedy(1))
+    (sid,) = engine.add([5] * (limit - 3), greedy(10))  # the response stops at the context's end
+    (seq,) = engine.waiting[0]
+    assert seq.budget_end == limit
+    engine.abort([sid])
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add([], greedy(1))
+    with pytest.raises(ValueError, match="n=3 samples cannot run at once with max_num_seqs=2"):
+        PagedEngine(lively_model("qwen2"), num_blocks=8, block_size=4, max_num_seqs=2).add(
+            [5], greedy(1, n=3)
+        )
+    with pytest.raises(ValueError, match="cannot hold the next sequence"):
+        engine.generate([[5] * 40], greedy(2))  # 40 tokens: 10 blocks, the pool has 8
+    engine.abort([s.id for g in engine.waiting for s in g])
+    all_back(engine)
+
+
+def test_per_sample_lengths_end_each_sample_where_asked() -> None:
+    """``generate(lengths=)`` (the long-tail benchmark's drawn lengths): each sample stops at its own limit,
+    with the tokens an unbounded run gives up to there."""
+    model = lively_model("qwen2")
+    lengths = [[3, 7], [1, 9], [5, 5], [8, 2]]  # ties within a prompt and samples that differ
+    full = hf_greedy_left_padded(model, PROMPTS, 9)
+    engine = PagedEngine(model, block_size=4)
+    got = engine.generate(PROMPTS, greedy(9, n=2), lengths=lengths)
+    assert [[len(s.token_ids) for s in g] for g in got] == lengths
+    assert [[s.token_ids for s in g] for g in got] == [[f[:n] for n in row] for f, row in zip(full, lengths)]
+    with pytest.raises(ValueError, match="lengths must give each of the 4 prompts' 2 samples a limit"):
+        engine.generate(PROMPTS, greedy(9, n=2), lengths=[[3, 10]] * 4)
+    all_back(engine)
+
+
+def test_the_stats_name_the_trainers_metrics() -> None:
+    engine = PagedEngine(lively_model("qwen2"), block_size=4)
+    engine.generate(PROMPTS[:2] * 2, greedy(5, n=2))  # the same prompts twice: their full blocks are found
+    stats = engine.stats()
+    assert stats["rollout/prefix_cache_hit_rate"] > 0 and stats["rollout/preemptions"] == 0
+    assert 0 < stats["rollout/kv_blocks_used"] < 1 and stats["rollout/concurrent_seqs_peak"] == 8
+    last = engine.last_stats
+    assert last.slots == 8 and last.decode_tokens == 8 * 4 and last.prefill_tokens > 0

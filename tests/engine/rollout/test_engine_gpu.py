@@ -1,18 +1,22 @@
-"""The rollout engine on CUDA: the fused sampler and compilation change nothing, bf16 log-probs stay close to
-float32, prefill never waits for the GPU, and the cast weights go back between calls."""
+"""The rollout engine on CUDA: CUDA graphs, the fused paged kernel, the fused sampler and compilation change
+nothing, float32 greedy equals HF ``generate``, bf16 log-probs stay close to float32, prefill never waits for
+the GPU, a small pool completes through preemption, the pool is sized from ``gpu_memory_utilization`` and
+handed back at the end, and the cast weights go back between calls."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
+import test_engine as cpu
 import torch
 from row_cache import RowCache
 
 from hybridflow.engine.rollout.blocks import KSplits
 from hybridflow.engine.rollout.decode_loop import DECODE_K_SPLITS
-from hybridflow.engine.rollout.paged_engine import PagedEngine
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
+from hybridflow.engine.rollout.session import Session
 from hybridflow.models import build_tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -170,3 +174,57 @@ def test_compiled_engine_frees_its_cast_weights_between_calls_and_refills_them()
         with torch.no_grad():
             model.model.layers[0].mlp.down_proj.weight.mul_(-1.0)
     assert runs[0] != runs[1]
+
+
+# ---- on the tiny models and prompts of test_engine.py ---------------------------------------------------
+
+
+def _token_ids(out) -> list[list[list[int]]]:
+    return [[s.token_ids for s in g] for g in out]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+def test_graphs_and_the_paged_kernel_give_the_eager_tokens_in_bf16(arch: str) -> None:
+    model = cpu.lively_model(arch).cuda().to(torch.bfloat16)
+    free = PagedEngine(model, block_size=4, enforce_eager=True).generate(cpu.PROMPTS, cpu.greedy(12))
+    stops = [free[0][0].token_ids[3], free[2][0].token_ids[6]]
+    for params in (cpu.greedy(12, n=2, eos_token_ids=stops), SamplingParams(n=3, max_new_tokens=12, seed=5)):
+        eager = PagedEngine(model, block_size=4, enforce_eager=True)
+        assert eager.runner.decode_attention == "triton"
+        graphs = PagedEngine(model, block_size=4)
+        want = eager.generate(cpu.PROMPTS, params)
+        got = graphs.generate(cpu.PROMPTS, params)
+        assert _token_ids(got) == _token_ids(want)
+        assert graphs.session is None and graphs.pool.num_free == len(graphs.pool.blocks)
+
+
+def test_float32_greedy_equals_hf_and_a_small_pool_preempts() -> None:
+    model = cpu.lively_model("qwen2").cuda()
+    params = cpu.greedy(14, n=2)
+    want = [[w, w] for w in cpu.hf_greedy_left_padded(model, cpu.PROMPTS, 14)]
+    assert _token_ids(PagedEngine(model, block_size=4).generate(cpu.PROMPTS, params)) == want
+    small = PagedEngine(model, num_blocks=12, block_size=4)
+    assert _token_ids(small.generate(cpu.PROMPTS, params)) == want
+    assert small.last_stats.preemptions > 0 and small.last_stats.kv_blocks_used == 1.0
+
+
+def test_the_pool_is_sized_from_the_memory_share_and_freed() -> None:
+    model = cpu.lively_model("qwen2").cuda().to(torch.bfloat16)
+    total = torch.cuda.get_device_properties(0).total_memory
+    per_block = 2 * 2 * 16 * 2 * 8 * 2  # K and V, 2 layers, 16 positions, 2 KV heads, head dim 8, bf16
+    engine = PagedEngine(model, block_size=16, max_num_seqs=8)
+    # first-call allocations (cuBLAS workspaces, graph pools) first
+    engine.generate(cpu.PROMPTS, cpu.greedy(4, n=2))
+    before = torch.cuda.memory_allocated()
+    # room for 40 blocks, the scratch block and the decode step's workspace at 8 seats
+    engine.cfg.gpu_memory_utilization = (
+        before + 41.5 * per_block + Session.workspace(engine.runner, 8)
+    ) / total
+    # the step API: room for any length, max_num_seqs of them
+    ids = engine.add(cpu.PROMPTS[1], cpu.greedy(100, n=8))
+    engine.step()
+    assert len(engine.pool.blocks) == 40  # the budget, below the 8 x 8 blocks of full-length sequences
+    assert engine.session.cache.storage.nbytes == 41 * per_block
+    engine.abort(ids)
+    assert engine.session is None and engine.pool.num_free == 40
+    assert torch.cuda.memory_allocated() <= before + 2**20  # the cache is gone

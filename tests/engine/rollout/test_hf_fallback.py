@@ -70,7 +70,7 @@ def test_seeded_generate_on_cuda_leaves_cpu_and_cuda_rng_states_untouched() -> N
 def test_each_response_stops_at_the_position_limit_as_in_the_built_in_engine() -> None:
     # Regression: HF generate ran every prompt max_new_tokens past the longest one and a GPT-2 died with an
     # IndexError at its last learned position. Caps are per prompt, as the built-in engine's.
-    from hybridflow.engine.rollout.paged_engine import PagedEngine
+    from hybridflow.engine.rollout.engine import PagedEngine
 
     model = build_tiny_model(
         "qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=1, max_position_embeddings=24

@@ -22,8 +22,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.model import LlamaRunner
-from hybridflow.engine.rollout.paged_engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.support import check_supported, supports
 from hybridflow.models import build_tiny_model

@@ -13,11 +13,11 @@ import torch
 from test_engine import PROMPTS, greedy, hf_greedy_left_padded
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen2MoeForCausalLM
 
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.factory import make_rollout
 from hybridflow.engine.rollout.hf_fallback import HFRollout
+from hybridflow.engine.rollout.kv_cache import PagedKVCache
 from hybridflow.engine.rollout.model import LlamaRunner
-from hybridflow.engine.rollout.paged_cache import PagedKVCache
-from hybridflow.engine.rollout.paged_engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.support import fallback_reason
 from hybridflow.engine.rollout.types import GenerationOutput

@@ -13,7 +13,7 @@ import torch
 from triton_util import needs_kernels
 
 from hybridflow.engine.rollout import sample_kernel as sk
-from hybridflow.engine.rollout.paged_engine import PagedEngine
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.models import build_tiny_model
 

@@ -57,7 +57,7 @@ def generate_on_ranks(rank: int, world: int, tp: int) -> dict[str, dict]:
     from hybridflow.engine.parallel.layout import follow_rollout_shards, layouts
     from hybridflow.engine.parallel.rollout_group import RolloutGroup
     from hybridflow.engine.parallel.view import GenerateView
-    from hybridflow.engine.rollout.paged_engine import PagedEngine
+    from hybridflow.engine.rollout.engine import PagedEngine
     from hybridflow.engine.rollout.sampling import SamplingParams
     from hybridflow.engine.rollout.tp import RolloutTP
     from hybridflow.models import build_tiny_model

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 def graphed_with_collectives(rank: int, compiled: bool) -> dict:
     import torch.distributed as dist
 
-    from hybridflow.engine.rollout.paged_engine import PagedEngine
+    from hybridflow.engine.rollout.engine import PagedEngine
     from hybridflow.engine.rollout.sampling import SamplingParams
     from hybridflow.engine.rollout.tp import RolloutTP, build_shard
     from hybridflow.models import build_tiny_model

@@ -17,9 +17,9 @@ import torch.distributed._functional_collectives as funcol
 from hybridflow.engine.rollout.block_pool import BlockPool
 from hybridflow.engine.rollout.decode_loop import make_sampler
 from hybridflow.engine.rollout.graphs import DecodeGraphs
+from hybridflow.engine.rollout.kv_cache import KV_DTYPES, PagedKVCache
 from hybridflow.engine.rollout.model import LlamaRunner
 from hybridflow.engine.rollout.multimodal import chunk_inputs, image_features
-from hybridflow.engine.rollout.paged_cache import KV_DTYPES, PagedKVCache
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.seats import Seats
 from hybridflow.engine.rollout.stats import GenerationStats, PhaseTimer

@@ -10,8 +10,8 @@ import torch
 from test_engine import PROMPTS, hf_greedy_left_padded, lively_model
 
 from hybridflow.engine.rollout.block_pool import BlockPool, BlockTable
+from hybridflow.engine.rollout.kv_cache import PagedKVCache
 from hybridflow.engine.rollout.model import LlamaRunner
-from hybridflow.engine.rollout.paged_cache import PagedKVCache
 
 BLOCK = 4
 

@@ -1,6 +1,6 @@
-"""The paged KV cache's device side (issue 41, second part): one pool of fixed-size blocks per layer, written
-and read through block tables, with the CPU reference of decode attention over it. Not yet used by the
-engine (``kv_cache.py``'s slots still are); ``block_pool.BlockPool`` decides which block holds what.
+"""The paged KV cache's device side: one pool of fixed-size blocks per layer, written and read through block
+tables, with the CPU reference of decode attention over it; ``block_pool.BlockPool`` decides which block holds
+what.
 
 Layout: (layers, 2, blocks, KV heads, block_size, head dim), K at [:, 0] and V at [:, 1]. Position p of a
 sequence lives in block ``table[p // block_size]`` at offset ``p % block_size``: a token's write is one indexed

@@ -35,12 +35,12 @@ from hybridflow.engine.rollout.decode_loop import (
     fused_sampler_available,
 )
 from hybridflow.engine.rollout.graphs import buckets
+from hybridflow.engine.rollout.kv_cache import PagedKVCache
 from hybridflow.engine.rollout.model import LlamaRunner
 from hybridflow.engine.rollout.multimodal import hash_keys, mm_prompt
-from hybridflow.engine.rollout.paged_cache import PagedKVCache
-from hybridflow.engine.rollout.paged_session import Session, SessionConfig, check_params
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.sequence import Sequence, positions_for, to_output
+from hybridflow.engine.rollout.session import Session, SessionConfig, check_params
 from hybridflow.engine.rollout.state import DecodeState
 from hybridflow.engine.rollout.stats import GenerationStats
 from hybridflow.engine.rollout.support import check_routing, graphs_fit, traceable
