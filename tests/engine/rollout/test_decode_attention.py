@@ -23,7 +23,7 @@ needs_kernel = needs_kernels(da)
 
 
 def _case(batch: int, group: int, kv_heads: int, length: int, dim: int, dtype: torch.dtype, seed: int = 0):
-    """Random q (B, H, 1, D), caches with two spare slots (S, KVH, L, D) and ragged positions (B,)."""
+    """Random q (B, H, 1, D), dense caches with two spare rows (S, KVH, L, D) and ragged positions (B,)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, kv_heads * group, 1, dim, generator=gen)
     k = torch.randn(batch + 2, kv_heads, length, dim, generator=gen)
@@ -34,7 +34,7 @@ def _case(batch: int, group: int, kv_heads: int, length: int, dim: int, dtype: t
 
 
 def _poison(cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """A copy with NaN at every position a row must not read (past its position, spare slots)."""
+    """A copy with NaN at every position a row must not read (past its position, spare rows)."""
     out = cache.clone()
     batch, length = positions.shape[0], cache.shape[2]
     beyond = torch.arange(length, device=cache.device) > positions[:, None]  # (B, L)

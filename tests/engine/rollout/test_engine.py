@@ -229,7 +229,7 @@ def test_generate_reports_prefill_and_decode_work() -> None:
     generated = sum(len(s.token_ids) for group in out for s in group)
     assert generated == len(PROMPTS) * 2 * 6
     assert stats.decode_tokens == generated - len(PROMPTS) * 2  # the first token of each sample: prefill
-    assert stats.slots == 4 and stats.decode_steps >= 5 * 2  # 8 samples in 4 slots: two waves of 5 steps
+    assert stats.slots == 4 and stats.decode_steps >= 5 * 2  # 8 samples in 4 seats: two groups at a time
     assert stats.prefill_s > 0 and stats.decode_s > 0
     assert stats.decode_tokens_per_s == pytest.approx(stats.decode_tokens / stats.decode_s)
     # With early stops, only the tokens kept count (not the steps a stopped sequence rode along).
