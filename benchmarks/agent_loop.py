@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from hybridflow.engine.rollout import paged_session
 from hybridflow.engine.rollout.agent_loop import AgentLoop, Episode, LoopLimits, ToolTurn
-from hybridflow.engine.rollout.paged_engine import PagedEngine
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
+from hybridflow.engine.rollout.session import Session
 
 SHAPES = {
     "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -72,7 +72,7 @@ class SessionTally:
         self.sessions = self.queried = self.hits = 0
 
     def __enter__(self) -> SessionTally:
-        self.close = paged_session.Session.close
+        self.close = Session.close
         tally = self
 
         def close(session: Any) -> None:
@@ -81,11 +81,11 @@ class SessionTally:
             tally.hits += session.pool.stats.hit_blocks
             tally.close(session)
 
-        paged_session.Session.close = close
+        Session.close = close
         return self
 
     def __exit__(self, *exc: object) -> None:
-        paged_session.Session.close = self.close
+        Session.close = self.close
 
     @property
     def hit_rate(self) -> float:

@@ -19,7 +19,7 @@ from shapes import build_model
 from torch.profiler import ProfilerActivity, profile
 
 from hybridflow.engine.ops.fp8 import FP8_KERNELS, quantise_module, use_kernel
-from hybridflow.engine.rollout.paged_engine import PagedEngine
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 
 

@@ -39,7 +39,7 @@ from shapes import SHAPES, build_model
 from hybridflow.engine.ops import fp8_w8a8
 from hybridflow.engine.ops.fp8 import FP8_KERNELS, quantise_module, use_kernel
 from hybridflow.engine.ops.fp8_probe import fp8_probe
-from hybridflow.engine.rollout.paged_engine import PagedEngine
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 
 SHAPES.setdefault(

@@ -1,13 +1,10 @@
 """Generated tokens/s of the built-in rollout engine against HF ``generate`` (GPU; not a timed test).
 
     python benchmarks/rollout.py --batches 64 256 --prompt-len 128 --new-tokens 512 [--compile] [--sdpa]
-        [--prefill-tokens 8192 32768] [--k-splits "" "o=2,down=4"] [--hf-tokens 64] [--engines slot paged]
+        [--prefill-tokens 8192 32768] [--k-splits "" "o=2,down=4"] [--hf-tokens 64] [--block-size 128]
     python benchmarks/rollout.py --long-tail [--shapes 0.5b 1.5b] [--compile]     (benchmarks/long_tail.py)
     python benchmarks/rollout.py --model qwen3moe-small [--batches 8 64 256]   (a mixture of experts)
     python benchmarks/rollout.py --model qwen3moe-small-dense                     (its dense twin)
-
-Each variant runs on the slot engine (``RolloutEngine``) and the paged engine (``PagedEngine``) unless
-``--engines`` picks one.
 
 Qwen2.5-0.5B shape unless ``--model`` names one of ``shapes.MOE_SHAPES`` (Qwen3-30B-A3B's layer in 4 layers,
 its dense twin of the same active size, tiny ones for a CPU smoke run with ``--device cpu``), random weights,
@@ -29,8 +26,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybridflow.engine.rollout.blocks import KSplits
-from hybridflow.engine.rollout.engine import RolloutEngine
-from hybridflow.engine.rollout.paged_engine import PagedEngine
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy bandwidth of the H200
@@ -151,8 +147,7 @@ def main() -> None:
         "('' for cuBLAS alone; compile_decode on CUDA uses the engine's DECODE_K_SPLITS)",
     )
     ap.add_argument("--hf-tokens", type=int, default=64)
-    ap.add_argument("--engines", nargs="+", default=["slot", "paged"], choices=["slot", "paged"])
-    ap.add_argument("--block-size", type=int, default=128, help="the paged engine's positions per block")
+    ap.add_argument("--block-size", type=int, default=128, help="the KV cache's positions per block")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument(
         "--long-tail", action="store_true", help="the long-tailed workload (benchmarks/long_tail.py)"
@@ -209,17 +204,13 @@ def main() -> None:
         ).tolist()
         params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=0)
         roof = roofline_tokens_per_s(model, batch, args.prompt_len, args.new_tokens)
-        for (name, kw, settings), kind in ((v, k) for v in variants for k in args.engines):
+        for name, kw, settings in variants:
             mem = dict(max_num_seqs=batch, gpu_memory_utilization=args.gpu_memory_utilization)
-            if kind == "slot":
-                engine = RolloutEngine(model, **mem, **kw)
-            else:
-                engine = PagedEngine(model, block_size=args.block_size, **mem, **kw)
+            engine = PagedEngine(model, block_size=args.block_size, **mem, **kw)
             for key, value in settings.items():
                 setattr(engine.runner, key, value)
             tps = time_engine(engine, prompts, params, args.repeats)
-            label = f"{kind}: {name}"
-            print(f"{batch:>6} {label:>44} {tps:>10,.0f} {roof:>9,.0f} {tps / roof:>11.1%}", flush=True)
+            print(f"{batch:>6} {name:>44} {tps:>10,.0f} {roof:>9,.0f} {tps / roof:>11.1%}", flush=True)
         if args.hf_tokens:
             tps = time_hf(model, prompts, args.hf_tokens)
             print(

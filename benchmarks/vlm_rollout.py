@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.multimodal import image_features, mm_prompt
-from hybridflow.engine.rollout.paged_engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 
 # Qwen2.5-VL's own special token ids (its 151,936-token vocabulary).

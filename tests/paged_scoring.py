@@ -21,7 +21,7 @@ def response_mask() -> torch.Tensor:
 def score(runner, fp8_cache: bool = False) -> torch.Tensor:
     """Teacher-forced log-probs (B, R) of RESPONSES after PROMPTS through ``runner``'s paged prefill and decode
     (a ``LlamaRunner``); 0 past a row's response (``response_mask``)."""
-    from hybridflow.engine.rollout.paged_cache import PagedKVCache
+    from hybridflow.engine.rollout.kv_cache import PagedKVCache
 
     longest = max(map(len, RESPONSES))
     width = -(-(max(map(len, PROMPTS)) + longest) // BLOCK)  # table width: blocks of the longest row

@@ -186,7 +186,7 @@ def add_rollout_stats(metrics: dict[str, float], stats: dict[str, float] | None)
         return
     for field, key in ROLLOUT_STAT_KEYS.items():
         metrics[key] = metrics.get(key, 0.0) + float(stats[field])
-    # The most sequences any call could decode at once (the paged engine's seats, the slot engine's slots).
+    # The most sequences any call could decode at once (the engine's seats).
     metrics["rollout/kv_slots"] = max(metrics.get("rollout/kv_slots", 0.0), float(stats.get("slots", 0)))
     # The paged engine's scheduler: the largest figures over the step's calls, preemptions summed.
     for field in ("kv_blocks_used", "concurrent_seqs_mean", "concurrent_seqs_peak", "prefix_cache_hit_rate"):

@@ -261,7 +261,8 @@ class ActorWorker:
         return 0
 
     def _make_room(self, ids: list[list[int]], params: SamplingParams) -> None:
-        """``optimizer_offload=auto``: moments to the host for a rollout that would otherwise run in waves.
+        """``optimizer_offload=auto``: moments to the host for a rollout whose sequences would not all fit the
+        KV cache at once.
 
         The engines of ``room_donors`` give up their moments in turn (the actor's first) until the KV cache
         holds every sequence at once; each gets them back at its next phase's ``onload()``.
@@ -274,8 +275,8 @@ class ActorWorker:
                 return
             freed = donor.make_room()
             logger.info(
-                "optimizer_offload=auto: the KV cache was %.2f GiB short of one wave; moved %.2f GiB of "
-                "optimizer state to the host for this rollout",
+                "optimizer_offload=auto: the KV cache was %.2f GiB short of every sequence at once; moved "
+                "%.2f GiB of optimizer state to the host for this rollout",
                 short / 2**30,
                 freed / 2**30,
             )
@@ -297,10 +298,10 @@ class ActorWorker:
     def attach_tokenizer(self, tokenizer: Any) -> None:
         """The policy's tokenizer: multi-turn rollouts decode each turn and render tool turns with it."""
         if self.cfg.rollout.multi_turn.enable:
-            self._need_paged_engine("rollout.multi_turn runs episodes", "rollout.multi_turn.enable=false")
+            self._need_built_in_engine("rollout.multi_turn runs episodes", "rollout.multi_turn.enable=false")
             self.multi_turn = MultiTurn(self.cfg, tokenizer)
 
-    def _need_paged_engine(self, what: str, fix: str) -> None:
+    def _need_built_in_engine(self, what: str, fix: str) -> None:
         """UserError when this model generates with HF ``generate`` (a family the built-in engine lacks)."""
         if not isinstance(self.rollout, PagedEngine):
             raise UserError(
@@ -353,7 +354,7 @@ class ActorWorker:
         rollout group's ``groups`` until ``quota`` are done (and those keyed in ``finish``), the rest handed
         back unfinished. Every rank of a rollout group gets the same groups and returns the same states.
         Returns the groups and the phase's meta (``rollout_stats``, ``reshard``)."""
-        self._need_paged_engine(
+        self._need_built_in_engine(
             "trainer.async_mode=colocate continues partial samples", "trainer.async_mode=sync"
         )
         reshard = self._switch_to_generation()

@@ -118,7 +118,7 @@ def test_grpo_with_static_activation_scales(
 ) -> None:
     from hybridflow.engine.ops.fp8 import current_kernel, use_kernel
 
-    caplog.set_level("DEBUG", logger="hybridflow.engine.rollout.paged_forward")
+    caplog.set_level("DEBUG", logger="hybridflow.engine.rollout.forward")
     before = current_kernel()
     try:
         args = (f"rollout.quantization_kernel={kernel}", "rollout.quantization_force=true")

@@ -44,7 +44,7 @@ def test_rollout_stats_add_up_over_generation_rounds() -> None:
     assert metrics["rollout/kv_slots"] == 8  # the largest call's, not a sum
 
 
-def test_the_paged_engines_scheduler_figures_take_the_largest_call_and_sum_preemptions() -> None:
+def test_the_engines_scheduler_figures_take_the_largest_call_and_sum_preemptions() -> None:
     metrics: dict[str, float] = {}
     base = {"prefill_tokens": 1, "decode_steps": 1, "decode_tokens": 1, "prefill_s": 0.1, "decode_s": 0.1}
     add_rollout_stats(

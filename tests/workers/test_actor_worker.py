@@ -73,11 +73,11 @@ def cast_buffer_bytes(rank: int) -> dict:
     """Bytes of the rollout's cast weights at build time and after a call, and the call's tokens."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from hybridflow.config import load_config
-    from hybridflow.engine.rollout.engine import RolloutEngine
+    from hybridflow.engine.rollout.engine import PagedEngine
     from hybridflow.models import build_tiny_model
     from hybridflow.workers.actor import ActorWorker
 
-    def held(engine: RolloutEngine) -> int:
+    def held(engine: PagedEngine) -> int:
         return sum(t.untyped_storage().nbytes() for t in engine.runner.weight_tensors())
 
     # bfloat16 generation from float32 masters: the engine works from cast copies of the weights.
@@ -85,8 +85,9 @@ def cast_buffer_bytes(rank: int) -> dict:
     overrides.append("rollout.allow_dtype_mismatch=true")  # bf16 generation, float32 training on the CPU
     cfg = load_config(None, overrides)
     model = build_tiny_model("qwen2", vocab_size=64, hidden_size=64, num_hidden_layers=2, seed=5)
-    plain = RolloutEngine(
-        build_tiny_model("qwen2", vocab_size=64, hidden_size=64, num_hidden_layers=2, seed=5), torch.bfloat16
+    plain = PagedEngine(
+        build_tiny_model("qwen2", vocab_size=64, hidden_size=64, num_hidden_layers=2, seed=5),
+        dtype=torch.bfloat16,
     )
     worker = ActorWorker(model, cfg, total_steps=1, pad_token_id=0)
     at_build = held(worker.rollout)
@@ -111,9 +112,31 @@ def test_the_rollout_holds_no_weight_copy_before_it_generates() -> None:
     ]  # refilled with the real weights
 
 
-def rollout_slots_short_of_room(rank: int) -> dict:
-    """Rollouts of 32 sequences with the KV budget set to half of what they need, without and with
-    ``actor.fsdp.optimizer_offload=auto``; where the AdamW moments are after each."""
+def utilization_short_by(rollout, rows: list[list[int]], params, short: float) -> float:
+    """The ``rollout.gpu_memory_utilization`` at which the KV pool lacks ``short`` bytes to hold every
+    sequence of this call at once, at the memory in use now."""
+    from hybridflow.utils.device import gpu_memory_limit
+
+    rollout.cfg.gpu_memory_utilization = 0.0
+    everything = rollout.memory_shortfall(rows, params)  # what the pool needs, and all the memory in use
+    return (everything - short) / gpu_memory_limit(rollout.device)
+
+
+def pool_bytes(rollout, rows: list[list[int]], params) -> int:
+    """The bytes the KV pool needs to hold every sequence of this call at once (beyond the memory in use)."""
+    rollout.cfg.gpu_memory_utilization = 0.0
+    everything = rollout.memory_shortfall(rows, params)
+    return everything - torch.cuda.memory_allocated(rollout.device) - rollout.runner.pending_bytes()
+
+
+def at_once(out: Batch) -> int:
+    """The most sequences the rollout decoded at once."""
+    return int(out.meta["rollout_stats"]["concurrent_seqs_peak"])
+
+
+def rollout_short_of_room(rank: int) -> dict:
+    """Rollouts of 32 sequences with the KV pool's budget set to half of what holding them all at once needs,
+    without and with ``actor.fsdp.optimizer_offload=auto``; where the AdamW moments are after each."""
     from hybridflow.config import load_config
     from hybridflow.models import build_tiny_model
     from hybridflow.workers.actor import ActorWorker
@@ -133,29 +156,29 @@ def rollout_slots_short_of_room(rank: int) -> dict:
 
     def run(auto: bool, short_of_room: bool) -> dict:
         worker.room_donors = [engine] if auto else []  # as built with optimizer_offload=auto / false
-        rollout.gpu_memory_utilization = 0.5
-        if short_of_room:  # a budget for half the sequences, set from the memory in use right now
-            max_len = rollout._check_prompts(rows, params)
-            per_slot, used, total, _ = rollout._kv_budget(max_len, rollout.runner.pending_bytes())
-            rollout.gpu_memory_utilization = (used + 16 * per_slot) / total
+        utilization = 0.5
+        if short_of_room:  # a budget for half of the pool, set from the memory in use right now
+            utilization = utilization_short_by(rollout, rows, params, pool_bytes(rollout, rows, params) / 2)
+        rollout.cfg.gpu_memory_utilization = utilization
+        if short_of_room:
             assert rollout.memory_shortfall(rows, params) > 0
         out = worker.generate(prompts(), params)
-        return {"slots": out.meta["rollout_stats"]["slots"], "moments": moments_device()}
+        return {"at_once": at_once(out), "moments": moments_device()}
 
     roomy = run(auto=True, short_of_room=False)
-    waves = run(auto=False, short_of_room=True)
-    one_wave = run(auto=True, short_of_room=True)
-    one_wave["pinned"] = next(iter(engine.optimizer.state.values()))["exp_avg"].to_local().is_pinned()
+    short = run(auto=False, short_of_room=True)
+    made_room = run(auto=True, short_of_room=True)
+    made_room["pinned"] = next(iter(engine.optimizer.state.values()))["exp_avg"].to_local().is_pinned()
     engine.onload()  # the next phase brings the moments back
-    return {"roomy": roomy, "waves": waves, "one_wave": one_wave, "after_onload": moments_device()}
+    return {"roomy": roomy, "short": short, "made_room": made_room, "after_onload": moments_device()}
 
 
 @pytest.mark.gpu
-def test_optimizer_offload_auto_makes_room_for_a_rollout_that_would_run_in_waves() -> None:
-    (got,) = run_world(1, rollout_slots_short_of_room)
-    assert got["roomy"] == {"slots": 32, "moments": "cuda:0"}  # enough room: nothing moves
-    assert got["waves"]["slots"] < 32 and got["waves"]["moments"] == "cuda:0"
-    assert got["one_wave"] == {"slots": 32, "moments": "cpu", "pinned": True}
+def test_optimizer_offload_auto_makes_room_for_a_rollout_that_would_not_fit_at_once() -> None:
+    (got,) = run_world(1, rollout_short_of_room)
+    assert got["roomy"] == {"at_once": 32, "moments": "cuda:0"}  # enough room: nothing moves
+    assert got["short"]["at_once"] < 32 and got["short"]["moments"] == "cuda:0"
+    assert got["made_room"] == {"at_once": 32, "moments": "cpu", "pinned": True}
     assert got["after_onload"] == "cuda:0"
 
 
@@ -186,12 +209,11 @@ def room_from_actor_and_critic(rank: int) -> dict:
         return str(next(iter(engine.optimizer.state.values()))["exp_avg"].device.type)
 
     def short_by(nbytes: int) -> dict:
-        """One rollout whose KV cache lacks ``nbytes`` for one wave; then both roles' next phase."""
-        max_len = rollout._check_prompts(rows, params)
-        per_slot, used, total, _ = rollout._kv_budget(max_len, rollout.runner.pending_bytes())
-        rollout.gpu_memory_utilization = (used + 32 * per_slot - nbytes) / total
+        """One rollout whose KV pool lacks ``nbytes`` to hold every sequence at once; then both roles' next
+        phase."""
+        rollout.cfg.gpu_memory_utilization = utilization_short_by(rollout, rows, params, nbytes)
         out = worker.generate(prompts(), params)
-        got = {"slots": out.meta["rollout_stats"]["slots"], "actor": where(actor), "critic": where(critic)}
+        got = {"at_once": at_once(out), "actor": where(actor), "critic": where(critic)}
         actor.onload(), critic.onload()
         return got
 
@@ -207,6 +229,6 @@ def room_from_actor_and_critic(rank: int) -> dict:
 def test_optimizer_offload_auto_takes_the_critics_moments_when_the_actors_are_not_enough() -> None:
     (got,) = run_world(1, room_from_actor_and_critic)
     assert got["donors"] == [True, False, False, True]  # the actor's engine first, then the critic's
-    assert got["actor_enough"] == {"slots": 32, "actor": "cpu", "critic": "cuda"}
-    assert got["both_needed"] == {"slots": 32, "actor": "cpu", "critic": "cpu"}
+    assert got["actor_enough"] == {"at_once": 32, "actor": "cpu", "critic": "cuda"}
+    assert got["both_needed"] == {"at_once": 32, "actor": "cpu", "critic": "cpu"}
     assert got["back"] == ("cuda", "cuda")

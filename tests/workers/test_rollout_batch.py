@@ -12,7 +12,7 @@ from vlm_cases import lively_vl_model, prompts
 from hybridflow.engine import SamplingParams
 from hybridflow.engine.parallel.rollout_group import RolloutGroup
 from hybridflow.engine.parallel.view import GenerateView
-from hybridflow.engine.rollout.paged_engine import PagedEngine
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.protocol import Batch
 from hybridflow.utils.errors import UserError
 from hybridflow.workers.rollout_batch import sample_batch

@@ -49,7 +49,7 @@ FP8_KERNELS = ("w8a16", "scaled_mm", "scaled_mm_static", "triton_w8a8")
 # The kernels that quantise calibrated inputs with a static scale (``Fp8Weight.act_scale``).
 STATIC_KERNELS = ("scaled_mm_static", "triton_w8a8")
 # The calibrated range of a static activation scale over the calibrating prefill's largest magnitude: the
-# scale is margin * amax / 448. As the KV cache's (paged_cache.KV_SCALE_MARGIN), and for the same reasons:
+# scale is margin * amax / 448. As the KV cache's (kv_cache.KV_SCALE_MARGIN), and for the same reasons:
 # e4m3 keeps ~6% relative precision over its 17 binades, so 2x headroom costs one binade at the bottom (values
 # below amax / 14000 go subnormal, noise against the amax-sized ones in the same dot product), while a decode
 # token whose activation exceeds every prompt token's by up to 2x is still represented instead of saturating.

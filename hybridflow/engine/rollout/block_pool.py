@@ -1,6 +1,5 @@
-"""The paged KV cache's bookkeeping (issue 41, first part): which fixed-size block of one pool holds which
-positions of which sequence. Not yet used by the engine, whose cache is still a slot per sequence
-(``kv_cache.py``); the paged cache and its attention build on this.
+"""The paged KV cache's bookkeeping: which fixed-size block of one pool holds which positions of which
+sequence; the device cache (``kv_cache``) and its attention build on this.
 
 A sequence owns a block table: block ids in position order, ``block_size`` positions each, the last one
 partly filled. Blocks are reference-counted so that sequences with a common prefix share it: the n samples of

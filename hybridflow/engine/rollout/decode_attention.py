@@ -1,8 +1,9 @@
-"""GQA decode attention over the slot or paged KV cache: a split-K (flash-decoding) Triton kernel, its reference.
+"""GQA decode attention over a KV cache: a split-K (flash-decoding) Triton kernel, its reference.
 
 One decode step attends each running row b's single query token to cache positions 0..positions[b]
-(inclusive) of slot b. Masked SDPA over the whole slot reads all L positions of every row (L = 640 while the
-mean context is 384 in the issue-4 benchmark) and ran at ~1/5 of the HBM roofline on the H200. The kernel:
+(inclusive) of row b: a dense (rows, KV heads, L, D) cache, or the paged cache through block tables (the
+engine's). Masked SDPA over a whole row reads all L positions of every row (L = 640 while the mean context is
+384 in the issue-4 benchmark) and ran at ~1/5 of the HBM roofline on the H200. The kernel:
 
 * one program per (row, KV head, split) loads that KV head's keys and values once for all G = H / KVH query
   heads of its group (the group's queries are a (G, D) tile), and loops only up to the row's own length:
@@ -14,12 +15,12 @@ mean context is 384 in the issue-4 benchmark) and ran at ~1/5 of the HBM rooflin
   bf16/fp16 in and out (float32 too, in the CPU interpreter only: compiled dots would be TF32).
 
 * fused mode (``new=NewToken(...)``, what the runner's decode uses): q and the step's k arrive before RoPE;
-  the kernel rotates them, writes the new k and v into slot b at ``positions[b]`` and attends to that
+  the kernel rotates them, writes the new k and v into row b at ``positions[b]`` and attends to that
   position from registers, so RoPE, the cache write and attention are one launch per layer.
 
-``decode_attention`` and ``decode_attention_rope`` (fused) are ``torch.library`` custom ops with fake
-implementations, so ``torch.compile`` (``fullgraph=True``) treats each as one opaque call instead of tracing
-into the Triton launch.
+``decode_attention_rope_paged`` (fused, paged) is a ``torch.library`` custom op with a fake implementation,
+so ``torch.compile`` (``fullgraph=True``) treats it as one opaque call instead of tracing into the Triton
+launch.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ if triton is not None:
 
         PAGE > 0: the cache is paged. K and V are (blocks, KVH, PAGE, D) views, and row b's position p lives in
         block ``TABLE[b, p // PAGE]`` at offset p % PAGE (the block id is loaded per position, so a tile may
-        span blocks of any size). PAGE == 0: K and V are (S, KVH, L, D) slots and row b reads slot b.
+        span blocks of any size). PAGE == 0: K and V are dense (S, KVH, L, D) rows and row b reads row b.
 
         QUANT: K and V are FP8 with one scale per KV head (KSCALE, VSCALE (KVH,)). A program is one KV head,
         so the scales are scalars: K's folds into the logits' scale, V's multiplies the output, and the tiles
@@ -414,45 +415,6 @@ def decode_attention_triton(
     return out
 
 
-@torch.library.custom_op("hybridflow::decode_attention", mutates_args=())
-def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """The Triton decode attention as an opaque op: (B, H, 1, D) query over the slot caches -> (B, H, 1, D)."""
-    return decode_attention_triton(q, k_cache, v_cache, positions, scale)
-
-
-@decode_attention.register_fake
-def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, scale: float):
-    return q.new_empty(q.shape)
-
-
-@torch.library.custom_op("hybridflow::decode_attention_rope", mutates_args=("kv_storage",))
-def decode_attention_rope(
-    q: torch.Tensor,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    kv_storage: torch.Tensor,
-    layer: int,
-    positions: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """The fused kernel as an op on layer ``layer`` of the whole cache (layers, 2, S, KVH, L, D) -> (B, H, 1, D).
-
-    It takes the cache's one tensor rather than the layer's K and V views: views of one storage as separate
-    mutated arguments make torch.compile clone the storage around each call (seen in inductor's output).
-    """
-    new = NewToken(k_new, v_new, cos, sin)
-    return decode_attention_triton(q, kv_storage[layer, 0], kv_storage[layer, 1], positions, scale, new=new)
-
-
-@decode_attention_rope.register_fake
-def _(q, k_new, v_new, cos, sin, kv_storage, layer, positions, scale):  # the op's signature
-    return q.new_empty(q.shape)
-
-
 @torch.library.custom_op("hybridflow::decode_attention_rope_paged", mutates_args=("kv_storage",))
 def decode_attention_rope_paged(
     q: torch.Tensor,
@@ -469,7 +431,7 @@ def decode_attention_rope_paged(
 ) -> torch.Tensor:
     """The fused kernel on the paged cache (layers, 2, blocks, KVH, block size, D) through block ``tables``
     (B, max_blocks): RoPE, the write of the step's k and v, and attention, one launch -> (B, H, 1, D).
-    ``kv_scales`` (layers, 2, KVH): the cache is FP8 (``paged_cache``)."""
+    ``kv_scales`` (layers, 2, KVH): the cache is FP8 (``kv_cache``)."""
     new = NewToken(k_new, v_new, cos, sin)
     k, v = kv_storage[layer, 0], kv_storage[layer, 1]  # (blocks, KVH, block size, D) each
     scales = None if kv_scales is None else kv_scales[layer]  # (2, KVH)

@@ -1,212 +1,276 @@
-"""The built-in rollout engine: continuous batching over a slot KV cache, on the trainer's own weights."""
+"""The paged rollout engine: a KV cache of fixed-size blocks shared through reference counts, and a step API
+(``add``, ``step``, ``extend``, ``pause`` / ``resume``, ``abort``) with ``generate`` as the loop over it.
+
+A step is one scheduling round, as nano-vllm's ``step()``: prefill what is new (admitted prompts, tokens
+appended by ``extend``, sequences preempted or re-prefilled under new weights), reserve the blocks the next
+decode steps write, preempting the youngest sequences when the pool runs short, run the decode steps on the
+device with no host sync between them (CUDA graphs on GPU), then sync once and hand back what each sequence
+sampled. The n samples of a prompt share its prefill and its full blocks; a block full of cached positions is
+found again by its prefix hash (another request with the same prompt, a multi-turn continuation).
+
+A running sequence holds a seat (``seats.Seats``) while it decodes. Its K and V are written for every token
+but the last, which the next decode step feeds. Every token after the prompt records its log-prob and the
+weight version that sampled it (-1: appended by ``extend``, never trained on).
+
+``record_routing=True`` (a mixture of experts; off by default, and then free) keeps every fed token's experts
+beside its K and V in the pool's blocks (``PagedKVCache.routing``, written inside prefill and the decode step)
+and hands them out with each sample (``GenerationOutput.routed_experts``) as its blocks go back.
+"""
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import logging
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from hybridflow.engine.ops.packing import to_device
+from hybridflow.engine.rollout.block_pool import BlockPool, PoolExhausted
 from hybridflow.engine.rollout.decode_loop import (
     DECODE_K_SPLITS,
-    Sampler,
     check_lengths,
     compiled_per_bucket,
     fused_sampler_available,
-    make_sampler,
 )
-from hybridflow.engine.rollout.graphs import DecodeGraphs, buckets
-from hybridflow.engine.rollout.kv_cache import KVCache
+from hybridflow.engine.rollout.graphs import buckets
+from hybridflow.engine.rollout.kv_cache import PagedKVCache
 from hybridflow.engine.rollout.model import LlamaRunner
+from hybridflow.engine.rollout.multimodal import hash_keys, mm_prompt
 from hybridflow.engine.rollout.sampling import SamplingParams
-from hybridflow.engine.rollout.scheduler import PrefillChunk, PromptGroup, SlotScheduler
-from hybridflow.engine.rollout.state import REASONS, DecodeState
-from hybridflow.engine.rollout.stats import GenerationStats, PhaseTimer
-from hybridflow.engine.rollout.support import fallback_reason, graphs_fit, traceable
+from hybridflow.engine.rollout.sequence import Sequence, positions_for, to_output
+from hybridflow.engine.rollout.session import Session, SessionConfig, check_params
+from hybridflow.engine.rollout.state import DecodeState
+from hybridflow.engine.rollout.stats import GenerationStats
+from hybridflow.engine.rollout.support import check_routing, graphs_fit, traceable
 from hybridflow.engine.rollout.tp import RolloutTP
 from hybridflow.engine.rollout.types import GenerationOutput
-from hybridflow.models.families import fallback_notice
-from hybridflow.utils.device import gpu_memory_limit
 from hybridflow.utils.errors import UserError
-
-if TYPE_CHECKING:
-    from hybridflow.engine.rollout.paged_engine import PagedEngine
 
 logger = logging.getLogger(__name__)
 
-SLOT_GRANULE = 64  # a memory-bound slot count is a multiple of this (see slots_within_budget)
 
+class PagedEngine:
+    """Generation over a paged KV cache; the keyword arguments are ``SessionConfig``'s.
 
-def slots_within_budget(wanted: int, fit: int) -> int:
-    """KV-cache slots for a call that wants ``wanted`` when memory fits ``fit``: a multiple of SLOT_GRANULE
-    when memory is the bound (and at least two granules fit).
-
-    The compiled decode step is specialised on the cache's shape, so a slot count that moves with a few MB
-    of other allocations between calls recompiles every batch bucket (~80 s in the second step of W2 at 1.5B
-    on an H200, when 962 slots became 960). Rounding down keeps the count, and the compiled graphs, stable.
-    """
-    if fit >= wanted:
-        return wanted
-    if fit >= 2 * SLOT_GRANULE:
-        return fit - fit % SLOT_GRANULE
-    return fit
-
-
-def one_wave_notice(wanted: int, slots: int, per_slot: int, used: int, total: int, utilization: float) -> str:
-    """The advice when memory holds only ``slots`` of the ``wanted`` sequences: the utilization for one wave.
-
-    ``used`` is what the KV cache cannot have (memory allocated at the call, less a kept cache).
-    """
-    need = math.ceil((used + wanted * per_slot) / total * 100) / 100
-    fix = (
-        f"rollout.gpu_memory_utilization={need:.2f} would hold all of them"
-        if need <= 1
-        else "they do not fit in one wave on this GPU even at rollout.gpu_memory_utilization=1; lower "
-        "data.max_response_length or rollout.n, or offload (actor.fsdp.optimizer_offload=auto, in PPO "
-        "critic.fsdp.optimizer_offload=auto too, or actor.fsdp.param_offload=true)"
-    )
-    return (
-        f"the KV cache holds {slots} of {wanted} sequences at rollout.gpu_memory_utilization={utilization}, "
-        f"so the rollout runs in waves (each wave decodes to the full length again); {fix}"
-    )
-
-
-class RolloutEngine:
-    """Generates from token-id prompts with a model it does not own: it reads the HF module's parameters.
-
-    ``generate`` allocates the KV cache, runs the prompts through continuous batching (waves when they do
-    not all fit), and then, with ``free_cache_engine`` (the default), frees the cache and the runner's
-    cast weight buffers so training gets the memory back; without it both stay for the next call.
+    ``num_blocks``: the pool's blocks; None sizes it from ``gpu_memory_utilization`` on GPU and, on CPU, from
+    the work (every sequence of a ``generate`` call at full length). ``block_size``: positions per block.
+    ``kv_cache_dtype="fp8"``: K and V in e4m3 (half the bytes of bf16: twice the blocks in the same memory),
+    their per-head scales set by the first prefill after each weight refresh (a session's start, ``resume``);
+    so are FP8 projections' static activation scales (kernel ``scaled_mm_static``, ``ops.fp8``).
     """
 
     def __init__(
         self,
         model: nn.Module,
+        num_blocks: int | None = None,
+        block_size: int = 128,
+        max_num_seqs: int = 256,
         dtype: torch.dtype | None = None,
-        max_num_seqs: int = 1024,
-        max_num_batched_tokens: int = 8192,
-        max_model_len: int | None = None,
-        gpu_memory_utilization: float = 0.5,
-        sync_interval: int = 16,
-        enforce_eager: bool = False,
-        compile_decode: bool = False,
-        free_cache_engine: bool = True,
-        device: torch.device | None = None,
         tp: RolloutTP | None = None,
+        **kwargs,
     ) -> None:
-        """``tp``: ``model`` is this rank's tensor-parallel shard; every rank of the group must then call
-        ``generate`` with the same prompts and seed (they sample the same tokens from the same logits)."""
-        self.runner = LlamaRunner(model, dtype, max_model_len, device, tp)
-        if self.runner.visual is not None:
-            raise ValueError(
-                "the slot engine runs text models; a vision-language model needs the paged engine"
-            )
+        """``tp``: ``model`` is this rank's tensor-parallel shard; every rank of the group makes the same calls
+        (its cache holds its own KV heads; the ranks sample the same tokens from the same logits)."""
+        cfg = SessionConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs, **kwargs)
+        self.runner = LlamaRunner(model, dtype, cfg.max_model_len, kwargs.get("device"), tp)
         self.tp = tp
         self.device = self.runner.device
-        # torch.compile fuses the decode step's elementwise work (norms, RoPE, SiLU*mul); it compiles once
-        # per batch bucket (tens of seconds each), so it pays off for long runs and benchmarks. Prefill's
-        # layer math is compiled too (automatic dynamic shapes).
-        # The step's bookkeeping (DecodeState.record: ~30 small eager kernels) is compiled too, into a few.
-        self._decode, self._record = self.runner.decode, DecodeState.record
-        if compile_decode and traceable(self.runner):
-            self._decode = compiled_per_bucket(self.runner.decode, len(buckets(max_num_seqs)))
-            self._record = compiled_per_bucket(DecodeState.record, len(buckets(max_num_seqs)))
+        self.cfg = cfg
+        self.max_num_seqs = max_num_seqs
+        self.session: Session | None = None
+        self.waiting: list[list[Sequence]] = []  # prompt groups not yet prefilled, first come first served
+        self.running: list[Sequence] = []  # in admission order: the youngest last (preempted first)
+        self.version = 0  # the weights' version: +1 at every resume after a refresh
+        self.paused = False
+        self.preemptions = 0
+        self._concurrent: list[int] = []  # running sequences in each decode round
+        self.stalled = False  # the last step could neither prefill nor decode anything
+        self._by_id: dict[int, Sequence] = {}  # every sequence waiting or running
+        self._pool: BlockPool | None = None  # the current (or last) session's
+        self._ids = itertools.count()
+        self.last_stats = GenerationStats()  # of the last session
+        # The fused Triton sampler on CUDA (reads the compute-dtype logits), CUDA graphs of the decode step
+        # unless enforce_eager, and with compile_decode the step compiled per batch bucket.
+        self.fused_sampler = fused_sampler_available(self.device)
+        self.runner.float_logits = not self.fused_sampler
+        self.use_graphs = not cfg.enforce_eager and self.device.type == "cuda" and graphs_fit(self.runner)
+        if cfg.record_routing:
+            check_routing(self.runner.router)
+        self.warm: dict[tuple, set[int]] = {}  # batch buckets run once, per session signature (see graphs)
+        self.kept_cache: PagedKVCache | None = None  # the last session's, when free_cache_engine is off
+        self.last_pool_blocks: int | None = None  # the last session's pool size
+        self.fp8_logged = False  # rollout.kv_cache_dtype=fp8: the pool's line, at the first session
+        self.decode_fn, self.record_fn = self.runner.decode_paged, DecodeState.record
+        if cfg.compile_decode and not traceable(self.runner):
+            cfg.compile_decode = False
+        if cfg.compile_decode:
+            self.decode_fn = compiled_per_bucket(self.runner.decode_paged, len(buckets(max_num_seqs)))
+            self.record_fn = compiled_per_bucket(DecodeState.record, len(buckets(max_num_seqs)))
             self.runner.compile_prefill()
             if self.device.type == "cuda" and self.runner.dtype in (torch.bfloat16, torch.float16):
                 self.runner.k_splits = DECODE_K_SPLITS
-        # Batch buckets whose decode step has run once (kernels compiled, cuBLAS warm), per call signature:
-        # a later call with the same shapes and sampling captures its graphs without an eager warm-up step
-        # (~10 ms at batch 256 on an H200). Anything that could recompile is in the key, so no compilation
-        # ever runs under stream capture.
-        self._warm_buckets: dict[tuple, set[int]] = {}
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.gpu_memory_utilization = gpu_memory_utilization
-        self.sync_interval = sync_interval
-        self.free_cache_engine = free_cache_engine
-        self._kept_cache: KVCache | None = None  # the last call's cache, when free_cache_engine is off
-        self._wave_notices: set[tuple[int, int]] = set()  # (wanted, slots) already reported as waves
-        self.use_graphs = not enforce_eager and self.device.type == "cuda" and graphs_fit(self.runner)
-        # Greedy and unfiltered sampling go through the fused Triton sampler on CUDA (one pass over the
-        # logits, no float32 copy); settable, so tests can run it in Triton's CPU interpreter. It reads the LM
-        # head's own dtype, so the runner hands over bf16 logits; sample() (filtered sampling) upcasts as it
-        # reads, and bf16 -> float32 is exact, so it sees the same values as before.
-        self.fused_sampler = fused_sampler_available(self.device)
-        self.runner.float_logits = not self.fused_sampler
-        self.last_stats = GenerationStats()  # of the last generate call
-        self._lengths: list[list[int]] | None = None  # the call's per-sample response limits
 
-    def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> int:
-        """Validate the prompts; return the cache length each slot needs."""
-        if not prompts:
-            raise ValueError("no prompts to generate from")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        longest = max(len(p) for p in prompts)
-        max_len = self.max_model_len or longest + params.max_new_tokens
-        limit = self.runner.max_position_embeddings
-        if longest >= max_len or longest >= limit:
+    # ---- the step API ----------------------------------------------------------------------------------
+
+    def add(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        max_new: int | None = None,
+        mm_inputs: dict[str, torch.Tensor] | None = None,
+    ) -> list[int]:
+        """Queue a prompt's ``params.n`` samples; returns their sequence ids. ``max_new``: a response budget
+        below ``params.max_new_tokens`` (a sample continued from a partial rollout has spent the rest).
+        ``mm_inputs``: the prompt's images (a vision-language model), ``{"pixel_values": (P, D),
+        "image_grid_thw": (I, 3)}`` as ``VisionProcessor.images_to_inputs`` gives them, its image pads expanded
+        in ``prompt``; None for a text-only prompt."""
+        if params.n > self.max_num_seqs:
             raise UserError(
-                f"a prompt of {longest} tokens leaves no room to generate within the context of "
-                f"{min(max_len, limit)} tokens; shorten it or raise max_model_len (data.max_prompt_length)"
+                f"n={params.n} samples cannot run at once with max_num_seqs={self.max_num_seqs}; raise "
+                "rollout.max_num_seqs (--max-num-seqs) or lower rollout.n"
             )
-        return min(max_len, limit)
+        if not prompt:
+            raise ValueError("a prompt needs at least one token")
+        limit = self.max_len
+        if len(prompt) >= limit:
+            raise UserError(
+                f"a prompt of {len(prompt)} tokens leaves no room to generate within the context of {limit} "
+                "tokens; shorten it or raise max_model_len (data.max_prompt_length)"
+            )
+        if self.session is not None:
+            check_params(self.session.params, params)
+        mm = mm_prompt(prompt, mm_inputs, self.runner.image_token_id, self.runner.merge_size)
+        room = limit - len(prompt)  # the response stops at the context's end
+        budget = room if room < params.max_new_tokens else 0
+        if max_new is not None:
+            budget = min(max_new, room)
+        group = [
+            Sequence(next(self._ids), list(prompt), len(prompt), params, max_new=budget, mm=mm)
+            for _ in range(params.n)
+        ]
+        self._by_id.update((s.id, s) for s in group)
+        self.waiting.append(group)
+        return [s.id for s in group]
 
-    def _kv_budget(self, max_len: int, pending: int = 0) -> tuple[int, int, int, float]:
-        """(bytes per slot of ``max_len`` tokens, bytes the cache cannot have, device bytes, cache budget).
+    def step(self, max_tokens: int | None = 1, fetch_all: bool = True) -> list[Sequence]:
+        """One scheduling round: prefills, then up to ``max_tokens`` decode steps for every running sequence
+        (None: until the next sequence could finish, at least ``sync_interval`` steps when others go on).
+        Returns the sequences that got tokens; finished ones have left the engine (blocks back in the pool).
 
-        ``pending``: bytes about to be allocated before the cache (weight buffers the next refresh fills).
-        """
-        runner = self.runner
-        per_slot = KVCache.bytes_per_token(
-            runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype
+        ``fetch_all=False`` (``generate``) copies to the host only the tokens of sequences that finished; the
+        others' stay on the device (``Sequence.pending``) until they finish or leave their seat."""
+        if self.paused or not self.has_work:
+            return []
+        session = self._open()
+        touched = {s.id: s for s in self.running if s.finish_reason is not None}  # ended by extend's budget
+        for s in touched.values():
+            self._release(s)
+        prefilled = self._prefill_round(session)
+        steps = self._reserve(session, max_tokens)
+        self.stalled = not (prefilled or steps or session.seats.num_used)
+        if steps:
+            session.decode(steps)
+            self._concurrent.append(session.seats.num_used)
+        seated, (gen, ended) = self._seated(), session.seats.counts()
+        fetch = [i for i, reason in enumerate(ended) if fetch_all or reason is not None]
+        for i, (tokens, logprobs) in zip(fetch, session.seats.fetch(fetch, gen)):
+            self._take(seated[i], tokens, logprobs, finished=ended[i] is not None)
+            touched[seated[i].id] = seated[i]
+        for i, s in enumerate(seated):
+            s.pending = gen[i] - session.seats.synced[i]
+            s.finish_reason = ended[i]
+        for s in touched.values():
+            if s.finish_reason is not None and s in self.running:
+                self._release(s)
+        if not self.has_work:
+            self._close()
+        return list(touched.values())
+
+    def extend(self, seq_id: int, token_ids: list[int]) -> None:
+        """Append tokens that were not sampled (a tool's output) to a running sequence: prefilled at the next
+        step, never trained on; the next sampled token follows them. Tokens that spend the response budget
+        (``max_new_tokens`` counts every token after the prompt) end the sequence ("length") at the next step."""
+        s = self._running(seq_id)
+        self._unseat(s)  # its sampled tokens come first; it decodes again after its catch-up prefill
+        s.tokens += token_ids
+        s.logprobs += [math.nan] * len(token_ids)
+        s.versions += [-1] * len(token_ids)
+        if len(s.tokens) >= s.budget_end:
+            s.finish_reason = "length"
+
+    def pause(self) -> None:
+        """Hold every sequence as it is (the weights may change in place meanwhile); ``step`` does nothing."""
+        self.paused = True
+
+    def resume(self, weights_changed: bool = True) -> None:
+        """Go on. With new weights every cached K and V is stale: each running sequence is prefilled again
+        under the new weights at the next step (so it continues as a fresh run from its tokens would)."""
+        if weights_changed:
+            self.version += 1
+            for s in list(self.running):
+                self._preempt(s, count=False)
+            if self.session is not None:
+                self.session.pool.forget_prefixes()
+                self.session.refresh_weights()
+        self.paused = False
+
+    def abort(self, seq_ids: list[int]) -> list[Sequence]:
+        """Stop these sequences now; returns each with its tokens and log-probs so far (finish "abort")."""
+        wanted, out = set(seq_ids), []
+        for s in list(self.running):
+            if s.id in wanted:
+                s.finish_reason = "abort"
+                self._release(s)
+                out.append(s)
+        for group in self.waiting:
+            for s in [s for s in group if s.id in wanted]:
+                s.finish_reason = "abort"
+                group.remove(s)
+                del self._by_id[s.id]
+                out.append(s)
+        self.waiting = [g for g in self.waiting if g]
+        if not self.has_work:
+            self._close()
+        return out
+
+    def reset_stats(self) -> None:
+        """Start the figures of a new call (``stats``): preemptions and the decode batch sizes."""
+        self.preemptions, self._concurrent = 0, []
+
+    @property
+    def has_work(self) -> bool:
+        """Whether any sequence is waiting or running."""
+        return bool(self.running or self.waiting)
+
+    @property
+    def pool(self) -> BlockPool:
+        """The block pool of the current (or last) session."""
+        assert self._pool is not None, "no session has run yet"
+        return self._pool
+
+    @property
+    def max_len(self) -> int:
+        """The most positions a sequence may take (the model's, or ``max_model_len``)."""
+        return min(self.cfg.max_model_len or math.inf, self.runner.max_position_embeddings)
+
+    def stats(self) -> dict[str, float]:
+        """The engine's figures so far, under the trainer's metric names (``rollout/*``)."""
+        s = (
+            self.last_stats
+            if self.session is None
+            else self.session.stats(self._concurrent, self.preemptions)
         )
-        total = gpu_memory_limit(self.device)  # the whole GPU, or trainer.gpu_memory_gb's share
-        # What the cache cannot have: memory allocated now, less a cache kept from the last call (reused).
-        kept = self._kept_cache.nbytes() if self._kept_cache is not None else 0
-        used = torch.cuda.memory_allocated(self.device) - kept + pending
-        return per_slot * max_len, used, total, self.gpu_memory_utilization * total - used
+        return {
+            "rollout/kv_blocks_used": s.kv_blocks_used,
+            "rollout/concurrent_seqs_mean": s.concurrent_seqs_mean,
+            "rollout/concurrent_seqs_peak": s.concurrent_seqs_peak,
+            "rollout/prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+            "rollout/preemptions": s.preemptions,
+        }
 
-    def memory_shortfall(self, prompts: list[list[int]], params: SamplingParams) -> int:
-        """Device bytes the KV cache lacks to decode all of this call's sequences at once (0: it fits).
-
-        0 on CPU, where nothing is sized from memory. Counts the weight buffers the call fills first.
-        """
-        if self.device.type != "cuda":
-            return 0
-        max_len = self._check_prompts(prompts, params)
-        wanted = min(self.max_num_seqs, len(prompts) * params.n)
-        per_slot, _, _, budget = self._kv_budget(max_len, self.runner.pending_bytes())
-        return max(0, math.ceil(wanted * per_slot - budget))
-
-    def _num_slots(self, sequences: int, max_len: int) -> int:
-        """Slots for this call: bounded by max_num_seqs, the work, and the memory budget on GPU."""
-        slots = min(self.max_num_seqs, sequences)
-        if self.device.type == "cuda":
-            per_slot, used, total, budget = self._kv_budget(max_len)
-            if budget < per_slot:
-                raise ValueError(
-                    f"no KV-cache slot of {max_len} tokens fits in rollout.gpu_memory_utilization="
-                    f"{self.gpu_memory_utilization} of the GPU; raise it or lower max_model_len"
-                )
-            fit = int(budget // per_slot)
-            if self.tp is not None:  # the ranks of a group must schedule alike: the smallest budget rules
-                fit = int(funcol.all_reduce(torch.tensor([fit], device=self.device), "min", self.tp.group))
-            wanted, slots = slots, slots_within_budget(slots, fit)
-            if slots < wanted and (wanted, slots) not in self._wave_notices:  # once per shape, not every step
-                self._wave_notices.add((wanted, slots))
-                logger.warning(
-                    one_wave_notice(wanted, slots, per_slot, used, total, self.gpu_memory_utilization)
-                )
-        return slots
+    # ---- generate: the loop over the step API ----------------------------------------------------------
 
     @torch.no_grad()
     def generate(
@@ -215,227 +279,222 @@ class RolloutEngine:
         params: SamplingParams,
         progress: Callable[[int], None] | None = None,
         lengths: list[list[int]] | None = None,
-    ) -> list[list[GenerationOutput]]:
-        """``params.n`` responses for each prompt, in prompt order (greedy when ``params.greedy``).
-
-        ``progress`` is called with the number of sequences that just finished, at each host sync.
-        ``lengths``: per prompt and sample, a response limit below ``params.max_new_tokens`` (benchmarks
-        draw long-tailed lengths with it).
-        """
-        max_len = self._check_prompts(prompts, params)
-        self._lengths = check_lengths(lengths, len(prompts), params)
-        if self.runner.refresh():  # the trainer may have stepped since the last call: re-cast in place
-            self._warm_buckets.clear()  # new weight tensors: each bucket warms up eagerly again first
-        groups = [PromptGroup(i, list(p), params.n) for i, p in enumerate(prompts)]
-        slots = self._num_slots(len(prompts) * params.n, max_len)
-        sched = SlotScheduler(slots, self.max_num_batched_tokens, groups)
-        cache = self._cache(slots, max_len)
-        eos = [] if params.ignore_eos else list(params.eos_token_ids)
-        state = DecodeState(slots, params.max_new_tokens, list(params.stop_token_ids), eos, self.device)
-        pick, generator = make_sampler(params, self.device, self.fused_sampler)
-        results: list[list[GenerationOutput | None]] = [[None] * params.n for _ in prompts]
-        graphs = self._graphs(slots, max_len, params, cache, state, pick, generator)
-        timer, stats = PhaseTimer(self.device), GenerationStats(slots=slots)
-        try:
-            while not sched.done:
-                calls = sched.admit()
-                if calls:  # most syncs admit nothing: no events for an empty span
-                    with timer.span("prefill"):
-                        for call in calls:
-                            self._prefill(call, cache, state, pick, max_len)
-                            stats.prefill_tokens += sum(c.length for c in call)
-                if graphs is not None and sched.num_running and params.max_new_tokens > 1:
-                    graphs.prepare(sched.num_running)  # captures while the GPU runs the prefill just queued
-                steps = self._steps_before_sync(state, sched.num_running, params)
-                with timer.span("decode"):
-                    for _ in range(steps):
-                        if graphs is not None:
-                            graphs.run(sched.num_running)
-                        else:
-                            self._decode_step(sched.num_running, cache, state, pick)
-                stats.decode_steps += steps
-                finished = self._retire(sched, cache, state, results)
-                if progress is not None and finished:
-                    progress(finished)
-        finally:
-            del graphs  # graphs hold the cache and weight tensors: drop them before freeing those
-            self._park(cache)
-        seconds = timer.close()
-        stats.prefill_s, stats.decode_s = seconds.get("prefill", 0.0), seconds.get("decode", 0.0)
-        # Tokens kept, not sequence-steps run: a sequence that stopped early rides along until the next sync.
-        stats.decode_tokens = sum(len(s.token_ids) - 1 for group in results for s in group)
-        self.last_stats = stats
-        return results  # type: ignore[return-value]
-
-    def _cache(self, slots: int, max_len: int) -> KVCache:
-        """The KV cache for this call: the one kept from the last call if it has the shape, else a new one."""
-        kept, self._kept_cache = self._kept_cache, None
-        if kept is not None and (kept.num_slots, kept.max_len) == (slots, max_len):
-            kept.storage.zero_()  # as if new: masked reads of unfilled positions see zeros, not stale K/V
-            return kept
-        if kept is not None:
-            kept.free()
-        r = self.runner
-        return KVCache(r.num_layers, slots, max_len, r.num_kv_heads, r.head_dim, r.dtype, self.device)
-
-    def _park(self, cache: KVCache) -> None:
-        """After a call: free the cache and the cast weights (``free_cache_engine``), or keep the cache."""
-        if self.free_cache_engine:
-            cache.free()
-            self.runner.release()  # re-allocated and re-filled by the next call's refresh()
-        else:
-            self._kept_cache = cache
-
-    def _graphs(
-        self,
-        slots: int,
-        max_len: int,
-        params: SamplingParams,
-        cache: KVCache,
-        state: DecodeState,
-        pick: Sampler,
-        generator: torch.Generator | None,
-    ) -> DecodeGraphs | None:
-        """This call's CUDA graphs of the decode step, or None when graphs are off (CPU, enforce_eager)."""
-        if not self.use_graphs:
-            return None
-        # Everything that could recompile the step is in the key of the warm buckets.
-        signature = (slots, max_len, repr(dataclasses.replace(params, seed=None)), self.runner.k_splits)
-        return DecodeGraphs(
-            lambda b: self._decode_step(b, cache, state, pick),
-            slots,
-            generator,
-            self._warm_buckets.setdefault(signature, set()),
-        )
-
-    def _prefill(
-        self, call: list[PrefillChunk], cache: KVCache, state: DecodeState, pick: Sampler, max_len: int
-    ) -> None:
-        # Everything the host needs is built on the host and goes up through pinned memory (to_device): no
-        # call here waits for the GPU, so the next chunk is queued while this one runs. A plain .to("cuda")
-        # of a CPU tensor synchronises the stream: with nine of them per chunk the GPU idled ~4 ms per
-        # 64 x 128-token chunk on an H200 while the host launched the next one.
-        width = max(c.length for c in call)
-        ids = torch.tensor(
-            [c.group.token_ids[c.start : c.start + c.length] + [0] * (width - c.length) for c in call]
-        )  # (b, t) right-padded
-        dev = self.device
-        lengths = torch.tensor([c.length for c in call])
-        slot_ids = torch.tensor([c.group.first_slot for c in call])
-        starts = torch.tensor([c.start for c in call])
-        logits = self.runner.prefill(ids, lengths, slot_ids, starts, cache)  # (b, V)
-        finished = [row for row, c in enumerate(call) if c.last]
-        if not finished:
-            return
-        groups = [call[row].group for row in finished]
-        for g in groups:  # prefix sharing: the n samples reuse the prompt's cache entries
-            cache.copy_slot(g.first_slot, list(range(g.first_slot + 1, g.first_slot + g.n)), len(g.token_ids))
-        repeat = to_device(torch.tensor([row for row, g in zip(finished, groups) for _ in range(g.n)]), dev)
-        rows = logits[repeat]  # (sum n, V): each prompt's logits once per sample
-        slots = to_device(torch.tensor([g.first_slot + s for g in groups for s in range(g.n)]), dev)
-        prompt_len = to_device(torch.tensor([len(g.token_ids) for g in groups for _ in range(g.n)]), dev)
-        state.start(slots, prompt_len, max_len)
-        if self._lengths is not None:
-            wanted = [self._lengths[g.index][k] for g in groups for k in range(g.n)]
-            state.limit[slots] = torch.minimum(state.limit[slots], to_device(torch.tensor(wanted), dev))
-        tokens, logprobs = pick(rows)
-        state.record(slots, tokens, logprobs, advance=False)
-
-    def _decode_step(self, num_running: int, cache: KVCache, state: DecodeState, pick: Sampler) -> None:
-        live = slice(0, num_running)
-        logits = self._decode(state.last_token[live], state.position[live], cache)  # (B, V)
-        tokens, logprobs = pick(logits)
-        self._record(state, live, tokens, logprobs, True)
-
-    def _steps_before_sync(self, state: DecodeState, num_running: int, params: SamplingParams) -> int:
-        """Decode steps to run before looking at the host again (one sync per call, never per token)."""
-        if num_running == 0:
-            return 0
-        live = slice(0, num_running)
-        left = torch.where(state.done[live], 0, state.limit[live] - state.gen_len[live])
-        soonest = int(left[~state.done[live]].min()) if bool((~state.done[live]).any()) else 0
-        if params.ignore_eos or (not params.eos_token_ids and not params.stop_token_ids):
-            return soonest  # no early stops: the first length-finish is known exactly
-        return min(self.sync_interval, soonest)
-
-    def _retire(
-        self,
-        sched: SlotScheduler,
-        cache: KVCache,
-        state: DecodeState,
-        results: list[list[GenerationOutput | None]],
-    ) -> int:
-        """Collect finished sequences, free and compact their slots; returns how many finished."""
-        live = slice(0, sched.num_running)
-        finished = state.done[live].nonzero().flatten().tolist()
-        if not finished:
-            return 0
-        idx = torch.tensor(finished, device=self.device)
-        lens = state.gen_len[idx].tolist()
-        reasons = state.reason[idx].tolist()
-        # One copy each to the host, then numpy's tolist per row: torch's tolist on a (256, 513) tensor cost
-        # ~10 ms at batch 256, and only the generated prefix of each row is converted.
-        tokens = state.tokens[idx].cpu().numpy()  # (F, W + 1)
-        logprobs = state.logprobs[idx].cpu().numpy()
-        for k, slot in enumerate(finished):
-            prompt, sample_idx = sched.owner[slot]
-            n = lens[k]
-            results[prompt][sample_idx] = GenerationOutput(
-                tokens[k, :n].tolist(), logprobs[k, :n].tolist(), REASONS[reasons[k]]
-            )
-        for src, dst in sched.release(finished):
-            cache.move_slot(src, dst)
-            state.move(src, dst)
-        state.park(sched.num_running)
-        return len(finished)
-
-
-class HFRollout:
-    """The same ``generate`` interface over transformers' ``generate`` (``rollout.engine=hf``, or a fallback).
-
-    ``max_model_len`` caps prompt + response as the built-in engine does (each response stops at the model's
-    position limit, or at this length when smaller).
-    """
-
-    def __init__(self, model: nn.Module, pad_token_id: int = 0, max_model_len: int | None = None) -> None:
-        self.model = model
-        self.pad_token_id = pad_token_id
-        self.max_model_len = max_model_len
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        progress: Callable[[int], None] | None = None,
         mm_inputs: list[dict[str, torch.Tensor] | None] | None = None,
     ) -> list[list[GenerationOutput]]:
-        """``params.n`` responses for each prompt through HF ``generate`` (``mm_inputs``: each one's images)."""
-        from hybridflow.engine.rollout.hf_fallback import hf_generate
+        """Every prompt's ``params.n`` samples: ``add`` each, then ``step`` until all have finished.
 
-        out = hf_generate(self.model, prompts, params, self.pad_token_id, self.max_model_len, mm_inputs)
-        if progress is not None:
-            progress(len(prompts) * params.n)
-        return out
+        ``progress`` is called with the number of sequences that just finished, after each round.
+        ``lengths``: per prompt and sample, a response limit below ``params.max_new_tokens``.
+        ``mm_inputs``: per prompt, its images or None (``add``)."""
+        lengths = check_lengths(lengths, len(prompts), params)
+        if self.has_work:
+            raise ValueError("generate needs an idle engine; finish or abort the sequences added with add()")
+        if not prompts:
+            raise ValueError("no prompts to generate from")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if mm_inputs is not None and len(mm_inputs) != len(prompts):
+            raise ValueError(f"{len(mm_inputs)} mm_inputs for {len(prompts)} prompts")
+        self.reset_stats()
+        mm_inputs = [None] * len(prompts) if mm_inputs is None else mm_inputs
+        ids = [self.add(p, params, mm_inputs=mm) for p, mm in zip(prompts, mm_inputs)]
+        for k, group in enumerate(self.waiting if lengths is not None else []):
+            for s, limit in zip(group, lengths[k]):
+                s.max_new = min(limit, s.budget_end - s.prompt_len)
+        self._open(demand=(len(prompts) * params.n, max(map(len, prompts)) + params.max_new_tokens))
+        done: dict[int, Sequence] = {}
+        while len(done) < len(prompts) * params.n:
+            touched = self.step(max_tokens=None, fetch_all=False)
+            if self.stalled:  # nothing could run: a sequence longer than the whole pool
+                pool = self.pool
+                self.abort([i for group in ids for i in group])
+                raise UserError(
+                    f"the KV pool's {pool.num_free} free blocks of {pool.block_size} positions cannot hold the "
+                    "next sequence; raise rollout.gpu_memory_utilization or lower max_model_len"
+                )
+            finished = [s for s in touched if s.finish_reason is not None]
+            done.update((s.id, s) for s in finished)
+            if progress is not None and finished:
+                progress(len(finished))
+        return [[to_output(done[i]) for i in group] for group in ids]
 
+    def memory_shortfall(self, prompts: list[list[int]], params: SamplingParams) -> int:
+        """Device bytes the pool lacks to hold every sequence of this call at full length at once (0: fits)."""
+        if self.device.type != "cuda":
+            return 0
+        count, length = len(prompts) * params.n, max(map(len, prompts)) + params.max_new_tokens
+        return Session.shortfall(self.runner, self.cfg, count, min(length, self.max_len))
 
-def make_rollout(
-    model: nn.Module, engine: str = "native", pad_token_id: int = 0, **kwargs
-) -> PagedEngine | HFRollout:
-    """The built-in engine (the paged one) when the architecture is supported, else HF ``generate`` with one
-    warning (refused with ``kv_cache_dtype="fp8"``: HF generate keeps its own cache in the model's dtype)."""
-    from hybridflow.engine.rollout.paged_engine import PagedEngine
+    # ---- scheduling --------------------------------------------------------------------------------------
 
-    if engine not in ("native", "hf"):
-        raise ValueError(f"unknown rollout engine {engine!r}; use native or hf")
-    if engine == "native":
-        reason = fallback_reason(model, kwargs.get("max_model_len"))
-        if reason is None:
-            return PagedEngine(model, **kwargs)
-        logger.warning(fallback_notice(model.config, reason))
-    if kwargs.get("kv_cache_dtype", "auto") != "auto":
-        why = f"the built-in engine does not run this model ({reason})" if engine == "native" else "engine=hf"
-        raise UserError(
-            f"rollout.kv_cache_dtype={kwargs['kv_cache_dtype']} is the built-in paged engine's KV cache, and "
-            f"{why}; set rollout.kv_cache_dtype=auto"
-        )
-    return HFRollout(model, pad_token_id, kwargs.get("max_model_len"))
+    def _open(self, demand: tuple[int, int] | None = None) -> Session:
+        """The current session, or a new one: the pool, the cache and the seats, sized for the work."""
+        if self.session is None:
+            params = (self.waiting[0][0] if self.waiting else self.running[0]).params
+            # The step API's requests are not known ahead: room for any length, max_num_seqs of them.
+            count, length = demand or (self.max_num_seqs, self.max_len)
+            seats = min(count, self.max_num_seqs)
+            self.session = Session(self, params, seats, count, min(length, self.max_len))
+            self._pool = self.session.pool
+        return self.session
+
+    def _close(self) -> None:
+        """End the session: free the cache and the cast weights (``free_cache_engine``), keep the figures."""
+        if self.session is not None:
+            self.session.close()
+            self.last_stats = self.session.stats(self._concurrent, self.preemptions)
+            self.session = None
+
+    def _prefill_round(self, session: Session) -> bool:
+        """Catch-up prefills (extended, preempted, re-weighted) and then new prompt groups, while seats and
+        blocks allow; each gets its first sampled token."""
+        seats, jobs, groups = session.seats, [], []
+        for s in self.running:  # seats this round's prefills take count against the free ones
+            free = seats.num_used + len(jobs) < seats.num_seats
+            if free and s.seat is None and s.finish_reason is None and self._seat(s, session):
+                jobs.append(s)
+        taken = seats.num_used + len(jobs)
+        while self.waiting and taken + len(self.waiting[0]) <= seats.num_seats:
+            if not self._admit(self.waiting[0], session, taken):
+                break
+            group = self.waiting.pop(0)
+            self.running += group
+            groups.append(group)
+            taken += len(group)
+        rows = [[s] for s in jobs] + [[g[0]] for g in groups]
+        if not rows:
+            return False
+        session.prefill([(r[0], r[0].written) for r in rows])
+        for group in groups:  # the samples share the prompt's full blocks and copy a partial one
+            first = group[0]
+            for s in group[1:]:
+                s.table, copy = session.pool.fork(first.table)
+                if copy is not None:
+                    session.cache.copy_block(copy[0] + 1, copy[1] + 1)
+                s.written = first.written
+        for s in jobs + [s for g in groups for s in g]:
+            s.written = len(s.tokens)
+            s.seat = seats.take(s.id)
+            seats.set_table(s.seat, s.table.blocks)
+        session.first_tokens(jobs, groups)
+        return True
+
+    def _seat(self, s: Sequence, session: Session) -> bool:
+        """Room for a running sequence's catch-up prefill: its blocks for every token; False when short."""
+        pool = session.pool
+        if s.table is None:
+            if not pool.can_allocate(hash_keys(s)):
+                return False
+            s.table = pool.allocate(hash_keys(s))
+            s.written = s.table.cached_tokens
+            return True
+        try:
+            pool.reserve(s.table, len(s.tokens))
+        except PoolExhausted:
+            self._preempt(s)  # its blocks go back; it is prefilled again from the start when there is room
+            return False
+        return True
+
+    def _admit(self, group: list[Sequence], session: Session, taken: int) -> bool:
+        """Blocks for a group's prompt (and the samples' own partial blocks), leaving a block of growth per
+        seat taken (``taken`` before this group); False when short."""
+        pool, first, n = session.pool, group[0], len(group)
+        partial = 1 if len(first.tokens) % pool.block_size else 0
+        headroom = taken + n
+        if (
+            not pool.can_allocate(hash_keys(first))
+            or pool.num_free < pool.blocks_for(len(first.tokens)) + (n - 1) * partial + headroom
+        ):
+            return False
+        first.table = pool.allocate(hash_keys(first))
+        first.written = first.table.cached_tokens
+        return True
+
+    def _reserve(self, session: Session, max_tokens: int | None) -> int:
+        """Decode steps for this round, with the blocks they write reserved; preempts the youngest when the
+        pool cannot hold one step for every running sequence."""
+        while True:
+            seated = self._seated()
+            if not seated:
+                return 0
+            # Tokens each may still sample. With no early stop possible (ignore_eos, or no EOS) the round runs
+            # until the first sequence ends by length, but at least sync_interval steps while others go on
+            # (a finished sequence rides along until the sync: fewer syncs for ragged lengths);
+            # with EOS, sync_interval steps. 0 everywhere: all finished at prefill, nothing to decode.
+            left = [s.budget_end - len(s.tokens) - s.pending for s in seated]
+            if max(left) <= 0:
+                return 0
+            soonest, bound = min(x for x in left if x > 0), min(self.cfg.sync_interval, max(left))
+            steps = max(soonest, bound) if session.params_never_stop else bound
+            if max_tokens is not None:
+                steps = min(steps, max_tokens)
+            while True:
+                need = sum(session.pool.blocks_to_reserve(s.table, positions_for(s, steps)) for s in seated)
+                if need <= session.pool.num_free or steps == 1:
+                    break
+                steps = max(1, steps // 2)
+            if need <= session.pool.num_free:
+                break
+            self._preempt(next(s for s in reversed(self.running) if s.seat is not None))  # the youngest
+        for s in seated:
+            if session.pool.blocks_to_reserve(s.table, positions_for(s, steps)):
+                session.pool.reserve(s.table, positions_for(s, steps))
+                session.seats.set_table(s.seat, s.table.blocks)
+        return steps
+
+    def _take(self, s: Sequence, tokens: list[int], logprobs: list[float], finished: bool = False) -> None:
+        """Hand a seat's newly sampled tokens to its sequence and hash the blocks they fill.
+
+        A sequence that finished rode along until this sync feeding its last token at its last fed position
+        again, so that position's K and V are stale: its block is not hashed (no later sequence finds it)."""
+        s.tokens += tokens
+        s.logprobs += logprobs
+        s.versions += [self.version] * len(tokens)
+        s.pending = 0
+        self.session.counts.decode_tokens += len(tokens)
+        s.written = len(s.tokens) - 1  # every token but the last is in the cache
+        self.session.pool.record(s.table, hash_keys(s), s.written - finished)
+
+    def _seated(self) -> list[Sequence]:
+        """The sequences holding seats, in seat order."""
+        return [self._by_id[i] for i in self.session.seats.owner] if self.session is not None else []
+
+    def _unseat(self, s: Sequence) -> None:
+        """Take a sequence off the decode batch, its tokens still on the device fetched first."""
+        if s.seat is None or self.session is None:
+            return
+        seats = self.session.seats
+        if s.pending:
+            gen = list(seats.synced)
+            gen[s.seat] += s.pending
+            ((tokens, logprobs),) = seats.fetch([s.seat], gen)
+            self._take(s, tokens, logprobs)
+        moved = seats.leave(s.seat)
+        if moved is not None:
+            self._by_id[moved].seat = s.seat
+        s.seat = None
+
+    def _preempt(self, s: Sequence, count: bool = True) -> None:
+        """Free a running sequence's blocks; it keeps its tokens and is prefilled again later."""
+        self._unseat(s)
+        if s.table is not None:
+            self.session.pool.free(s.table)
+        s.table, s.written = None, 0
+        self.preemptions += count
+
+    def _release(self, s: Sequence) -> None:
+        self._unseat(s)
+        self.running.remove(s)
+        del self._by_id[s.id]
+        if s.table is not None:
+            if self.session.cache.routing is not None:  # the records of every position in the cache
+                s.routing = self.session.cache.routing_of([b + 1 for b in s.table.blocks], s.written)
+            self.session.pool.free(s.table)
+            s.table = None
+
+    def _running(self, seq_id: int) -> Sequence:
+        s = self._by_id.get(seq_id)
+        if s is None or s not in self.running:
+            raise KeyError(f"sequence {seq_id} is not running (finished, aborted or not yet admitted)")
+        return s

@@ -3,7 +3,7 @@
 Without graphs a decode step of a 0.5B-7B model costs 9-16 ms whatever the batch: the CPU cannot launch the
 kernels fast enough (DESIGN.md section 8). A graph records the whole step (model, sampling and the
 bookkeeping in ``DecodeState``) once and replays it. The step reads and writes persistent tensors only,
-so replays need no input copies. Batches are padded up to a bucket; the padding rows are free slots whose
+so replays need no input copies. Batches are padded up to a bucket; the padding rows are free seats whose
 state says "done", so they write only scratch columns and stale cache positions.
 """
 
@@ -41,12 +41,11 @@ def _capture_stream(device_index: int) -> torch.cuda.Stream:
 
 
 class DecodeGraphs:
-    """Runs ``step(b)`` (one decode step over slots [0, b)) through a CUDA graph per bucket.
+    """Runs ``step(b)`` (one decode step over seats [0, b)) through a CUDA graph per bucket.
 
     The first step at a bucket runs eagerly (it warms up kernels, cuBLAS workspaces and any compilation)
     unless ``warm`` says an earlier call already did; the next one captures the graph and every later one
-    replays it. Graphs hold the cache and state tensors,
-    so they live for one ``generate`` call.
+    replays it. Graphs hold the cache and state tensors, so they live for one session of the engine.
     """
 
     def __init__(

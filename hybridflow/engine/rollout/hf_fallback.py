@@ -1,8 +1,9 @@
 """Generation through transformers' ``generate`` for architectures the built-in engine does not cover.
 
-Also what ``rollout.engine=hf`` selects, for comparison. The outputs have the same form as the built-in
-engine's; log-probs come from the processed scores (after temperature and top-k/top-p/min-p), i.e. the
-distribution actually sampled from, as in ``sampling.sample``.
+Also what ``rollout.engine=hf`` selects, for comparison (``HFRollout``: the built-in engine's ``generate``
+interface). The outputs have the same form as the built-in engine's; log-probs come from the processed
+scores (after temperature and top-k/top-p/min-p), i.e. the distribution actually sampled from, as in
+``sampling.sample``.
 
 RNG: HF ``generate`` samples from torch's global RNG and takes no generator. A seeded call therefore forks
 the global state of the CPU and of the model's device, seeds the fork and restores the state afterwards, so
@@ -18,12 +19,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from hybridflow.engine.rollout.sampling import SamplingParams
+from hybridflow.engine.rollout.types import GenerationOutput
 from hybridflow.models.vision import is_vision_language, text_config
 from hybridflow.utils.errors import UserError
 
@@ -130,8 +132,6 @@ def _generate_batch(
 ) -> list[list]:
     """One HF ``generate`` call over ``prompts`` (left-padded), ``params.n`` outputs each; ``mm_inputs``: each
     prompt's images (a vision-language model) or None."""
-    from hybridflow.engine.rollout.types import GenerationOutput
-
     width = max(len(p) for p in prompts)
     rows = [p for p in prompts for _ in range(params.n)]  # interleaved [a, a, b, b]; greedy allows no n > 1
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B * n, T) left-padded
@@ -191,3 +191,30 @@ def hf_generate(
             for i, row in zip(idx, rows):
                 results[i] = row
     return results
+
+
+class HFRollout:
+    """The built-in engine's ``generate`` interface over transformers' ``generate`` (``rollout.engine=hf``, or
+    a fallback).
+
+    ``max_model_len`` caps prompt + response as the built-in engine does (each response stops at the model's
+    position limit, or at this length when smaller).
+    """
+
+    def __init__(self, model: nn.Module, pad_token_id: int = 0, max_model_len: int | None = None) -> None:
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.max_model_len = max_model_len
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        progress: Callable[[int], None] | None = None,
+        mm_inputs: list[dict[str, torch.Tensor] | None] | None = None,
+    ) -> list[list[GenerationOutput]]:
+        """``params.n`` responses for each prompt through HF ``generate`` (``mm_inputs``: each one's images)."""
+        out = hf_generate(self.model, prompts, params, self.pad_token_id, self.max_model_len, mm_inputs)
+        if progress is not None:
+            progress(len(prompts) * params.n)
+        return out

@@ -9,9 +9,10 @@ generations.
 The math follows transformers' modeling_llama / modeling_qwen2 / modeling_qwen3 op for op (the layer's
 pieces around attention are in ``blocks``): RoPE tables computed in float32 from the module's own
 ``rotary_emb`` (which carries rope scaling such as llama3's or yarn's ``attention_scaling``) and cast to the
-compute dtype, attention through SDPA with ``enable_gqa=True`` so K/V are never repeated.
+compute dtype, attention through SDPA with ``enable_gqa=True`` so K/V are never repeated. Prefill and decode
+run over the paged KV cache (``forward``).
 Decode attention on CUDA in bf16/fp16 uses the split-K Triton kernel of ``decode_attention`` instead, which
-reads each slot only up to its own position and also applies RoPE and writes the step's k and v.
+reads each sequence's blocks only up to its own position and also applies RoPE and writes the step's k and v.
 
 A sparse layer routes with ``hybridflow.models.moe`` (``blocks.moe_mlp``). With a routing store on the paged
 cache (``PagedKVCache.routing``) prefill and decode write each token's experts beside its K and V, in its block
@@ -28,16 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridflow.engine.ops.packing import to_device
 from hybridflow.engine.rollout import blocks
 from hybridflow.engine.rollout.binding import WeightBinding
 from hybridflow.engine.rollout.blocks import ActQuant, KSplits, LayerDims, LayerWeights
-from hybridflow.engine.rollout.kv_cache import KVCache, write_kv
-from hybridflow.engine.rollout.paged_forward import PagedForward, Sink
+from hybridflow.engine.rollout.forward import PagedForward, Sink
 from hybridflow.engine.rollout.support import check_structure, check_supported, text_base
 from hybridflow.engine.rollout.tp import RolloutTP
 from hybridflow.engine.rollout.weights import local_tensor
-from hybridflow.models.family import family_of
 from hybridflow.models.moe import grouped_experts, router_spec
 from hybridflow.models.vision import is_vision_language, text_config
 
@@ -60,7 +58,7 @@ def _decode_kernel_available() -> bool:
 
 
 class LlamaRunner(PagedForward):
-    """Prefill and decode for a Llama-family HF causal LM, on its own parameters, with a slot KV cache.
+    """Prefill and decode for a Llama-family HF causal LM, on its own parameters, over a paged KV cache.
 
     Weights: when a parameter already has the generation ``dtype`` the runner uses the parameter's tensor
     itself (zero copies). Otherwise it casts into buffers made once here; q/k/v and gate/up are then fused
@@ -92,11 +90,6 @@ class LlamaRunner(PagedForward):
         # M-RoPE's (time, height, width) split of the rotary pairs: prefill picks each pair's row of the
         # (3, b, t) positions; decode is plain RoPE at index + delta.
         self.mrope_section = list(rope["mrope_section"]) if self.visual is not None else None
-        # A Mistral window is harmless only while no cached sequence is longer than it (check_supported).
-        family = family_of(config)
-        self.max_cache_len = (
-            getattr(config, "sliding_window", None) if family and family.sliding_window else None
-        )
         self.config = config
         self._model = hf_model
         self.num_layers = config.num_hidden_layers
@@ -116,8 +109,7 @@ class LlamaRunner(PagedForward):
         # False: prefill/decode return logits in the compute dtype, for a consumer that upcasts as it reads
         # (the rollout engine's fused sampler); saves a float32 copy of (B, V) per step.
         self.float_logits = True
-        self._prefill_layers = self._prefill_hidden  # compile_prefill() swaps in a compiled one
-        self._prefill_paged_layers = self._prefill_paged_hidden  # and this one
+        self._prefill_paged_layers = self._prefill_paged_hidden  # compile_prefill() swaps in a compiled one
         self.dims = LayerDims(
             self.num_heads,
             self.num_kv_heads,
@@ -197,8 +189,8 @@ class LlamaRunner(PagedForward):
     def decode_attention(self) -> str:
         """Decode attention backend: "triton" (the split-K kernel, reads each row up to its position) or "sdpa".
 
-        "sdpa" is masked SDPA over the whole slot (CPU, float32, or no triton). Settable, so benchmarks and
-        tests can compare the two on one runner.
+        "sdpa" gathers each row's blocks and runs masked SDPA over them (CPU, float32, or no triton). Settable,
+        so benchmarks and tests can compare the two on one runner.
         """
         return self._decode_attention
 
@@ -220,16 +212,6 @@ class LlamaRunner(PagedForward):
         # Built here, not in the traced decode: dynamo (torch 2.11) cannot trace dataclasses.replace.
         self._decode_dims = dataclasses.replace(self.dims, k_splits=value)
 
-    def make_cache(self, num_slots: int, max_len: int) -> KVCache:
-        """Allocate a KV cache shaped for this model, in the runner's dtype and device."""
-        return KVCache(
-            self.num_layers, num_slots, max_len, self.num_kv_heads, self.head_dim, self.dtype, self.device
-        )
-
-    def cache_bytes_per_token(self) -> int:
-        """KV-cache bytes per cached token for this model (sizing by a memory fraction)."""
-        return KVCache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
-
     # ---- forward -------------------------------------------------------------------------------------
 
     def compile_prefill(self, backend: str | Callable = "inductor") -> None:
@@ -240,7 +222,6 @@ class LlamaRunner(PagedForward):
         recompiles with dynamic sizes, and later shapes reuse it. Decode is not affected (the engine compiles
         the whole decode step instead).
         """
-        self._prefill_layers = torch.compile(self._prefill_hidden, fullgraph=True, backend=backend)
         self._prefill_paged_layers = torch.compile(
             self._prefill_paged_hidden, fullgraph=True, backend=backend
         )
@@ -305,155 +286,9 @@ class LlamaRunner(PagedForward):
                 sink(w.moe.index, ids)
         return h
 
-    def _prefill_hidden(
-        self,
-        input_ids: torch.Tensor,  # (b, t)
-        positions: torch.Tensor,  # (b, t)
-        rows: torch.Tensor,  # (n,) with cols: the valid tokens
-        cols: torch.Tensor,  # (n,)
-        slots: torch.Tensor,  # (b,)
-        kv_storage: torch.Tensor,  # (layers, 2, S, KVH, L, D)
-        kv_end: int | None,
-    ) -> torch.Tensor:
-        """Prefill's layers: hidden (b, t, hidden), each layer's K/V of the valid tokens written to the cache.
-
-        ``kv_end=None``: a fresh chunk. Right padding only appends keys after every valid query, so plain
-        causal attention on the chunk is exact for the valid rows (and lets SDPA use its flash kernel).
-        Otherwise the chunk continues a chunked prefill: it attends to its slot's cached positions below
-        ``kv_end``, key position <= query position.
-        """
-        write_slots, write_pos = slots[rows], positions[rows, cols]  # (n,)
-        mask = None
-        if kv_end is not None:
-            mask = (
-                torch.arange(kv_end, device=positions.device) <= positions[:, None, :, None]
-            )  # (b, 1, t, kv_end)
-
-        def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            k_valid, v_valid = k[rows, :, cols], v[rows, :, cols]  # (n, KVH, D)
-            write_kv(k_valid, v_valid, kv_storage, idx, write_slots, write_pos)
-            if mask is None:
-                return F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True
-                )
-            keys = kv_storage[idx, 0][slots, :, :kv_end]  # (b, KVH, kv_end, D)
-            values = kv_storage[idx, 1][slots, :, :kv_end]
-            return F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
-            )
-
-        return self._forward(input_ids, positions, attend)
-
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on (b, hidden) -> logits (b, V): float32, or the compute dtype (float_logits)."""
         logits = F.linear(blocks.rms_norm(h, self.norm, self.eps), self.lm_head)  # (b, V) or (b, V / tp)
         if self.tp is not None:
             logits = self.tp.gather_logits(logits)  # (b, V), identical on every rank of the group
         return logits.float() if self.float_logits else logits
-
-    def _check_cache(self, cache: KVCache) -> None:
-        if not cache.is_allocated:
-            raise ValueError("the KV cache was freed; allocate a new one (runner.make_cache)")
-        if self.max_cache_len is not None and cache.max_len > self.max_cache_len:
-            raise ValueError(
-                f"KV cache length {cache.max_len} exceeds this model's limit of {self.max_cache_len}"
-            )
-        want = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
-        got = (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype)
-        if got != want:
-            raise ValueError(
-                f"KV cache (layers, kv heads, head dim, dtype) {got} does not match the model's {want}"
-            )
-
-    @torch.no_grad()
-    def prefill(
-        self,
-        input_ids: torch.Tensor,
-        lengths: torch.Tensor,
-        slots: torch.Tensor,
-        start_pos: torch.Tensor,
-        cache: KVCache,
-    ) -> torch.Tensor:
-        """Run right-padded chunks (b, t) into cache ``slots`` at ``start_pos``; return last-token logits (b, V).
-
-        Row i's valid tokens ``input_ids[i, :lengths[i]]`` sit at positions start_pos[i] + j. Their K/V are
-        written into the slot; a chunk with start_pos > 0 continues a chunked prefill and attends to its
-        slot's cached prefix as well as causally to itself. Logits are float32 (the compute dtype when
-        ``float_logits`` is False). Not graph-captured. ``lengths``, ``slots`` and ``start_pos`` are checked and
-        indexed on the host: pass them as CPU tensors and the call never waits for the GPU (device tensors
-        cost a sync). Host tensors go up through pinned memory without blocking (a plain ``.to("cuda")``
-        synchronises the stream), so the host queues the next chunk while the GPU still runs this one.
-        """
-        self._check_cache(cache)
-        b, t = input_ids.shape
-        host = [x.detach().to("cpu", torch.long) for x in (lengths, slots, start_pos)]
-        lens, slot_list, starts = (x.tolist() for x in host)
-        if any(n < 1 or n > t for n in lens) or any(s < 0 for s in starts):
-            raise ValueError(f"prefill lengths must be in [1, {t}] and start_pos >= 0; got {lens}, {starts}")
-        kv_end = max(s + n for s, n in zip(starts, lens))
-        if kv_end > cache.max_len:
-            raise ValueError(f"prefill reaches position {kv_end} beyond the cache length {cache.max_len}")
-        if len(set(slot_list)) != b or not all(0 <= s < cache.num_slots for s in slot_list):
-            raise ValueError(f"prefill slots must be distinct and in [0, {cache.num_slots}); got {slot_list}")
-
-        valid = torch.arange(t)[None] < host[0][:, None]  # (b, t) on the host
-        rows, cols = (to_device(x, self.device) for x in valid.nonzero(as_tuple=True))  # (n,) valid tokens
-        lengths, slots, start_pos = (to_device(x, self.device) for x in host)
-        positions = start_pos[:, None] + torch.arange(t, device=self.device)  # (b, t)
-        kv_bound = None if not any(starts) else kv_end
-        h = self._prefill_layers(
-            to_device(input_ids, self.device), positions, rows, cols, slots, cache.storage, kv_bound
-        )  # (b, t, hidden)
-        last = h[torch.arange(b, device=self.device), lengths - 1]  # (b, hidden)
-        return self._logits(last)
-
-    @torch.no_grad()
-    def decode(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int | None = None
-    ) -> torch.Tensor:
-        """One decode step for the sequences in cache slots 0..B-1; returns logits (B, V) (see ``_logits``).
-
-        Token b is written at ``positions[b]`` of slot b and attends to positions <= positions[b]. Shapes
-        depend only on B and ``kv_len`` (default: the cache length; for the SDPA backend a smaller bound that
-        exceeds every position reads less of the cache, while the Triton kernel always reads each row only
-        up to its position), with no host sync or value-dependent branch: CUDA-graph safe.
-        """
-        self._check_cache(cache)
-        batch = input_ids.shape[0]
-        kv_len = cache.max_len if kv_len is None else kv_len
-        if batch > cache.num_slots or not 0 < kv_len <= cache.max_len:
-            raise ValueError(
-                f"decode batch {batch} must be <= {cache.num_slots} slots, kv_len {kv_len} in [1, {cache.max_len}]"
-            )
-        if self._decode_attention == "triton":
-            # One Triton kernel per layer applies RoPE to q and k, writes k and v into the slot at positions[b],
-            # and attends up to it. The registered op, looked up on torch.ops (the setter imported its module):
-            # under torch.compile dynamo records one opaque call and never traces into the Triton launch.
-            kernel = torch.ops.hybridflow.decode_attention_rope.default
-            cos, sin = (t[:, 0, 0] for t in self._rope_tables(positions[:, None]))  # (B, D) each
-
-            def fused(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                return kernel(q, k, v, cos, sin, cache.storage, idx, positions, self.scaling)
-
-            h = self._forward(input_ids[:, None], positions[:, None], fused, False, self._decode_dims)
-            return self._logits(h[:, 0])  # (B, V)
-
-        slot_ids = torch.arange(batch, device=self.device)  # (B,)
-        mask = (torch.arange(kv_len, device=self.device) <= positions[:, None])[
-            :, None, None, :
-        ]  # (B, 1, 1, L)
-
-        def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            # Through the op on the whole cache tensor, as prefill: compiled, views of it as mutated
-            # arguments would make inductor clone the storage.
-            write_kv(k[:, :, 0], v[:, :, 0], cache.storage, idx, slot_ids, positions)  # (B, KVH, D) each
-            keys = cache.storage[idx, 0, :batch, :, :kv_len]  # (B, KVH, L, D)
-            values = cache.storage[idx, 1, :batch, :, :kv_len]
-            return F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
-            )
-
-        h = self._forward(
-            input_ids[:, None], positions[:, None], attend, True, self._decode_dims
-        )  # (B, 1, hidden)
-        return self._logits(h[:, 0])

@@ -21,7 +21,7 @@ import torch
 
 from hybridflow.engine.ops.packing import to_device
 from hybridflow.engine.rollout.decode_loop import Sampler
-from hybridflow.engine.rollout.paged_cache import PagedKVCache
+from hybridflow.engine.rollout.kv_cache import PagedKVCache
 from hybridflow.engine.rollout.state import REASONS, DecodeState
 
 # decode(ids (B,), positions (B,), cache, tables (B, W), live (B,) or None) -> logits (B, V)

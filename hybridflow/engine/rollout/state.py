@@ -1,4 +1,4 @@
-"""Per-slot decoding state kept on the device, so a decode step needs no host synchronisation."""
+"""Per-seat decoding state kept on the device, so a decode step needs no host synchronisation."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def _member(tokens: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 class DecodeState:
-    """Tensors indexed by cache slot: the token to feed next, its position, and the tokens generated so far.
+    """Tensors indexed by seat (``seats.Seats``): the token to feed next, its position, and the tokens generated
+    so far.
 
     Output buffers have one spare column (index ``max_new``): a finished sequence that keeps riding along in
     the decode batch until the next host sync writes there, so it never overwrites its real tokens.
@@ -42,10 +43,6 @@ class DecodeState:
         self.eos_ids = torch.tensor(eos_ids, dtype=torch.long, device=device)
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
         self._rows = torch.arange(num_slots, device=device)
-
-    def start(self, slots: torch.Tensor, prompt_len: torch.Tensor, max_len: int) -> None:
-        """Reset ``slots`` for new sequences whose prompts (``prompt_len`` tokens) are in the cache."""
-        self.begin(slots, prompt_len, torch.clamp(max_len - prompt_len, max=self.max_new))
 
     def begin(
         self,
@@ -93,15 +90,15 @@ class DecodeState:
         self.reason[idx] = reason
         self.done[idx] |= is_eos | is_stop | at_limit
         self.last_token[idx] = tokens
-        if advance:  # a finished row stops, so it never writes past its slot's cache length
+        if advance:  # a finished row stops, so it never writes past the positions reserved for it
             self.position[idx] += ~self.done[idx] & active
 
     def park(self, first_free: int) -> None:
-        """Mark slots from ``first_free`` on as done, so padding rows of a graphed step stay inert."""
+        """Mark seats from ``first_free`` on as done, so padding rows of a graphed step stay inert."""
         self.done[first_free:] = True
 
     def move(self, src: int, dst: int) -> None:
-        """Copy slot ``src``'s state into slot ``dst`` (slot compaction)."""
+        """Copy seat ``src``'s state into seat ``dst`` (the last seat moving into a freed one)."""
         for t in (
             self.last_token,
             self.position,

@@ -18,11 +18,11 @@ class GenerationStats:
     image_prefills: int = 0  # sequences whose images went through the vision tower (once per prompt group)
     decode_steps: int = 0
     decode_tokens: int = 0  # tokens the decode steps produced and kept (each sample's first is prefill's)
-    slots: int = 0  # KV-cache slots: sequences decoded at once (fewer than the samples means waves)
+    slots: int = 0  # seats: the most sequences that may decode at once (rollout.max_num_seqs, or the work)
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    # The paged engine's (0 from the slot engine): the pool's peak fraction in use, sequences decoding per
-    # round, full prompt blocks found cached, sequences preempted for want of blocks.
+    # The scheduler's: the pool's peak fraction in use, sequences decoding per round, full prompt blocks found
+    # cached, sequences preempted for want of blocks.
     kv_blocks_used: float = 0.0
     concurrent_seqs_mean: float = 0.0
     concurrent_seqs_peak: float = 0.0

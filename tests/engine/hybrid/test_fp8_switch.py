@@ -15,6 +15,7 @@ import copy
 import pytest
 import torch
 from dist_util import run_world_kept
+from row_cache import RowCache
 
 from hybridflow.engine.ops.fp8 import quantise_rows
 from hybridflow.engine.parallel.layout import layouts
@@ -79,8 +80,7 @@ def switch(rank: int, arch: str, tp: int) -> dict:
     if tp == 1:  # the runner on the FP8 replica against the full-precision model (its -0.5 weights)
         ids = torch.tensor([[3, 4, 5, 9, 11, 2]])
         runner = LlamaRunner(weights.module)
-        lengths, zero = torch.tensor([6]), torch.tensor([0])
-        out["logits"] = runner.prefill(ids, lengths, zero, zero, runner.make_cache(1, 8))
+        out["logits"] = RowCache(runner, 1, 8).prefill(ids, torch.tensor([6]))
         with torch.no_grad():
             for p in lm.parameters():
                 p.mul_(-0.5)

@@ -7,6 +7,7 @@ import copy
 
 import torch
 from dist_util import run_world_kept as run_world
+from row_cache import RowCache
 
 from hybridflow.models import build_tiny_model
 
@@ -45,13 +46,10 @@ def round_trip(rank: int, hybrid: bool) -> dict:
             p.to_local().mul_(2.0)
     weights.sync(sharded)
     second = weights.module.state_dict()
-    cache = runner.make_cache(1, 8)
     ids, one = torch.tensor([[3, 4, 5]]), torch.tensor([3])
     moved = runner.refresh()  # the storages were re-allocated in place: the bindings still hold
-    logits = runner.prefill(ids, one, torch.tensor([0]), torch.tensor([0]), cache)
-    fresh = LlamaRunner(weights.module).prefill(
-        ids, one, torch.tensor([0]), torch.tensor([0]), runner.make_cache(1, 8)
-    )
+    logits = RowCache(runner, 1, 8).prefill(ids, one)
+    fresh = RowCache(LlamaRunner(weights.module), 1, 8).prefill(ids, one)
     return {
         "first": first,
         "second": {k: v.clone() for k, v in second.items()},

@@ -19,7 +19,7 @@ def switch_twice(rank: int, freeze: bool) -> dict:
     from hybridflow.engine.hybrid.switch import RolloutShard
     from hybridflow.engine.parallel.fsdp import shard_model
     from hybridflow.engine.parallel.view import GenerateView
-    from hybridflow.engine.rollout.paged_engine import PagedEngine
+    from hybridflow.engine.rollout.engine import PagedEngine
     from hybridflow.engine.rollout.sampling import SamplingParams
 
     if not dist.is_initialized():

@@ -14,7 +14,7 @@ from test_engine import PROMPTS, lively_model
 from test_partial_rollout import token_logprobs
 
 from hybridflow.engine.rollout.agent_loop import AgentLoop, Episode, LoopLimits, ToolTurn
-from hybridflow.engine.rollout.paged_engine import PagedEngine
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.models.tiny import build_tiny_model
 

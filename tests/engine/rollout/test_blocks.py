@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from row_cache import RowCache
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridflow.engine.rollout.blocks import KSplits, split_linear
@@ -61,19 +62,18 @@ def test_runner_decode_with_split_projections_equals_cublas_path(k_splits: KSpli
     runner = LlamaRunner(model.eval(), dtype=torch.float64)
     assert len(runner.layers[0].qkv) == 1 and len(runner.layers[0].gate_up) == 1
     assert runner.config.intermediate_size % 4 == 0  # else split_linear falls back to F.linear
-    caches = [runner.make_cache(2, 16) for _ in range(3)]
-    ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 5]])
-    lens, slots, starts = torch.tensor([4, 2]), torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long)
+    caches = [RowCache(runner, 2, 16) for _ in range(3)]
+    ids, lens = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 5]]), torch.tensor([4, 2])
     for cache in caches:
-        runner.prefill(ids, lens, slots, starts, cache)
-    token = torch.tensor([10, 11])
-    want = runner.decode(token, lens, caches[0])
+        cache.prefill(ids, lens)
+    token, tables = torch.tensor([10, 11]), caches[0].tables  # the same layout in every cache
+    want = caches[0].decode(token, lens)
     runner.k_splits = k_splits
     with BmmCount() as bmm:
-        got = runner.decode(token, lens, caches[1])
+        got = caches[1].decode(token, lens)
     torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
     split_groups = sum(n > 1 for n in dataclasses.astuple(k_splits))
     assert bmm.calls == split_groups * runner.num_layers  # every split group took the batched path
     # traced whole, as the compiled engine runs it (aot_eager functionalizes as inductor does)
-    compiled = torch.compile(runner.decode, fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(compiled(token, lens, caches[2]), want, atol=1e-10, rtol=0)
+    compiled = torch.compile(runner.decode_paged, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(token, lens, caches[2].cache, tables), want, atol=1e-10, rtol=0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from row_cache import RowCache
 from triton_util import needs_kernels
 
 from hybridflow.engine.rollout import decode_attention as da
@@ -22,7 +23,7 @@ needs_kernel = needs_kernels(da)
 
 
 def _case(batch: int, group: int, kv_heads: int, length: int, dim: int, dtype: torch.dtype, seed: int = 0):
-    """Random q (B, H, 1, D), caches with two spare slots (S, KVH, L, D) and ragged positions (B,)."""
+    """Random q (B, H, 1, D), dense caches with two spare rows (S, KVH, L, D) and ragged positions (B,)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, kv_heads * group, 1, dim, generator=gen)
     k = torch.randn(batch + 2, kv_heads, length, dim, generator=gen)
@@ -33,7 +34,7 @@ def _case(batch: int, group: int, kv_heads: int, length: int, dim: int, dtype: t
 
 
 def _poison(cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """A copy with NaN at every position a row must not read (past its position, spare slots)."""
+    """A copy with NaN at every position a row must not read (past its position, spare rows)."""
     out = cache.clone()
     batch, length = positions.shape[0], cache.shape[2]
     beyond = torch.arange(length, device=cache.device) > positions[:, None]  # (B, L)
@@ -122,29 +123,21 @@ def test_fused_kernel_applies_rope_writes_the_cache_and_attends(dtype: torch.dty
 
 
 @needs_kernel
-def test_custom_op_passes_opcheck_and_compiles_fullgraph() -> None:
-    (q, k, v), positions = _case(3, 2, 2, 20, 32, torch.float16 if DEVICE == "cuda" else torch.float32)
-    op = torch.ops.hybridflow.decode_attention.default
-    torch.library.opcheck(op, (q, k, v, positions, 0.3))
-
-    def step(q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return op(q * 2, k, v, positions, 0.3) + 1
-
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")  # dynamo must not trace the launch
-    torch.testing.assert_close(compiled(q, positions), step(q, positions))
-
-
-@needs_kernel
-def test_fused_op_mutates_only_the_cache_and_compiles_fullgraph() -> None:
+def test_fused_paged_op_mutates_only_the_cache_and_compiles_fullgraph() -> None:
     dtype = torch.float16 if DEVICE == "cuda" else torch.float32
     (q, _, _), positions = _case(3, 2, 2, 20, 32, dtype, seed=5)
     new = _new_token(3, 2, 32, dtype, seed=6)
-    storage = torch.randn(2, 2, 5, 2, 20, 32, generator=torch.Generator().manual_seed(7)).to(DEVICE, dtype)
-    op = torch.ops.hybridflow.decode_attention_rope.default
-    torch.library.opcheck(op, (q, *new, storage.clone(), 1, positions, 0.3))  # declared mutation = actual
+    # (layers, 2, blocks, KVH, block size, D): each row owns 5 blocks of 4 positions, block 0 is scratch
+    gen = torch.Generator().manual_seed(7)
+    storage = torch.randn(2, 2, 16, 2, 4, 32, generator=gen).to(DEVICE, dtype)
+    tables = (torch.randperm(15, generator=gen).view(3, 5) + 1).to(DEVICE)
+    op = torch.ops.hybridflow.decode_attention_rope_paged.default
+    torch.library.opcheck(
+        op, (q, *new, storage.clone(), 1, positions, tables, 0.3)
+    )  # declared mutation = actual
 
     def step(q: torch.Tensor, storage: torch.Tensor) -> torch.Tensor:
-        return op(q * 2, *new, storage, 1, positions, 0.3) + 1
+        return op(q * 2, *new, storage, 1, positions, tables, 0.3) + 1
 
     eager_storage, compiled_storage = storage.clone(), storage.clone()
     want = step(q, eager_storage)
@@ -183,16 +176,10 @@ def test_runner_decode_with_the_kernel_equals_sdpa(arch: str) -> None:
     logits = {}
     for backend in ("sdpa", "triton"):
         runner.decode_attention = backend
-        cache = runner.make_cache(4, 24)
-        runner.prefill(
-            ids,
-            lengths,
-            torch.arange(3, device=DEVICE),
-            torch.zeros(3, dtype=torch.long, device=DEVICE),
-            cache,
-        )
+        rows = RowCache(runner, 3, 24)
+        rows.prefill(ids, lengths)
         token = torch.tensor([5, 6, 7], device=DEVICE)
-        logits[backend] = [runner.decode(token, lengths, cache), runner.decode(token, lengths + 1, cache, 16)]
+        logits[backend] = [rows.decode(token, lengths), rows.decode(token, lengths + 1)]
     tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     for got, want in zip(logits["triton"], logits["sdpa"]):
         torch.testing.assert_close(got, want, **tol)
@@ -206,13 +193,13 @@ def test_kernel_on_gpu_matches_reference_and_sdpa_in_bf16_and_in_a_graph() -> No
     ref = da.decode_attention_reference(q, k, v, positions, 0.125)
     mask = (torch.arange(640, device="cuda") <= positions[:, None])[:, None, None, :]
     sdpa = F.scaled_dot_product_attention(q, k[:64], v[:64], attn_mask=mask, scale=0.125, enable_gqa=True)
-    got = da.decode_attention(q, _poison(k, positions), _poison(v, positions), positions, 0.125)
+    got = da.decode_attention_triton(q, _poison(k, positions), _poison(v, positions), positions, 0.125)
     assert (got.float() - ref.float()).abs().max().item() < 2e-2
     assert (got.float() - sdpa.float()).abs().max().item() < 2e-2
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
-        captured = da.decode_attention(q, k, v, positions, 0.125)
+        captured = da.decode_attention_triton(q, k, v, positions, 0.125)
     positions.copy_(positions.flip(0))  # new values, same tensor: the replay must follow them
     graph.replay()
     torch.testing.assert_close(

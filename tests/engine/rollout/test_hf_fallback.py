@@ -70,7 +70,7 @@ def test_seeded_generate_on_cuda_leaves_cpu_and_cuda_rng_states_untouched() -> N
 def test_each_response_stops_at_the_position_limit_as_in_the_built_in_engine() -> None:
     # Regression: HF generate ran every prompt max_new_tokens past the longest one and a GPT-2 died with an
     # IndexError at its last learned position. Caps are per prompt, as the built-in engine's.
-    from hybridflow.engine.rollout.engine import RolloutEngine
+    from hybridflow.engine.rollout.engine import PagedEngine
 
     model = build_tiny_model(
         "qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=1, max_position_embeddings=24
@@ -80,7 +80,7 @@ def test_each_response_stops_at_the_position_limit_as_in_the_built_in_engine() -
     assert response_caps(prompts, 6, position_limit(model)) == [4, 6, 6, 3]
     assert response_caps(prompts, 6, position_limit(model, max_model_len=22)) == [2, 6, 6, 1]
     hf = hf_generate(model, prompts, params)
-    native = RolloutEngine(model).generate(prompts, params)
+    native = PagedEngine(model, block_size=4).generate(prompts, params)
     for got, want in zip(hf, native):
         assert [len(s.token_ids) for s in got] == [len(s.token_ids) for s in want]
         assert all(s.finish_reason == "length" for s in got)

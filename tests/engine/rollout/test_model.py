@@ -1,15 +1,14 @@
-"""The Llama-family runner and the slot KV cache against HF forward / generate on tiny float32 models."""
+"""The Llama-family runner and its paged KV cache against HF forward / generate on tiny float32 models."""
 
 from __future__ import annotations
 
 import copy
 import functools
-import gc
-import weakref
 
 import pytest
 import torch
 from dist_util import run_world_kept as run_world
+from row_cache import RowCache
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -24,10 +23,12 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from hybridflow.engine.rollout.kv_cache import KVCache
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.model import LlamaRunner
+from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.support import check_supported, supports
 from hybridflow.models import build_tiny_model
+from hybridflow.utils.errors import UserError
 
 VOCAB = 96
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
@@ -101,43 +102,44 @@ def longs(*values: int) -> torch.Tensor:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefill_logits_match_hf_forward(arch: str) -> None:
     model = tiny(arch)
-    runner = LlamaRunner(model)
-    cache = runner.make_cache(num_slots=4, max_len=32)
+    rows = RowCache(LlamaRunner(model), rows=4, max_len=32)
     seqs = prompts([9, 5, 1, 20])
     ids, lengths = right_pad(seqs)
-    slots = longs(2, 0, 3, 1)
-    logits = runner.prefill(ids, lengths, slots, longs(0, 0, 0, 0), cache)
+    order = [2, 0, 3, 1]  # the call's rows go to other rows of the cache
+    logits = rows.prefill(ids, lengths, order)
     assert logits.dtype == torch.float32 and logits.shape == (4, VOCAB)
     for i, seq in enumerate(seqs):
         torch.testing.assert_close(logits[i], hf_last_logits(model, seq), atol=1e-4, rtol=0)
-    # Only valid positions were written: the rest of each slot is still the zeros it was allocated with.
-    for i, slot in enumerate(slots.tolist()):
+    # Only valid positions were written: the rest of each row is still the zeros it was allocated with.
+    for i, row in enumerate(order):
         n = int(lengths[i])
-        assert cache.k[0][slot, :, :n].abs().sum() > 0 and cache.v[-1][slot, :, :n].abs().sum() > 0
-        assert not cache.k[0][slot, :, n:].any() and not cache.v[-1][slot, :, n:].any()
+        (k, _), (_, v) = rows.kv(0, row), rows.kv(rows.runner.num_layers - 1, row)
+        assert k[:n].abs().sum() > 0 and v[:n].abs().sum() > 0
+        assert not k[n:].any() and not v[n:].any()
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3_rope"])
 def test_prefill_in_two_chunks_equals_one_chunk(arch: str) -> None:
     runner = LlamaRunner(tiny(arch))
     seqs = prompts([12, 9], seed=1)
-    whole = runner.make_cache(2, 24)
+    whole = RowCache(runner, 2, 24)
     ids, lengths = right_pad(seqs)
-    one = runner.prefill(ids, lengths, longs(0, 1), longs(0, 0), whole)
+    one = whole.prefill(ids, lengths)
 
-    chunked = runner.make_cache(2, 24)
+    chunked = RowCache(runner, 2, 24)
     # First chunks of 5 and 9 (the second prompt is complete after it), then the rest of the first prompt
     # together with nothing else; then both again in one mixed call: a continuation row and a fresh row.
-    runner.prefill(*right_pad([seqs[0][:5], seqs[1]]), longs(0, 1), longs(0, 0), chunked)
-    rest = runner.prefill(*right_pad([seqs[0][5:]]), longs(0), longs(5), chunked)
+    chunked.prefill(*right_pad([seqs[0][:5], seqs[1]]))
+    rest = chunked.prefill(*right_pad([seqs[0][5:]]), [0], [5])
     torch.testing.assert_close(rest[0], one[0], atol=1e-5, rtol=0)
     for layer in range(runner.num_layers):
-        torch.testing.assert_close(chunked.k[layer][:, :, :12], whole.k[layer][:, :, :12], atol=1e-5, rtol=0)
-        torch.testing.assert_close(chunked.v[layer][:, :, :12], whole.v[layer][:, :, :12], atol=1e-5, rtol=0)
+        for row, n in ((0, 12), (1, 9)):
+            for got, want in zip(chunked.kv(layer, row), whole.kv(layer, row)):
+                torch.testing.assert_close(got[:n], want[:n], atol=1e-5, rtol=0)
 
-    mixed = runner.make_cache(3, 24)
-    runner.prefill(*right_pad([seqs[0][:7]]), longs(2), longs(0), mixed)
-    both = runner.prefill(*right_pad([seqs[0][7:], seqs[1]]), longs(2, 0), longs(7, 0), mixed)
+    mixed = RowCache(runner, 3, 24)
+    mixed.prefill(*right_pad([seqs[0][:7]]), [2])
+    both = mixed.prefill(*right_pad([seqs[0][7:], seqs[1]]), [2, 0], [7, 0])
     torch.testing.assert_close(both, one, atol=1e-5, rtol=0)
 
 
@@ -155,46 +157,44 @@ def test_compiled_prefill_equals_eager_and_settles_on_dynamic_shapes(arch: str) 
     compiled.compile_prefill(backend=backend)
     for n, lengths in enumerate(([9, 5, 1, 20], [3, 7], [11, 2, 6])):
         ids, lens = right_pad(prompts(lengths, seed=n))
-        slots, starts = torch.arange(len(lengths)), torch.zeros(len(lengths), dtype=torch.long)
-        caches = [r.make_cache(len(lengths), 24) for r in (eager, compiled)]
-        want = eager.prefill(ids, lens, slots, starts, caches[0])
-        torch.testing.assert_close(
-            compiled.prefill(ids, lens, slots, starts, caches[1]), want, atol=1e-5, rtol=0
-        )
-        torch.testing.assert_close(caches[1].k[-1], caches[0].k[-1], atol=1e-5, rtol=0)
+        caches = [RowCache(r, len(lengths), 24) for r in (eager, compiled)]
+        want = caches[0].prefill(ids, lens)
+        torch.testing.assert_close(caches[1].prefill(ids, lens), want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(caches[1].cache.storage, caches[0].cache.storage, atol=1e-5, rtol=0)
         # One graph for all layers: static for the first shape, dynamic for the second, reused by the third.
         assert len(graphs) == (1 if n == 0 else 2)
-    # Chunked prefill: the continuation attends to its slot's cached prefix (the other graph variant).
+    # Chunked prefill: the continuation attends to its row's cached prefix (the other graph variant).
     seqs = prompts([13, 4], seed=7)
-    caches = [r.make_cache(3, 24) for r in (eager, compiled)]
+    caches = [RowCache(r, 3, 24) for r in (eager, compiled)]
     outs = []
-    for runner, cache in zip((eager, compiled), caches):
-        runner.prefill(*right_pad([seqs[0][:8], seqs[1]]), longs(2, 0), longs(0, 0), cache)
-        outs.append(runner.prefill(*right_pad([seqs[0][8:]]), longs(2), longs(8), cache))
+    for cache in caches:
+        cache.prefill(*right_pad([seqs[0][:8], seqs[1]]), [2, 0])
+        outs.append(cache.prefill(*right_pad([seqs[0][8:]]), [2], [8]))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=0)
-    torch.testing.assert_close(caches[1].storage, caches[0].storage, atol=1e-5, rtol=0)
+    torch.testing.assert_close(caches[1].cache.storage, caches[0].cache.storage, atol=1e-5, rtol=0)
 
 
 def test_compiled_sdpa_decode_equals_eager_and_writes_the_callers_cache() -> None:
-    # aot_eager functionalizes the graph as inductor does: the write_kv op must reach the cache tensor
-    # the caller holds, and the step must trace whole (fullgraph).
+    # aot_eager functionalizes the graph as inductor does: the cache write must reach the cache tensor the
+    # caller holds, and the step must trace whole (fullgraph).
     runner = LlamaRunner(tiny("qwen2"))
     ids, lens = right_pad(prompts([6, 3], seed=4))
-    caches = [runner.make_cache(2, 16) for _ in range(2)]
+    caches = [RowCache(runner, 2, 16) for _ in range(2)]
     for cache in caches:
-        runner.prefill(ids, lens, longs(0, 1), longs(0, 0), cache)
-    compiled = torch.compile(runner.decode, fullgraph=True, backend="aot_eager")
+        cache.prefill(ids, lens)
+    tables = caches[0].tables.clone()  # the same layout in both caches
+    compiled = torch.compile(runner.decode_paged, fullgraph=True, backend="aot_eager")
     token = longs(3, 4)
-    want = runner.decode(token, lens, caches[0])
-    torch.testing.assert_close(compiled(token, lens, caches[1]), want, atol=1e-6, rtol=0)
-    torch.testing.assert_close(caches[1].storage, caches[0].storage, atol=1e-6, rtol=0)
-    assert caches[1].storage[:, :, 1, :, 3].abs().sum() > 0  # the step's k/v landed at position 3 of slot 1
+    want = runner.decode_paged(token, lens, caches[0].cache, tables)
+    torch.testing.assert_close(compiled(token, lens, caches[1].cache, tables), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(caches[1].cache.storage, caches[0].cache.storage, atol=1e-6, rtol=0)
+    k, _ = caches[1].kv(0, 1)
+    assert k[3].abs().sum() > 0  # the step's k/v landed at position 3 of row 1
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "llama3_rope"])
 def test_greedy_prefill_and_batched_decode_reproduce_hf_generate(arch: str) -> None:
     model = tiny(arch)
-    runner = LlamaRunner(model)
     steps = 10
     seqs = prompts([7, 3, 11], seed=2)
     expected = []
@@ -205,50 +205,17 @@ def test_greedy_prefill_and_batched_decode_reproduce_hf_generate(arch: str) -> N
         assert out.shape[1] == len(seq) + steps
         expected.append(out[0, len(seq) :].tolist())
 
-    cache = runner.make_cache(3, 32)
+    rows = RowCache(LlamaRunner(model), 3, 32)
     ids, lengths = right_pad(seqs)
-    logits = runner.prefill(ids, lengths, longs(0, 1, 2), longs(0, 0, 0), cache)
-    positions = lengths.clone()  # each slot continues at its own position
+    logits = rows.prefill(ids, lengths)
+    positions = lengths.clone()  # each row continues at its own position
     got = []
     for _ in range(steps):
         token = logits.argmax(-1)
         got.append(token)
-        logits = runner.decode(token, positions, cache)
+        logits = rows.decode(token, positions)
         positions += 1
     assert torch.stack(got, 1).tolist() == expected
-
-
-def test_decode_with_a_shorter_kv_len_equals_the_full_cache() -> None:
-    runner = LlamaRunner(tiny("llama"))
-    cache = runner.make_cache(2, 64)
-    ids, lengths = right_pad(prompts([6, 4], seed=3))
-    runner.prefill(ids, lengths, longs(0, 1), longs(0, 0), cache)
-    token = longs(3, 4)
-    full = runner.decode(token, lengths, cache)
-    short = runner.decode(token, lengths, cache, kv_len=8)  # rewrites the same K/V at the same positions
-    torch.testing.assert_close(short, full, atol=1e-6, rtol=0)
-
-
-def test_copy_slot_then_decode_from_both_slots_and_move_slot() -> None:
-    model = tiny("qwen2")
-    runner = LlamaRunner(model)
-    cache = runner.make_cache(4, 32)
-    (seq,) = prompts([8], seed=4)
-    runner.prefill(seq[None], longs(8), longs(0), longs(0), cache)
-    cache.copy_slot(0, [1, 2], length=8)
-    tokens, positions = longs(11, 11, 12), longs(8, 8, 8)
-    logits = runner.decode(tokens, positions, cache)
-    torch.testing.assert_close(logits[0], logits[1], atol=1e-6, rtol=0)
-    torch.testing.assert_close(
-        logits[2], hf_last_logits(model, torch.cat([seq, longs(12)])), atol=1e-4, rtol=0
-    )
-
-    # Compaction: slot 2's sequence (prompt + 12) moves to slot 0 and goes on from there alone.
-    cache.move_slot(2, 0, length=9)
-    nxt = runner.decode(longs(13), longs(9), cache)
-    torch.testing.assert_close(
-        nxt[0], hf_last_logits(model, torch.cat([seq, longs(12, 13)])), atol=1e-4, rtol=0
-    )
 
 
 # ---- weights: zero copy, cast buffers, refresh ----------------------------------------------------------
@@ -265,10 +232,10 @@ def test_same_dtype_binds_the_parameters_themselves() -> None:
     assert runner.lm_head is runner.embed  # tied embeddings are bound once
     assert len(runner.layers[0].qkv) == 3  # no fused copy on the zero-copy path
     ids = prompts([6], seed=5)[0][None]
-    before = runner.prefill(ids, longs(6), longs(0), longs(0), runner.make_cache(1, 8))
+    before = RowCache(runner, 1, 8).prefill(ids, longs(6))
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight.mul_(2.0)
-    after = runner.prefill(ids, longs(6), longs(0), longs(0), runner.make_cache(1, 8))
+    after = RowCache(runner, 1, 8).prefill(ids, longs(6))
     assert not torch.allclose(before, after)
     torch.testing.assert_close(after[0], hf_last_logits(model, ids[0]), atol=1e-4, rtol=0)
 
@@ -283,11 +250,11 @@ def test_bf16_cast_buffers_are_refreshed_in_place() -> None:
     assert len(runner.layers[0].qkv) == 1 and len(runner.layers[0].qkv_bias) == 1  # fused into the cast
 
     ids = prompts([10], seed=6)[0][None]
-    cache = runner.make_cache(1, 16)
-    assert cache.dtype == torch.bfloat16
+    cache = RowCache(runner, 1, 16)
+    assert cache.cache.storage.dtype == torch.bfloat16
 
     def run() -> torch.Tensor:
-        return runner.prefill(ids, longs(10), longs(0), longs(0), cache)
+        return cache.prefill(ids, longs(10))
 
     before = run()
     ref_bf16 = hf_last_logits(copy.deepcopy(model).to(torch.bfloat16), ids[0])
@@ -300,7 +267,7 @@ def test_bf16_cast_buffers_are_refreshed_in_place() -> None:
     assert runner.refresh() is False
     assert [t.data_ptr() for t in runner.weight_tensors()] == ptrs
     refreshed = run()
-    fresh = LlamaRunner(model, dtype=torch.bfloat16).prefill(ids, longs(10), longs(0), longs(0), cache)
+    fresh = RowCache(LlamaRunner(model, dtype=torch.bfloat16), 1, 16).prefill(ids, longs(10))
     torch.testing.assert_close(refreshed, fresh, atol=0, rtol=0)
     assert not torch.allclose(refreshed, before, atol=1e-2)
 
@@ -312,7 +279,7 @@ def test_refresh_rebinds_when_parameter_storage_moves() -> None:
     weight.data = weight.data * 3.0  # new storage, as an offload/reload round trip would give
     assert runner.refresh() is True
     ids = prompts([5], seed=7)[0][None]
-    got = runner.prefill(ids, longs(5), longs(0), longs(0), runner.make_cache(1, 8))
+    got = RowCache(runner, 1, 8).prefill(ids, longs(5))
     torch.testing.assert_close(got[0], hf_last_logits(model, ids[0]), atol=1e-4, rtol=0)
 
 
@@ -331,8 +298,7 @@ def _fsdp_world(rank: int) -> dict[str, float | bool]:
     same, cast = LlamaRunner(model), LlamaRunner(model, dtype=torch.bfloat16)
 
     def last(runner: LlamaRunner) -> torch.Tensor:
-        cache = runner.make_cache(2, 16)
-        return runner.prefill(ids, longs(9, 9), longs(0, 1), longs(0, 0), cache)
+        return RowCache(runner, 2, 16).prefill(ids, longs(9, 9))
 
     err_before = float((last(same) - ref).abs().max())
     # One training step through FSDP2 changes the sharded parameters in place.
@@ -360,56 +326,6 @@ def test_runner_reads_fsdp2_parameters_at_world_size_1() -> None:
     assert res["moved"] > 1e-3  # the step really changed the model
     assert res["err_after"] < 1e-4
     assert res["cast_vs_fresh"] == 0.0
-
-
-# ---- KV cache ---------------------------------------------------------------------------------------------
-
-
-def test_kv_cache_sizes() -> None:
-    assert (
-        KVCache.bytes_per_token(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
-        == 2 * 3 * 2 * 8 * 2
-    )
-    cache = KVCache(3, num_slots=4, max_len=10, num_kv_heads=2, head_dim=8, dtype=torch.float32)
-    assert cache.k[1].shape == (4, 2, 10, 8) and len(cache.v) == 3
-    assert cache.nbytes() == 4 * 10 * KVCache.bytes_per_token(3, 2, 8, torch.float32)
-    assert LlamaRunner(tiny("qwen3")).cache_bytes_per_token() == 2 * 2 * 2 * 16 * 4
-
-
-def test_copy_and_move_slot_touch_only_the_given_positions() -> None:
-    cache = KVCache(2, num_slots=4, max_len=6, num_kv_heads=1, head_dim=2)
-    for layer in range(2):
-        cache.k[layer].copy_(torch.randn(4, 1, 6, 2))
-        cache.v[layer].copy_(torch.randn(4, 1, 6, 2))
-    old_k = [k.clone() for k in cache.k]
-    old_v = [v.clone() for v in cache.v]
-    cache.copy_slot(0, [1, 3], length=4)
-    for layer in range(2):
-        for new, old in ((cache.k[layer], old_k[layer]), (cache.v[layer], old_v[layer])):
-            for dst in (1, 3):
-                assert torch.equal(new[dst, :, :4], old[0, :, :4])
-                assert torch.equal(new[dst, :, 4:], old[dst, :, 4:])
-            assert torch.equal(new[0], old[0]) and torch.equal(new[2], old[2])
-    cache.move_slot(2, 0)
-    assert torch.equal(cache.k[1][0], old_k[1][2]) and torch.equal(cache.v[0][0], old_v[0][2])
-    with pytest.raises(ValueError, match="out of range"):
-        cache.copy_slot(0, [4])
-    with pytest.raises(ValueError, match="equals the source"):
-        cache.copy_slot(1, [1])
-
-
-def test_free_drops_the_cache_tensors() -> None:
-    runner = LlamaRunner(tiny("qwen2"))
-    cache = runner.make_cache(2, 16)
-    view, base = weakref.ref(cache.k[0]), weakref.ref(cache.k[0]._base)
-    cache.free()
-    gc.collect()
-    assert view() is None and base() is None
-    assert cache.nbytes() == 0 and not cache.is_allocated
-    with pytest.raises(ValueError, match="freed"):
-        runner.decode(longs(1), longs(0), cache)
-    with pytest.raises(ValueError, match="freed"):
-        cache.copy_slot(0, [1])
 
 
 # ---- what the fast path refuses -------------------------------------------------------------------------
@@ -446,50 +362,44 @@ def test_supports_and_the_mistral_window_bound() -> None:
     assert not supports(windowed)
     with pytest.raises(ValueError, match="sliding window of 16"):
         LlamaRunner(windowed)
-    runner = LlamaRunner(windowed, max_len=16)
-    with pytest.raises(ValueError, match="exceeds this model's limit of 16"):
-        runner.prefill(longs(1, 2)[None], longs(2), longs(0), longs(0), runner.make_cache(1, 32))
+    with pytest.raises(ValueError, match="sliding window of 16"):
+        PagedEngine(windowed)
+    engine = PagedEngine(windowed, max_model_len=16, block_size=4)  # the engine keeps every sequence in it
+    with pytest.raises(UserError, match="within the context of 16 tokens"):
+        engine.add(list(range(1, 17)), SamplingParams(max_new_tokens=4))
+    params = SamplingParams(max_new_tokens=20, temperature=0.0, do_sample=False, ignore_eos=True)
+    ((out,),) = engine.generate([list(range(1, 11))], params)
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"  # 10 + 6 = the window
 
 
-# ---- GPU: CUDA-graph capture of decode, memory hand-back (run with ``pytest -m gpu``) -------------------
+# ---- GPU: CUDA-graph capture of decode (run with ``pytest -m gpu``) ---------------------------------------
 
 
 @pytest.mark.gpu
 def test_decode_replays_from_a_cuda_graph_without_host_syncs() -> None:
     model = copy.deepcopy(tiny("qwen3")).cuda()
     runner = LlamaRunner(model, dtype=torch.bfloat16)
-    cache = runner.make_cache(4, 32)
+    rows = RowCache(runner, 4, 32)
     ids, lengths = right_pad(prompts([7, 3, 11, 5], seed=8))
-    runner.prefill(ids.cuda(), lengths.cuda(), longs(0, 1, 2, 3).cuda(), longs(0, 0, 0, 0).cuda(), cache)
-    tokens, positions = longs(1, 2, 3, 4).cuda(), lengths.cuda()
-    eager_cache = copy.deepcopy(cache)
+    rows.prefill(ids.cuda(), lengths)
+    tokens, positions, tables = longs(1, 2, 3, 4).cuda(), lengths.cuda(), rows.tables.cuda()
+    cache, eager_cache = rows.cache, copy.deepcopy(rows.cache)
     torch.cuda.set_sync_debug_mode("error")  # any host sync inside decode raises
     try:
-        expected = runner.decode(tokens, positions, eager_cache)
+        expected = runner.decode_paged(tokens, positions, eager_cache, tables)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
-        runner.decode(tokens, positions, copy.deepcopy(cache))
+        runner.decode_paged(tokens, positions, copy.deepcopy(cache), tables)
     torch.cuda.current_stream().wait_stream(stream)
     static_tokens, static_pos = tokens.clone(), positions.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_logits = runner.decode(static_tokens, static_pos, cache)
+        static_logits = runner.decode_paged(static_tokens, static_pos, cache, tables)
     # Capture only records: the cache is written at replay. Replay with the same inputs gives eager's result.
     graph.replay()
     torch.testing.assert_close(static_logits, expected, atol=0, rtol=0)
-    torch.testing.assert_close(cache.k[1], eager_cache.k[1], atol=0, rtol=0)
-
-
-@pytest.mark.gpu
-def test_free_returns_the_cache_memory_to_the_allocator() -> None:
-    runner = LlamaRunner(copy.deepcopy(tiny("qwen2")).cuda(), dtype=torch.bfloat16)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    cache = runner.make_cache(64, 1024)
-    assert torch.cuda.memory_allocated() - before >= cache.nbytes() > 0
-    cache.free()
-    assert torch.cuda.memory_allocated() == before
+    torch.testing.assert_close(cache.storage, eager_cache.storage, atol=0, rtol=0)

@@ -13,10 +13,11 @@ import torch
 from test_engine import PROMPTS, greedy, hf_greedy_left_padded
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen2MoeForCausalLM
 
-from hybridflow.engine.rollout.engine import HFRollout, RolloutEngine, make_rollout
+from hybridflow.engine.rollout.engine import PagedEngine
+from hybridflow.engine.rollout.factory import make_rollout
+from hybridflow.engine.rollout.hf_fallback import HFRollout
+from hybridflow.engine.rollout.kv_cache import PagedKVCache
 from hybridflow.engine.rollout.model import LlamaRunner
-from hybridflow.engine.rollout.paged_cache import PagedKVCache
-from hybridflow.engine.rollout.paged_engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.support import fallback_reason
 from hybridflow.engine.rollout.types import GenerationOutput
@@ -71,7 +72,6 @@ def test_greedy_tokens_equal_hf_generate(arch: str) -> None:
     assert len({tuple(t) for t in want}) == len(PROMPTS)  # lively: the prompts' outputs differ
     engine = PagedEngine(model, num_blocks=64, block_size=4)
     assert [g[0].token_ids for g in engine.generate(PROMPTS, greedy(8))] == want
-    assert [g[0].token_ids for g in RolloutEngine(model).generate(PROMPTS, greedy(8))] == want  # slot engine
     # n samples sharing a prompt's prefill, EOS ids that end them at different places.
     free = engine.generate(PROMPTS, greedy(10))
     stops = [free[0][0].token_ids[3], free[2][0].token_ids[6]]

@@ -9,7 +9,7 @@ import torch
 from test_engine import PROMPTS, greedy, hf_greedy_left_padded
 from test_moe_rollout import MOE_ARCHS, lively_moe
 
-from hybridflow.engine.rollout.paged_engine import PagedEngine
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 
 pytestmark = [

@@ -18,11 +18,11 @@ from vlm_cases import (
     prompts,
 )
 
-from hybridflow.engine.rollout.engine import HFRollout
+from hybridflow.engine.rollout.engine import PagedEngine
+from hybridflow.engine.rollout.hf_fallback import HFRollout
+from hybridflow.engine.rollout.kv_cache import PagedKVCache
 from hybridflow.engine.rollout.model import LlamaRunner
 from hybridflow.engine.rollout.multimodal import chunk_inputs, image_features, mm_prompt
-from hybridflow.engine.rollout.paged_cache import PagedKVCache
-from hybridflow.engine.rollout.paged_engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.sequence import Sequence
 from hybridflow.models.tiny import build_tiny_model

@@ -9,7 +9,7 @@ import torch
 from test_engine import PROMPTS, lively_model
 from test_moe_rollout import lively_moe
 
-from hybridflow.engine.rollout.paged_engine import PagedEngine
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.partial import new_group, roll_partial
 from hybridflow.engine.rollout.sampling import SamplingParams
 

@@ -13,7 +13,7 @@ import torch
 from triton_util import needs_kernels
 
 from hybridflow.engine.rollout import sample_kernel as sk
-from hybridflow.engine.rollout.engine import RolloutEngine
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.models import build_tiny_model
 
@@ -169,7 +169,7 @@ def test_engine_with_the_fused_sampler_in_the_interpreter(monkeypatch: pytest.Mo
     monkeypatch.setattr(sk, "fused_sample", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
 
     def run(fused: bool, params: SamplingParams) -> list[list]:
-        engine = RolloutEngine(model, max_num_seqs=4, sync_interval=2)
+        engine = PagedEngine(model, max_num_seqs=4, sync_interval=2, block_size=4)
         engine.fused_sampler = fused
         return [[(s.token_ids, s.logprobs) for s in g] for g in engine.generate(prompts, params)]
 
@@ -178,7 +178,7 @@ def test_engine_with_the_fused_sampler_in_the_interpreter(monkeypatch: pytest.Mo
     assert len(calls) >= 5  # prefill and decode steps went through the kernel
     sampled = SamplingParams(n=2, max_new_tokens=5, temperature=0.8, seed=3)
     out = run(True, sampled)
-    assert out == run(True, sampled)  # same seed, same tokens through waves and slot compaction
+    assert out == run(True, sampled)  # same seed, same tokens through seats handed on as samples finish
     assert len({tuple(t) for g in out for t, _ in g}) > 3
     with torch.no_grad():
         for prompt, samples in zip(prompts, out):

@@ -59,7 +59,7 @@ def generate_on_ranks(rank: int, world: int, tp: int, archs: tuple[str, ...] = A
     from hybridflow.engine.parallel.layout import follow_rollout_shards, layouts
     from hybridflow.engine.parallel.rollout_group import RolloutGroup
     from hybridflow.engine.parallel.view import GenerateView
-    from hybridflow.engine.rollout.engine import RolloutEngine
+    from hybridflow.engine.rollout.engine import PagedEngine
     from hybridflow.engine.rollout.sampling import SamplingParams
     from hybridflow.engine.rollout.tp import RolloutTP
     from hybridflow.models import build_tiny_model
@@ -87,10 +87,8 @@ def generate_on_ranks(rank: int, world: int, tp: int, archs: tuple[str, ...] = A
                 ok = torch.equal(p[tuple(slice(0, b - a) for a, b in box)], want)
             wrong += [] if ok else [name]
         comm = RolloutTP(group.group, 70) if tp > 1 else None
-        engine = RolloutEngine(
-            shard.module, torch.float32, max_model_len=32, **({"tp": comm} if comm else {})
-        )
-        alone = RolloutEngine(full, torch.float32, max_model_len=32)
+        engine = PagedEngine(shard.module, block_size=4, dtype=torch.float32, tp=comm, max_model_len=32)
+        alone = PagedEngine(full, block_size=4, dtype=torch.float32, max_model_len=32)
         greedy = SamplingParams(n=2, max_new_tokens=10, temperature=0.0, do_sample=False, eos_token_ids=[])
         a, b = engine.generate(PROMPTS, greedy), alone.generate(PROMPTS, greedy)
         sampled = SamplingParams(n=2, max_new_tokens=10, do_sample=True, eos_token_ids=[], seed=group.seed(5))

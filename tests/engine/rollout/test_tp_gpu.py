@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 def graphed_with_collectives(rank: int, compiled: bool) -> dict:
     import torch.distributed as dist
 
-    from hybridflow.engine.rollout.engine import RolloutEngine
+    from hybridflow.engine.rollout.engine import PagedEngine
     from hybridflow.engine.rollout.sampling import SamplingParams
     from hybridflow.engine.rollout.tp import RolloutTP, build_shard
     from hybridflow.models import build_tiny_model
@@ -33,8 +33,8 @@ def graphed_with_collectives(rank: int, compiled: bool) -> dict:
     shard.load_state_dict(model.state_dict())
     tp = RolloutTP(dist.new_group([0]), 512)
     common = dict(max_model_len=64, compile_decode=compiled, device=cuda)
-    with_tp = RolloutEngine(shard, torch.bfloat16, tp=tp, **common)
-    plain = RolloutEngine(model, torch.bfloat16, **common)
+    with_tp = PagedEngine(shard, dtype=torch.bfloat16, tp=tp, **common)
+    plain = PagedEngine(model, dtype=torch.bfloat16, **common)
     prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15]]
     greedy = SamplingParams(n=2, max_new_tokens=24, temperature=0.0, do_sample=False, eos_token_ids=[])
     a, b = with_tp.generate(prompts, greedy), plain.generate(prompts, greedy)

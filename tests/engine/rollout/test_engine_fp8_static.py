@@ -28,8 +28,8 @@ from hybridflow.engine.ops.fp8 import (
     quantise_module,
     use_kernel,
 )
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.model import LlamaRunner
-from hybridflow.engine.rollout.paged_engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.models import build_tiny_model
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from test_engine import PROMPTS, lively_model
 
-from hybridflow.engine.rollout.paged_engine import PagedEngine
-from hybridflow.engine.rollout.paged_session import Session
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
+from hybridflow.engine.rollout.session import Session
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,8 +13,8 @@ import logging
 import pytest
 import torch
 
-from hybridflow.engine.rollout.engine import make_rollout
-from hybridflow.engine.rollout.paged_engine import PagedEngine
+from hybridflow.engine.rollout.engine import PagedEngine
+from hybridflow.engine.rollout.factory import make_rollout
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.models import build_tiny_model
 from hybridflow.utils.errors import UserError

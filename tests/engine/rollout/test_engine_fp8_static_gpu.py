@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybridflow.engine.ops.fp8 import current_kernel, quantise_module, use_kernel
-from hybridflow.engine.rollout.paged_engine import PagedEngine
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.models import build_tiny_model
 

@@ -1,4 +1,4 @@
-"""The runner's forward over the paged KV cache (``paged_cache``): prefill and decode through block tables, and
+"""The runner's forward over the paged KV cache (``kv_cache``): prefill and decode through block tables, and
 the routing records of a mixture of experts written beside each token's K and V.
 
 A mixin of ``model.LlamaRunner``, kept apart so each file stays readable: it uses the runner's ``_forward``,
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.engine.ops.packing import to_device
-from hybridflow.engine.rollout.paged_cache import (
+from hybridflow.engine.rollout.kv_cache import (
     PagedKVCache,
     calibrate_kv_scales,
     paged_decode_attention,
@@ -53,9 +53,9 @@ class PagedForward:
         that replace the embeddings of its image tokens (``multimodal.chunk_inputs``).
 
         When every row starts at 0 attention runs on the chunk alone, causal (right padding only adds keys
-        after every valid query), as the slot engine's first chunk does; else each row reads its blocks up to
-        the longest row's end. ``lengths``, ``start_pos`` and ``tables`` are read on the host: pass CPU tensors
-        and the call never waits for the GPU (they go up through pinned memory).
+        after every valid query); else each row reads its blocks up to the longest row's end. ``lengths``,
+        ``start_pos`` and ``tables`` are read on the host: pass CPU tensors and the call never waits for the
+        GPU (they go up through pinned memory).
 
         An FP8 cache due for calibration (``cache.calibrate``: the first prefill after a weight refresh) takes
         its per-head scales from this call's tokens before writing them; so do FP8 projections' static
@@ -168,7 +168,7 @@ class PagedForward:
 
         The Triton backend is one fused launch per layer (RoPE, the cache write, split-K attention over the
         blocks; an FP8 cache quantised as written, dequantised as read); "sdpa" is the reference
-        (``paged_cache.paged_decode_attention``: gather, then mask).
+        (``kv_cache.paged_decode_attention``: gather, then mask).
         With ``cache.routing`` each row's experts are recorded at its position; ``live`` (B,) bool sends the
         records of rows that are not (finished sequences riding along) to the scratch block 0 instead.
         ``rope_positions`` (B,): where RoPE puts the tokens when not at ``positions`` (a vision-language

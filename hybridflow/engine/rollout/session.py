@@ -17,9 +17,9 @@ import torch.distributed._functional_collectives as funcol
 from hybridflow.engine.rollout.block_pool import BlockPool
 from hybridflow.engine.rollout.decode_loop import make_sampler
 from hybridflow.engine.rollout.graphs import DecodeGraphs
+from hybridflow.engine.rollout.kv_cache import KV_DTYPES, PagedKVCache
 from hybridflow.engine.rollout.model import LlamaRunner
 from hybridflow.engine.rollout.multimodal import chunk_inputs, image_features
-from hybridflow.engine.rollout.paged_cache import KV_DTYPES, PagedKVCache
 from hybridflow.engine.rollout.sampling import SamplingParams
 from hybridflow.engine.rollout.seats import Seats
 from hybridflow.engine.rollout.stats import GenerationStats, PhaseTimer
@@ -35,13 +35,14 @@ logger = logging.getLogger(__name__)
 
 # A memory-bound pool is a multiple of this many blocks: the compiled decode step is specialised on the
 # cache's shape, so a pool that moved with a few MB of other allocations between calls would recompile
-# every batch bucket (the slot engine's SLOT_GRANULE, for the same reason).
+# every batch bucket (~80 s in the second step of W2 at 1.5B on an H200, seen when the old slot cache's
+# count moved from 962 to 960).
 BLOCK_GRANULE = 256
 
 
 @dataclasses.dataclass
 class SessionConfig:
-    """The engine's settings (``RolloutEngine``'s names, plus the pool's)."""
+    """The engine's settings: the pool's, the batch bounds, the memory share, and how decode runs."""
 
     num_blocks: int | None = None
     block_size: int = 128  # a multiple of the decode kernel's tile (64 or 128): one block id per tile
@@ -189,25 +190,35 @@ class Session:
         """Device bytes a decode step needs beside the pool at ``num_seats`` rows."""
         # A step's logits in the compute dtype, their float32 copy in filtered sampling, a float32 row of
         # the sampler's, and the hidden and MLP activations: at 4,096 rows of a 152k vocabulary ~5 GB, which
-        # a budget of 0.9 of an H200 left no room for (the slot engine never ran that many rows at once).
+        # a budget of 0.9 of an H200 left no room for.
         return num_seats * (runner.vocab_size * 10 + 32 * runner.config.intermediate_size)
+
+    @staticmethod
+    def pool_block_bytes(runner: LlamaRunner, cfg: SessionConfig) -> int:
+        """Device bytes of one block of the pool: its K and V, and its routing records when kept."""
+        per = Session.block_bytes(runner, cfg.block_size, cfg.fp8)
+        if cfg.record_routing:  # each position's expert ids (uint8) beside its K and V
+            per += cfg.block_size * math.prod(runner.routing_shape)
+        return per
 
     @classmethod
     def shortfall(cls, runner: LlamaRunner, cfg: SessionConfig, count: int, max_len: int) -> int:
-        """Bytes the pool lacks to hold ``count`` sequences of ``max_len`` positions at once."""
-        need = count * -(-max_len // cfg.block_size) * cls.block_bytes(runner, cfg.block_size, cfg.fp8)
+        """Bytes the pool lacks to hold ``count`` sequences of ``max_len`` positions at once: what
+        ``_blocks_for_memory`` sizes it by (every sequence at full length, a block of headroom per seat, the
+        scratch block and the decode step's workspace), so that with this much more room it holds them all."""
+        seats = min(count, cfg.max_num_seqs)
+        demand = count * -(-max_len // cfg.block_size) + seats
+        need = (demand + 1) * cls.pool_block_bytes(runner, cfg) + cls.workspace(runner, seats)
         return max(0, math.ceil(need - cls.budget(runner, cfg, pending=runner.pending_bytes())))
 
     def _blocks_for_memory(self, demand: int, num_seats: int) -> int:
-        """Blocks for the work (``demand``: every sequence at full length), within the memory budget on GPU,
-        less the decode step's workspace at ``num_seats`` rows."""
+        """Blocks for the work (``demand``: every sequence at full length, and a block per seat), within the
+        memory budget on GPU, less the decode step's workspace at ``num_seats`` rows."""
         r, cfg = self.runner, self.engine.cfg
         if r.device.type != "cuda":
             return demand
         kept = self.engine.kept_cache.storage.nbytes if self.engine.kept_cache is not None else 0
-        per = self.block_bytes(r, cfg.block_size, cfg.fp8)
-        if cfg.record_routing:  # each position's expert ids (uint8) beside its K and V
-            per += cfg.block_size * math.prod(r.routing_shape)
+        per = self.pool_block_bytes(r, cfg)
         fit = blocks_that_fit(self.budget(r, cfg, kept) - self.workspace(r, num_seats), per)
         if self.engine.tp is not None:  # the ranks of a group must schedule alike: the smallest pool rules
             fit = int(funcol.all_reduce(torch.tensor([fit], device=r.device), "min", self.engine.tp.group))
@@ -219,8 +230,8 @@ class Session:
         if fit >= demand:
             return demand
         blocks = fit - fit % BLOCK_GRANULE if fit >= 2 * BLOCK_GRANULE else fit
-        # Not a wave as in the slot engine: sequences hold what they use, and only if they all grow long at
-        # once are the youngest preempted (rollout/preemptions counts them).
+        # Not waves: sequences hold what they use, and only if they all grow long at once are the youngest
+        # preempted (rollout/preemptions counts them).
         logger.info(
             "KV pool: %d blocks of %d positions (%.1f GiB) at rollout.gpu_memory_utilization=%s, %.0f%% of what "
             "every sequence at full length would take",

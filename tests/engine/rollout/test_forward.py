@@ -1,5 +1,5 @@
 """The runner's paged path (issue 41, CPU reference): prefill and decode through block tables from the block
-pool give the slot engine's greedy tokens on tiny Qwen2, Qwen3 and Llama models (prompts of different lengths,
+pool give HF ``generate``'s greedy tokens on tiny Qwen2, Qwen3 and Llama models (prompts of different lengths,
 two samples sharing their prompt's blocks), and a later turn that finds its conversation's blocks cached
 prefills only the new tokens and continues exactly as a run from the whole conversation."""
 
@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import PROMPTS, greedy, lively_model
+from test_engine import PROMPTS, hf_greedy_left_padded, lively_model
 
 from hybridflow.engine.rollout.block_pool import BlockPool, BlockTable
-from hybridflow.engine.rollout.engine import RolloutEngine
+from hybridflow.engine.rollout.kv_cache import PagedKVCache
 from hybridflow.engine.rollout.model import LlamaRunner
-from hybridflow.engine.rollout.paged_cache import PagedKVCache
 
 BLOCK = 4
 
@@ -62,13 +61,13 @@ class PagedGreedy:
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
-def test_paged_greedy_tokens_equal_the_slot_engines(arch: str) -> None:
+def test_paged_greedy_tokens_equal_hf_generate(arch: str) -> None:
     model = lively_model(arch)
-    want = RolloutEngine(model).generate(PROMPTS, greedy(8, n=2))
+    want = hf_greedy_left_padded(model, PROMPTS, 8)
     paged = PagedGreedy(model)
-    for prompt, samples in zip(PROMPTS, want):
+    for prompt, tokens in zip(PROMPTS, want):
         got, tables = paged.generate(prompt, n=2, max_new=8)
-        assert got == [s.token_ids for s in samples]
+        assert got == [tokens, tokens]
         for table in tables:
             paged.pool.free(table)
     assert paged.pool.num_free == 64 and paged.pool.stats.forked_blocks > 0
@@ -83,7 +82,7 @@ def test_a_later_turn_prefills_only_what_is_not_cached_and_continues_as_a_whole_
     turn2 = [*prompt, *answer, 40, 41, 42]  # the conversation so far, then the user's next message
     (again,), (table,) = paged.generate(turn2, n=1, max_new=6)
     assert table.cached_tokens == 16  # the first turn's 4 full blocks (16 of its 19 tokens): not prefilled
-    want = RolloutEngine(model).generate([turn2], greedy(6))[0][0].token_ids
+    want = hf_greedy_left_padded(model, [turn2], 6)[0]
     assert again == want
     paged.pool.free(table)
     assert paged.pool.num_free == 64

@@ -1,6 +1,7 @@
-"""The paged engine's step API on CPU (issue 41's reference): greedy tokens equal to the slot engine and HF
-``generate``, preemption on a small pool, ``extend``, ``pause`` / weight refresh / ``resume``, ``abort``,
-log-probs equal to the trainer's recomputation, and every block back in the pool after each test."""
+"""The rollout engine's step API on CPU (issue 41): ``extend`` (a tool's output, also while preempted, up to
+the budget), ``pause`` / weight refresh / ``resume``, ``abort``, requests in flight together, seats after a
+refresh, and a next turn that finds the blocks of the turn before it; every block back in the pool after each
+test."""
 
 from __future__ import annotations
 
@@ -8,50 +9,10 @@ import math
 
 import pytest
 import torch
-from dist_util import run_world_kept as run_world
-from test_engine import PROMPTS, greedy, hf_greedy_left_padded, lively_model
+from test_engine import PROMPTS, all_back, greedy, hf_greedy, lively_model
 
-from hybridflow.engine.rollout.engine import RolloutEngine
-from hybridflow.engine.rollout.paged_engine import PagedEngine
+from hybridflow.engine.rollout.engine import PagedEngine
 from hybridflow.engine.rollout.sampling import SamplingParams
-from hybridflow.utils.errors import UserError
-
-
-def _all_back(engine: PagedEngine) -> None:
-    assert not engine.has_work and engine.pool.num_free == len(engine.pool.blocks)
-
-
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
-def test_greedy_generations_equal_the_slot_engine_and_hf(arch: str) -> None:
-    model = lively_model(arch)
-    free = RolloutEngine(model).generate(PROMPTS, greedy(10))
-    stops = [free[0][0].token_ids[3], free[2][0].token_ids[6]]  # EOS ids that end samples at different places
-    params = greedy(10, n=2, eos_token_ids=stops)
-    want = RolloutEngine(model).generate(PROMPTS, params)
-    engine = PagedEngine(model, num_blocks=64, block_size=4)
-    got = engine.generate(PROMPTS, params)
-    assert [[(s.token_ids, s.finish_reason) for s in g] for g in got] == [
-        [(s.token_ids, s.finish_reason) for s in g] for g in want
-    ]
-    assert {s.finish_reason for g in got for s in g} == {"eos", "length"}
-    assert [g[0].token_ids for g in engine.generate(PROMPTS, greedy(8))] == hf_greedy_left_padded(
-        model, PROMPTS, 8
-    )
-    _all_back(engine)
-
-
-def test_a_pool_too_small_for_the_batch_completes_through_preemption() -> None:
-    model = lively_model("qwen2")
-    params = greedy(12, n=2)
-    want = RolloutEngine(model).generate(PROMPTS, params)
-    engine = PagedEngine(model, num_blocks=12, block_size=4)  # 8 sequences of up to 23 tokens: ~40 blocks
-    got = engine.generate(PROMPTS, params)
-    assert [[s.token_ids for s in g] for g in got] == [[s.token_ids for s in g] for g in want]
-    assert engine.preemptions > 0 and engine.pool.stats.peak_used == 12
-    stats = engine.stats()
-    assert stats["rollout/kv_blocks_used"] == 1.0 and stats["rollout/preemptions"] == engine.preemptions
-    assert 1 <= stats["rollout/concurrent_seqs_mean"] <= stats["rollout/concurrent_seqs_peak"] <= 8
-    _all_back(engine)
 
 
 def test_extend_then_step_equals_generating_from_the_whole_prompt() -> None:
@@ -68,13 +29,13 @@ def test_extend_then_step_equals_generating_from_the_whole_prompt() -> None:
         engine.step()
     assert 3 <= len(first) < 14 - len(tool)  # a step prefills and decodes: a new sequence gets two tokens
     rest = 14 - len(first) - len(tool)
-    want = RolloutEngine(model).generate([prompt + first + tool], greedy(rest))[0][0].token_ids
+    want = hf_greedy(model, prompt + first + tool, rest)
     assert seq.response == first + tool + want
     k = len(first)
     assert seq.trainable == [True] * k + [False] * 5 + [True] * rest
     assert all(math.isnan(x) for x in seq.logprobs[k : k + 5])
     assert not any(math.isnan(x) for x in seq.logprobs[:k] + seq.logprobs[k + 5 :])
-    _all_back(engine)
+    all_back(engine)
 
 
 def test_pause_refresh_resume_continues_under_the_new_weights() -> None:
@@ -96,12 +57,10 @@ def test_pause_refresh_resume_continues_under_the_new_weights() -> None:
         engine.step()
     for (i,), prompt in zip(ids, PROMPTS[:3]):
         s = seqs[i]
-        fresh = (
-            RolloutEngine(model).generate([prompt + before[i]], greedy(9 - len(before[i])))[0][0].token_ids
-        )
+        fresh = hf_greedy(model, prompt + before[i], 9 - len(before[i]))
         assert s.response == before[i] + fresh
         assert s.versions == [0] * len(before[i]) + [1] * len(fresh)
-    _all_back(engine)
+    all_back(engine)
 
 
 def test_abort_returns_exactly_what_was_sampled_so_far() -> None:
@@ -120,97 +79,7 @@ def test_abort_returns_exactly_what_was_sampled_so_far() -> None:
         assert got.logprobs == pytest.approx(want.logprobs[: len(got.response)], abs=1e-6)
     while engine.has_work:
         engine.step()
-    _all_back(engine)
-
-
-def test_sampled_log_probs_equal_the_trainers_recomputation() -> None:
-    model = lively_model("qwen3").float()
-    engine = PagedEngine(model, num_blocks=64, block_size=4)
-    params = SamplingParams(temperature=0.7, max_new_tokens=9, n=3, seed=11)
-    out = engine.generate(PROMPTS, params)
-    assert len({tuple(s.token_ids) for s in out[1]}) > 1  # the samples differ
-    for prompt, samples in zip(PROMPTS, out):
-        for s in samples:
-            ids = torch.tensor([prompt + s.token_ids])
-            with torch.no_grad():
-                logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / 0.7  # (R, V)
-            want = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.token_ids)[:, None])[:, 0]
-            torch.testing.assert_close(torch.tensor(s.logprobs), want, rtol=0, atol=1e-5)
-    _all_back(engine)
-
-
-def paged_on_ranks(rank: int, world: int) -> dict:
-    """Rollout tensor-parallel shards (the hybrid engine's generation view at tp = world) on the paged engine."""
-    import copy
-
-    import torch.distributed as dist
-
-    from hybridflow.engine.hybrid.switch import RolloutShard
-    from hybridflow.engine.parallel.fsdp import shard_model
-    from hybridflow.engine.parallel.layout import follow_rollout_shards
-    from hybridflow.engine.parallel.rollout_group import RolloutGroup
-    from hybridflow.engine.parallel.view import GenerateView
-    from hybridflow.engine.rollout.tp import RolloutTP
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    view = GenerateView(world, world)
-    group = RolloutGroup(view, rank)
-    out = {}
-    for arch in ("qwen3", "llama"):
-        lm = lively_model(arch)
-        full = copy.deepcopy(lm)
-        follow_rollout_shards(lm, world, world)
-        shard_model(lm, list(lm.model.layers), torch.device("cpu"))
-        shard = RolloutShard(lm, view, rank, torch.float32, torch.device("cpu"), bucket_bytes=4096)
-        shard.sync(lm)
-        engine = PagedEngine(
-            shard.module, num_blocks=16, block_size=4, dtype=torch.float32, tp=RolloutTP(group.group, 64)
-        )
-        params = greedy(10, n=2)
-        got = engine.generate(PROMPTS, params)
-        want = PagedEngine(full, num_blocks=64, block_size=4).generate(PROMPTS, params)
-        out[arch] = {
-            "equal": [[s.token_ids for s in g] for g in got] == [[s.token_ids for s in g] for g in want],
-            "gap": max(
-                abs(u - v)
-                for g, h in zip(got, want)
-                for x, y in zip(g, h)
-                for u, v in zip(x.logprobs, y.logprobs)
-            ),
-            "preempted": engine.preemptions,
-            "back": engine.pool.num_free == 16,
-        }
-    return out
-
-
-def test_tensor_parallel_shards_generate_what_one_process_does() -> None:
-    """tp = 2 on gloo processes, a pool small enough to preempt: the tokens and log-probs of one process."""
-    for rank, by_arch in enumerate(run_world(2, paged_on_ranks, 2)):
-        for arch, r in by_arch.items():
-            assert r["equal"] and r["gap"] < 1e-5 and r["back"], (rank, arch, r)
-            assert r["preempted"] > 0, (rank, arch)
-
-
-def test_prompts_that_cannot_run_are_refused_naming_the_limit() -> None:
-    engine = PagedEngine(lively_model("qwen2"), num_blocks=8, block_size=4)
-    limit = engine.runner.max_position_embeddings
-    with pytest.raises(UserError, match=f"leaves no room to generate within the context of {limit} tokens"):
-        engine.add([5] * limit, greedy(1))
-    (sid,) = engine.add([5] * (limit - 3), greedy(10))  # the response stops at the context's end
-    (seq,) = engine.waiting[0]
-    assert seq.budget_end == limit
-    engine.abort([sid])
-    with pytest.raises(ValueError, match="at least one token"):
-        engine.add([], greedy(1))
-    with pytest.raises(ValueError, match="n=3 samples cannot run at once with max_num_seqs=2"):
-        PagedEngine(lively_model("qwen2"), num_blocks=8, block_size=4, max_num_seqs=2).add(
-            [5], greedy(1, n=3)
-        )
-    with pytest.raises(ValueError, match="cannot hold the next sequence"):
-        engine.generate([[5] * 40], greedy(2))  # 40 tokens: 10 blocks, the pool has 8
-    engine.abort([s.id for g in engine.waiting for s in g])
-    _all_back(engine)
+    all_back(engine)
 
 
 def test_extend_on_a_preempted_sequence_waits_for_its_next_prefill() -> None:
@@ -229,9 +98,9 @@ def test_extend_on_a_preempted_sequence_waits_for_its_next_prefill() -> None:
         engine.step()
     prompt = PROMPTS[[i for (i,) in ids].index(preempted.id)]
     rest = 12 - len(so_far) - 2
-    want = RolloutEngine(model).generate([prompt + so_far + [40, 41]], greedy(rest))[0][0].token_ids
+    want = hf_greedy(model, prompt + so_far + [40, 41], rest)
     assert preempted.response == [*so_far, 40, 41, *want]
-    _all_back(engine)
+    all_back(engine)
 
 
 def test_an_extension_that_spends_the_budget_ends_the_sequence() -> None:
@@ -244,26 +113,7 @@ def test_an_extension_that_spends_the_budget_ends_the_sequence() -> None:
     assert (
         engine.step() == [seq] and seq.finish_reason == "length" and seq.trainable == [True] * 2 + [False] * 3
     )
-    _all_back(engine)
-
-
-def test_per_sample_lengths_end_each_sample_where_asked_in_both_engines() -> None:
-    """``generate(lengths=)`` (the long-tail benchmark's drawn lengths): each sample stops at its own limit,
-    with the tokens an unbounded run gives up to there, in the slot and the paged engine alike."""
-    model = lively_model("qwen2")
-    lengths = [[3, 7], [1, 9], [5, 5], [8, 2]]  # ties within a prompt and samples that differ
-    full = RolloutEngine(model).generate(PROMPTS, greedy(9, n=2))
-    slot = RolloutEngine(model).generate(PROMPTS, greedy(9, n=2), lengths=lengths)
-    engine = PagedEngine(model, block_size=4)
-    paged = engine.generate(PROMPTS, greedy(9, n=2), lengths=lengths)
-    for got in (slot, paged):
-        assert [[len(s.token_ids) for s in g] for g in got] == lengths
-        assert [[s.token_ids for s in g] for g in got] == [
-            [s.token_ids[:n] for s, n in zip(g, row)] for g, row in zip(full, lengths)
-        ]
-    with pytest.raises(ValueError, match="lengths must give each of the 4 prompts' 2 samples a limit"):
-        engine.generate(PROMPTS, greedy(9, n=2), lengths=[[3, 10]] * 4)
-    _all_back(engine)
+    all_back(engine)
 
 
 def test_requests_in_flight_share_their_sampling_settings() -> None:
@@ -282,17 +132,7 @@ def test_requests_in_flight_share_their_sampling_settings() -> None:
     assert engine.session is None and first  # the session closed with the last sequence
     engine.add(PROMPTS[1], SamplingParams(temperature=0.7, max_new_tokens=4, seed=1))  # idle: any settings
     engine.abort([s.id for g in engine.waiting for s in g])
-    _all_back(engine)
-
-
-def test_the_stats_name_the_trainers_metrics() -> None:
-    engine = PagedEngine(lively_model("qwen2"), block_size=4)
-    engine.generate(PROMPTS[:2] * 2, greedy(5, n=2))  # the same prompts twice: their full blocks are found
-    stats = engine.stats()
-    assert stats["rollout/prefix_cache_hit_rate"] > 0 and stats["rollout/preemptions"] == 0
-    assert 0 < stats["rollout/kv_blocks_used"] < 1 and stats["rollout/concurrent_seqs_peak"] == 8
-    last = engine.last_stats
-    assert last.slots == 8 and last.decode_tokens == 8 * 4 and last.prefill_tokens > 0
+    all_back(engine)
 
 
 def test_a_next_turn_finds_the_blocks_of_the_turn_before_it() -> None:
@@ -314,8 +154,8 @@ def test_a_next_turn_finds_the_blocks_of_the_turn_before_it() -> None:
     assert engine.pool.stats.hit_blocks == 4  # the first turn's full blocks whose positions were all written
     assert engine.session.counts.prefill_tokens - before == len(turn2) - 16
     (second,) = [s for s in _drain(engine) if s.id == turn2_id]
-    assert second.response == RolloutEngine(model).generate([turn2], greedy(5))[0][0].token_ids
-    _all_back(engine)
+    assert second.response == hf_greedy(model, turn2, 5)
+    all_back(engine)
 
 
 def _drain(engine: PagedEngine) -> list:
@@ -339,7 +179,7 @@ def test_catch_ups_and_admissions_never_take_more_seats_than_there_are() -> None
     while engine.has_work:
         engine.step()
         assert engine.session is None or engine.session.seats.num_used <= 4
-    _all_back(engine)
+    all_back(engine)
 
 
 def test_a_next_turn_after_a_sample_ended_early_continues_exactly() -> None:

@@ -11,7 +11,7 @@ from triton_util import needs_kernels
 
 from hybridflow.engine.rollout import decode_attention
 from hybridflow.engine.rollout.block_pool import BlockPool
-from hybridflow.engine.rollout.paged_cache import PagedKVCache, paged_decode_attention
+from hybridflow.engine.rollout.kv_cache import PagedKVCache, paged_decode_attention
 
 LAYERS, KVH, H, D, BS = 2, 2, 4, 8, 4
 needs_kernel = needs_kernels(decode_attention)

@@ -15,14 +15,14 @@ from triton_util import needs_kernels
 
 from hybridflow.engine.ops.fp8 import FP8, FP8_MAX
 from hybridflow.engine.rollout import decode_attention as da
-from hybridflow.engine.rollout.model import LlamaRunner
-from hybridflow.engine.rollout.paged_cache import (
+from hybridflow.engine.rollout.kv_cache import (
     KV_SCALE_MARGIN,
     PagedKVCache,
     calibrate_kv_scales,
     paged_decode_attention,
 )
-from hybridflow.engine.rollout.paged_session import Session, blocks_that_fit
+from hybridflow.engine.rollout.model import LlamaRunner
+from hybridflow.engine.rollout.session import Session, blocks_that_fit
 from hybridflow.models import build_tiny_model
 
 LAYERS, BLOCKS, BS, KVH, D = 2, 16, 4, 2, 16
