@@ -147,10 +147,10 @@ def switch_rows(size: str, steps: int, warmup: int) -> list[str]:
         worker = build_actor(size, hybrid)
         weights = sum(p.numel() for p in worker.hf_model.parameters()) * 2  # bf16 bytes, tied counted once
         if hybrid:
-            up, down, peak = hybrid_switch(worker.rollout.runner, steps, warmup)
+            up, down, peak = hybrid_switch(worker.hybrid.rollout.runner, steps, warmup)
             kept, name = 0, "hybrid (tp=1, cast in place)"
         else:
-            (up, peak), down = baseline_switch(worker.weights, worker.hf_model, steps, warmup), 0.0
+            (up, peak), down = baseline_switch(worker.hybrid.weights, worker.hf_model, steps, warmup), 0.0
             kept, name = weights, "baseline (kept copy, state-dict refresh)"
         rows.append(
             f"| {size} | {name} | {up * 1e3:.2f} | {up * 1e3 / (weights / GB):.2f} | {down * 1e3:.2f} | "

@@ -91,7 +91,7 @@ ROOMS: dict[str, set[str]] = {
     "train": {"ops", "parallel"},
     "rollout": {"ops", "parallel"},
     "roles": {"ops", "parallel", "train"},
-    "hybrid": {"ops", "parallel", "rollout"},
+    "hybrid": {"ops", "parallel", "rollout", "train", "roles"},  # the hybrid actor owns all of them
 }
 
 

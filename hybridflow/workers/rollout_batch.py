@@ -13,7 +13,6 @@ import torch
 from hybridflow.engine import (
     RolloutGroup,
     SamplingParams,
-    make_rollout,
     pack_prompt_response,
     pack_routing,
     pad_rows,
@@ -95,39 +94,3 @@ def prompt_images(prompts: Batch) -> list[dict[str, torch.Tensor] | None] | None
         return None
     images = list(prompts.non_tensors["multi_modal_inputs"])
     return images if any(mm is not None for mm in images) else None
-
-
-def build_rollout(
-    cfg: Any,
-    target: Any,
-    native: bool,
-    pad_token_id: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    tp: Any = None,
-) -> Any:
-    """The rollout engine over ``target`` (the generation weights) with the config's ``rollout.*`` limits:
-    the built-in paged engine (``native``), else HF generate."""
-    r = cfg.rollout
-    return make_rollout(
-        target,
-        "native" if native else "hf",
-        pad_token_id=pad_token_id,
-        dtype=dtype,
-        max_num_seqs=r.max_num_seqs,
-        max_num_batched_tokens=r.max_num_batched_tokens,
-        max_model_len=max_model_len(cfg),
-        gpu_memory_utilization=r.gpu_memory_utilization,
-        enforce_eager=r.enforce_eager,
-        compile_decode=r.compile_decode,
-        free_cache_engine=r.free_cache_engine,
-        **({"kv_cache_dtype": r.kv_cache_dtype} if native else {}),  # HF generate: refused at validation
-        device=device,  # the GPU, also while offloaded parameters sit on the host
-        **({"tp": tp} if tp is not None else {}),
-        **({"record_routing": True} if cfg.actor.router_replay == "r3" else {}),  # router replay
-    )
-
-
-def max_model_len(cfg: Any) -> int:
-    """The longest sequence the rollout holds: ``rollout.max_model_len``, else prompt + response limits."""
-    return cfg.rollout.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length

@@ -27,6 +27,7 @@ from hybridflow.engine import (
     check_tp,
     default_device,
     fallback_reason,
+    make_rollout,
     to_dtype,
 )
 from hybridflow.models.families import check_tensor_parallel
@@ -34,8 +35,9 @@ from hybridflow.protocol import Batch
 from hybridflow.utils.dist import init_distributed, world_size
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.logging import rank as dist_rank
+from hybridflow.workers.actor_settings import max_model_len, rollout_options
 from hybridflow.workers.dispatch import DataCoord, generate_coord
-from hybridflow.workers.rollout_batch import build_rollout, max_model_len, sample_batch
+from hybridflow.workers.rollout_batch import sample_batch
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ def connect_pools(
     skeleton."""
     r = cfg.rollout
     bridge = Bridge(address, bridge_rank, trainers + pool, device, cfg.trainer.nccl_timeout)
-    view = GenerateView(pool, r.tensor_model_parallel_size, r.expert_parallel_size, first=trainers)
+    view = GenerateView.of(cfg, pool, first=trainers)
     bucket = r.update_weights_bucket_megabytes * 2**20
     fp8 = r.quantization == "fp8"  # projections in FP8 on the wire and in the pool's shards
     return PoolSync(model, view, dtype, device, bucket, bridge, train_view, fp8)
@@ -68,7 +70,6 @@ class RolloutWorker:
     def __init__(self, skeleton: nn.Module, cfg: Config, pad_token_id: int) -> None:
         """``skeleton``: the policy on the meta device (its class, config and parameter names)."""
         init_distributed()
-        r = cfg.rollout
         reason = fallback_reason(skeleton, max_model_len(cfg))
         if reason is not None:  # before any shard rule is looked up: the pool has no HF generate to fall to
             raise UserError(
@@ -76,7 +77,7 @@ class RolloutWorker:
                 f"({reason}); set trainer.async_mode=sync (HF generate on the trainer's ranks)"
             )
         self.cfg, self.skeleton, self.pad_token_id = cfg, skeleton, pad_token_id
-        self.view = GenerateView(world_size(), r.tensor_model_parallel_size, r.expert_parallel_size)
+        self.view = GenerateView.of(cfg, world_size())
         if self.view.tp > 1:
             check_tensor_parallel(skeleton.config, "rollout.tensor_model_parallel_size", self.view.tp)
             check_tp(skeleton.config, self.view.tp, self.view.ep)
@@ -105,9 +106,10 @@ class RolloutWorker:
         assert self.sync.module is not None, "a rollout pool's rank receives a shard"
         vocab = self.skeleton.config.vocab_size
         tp = RolloutTP(self.group.group, vocab) if self.view.tp > 1 else None
-        self.rollout = build_rollout(
-            self.cfg, self.sync.module, True, self.pad_token_id, to_dtype(dtype), self.device, tp
-        )
+        self.rollout = make_rollout(
+            self.sync.module, "native", pad_token_id=self.pad_token_id, dtype=to_dtype(dtype), device=self.device,
+            max_model_len=max_model_len(self.cfg), **rollout_options(self.cfg), **({"tp": tp} if tp else {}),
+        )  # fmt: skip
         if me == 0:
             logger.info("%s", self.sync.sync_line())
 

@@ -61,7 +61,12 @@ def _swept(env: cli_cases.Env, arch: str, extra: list[str], named: str, says: st
             "moe_intermediate_size=33",
         ),
         ("gpt2", ["actor.parallel.ep=2"], "actor.parallel.ep=2", "'gpt2' is a dense model"),
-        ("gpt2", ["actor.tensor_parallel_size=2"], "actor.tensor_parallel_size=2", "has shard rules for llama"),
+        (
+            "gpt2",
+            ["actor.tensor_parallel_size=2"],
+            "actor.tensor_parallel_size=2",
+            "has shard rules for llama",
+        ),
         ("gpt2", ["actor.pipeline_parallel_size=2"], "actor.pipeline_parallel_size=2", "not 'gpt2'"),
         (
             "gpt2",

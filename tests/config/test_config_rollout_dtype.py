@@ -19,7 +19,9 @@ def rollout_dtypes(rank: int, overrides: list[str]) -> dict[str, str]:
     cfg = load_config(None, ["data.max_response_length=8", *overrides])
     model = build_tiny_model("qwen2", vocab_size=64, hidden_size=64, num_hidden_layers=1, seed=5)
     worker = ActorWorker(model, cfg, total_steps=1, pad_token_id=0)
-    rollout = worker.weights.module if worker.weights is not None else worker.rollout.runner
+    rollout = (
+        worker.hybrid.weights.module if worker.hybrid.weights is not None else worker.hybrid.rollout.runner
+    )
     dtype = rollout.dtype if hasattr(rollout, "dtype") else next(rollout.parameters()).dtype
     return {"rollout": str(dtype), "compute": str(worker.engine.engine.compute_dtype)}
 

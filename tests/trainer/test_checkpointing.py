@@ -215,7 +215,7 @@ def test_export_loads_in_transformers_and_generates_like_the_trainer(
     c = trainer.c
     prompts = [c.val[i]["input_ids"] for i in range(4)]
     greedy = c.actor.sampling_params(1, 0.0, 1.0, -1, False, c.eos_token_ids, seed=None)
-    rollout = c.actor.group.worker.roles["actor"].rollout
+    rollout = c.actor.group.worker.roles["actor"].hybrid.rollout
     ours = [out[0].token_ids for out in rollout.generate([list(p) for p in prompts], greedy)]
     hf_tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert hf_tok.get_vocab() == tokenizer.get_vocab()

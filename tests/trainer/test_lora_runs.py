@@ -154,7 +154,7 @@ def test_grpo_trains_only_the_adapters_against_the_base_as_reference(
     roles = components.groups[0].worker.roles
     actor = roles["actor"]
     assert isinstance(roles["ref"], AdapterReference)  # no second copy of the model
-    assert (actor.in_place is not None) == (merge == "in_place")
+    assert (actor.hybrid.in_place is not None) == (merge == "in_place")
     before = local_params(actor.engine.module)
     check_grpo(PPOTrainer(cfg, components).fit())
     after = local_params(actor.engine.module)

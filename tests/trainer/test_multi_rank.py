@@ -151,7 +151,9 @@ def record_rollouts(c, cfg, out: Path) -> dict[str, float]:
     for dataset, n, do_sample in ((c.train, cfg.rollout.n, True), (c.val, 1, False)):
         ids = [dataset[i]["input_ids"] for i in range(len(dataset))]
         params = actor.sampling_params(n, 1.0, 1.0, -1, do_sample, c.eos_token_ids, seed=7)
-        recorded.update({tuple(p): group for p, group in zip(ids, actor.rollout.generate(ids, params))})
+        recorded.update(
+            {tuple(p): group for p, group in zip(ids, actor.hybrid.rollout.generate(ids, params))}
+        )
     out.write_bytes(pickle.dumps(recorded))
     lengths = [len(s.token_ids) for g in recorded.values() for s in g]
     reasons = [s.finish_reason for g in recorded.values() for s in g]
@@ -174,7 +176,7 @@ def replayed_run(rank: int, overrides: list[str], recording: str) -> tuple[list[
     cfg = load_config(None, overrides)
     c = build_components(cfg)
     made = {} if Path(recording).exists() else record_rollouts(c, cfg, Path(recording))
-    c.groups[0].worker.roles["actor"].rollout = Replay(pickle.loads(Path(recording).read_bytes()))
+    c.groups[0].worker.roles["actor"].hybrid.rollout = Replay(pickle.loads(Path(recording).read_bytes()))
     history = PPOTrainer(cfg, c).fit()
     c.close()
     return history, made

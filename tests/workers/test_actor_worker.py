@@ -39,7 +39,9 @@ def generate_with(rank: int, overrides: list[str], cpu: bool = False) -> dict:
     out = worker.generate(prompts(), params)
     return {
         "responses": out["responses"],
-        "rollout_device": str(worker.rollout.device) if hasattr(worker.rollout, "device") else None,
+        "rollout_device": str(worker.hybrid.rollout.device)
+        if hasattr(worker.hybrid.rollout, "device")
+        else None,
         "param_device_after": str(next(worker.hf_model.parameters()).device),
     }
 
@@ -90,14 +92,14 @@ def cast_buffer_bytes(rank: int) -> dict:
         dtype=torch.bfloat16,
     )
     worker = ActorWorker(model, cfg, total_steps=1, pad_token_id=0)
-    at_build = held(worker.rollout)
+    at_build = held(worker.hybrid.rollout)
     params = worker.sampling_params(1, 0.0, 1.0, -1, False, [], None)
     out = worker.generate(prompts(), params)
     rows = [row[m.bool()].tolist() for row, m in zip(prompts()["input_ids"], prompts()["attention_mask"])]
     want = [g[0].token_ids for g in plain.generate(rows, params)]
     return {
         "at_build": at_build,
-        "after": held(worker.rollout),
+        "after": held(worker.hybrid.rollout),
         "got": out["responses"].tolist(),
         "want": want,
     }
@@ -147,7 +149,7 @@ def rollout_short_of_room(rank: int) -> dict:
     )
     model = build_tiny_model("qwen2", vocab_size=64, hidden_size=256, num_hidden_layers=4, seed=5)
     worker = ActorWorker(model, cfg, total_steps=1, pad_token_id=0)
-    engine, rollout = worker.engine.engine, worker.rollout
+    engine, rollout = worker.engine.engine, worker.hybrid.rollout
     params = worker.sampling_params(8, 0.0, 1.0, -1, False, [], None)  # 4 prompts x 8 = 32 sequences
     rows = [row[m.bool()].tolist() for row, m in zip(prompts()["input_ids"], prompts()["attention_mask"])]
 
@@ -197,7 +199,7 @@ def room_from_actor_and_critic(rank: int) -> dict:
     model = build_tiny_model("qwen2", vocab_size=64, hidden_size=256, num_hidden_layers=4, seed=5)
     roles = build_roles(cfg, model, total_steps=1, pad_id=0)
     worker, actor, critic = roles["actor"], roles["actor"].engine.engine, roles["critic"].engine.engine
-    rollout = worker.rollout
+    rollout = worker.hybrid.rollout
     params = worker.sampling_params(8, 0.0, 1.0, -1, False, [], None)  # 4 prompts x 8 = 32 sequences
     rows = [row[m.bool()].tolist() for row, m in zip(prompts()["input_ids"], prompts()["attention_mask"])]
     moments = {

@@ -34,7 +34,7 @@ def switch_lines(rank: int, arch: str, overrides: list[str]) -> dict:
             if record.getMessage().startswith("Stage switch"):
                 lines.append((record.levelno, record.getMessage()))
 
-    log = logging.getLogger("hybridflow.workers.actor")
+    log = logging.getLogger("hybridflow.engine.hybrid.actor")
     keep, level = Keep(), log.level
     log.addHandler(keep)
     log.setLevel(logging.DEBUG)
@@ -50,7 +50,7 @@ def switch_lines(rank: int, arch: str, overrides: list[str]) -> dict:
     finally:
         log.removeHandler(keep)
         log.setLevel(level)
-    plan = worker.weights.plan if isinstance(worker.weights, RolloutShard) else None
+    plan = worker.hybrid.weights.plan if isinstance(worker.hybrid.weights, RolloutShard) else None
     figures = None
     if plan is not None:
         figures = {

@@ -31,7 +31,7 @@ def world_line(cfg: Config) -> str:
     world = t.world_size
     nodes = f"{t.nnodes} node{'s' if t.nnodes > 1 else ''} x {t.n_gpus_per_node}"
     head = f"world: {world} rank{'s' if world > 1 else ''} ({nodes}, {_device(cfg)}, {t.backend} backend)"
-    generate = GenerateView(world, cfg.rollout.tensor_model_parallel_size, cfg.rollout.expert_parallel_size)
+    generate = GenerateView.of(cfg, world)
     switch = "hybrid engine" if cfg.actor.hybrid_engine else "baseline: a kept copy per rank"
     roles = [f"actor train_view={_train_view(cfg, 'actor', world)} generate_view={generate} ({switch})"]
     if cfg.use_reference:

@@ -15,6 +15,7 @@ plan runs over (the default group: global ranks).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
@@ -38,6 +39,13 @@ class GenerateView:
     tp: int = 1
     ep: int = 1
     first: int = 0
+
+    @classmethod
+    def of(cls, cfg: Any, world: int, first: int = 0) -> GenerateView:
+        """The view ``rollout.tensor_model_parallel_size`` / ``rollout.expert_parallel_size`` give over ``world``
+        ranks (a pool's, from rank ``first``); beside ``ParallelDims.of`` for the training view."""
+        r = cfg.rollout
+        return cls(world, r.tensor_model_parallel_size, r.expert_parallel_size, first)
 
     def __post_init__(self) -> None:
         if self.tp < 1:

@@ -1,4 +1,5 @@
-"""Whether the actor's rollout runs FP8 projections (``rollout.quantization=fp8``), and with which kernel."""
+"""Whether the rollout runs FP8 projections (``rollout.quantization=fp8``), and with which kernel: the
+generation weights' dtype is the hybrid actor's to choose, from a probe of this GPU."""
 
 from __future__ import annotations
 
@@ -7,42 +8,41 @@ from typing import Any
 
 import torch
 
-from hybridflow.config.schema import Config
-from hybridflow.engine import fp8_probe, pick_kernel, use_kernel
+from hybridflow.engine.ops.fp8 import use_kernel
+from hybridflow.engine.ops.fp8_probe import fp8_probe, pick_kernel
 from hybridflow.models.vision import text_config
-from hybridflow.utils.logging import rank as dist_rank
 
 logger = logging.getLogger(__name__)
 
 
-def fp8_pays(cfg: Config, config: Any, device: torch.device) -> bool:
+def fp8_pays(
+    config: Any, device: torch.device, asked: str, force: bool, tp: int, compiled: bool, rank: int
+) -> bool:
     """Whether to run FP8 projections, and with which kernel (``use_kernel``): on CUDA a probe of one decode
     layer's projections per kernel (``fp8_probe``, logged) picks the fastest, kept only if it beats bf16 by
-    ``fp8_probe.MIN_GAIN`` or ``rollout.quantization_force``; on CPU (tests) always yes, with ``rollout.quantization_kernel`` (auto: scaled_mm's reference)."""
-    asked = cfg.rollout.quantization_kernel
+    ``fp8_probe.MIN_GAIN`` or ``force`` (``rollout.quantization_force``); on CPU (tests) always yes, with the
+    kernel ``asked`` (``rollout.quantization_kernel``; auto: scaled_mm's reference)."""
     if device.type != "cuda":
         use_kernel("scaled_mm" if asked == "auto" else asked)
         return True
     text = text_config(config)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    tp = cfg.rollout.tensor_model_parallel_size
     dims = (text.num_attention_heads * head_dim, kv_heads * head_dim)  # q and k/v widths
-    compiled = cfg.rollout.compile_decode  # inductor then fuses the producers for bf16 too
     probe = fp8_probe(
         text.hidden_size, text.intermediate_size, device, *dims, tp,
         compiled=compiled, model_layers=text.num_hidden_layers,
     )  # fmt: skip
     kernel, faster = pick_kernel(probe, asked)
     use_kernel(kernel)
-    if dist_rank() == 0:
+    if rank == 0:
         logger.log(
-            logging.INFO if faster or cfg.rollout.quantization_force else logging.WARNING,
+            logging.INFO if faster or force else logging.WARNING,
             "rollout.quantization=fp8: one decode layer's projections on 64 tokens take %s on this GPU%s: %s",
             ", ".join(f"{k} {v:.1f} us" for k, v in probe.items()),
             " (compiled decode: GEMMs alone)" if compiled else "",
             f"FP8 projections with {kernel}"
-            if faster or cfg.rollout.quantization_force
+            if faster or force
             else "keeping bf16 (rollout.quantization_force=true uses FP8 anyway)",
         )
-    return faster or cfg.rollout.quantization_force
+    return faster or force
