@@ -34,13 +34,13 @@ from hybridflow.trainer.loop import TrainingLoop
 from hybridflow.trainer.oom import out_of_memory_errors
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.trainer.preference import PreferenceTrainer
-from hybridflow.trainer.sft import SFTTrainer
+from hybridflow.trainer.sft import SFTTrainer, check_sft_config
 from hybridflow.trainer.summary import write_summary
 from hybridflow.trainer.tracking import METRICS_FILE, PLOT_FILE, Tracker
 from hybridflow.trainer.validation import validate
 from hybridflow.utils.device import cap_gpu_memory, cuda_in_use, use_device_type
 from hybridflow.utils.dirlock import lock_run_dir
-from hybridflow.utils.errors import DiskFullError, UserError, disk_full_error
+from hybridflow.utils.errors import DiskFullError, UserError, disk_full_error, path_error
 from hybridflow.utils.host import check_one_process
 from hybridflow.utils.logging import rank as env_rank
 from hybridflow.utils.progress import nice_every
@@ -91,6 +91,7 @@ def sft_job(
     false, and the saved directory holds the whole model and the image processor.
     """
     start_job(cfg)
+    check_sft_config(cfg)  # before anything is written
     # The built-in tasks keep their images in "images" whatever data.image_key names in files.
     image_key = cfg.data.image_key if rows is None and cfg.data.train_files else "images"
     rows = rows if rows is not None else load_split_rows(cfg.data, "train", cfg.trainer.seed)
@@ -117,13 +118,10 @@ def _save_sft_model(trainer: SFTTrainer, run_dir: Path, out_dir: Path) -> None:
     the trained weights still are (the run's last checkpoint, if any)."""
     cfg, group = trainer.cfg, trainer.c.groups[0]
     driver = env_rank() == 0
+    staging = staged_dir(out_dir, SFT_MODEL) if driver else contextlib.nullcontext(staging_path(out_dir))
     error: UserError | None = None
     try:
-        with (
-            staged_dir(out_dir, SFT_MODEL)
-            if driver
-            else contextlib.nullcontext(staging_path(out_dir)) as staged
-        ):
+        with staging as staged:
             group.run_all("save_hf_model", str(staged), False)  # into the staging directory as it is
             if driver:
                 save_config(cfg, staged / "sft_config.yaml")
@@ -136,6 +134,9 @@ def _save_sft_model(trainer: SFTTrainer, run_dir: Path, out_dir: Path) -> None:
         error.__cause__ = exc
     except UserError as exc:
         error = exc
+    except OSError as exc:  # out_dir's place unwritable (its permissions, a read-only filesystem)
+        error = path_error(exc, SFT_MODEL)
+        error.__cause__ = exc
     group.raise_together(error)  # none waits for a rank that stopped
 
 

@@ -138,6 +138,9 @@ class SFTData:
     masks: list[list[int]]
     images: list[dict | None]
 
+    def __post_init__(self) -> None:
+        self.width = max(len(r) for r in self.responses)
+
     @classmethod
     def encode(
         cls,
@@ -159,23 +162,32 @@ class SFTData:
 
     def collate(self, indices: list[int], pad_token_id: int) -> Batch:
         """The rows ``indices`` packed (``pack_prompt_response``), the masks applied, a VLM's images attached."""
-        width = max(len(r) for r in self.responses)
-        batch = pack_prompt_response(
-            [self.prompts[i] for i in indices], [self.responses[i] for i in indices], width, pad_token_id
-        )
+        prompts, responses = [self.prompts[i] for i in indices], [self.responses[i] for i in indices]
+        batch = pack_prompt_response(prompts, responses, self.width, pad_token_id)
         # tool results and turn headers inside a response are never trained on
-        trained, _ = pad_rows([self.masks[i] for i in indices], width, 0, torch.float32)  # (b, R)
+        trained, _ = pad_rows([self.masks[i] for i in indices], self.width, 0, torch.float32)  # (b, R)
         batch["response_mask"] = batch["response_mask"] * trained
         if any(self.images[i] is not None for i in indices):  # (b,) dicts or None, aligned with the rows
             batch[MULTI_MODAL_KEY] = row_objects([self.images[i] for i in indices])
         return batch
 
 
+def check_sft_config(cfg: Config) -> None:
+    """Refuse what SFT does not do: ``trainer.val_only`` (it never validates)."""
+    if cfg.trainer.val_only:
+        raise UserError(
+            "trainer.val_only=true: hybridflow sft trains and does not validate; set trainer.val_only=false, "
+            "or evaluate the model with hybridflow eval"
+        )
+
+
 class SFTTrainer(TrainingLoop):
-    """Drives SFT on the actor's worker group: ``steps`` optimizer steps of ``data.train_batch_size`` rows each,
-    in a seeded order; checkpoints and resume as every driver (``TrainingLoop``)."""
+    """Drives SFT on the actor's worker group: ``components.total_steps`` optimizer steps of
+    ``data.train_batch_size`` rows each, in a seeded order (epoch after epoch); checkpoints and resume as every
+    driver (``TrainingLoop``). A VLM's images ride along with their rows (``multi_modal_inputs``)."""
 
     def __init__(self, cfg: Config, components: Any, data: SFTData, tracker: Tracker | None = None) -> None:
+        check_sft_config(cfg)
         super().__init__(cfg, components, tracker)
         self.data = data
         self.sampler = PromptSampler(len(data), cfg.data.train_batch_size, cfg.trainer.seed, shuffle=True)

@@ -6,6 +6,7 @@ SFT on several ranks and on Ray equals one rank: tests/trainer/test_multi_rank.p
 
 from __future__ import annotations
 
+import errno
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from hybridflow.cli.main import main
 from hybridflow.models import build_tiny_model_and_tokenizer
 from hybridflow.utils.dirlock import lock_run_dir
 from hybridflow.utils.faults import KILL_ENV
+from hybridflow.utils.storage import staging_path
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,7 @@ def test_a_killed_sft_run_resumes_where_it_was(tmp_path: Path, sft_setup: tuple[
     assert (run / "sft_model" / "metrics.jsonl").read_text() == (run / "metrics.jsonl").read_text()
 
 
-def test_sft_refuses_a_locked_run_directory_and_a_batch_the_replicas_cannot_split(
+def test_sft_refuses_a_locked_run_directory_a_batch_the_replicas_cannot_split_and_val_only(
     tmp_path: Path, sft_setup: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     model, data = sft_setup
@@ -89,6 +91,37 @@ def test_sft_refuses_a_locked_run_directory_and_a_batch_the_replicas_cannot_spli
     assert main(sft_argv(model, data, tmp_path / "odd", 2, *odd)) == 2
     err = capsys.readouterr().err
     assert "data.train_batch_size=3 rows do not split over the actor's 2 data-parallel replicas" in err, err
+    assert main(sft_argv(model, data, tmp_path / "val", 1, "trainer.val_only=true")) == 2
+    assert "trainer.val_only=true: hybridflow sft trains and does not validate" in capsys.readouterr().err
+    assert not (tmp_path / "val").exists()  # refused before any work
+
+
+def test_a_full_disk_at_the_sft_model_keeps_the_old_one_and_names_the_checkpoint(
+    tmp_path: Path,
+    sft_setup: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--overwrite`` of a model directory when the disk fills while writing the new model: one line naming
+    ``--out`` and the checkpoint that holds the trained weights; the old directory is as it was."""
+    import hybridflow.workers.rank as rank_module
+
+    model, data = sft_setup
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("mine\n")
+
+    def full_disk(state, config, files, out_dir, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(Path(out_dir) / "model.safetensors"))
+
+    monkeypatch.setattr(rank_module, "save_hf_model", full_disk)
+    code = main([*sft_argv(model, data, tmp_path / "run"), "--out", str(out), "--overwrite"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1, errors
+    assert f"the disk is full: writing the SFT model to {out} failed" in errors[0]
+    assert f"the checkpoint {tmp_path / 'run' / 'global_step_2'} holds the trained weights" in errors[0]
+    assert [p.name for p in out.iterdir()] == ["mine.txt"] and (out / "mine.txt").read_text() == "mine\n"
+    assert not staging_path(out).exists()
 
 
 def eval_on_a_rank(rank: int, tmp: str) -> tuple[int, str]:
