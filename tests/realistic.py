@@ -7,7 +7,8 @@
   answers differ from prompt to prompt;
 - ``REWARD_SOURCE`` / ``TOKEN_REWARD_SOURCE``: reward files whose groups tie on one data source (every sample
   scores the same) and differ on the other; the second is a token-id reward function.
-- ``preference_rows`` / ``kto_rows``: DPO pairs and KTO examples with prompts and answers of different lengths.
+- ``preference_rows`` / ``kto_rows``: DPO pairs and KTO examples with prompts and answers of different lengths;
+- ``sft_rows``: SFT rows, prompts and answers of different lengths and tool conversations (turns masked).
 
 Every multi-rank test runs on these instead of the built-in task, whose prompts all have one length.
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.data.tasks import make_task
 from hybridflow.models import build_tiny_model_and_tokenizer
 
 WORDS = tuple(
@@ -202,3 +204,18 @@ def kto_rows(n: int = 8, seed: int = 0) -> list[dict[str, Any]]:
         {"prompt": row["prompt"], "completion": _text(rng, rng.choice(ANSWER_CHARS)), "label": i % 3 != 0}
         for i, row in enumerate(realistic_rows(n, seed))
     ]
+
+
+def sft_rows(n: int = 8, seed: int = 0) -> list[dict[str, Any]]:
+    """SFT rows: chat prompts of very different lengths (a system turn on some, an earlier exchange on others,
+    a plain-text one) answered in a few to a hundred characters, and every third row a conversation whose
+    assistant turns call the ``calc`` tool (trained on its assistant turns only)."""
+    rng = random.Random(seed)
+    calls = make_task("multiply", "train", n, seed, call_fraction=1.0)
+    out: list[dict[str, Any]] = []
+    for i, row in enumerate(realistic_rows(n, seed)):
+        if i % 3 == 2:
+            out.append({"messages": calls[i]["messages"]})
+        else:
+            out.append({"prompt": row["prompt"], "response": _text(rng, rng.choice((2, 9, 30, 100)))})
+    return out

@@ -93,10 +93,10 @@ def check_rl(args: argparse.Namespace) -> None:
 
 
 def check_sft(args: argparse.Namespace) -> None:
-    """sft: one process, the config and its paths, and the output model directory."""
-    check_one_process("sft")
+    """sft: the config and its paths, the run directory and the output model directory."""
     cfg = _run_config(args, demo_without_model=False)
     assert cfg is not None
+    check_writable_dir(cfg.trainer.run_dir(), RUN_DIR)
     out = Path(args.out or Path(cfg.trainer.run_dir()) / "sft_model").expanduser()
     check_output_dir(out, args.overwrite)
     check_writable_dir(out, "--out")

@@ -12,16 +12,19 @@ import torch
 
 from hybridflow.config.schema import Config
 from hybridflow.data import KTODataset, PreferenceDataset, RLDataset, build_rl_dataset, load_rows
+from hybridflow.data.rl_dataset import has_images
 from hybridflow.engine import world_line
-from hybridflow.models.vision import text_config
+from hybridflow.models.vision import is_vision_language, text_config
 from hybridflow.models.vision_tower import check_vision_training
 from hybridflow.trainer.scoring import Scorer, build_reward_manager, has_scorer, known_sources
+from hybridflow.trainer.sft import SFTData
 from hybridflow.utils.dist import init_distributed
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.progress import counted
 from hybridflow.workers.actor import ActorWorker, make_sampling_params
 from hybridflow.workers.build import (
     COLOCATED,
+    SUPERVISED,
     build_roles,
     eos_ids_of,
     load_policy,
@@ -33,7 +36,14 @@ from hybridflow.workers.group import ActorHandle, CriticHandle, LocalGroup, RefH
 from hybridflow.workers.rank import RankWorker
 from hybridflow.workers.reward_model import RewardModelWorker
 
-__all__ = ["Components", "build_components", "build_eval_components", "eos_ids_of", "load_policy"]
+__all__ = [
+    "Components",
+    "build_components",
+    "build_eval_components",
+    "build_sft_components",
+    "eos_ids_of",
+    "load_policy",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +58,9 @@ class Components:
     actor: ActorHandle
     ref: RefHandle | None
     critic: CriticHandle | None
-    train: RLDataset | None  # None for evaluation only
+    train: RLDataset | None  # None for evaluation only, and for SFT (its driver holds its rows)
     val: RLDataset | None
-    scorer: Scorer
+    scorer: Scorer | None  # None for SFT: nothing is scored
     total_steps: int
     groups: list[WorkerGroup] = field(default_factory=list)  # the main group (with the actor) first
     pool: WorkerGroup | None = None  # trainer.async_mode=separate: the rollout pool (no checkpoint state)
@@ -60,7 +70,8 @@ class Components:
 
     def close(self) -> None:
         """Stop the scorer's pool and the worker groups' processes."""
-        self.scorer.close()
+        if self.scorer is not None:
+            self.scorer.close()
         for group in [*self.groups, *([self.pool] if self.pool is not None else [])]:
             group.shutdown()
 
@@ -185,10 +196,15 @@ def learned_positions(config: Any) -> bool:
 
 
 def _local_groups(
-    cfg: Config, model: torch.nn.Module, tokenizer: Any, steps: int, processor: Any = None
+    cfg: Config,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    steps: int,
+    processor: Any = None,
+    supervised: bool = False,
 ) -> list[WorkerGroup]:
     """This process as the rank (or, under torchrun, one of the ranks) holding every role (``processor``: a
-    vision-language policy's, saved with it)."""
+    vision-language policy's, saved with it; ``supervised``: the actor alone, for SFT)."""
     t = cfg.trainer
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if t.world_size != launched:
@@ -199,21 +215,27 @@ def _local_groups(
     if t.placement != "colocated":
         raise UserError("trainer.placement=split needs trainer.backend=ray (local roles share this process)")
     init_distributed(timeout_s=t.nccl_timeout)  # before the engines join it with the default timeout
-    worker = RankWorker(build_roles(cfg, model, steps, pad_id_of(tokenizer)), tokenizer)
+    roles = build_roles(
+        cfg, model, steps, pad_id_of(tokenizer), SUPERVISED if supervised else COLOCATED, supervised
+    )
+    worker = RankWorker(roles, tokenizer, generates=not supervised)
     worker.eos_token_ids = eos_ids_of(model, tokenizer)
     worker.processor = processor
     return [LocalGroup(worker)]
 
 
-def _ray_groups(cfg: Config, steps: int) -> list[WorkerGroup]:
-    """Ray actors: one group with every role (colocated), or the critic in a group of its own (split)."""
+def _ray_groups(cfg: Config, steps: int, supervised: bool = False) -> list[WorkerGroup]:
+    """Ray actors: one group with every role (colocated), or the critic in a group of its own (split);
+    ``supervised``: one group of the actor alone (SFT)."""
     from hybridflow.workers.ray_group import RayGroup, ensure_ray
 
     t = cfg.trainer
-    split = t.placement == "split" and cfg.use_critic
-    pool = t.rollout_pool_size if t.async_mode == "separate" else 0
+    split = t.placement == "split" and cfg.use_critic and not supervised
+    pool = t.rollout_pool_size if t.async_mode == "separate" and not supervised else 0
     ray = ensure_ray(t.ray_address, min_cpus=t.world_size * (2 if split else 1) + pool)
     use_gpu = t.device == "cuda" or (t.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    if supervised:
+        return [RayGroup(cfg, steps, SUPERVISED, "main", t.world_size, use_gpu, supervised=True)]
     main_roles = ("actor", "ref") if split else COLOCATED
     groups: list[WorkerGroup] = [RayGroup(cfg, steps, main_roles, "main", t.world_size, use_gpu)]
     if split:
@@ -231,11 +253,16 @@ def _policy(cfg: Config, model: torch.nn.Module | None, tokenizer: Any) -> tuple
 
 
 def _groups(
-    cfg: Config, model: torch.nn.Module | None, tokenizer: Any, steps: int, processor: Any = None
+    cfg: Config,
+    model: torch.nn.Module | None,
+    tokenizer: Any,
+    steps: int,
+    processor: Any = None,
+    supervised: bool = False,
 ) -> list[WorkerGroup]:
-    if cfg.trainer.backend == "ray":
-        return _ray_groups(cfg, steps)  # each rank loads its processor itself (``build_rank_worker``)
-    return _local_groups(cfg, model, tokenizer, steps, processor)
+    if cfg.trainer.backend == "ray":  # each rank loads its processor itself (``build_rank_worker``)
+        return _ray_groups(cfg, steps, supervised)
+    return _local_groups(cfg, model, tokenizer, steps, processor, supervised)
 
 
 def _rollout_pool(cfg: Config, groups: list[WorkerGroup], steps: int) -> WorkerGroup | None:
@@ -423,6 +450,72 @@ def build_preference_components(
     return Components(
         tokenizer, pad_id_of(tokenizer), eos, actor, ref, None, train, val, scorer, steps, groups
     )
+
+
+def build_sft_components(
+    cfg: Config,
+    rows: list[dict[str, Any]],
+    model: torch.nn.Module | None = None,
+    tokenizer: Any = None,
+    processor: Any = None,
+    image_key: str = "images",
+) -> tuple[Components, SFTData]:
+    """The actor alone on its worker group, for SFT (no reference, critic or scorer), and the encoded ``rows``.
+
+    The group is this process (one rank, or each of torchrun's ranks) or Ray actors (``trainer.backend``),
+    the actor in its training view (``actor.parallel``, LoRA). ``processor``: a vision-language policy's (None:
+    loaded from ``model.path`` when a row has images in ``image_key``), saved with the model.
+    """
+    from hybridflow.engine import ParallelDims
+
+    t = cfg.trainer
+    view = ParallelDims.of(cfg, "actor", t.world_size)
+    if cfg.data.train_batch_size % view.dp:  # a padded share would train on its repeated rows
+        raise UserError(
+            f"data.train_batch_size={cfg.data.train_batch_size} rows do not split over the actor's {view.dp} "
+            f"data-parallel replicas (train_view={view} on {t.world_size} ranks); use a multiple of {view.dp}"
+        )
+    model, tokenizer = _policy(cfg, model, tokenizer)
+    config = _model_config(cfg, model)
+    check_vision_training(cfg, config, "sft")
+    vlm = is_vision_language(config)
+    if processor is None and vlm and any(has_images(r, image_key=image_key) for r in rows):
+        processor = load_policy_processor(cfg, tokenizer, config)  # text rows need none
+    steps = sft_steps(cfg, len(rows))
+    encode = functools.partial(
+        SFTData.encode, tokenizer, rows, processor=processor, vlm=vlm, image_key=image_key
+    )
+    # A given model is checked against its rows before its engine takes it over (a refused row leaves it whole).
+    data = encode(eos_ids_of(model, tokenizer)) if model is not None else None
+    groups = _groups(cfg, model, tokenizer, steps, processor, supervised=True)
+    eos = groups[0].run_all("stop_tokens")[0]
+    if data is None:  # Ray: only the ranks hold the model
+        try:
+            data = encode(eos)
+        except BaseException:
+            for group in groups:
+                group.shutdown()
+            raise
+    logger.info(
+        "sft: %d rows, %s, %s backend, %d rank(s): actor train_view=%s",
+        len(rows),
+        counted(steps, "step"),
+        t.backend,
+        t.world_size,
+        view,
+    )
+    pad = pad_id_of(tokenizer)
+    actor = ActorHandle(groups[0], functools.partial(make_sampling_params, cfg), pad)
+    # no reference, critic or scorer; the rows stay with the driver (``SFTTrainer``)
+    components = Components(tokenizer, pad, eos, actor, None, None, None, None, None, steps, groups)
+    components.processor = processor
+    return components, data
+
+
+def sft_steps(cfg: Config, rows: int) -> int:
+    """``trainer.total_training_steps``, else ``total_epochs`` passes over the rows (at least one step)."""
+    t = cfg.trainer
+    return t.total_training_steps or max(1, rows // cfg.data.train_batch_size) * t.total_epochs
 
 
 def _preference_dataset(

@@ -86,8 +86,9 @@ GRPO_OVERRIDES = [
     # Held-out accuracy at step 0 too: the before/after table and the reward panel read it from the run.
     "trainer.val_before_train=true",
 ]
-# The SFT warm-up differs only in these keys.
+# The SFT warm-up differs only in these keys (and its run directory: ``demo_configs``).
 SFT_OVERRIDES = [
+    "trainer.save_freq=0",  # the warm-up is not checkpointed: the demo starts over each time
     "actor.optim.lr=3e-3",
     "actor.optim.lr_scheduler_type=cosine",
     "actor.optim.lr_warmup_steps=10",
@@ -97,6 +98,8 @@ SFT_OVERRIDES = [
     "trainer.total_training_steps=165",
 ]
 
+
+SFT_RUN = "sft_run"  # the warm-up's run directory, inside the demo's
 
 # ``hybridflow dpo`` with no config: the same warm-up, then DPO on pairs built from the task's training
 # problems: the reference answer against the warm model's own wrong answer.
@@ -180,7 +183,8 @@ def demo_configs(
     ``base`` replaces the demo's task settings (``DEMO_OVERRIDES``; the tool demo has its own).
     ``extra`` adds demo settings to both, ``rl_extra`` to the RL phase only. A problem says which of the
     values it quotes are the demo's own. The warm-up has no mini-batches: its ``actor.ppo_mini_batch_size``
-    is its batch, so the RL phase's batch settings never fail its checks.
+    is its batch, so the RL phase's batch settings never fail its checks. The warm-up keeps its records
+    (config.yaml, metrics.jsonl, curves.png) in ``sft_run`` inside the RL phase's run directory.
     """
     settings = list(DEMO_OVERRIDES if base is None else base) + list(extra or [])
     cfg = _demo_config(settings + list(rl_extra or []), list(overrides), [])
@@ -188,6 +192,7 @@ def demo_configs(
     sft = SFT_OVERRIDES + list(sft_overrides or [])
     batch = dict(parse_overrides(sft)).get("data.train_batch_size", cfg.data.train_batch_size)
     sft_cfg = _demo_config(settings, list(overrides), [*sft, f"actor.ppo_mini_batch_size={batch}"])
+    sft_cfg.trainer.default_local_dir = str(Path(cfg.trainer.run_dir()) / SFT_RUN)
     return cfg, sft_cfg
 
 

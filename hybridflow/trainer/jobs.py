@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hybridflow.checkpoint import load_role_model
-from hybridflow.checkpoint.export import save_hf_model as write_hf_model
 from hybridflow.checkpoint.manager import HF_CONFIG
 from hybridflow.checkpoint.rundir import is_complete, step_dir
 from hybridflow.config import Config, check_start, save_config
 from hybridflow.data import load_split_rows
-from hybridflow.data.rl_dataset import has_images
 from hybridflow.models import load_causal_lm, load_tokenizer
-from hybridflow.models.vision import is_vision_language
-from hybridflow.models.vision_tower import check_vision_training, load_vision_processor
 from hybridflow.trainer.async_ppo import ColocatePPOTrainer
 from hybridflow.trainer.async_separate import SeparatePPOTrainer
 from hybridflow.trainer.builder import (
@@ -28,7 +26,7 @@ from hybridflow.trainer.builder import (
     build_components,
     build_eval_components,
     build_preference_components,
-    eos_ids_of,
+    build_sft_components,
     load_policy,
 )
 from hybridflow.trainer.dumps import write_jsonl
@@ -36,20 +34,19 @@ from hybridflow.trainer.loop import TrainingLoop
 from hybridflow.trainer.oom import out_of_memory_errors
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.trainer.preference import PreferenceTrainer
-from hybridflow.trainer.sft import TEXT_MODEL_FIX, encode_pairs, run_sft
+from hybridflow.trainer.sft import SFTTrainer, check_sft_config
 from hybridflow.trainer.summary import write_summary
-from hybridflow.trainer.tracking import Tracker
+from hybridflow.trainer.tracking import METRICS_FILE, PLOT_FILE, Tracker
 from hybridflow.trainer.validation import validate
 from hybridflow.utils.device import cap_gpu_memory, cuda_in_use, use_device_type
 from hybridflow.utils.dirlock import lock_run_dir
-from hybridflow.utils.errors import DiskFullError
+from hybridflow.utils.errors import DiskFullError, UserError, disk_full_error, path_error
 from hybridflow.utils.host import check_one_process
 from hybridflow.utils.logging import rank as env_rank
 from hybridflow.utils.progress import nice_every
 from hybridflow.utils.seed import set_seed
-from hybridflow.utils.storage import ensure_writable_dir, staged_dir
+from hybridflow.utils.storage import ensure_writable_dir, staged_dir, staging_path
 from hybridflow.utils.threads import configure_cpu_threads, passive_wait_env
-from hybridflow.workers.actor import ActorWorker
 
 logger = logging.getLogger(__name__)
 
@@ -72,18 +69,6 @@ def start_job(cfg: Config, single_process: str | None = None) -> None:
     set_seed(cfg.trainer.seed)
 
 
-def save_hf_model(actor: ActorWorker, tokenizer: Any, base: torch.nn.Module | None, staged: Path) -> Path:
-    """Write the actor's current weights as a Hugging Face model (with the tokenizer) into ``staged``, a
-    staging directory of the caller's (``staged_dir``), which renames it into place.
-
-    ``base`` is a module of the same architecture to receive the weights; None builds one from the config.
-    """
-    state = actor.hf_state()  # adapters merged
-    return write_hf_model(
-        state, actor.hf_model.config, tokenizer, staged, prefix="lm.", base=base, staged=False
-    )
-
-
 def sft_job(
     cfg: Config,
     out_dir: Path,
@@ -94,69 +79,68 @@ def sft_job(
 ) -> dict[str, float]:
     """Supervised fine-tuning of ``model.path`` (or the given model) on the train rows; saves to ``out_dir``.
 
+    It runs like RL (``trainer.sft``): on one rank, on torchrun's ranks, or on Ray actors
+    (``trainer.backend=ray``: every rank loads ``model.path``, so pass no model), in the actor's training view
+    (``actor.parallel``, LoRA), in the run directory (``config.yaml``, ``metrics.jsonl``, ``curves.png``,
+    checkpoints every ``trainer.save_freq`` steps, resumed per ``trainer.resume``). ``out_dir`` receives the
+    model with ``sft_config.yaml``, ``metrics.jsonl`` and ``curves.png`` beside it, written beside ``out_dir``
+    and renamed into place once whole. Returns the last step's metrics.
+
     A vision-language model trains on image rows too (``processor``: its ``VisionProcessor``; None loads it
     from ``model.path`` when a row has images); its tower stays frozen unless ``model.freeze_vision_tower`` is
     false, and the saved directory holds the whole model and the image processor.
     """
-    start_job(cfg, single_process="sft")
-    if model is None:
-        model, tokenizer = load_policy(cfg)
-    check_vision_training(cfg, model.config, "sft")
-    base = copy.deepcopy(model)  # a clean module to receive the trained weights for saving
+    start_job(cfg)
+    check_sft_config(cfg)  # before anything is written
     # The built-in tasks keep their images in "images" whatever data.image_key names in files.
     image_key = cfg.data.image_key if rows is None and cfg.data.train_files else "images"
     rows = rows if rows is not None else load_split_rows(cfg.data, "train", cfg.trainer.seed)
-    processor = processor or _sft_processor(cfg, model, tokenizer, rows, image_key)
-    end = eos_ids_of(model, tokenizer)[-1]  # the chat end token for chat models (last of the stop ids)
-    fix = VLM_PROCESSOR_FIX if is_vision_language(model.config) else TEXT_MODEL_FIX
-    prompts, responses, masks, images = encode_pairs(tokenizer, rows, end, processor, fix, image_key)
-    steps = (
-        cfg.trainer.total_training_steps
-        or max(1, len(rows) // cfg.data.train_batch_size) * cfg.trainer.total_epochs
-    )
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    actor = ActorWorker(model, cfg, steps, pad)  # applies model.freeze_vision_tower
-    # everything goes beside out_dir, renamed into place at the end (a full disk: one line, out_dir as it was)
-    with staged_dir(out_dir, "the SFT model") as staged:
-        # About ten console lines, each with the pace (the warm-up of the demos is hundreds of short steps).
-        every = nice_every(steps)
-        tracker = Tracker(
-            staged, steps, loggers=cfg.trainer.logger, plot_every=0, console_every=every, **run_names(cfg)
-        )
-        with out_of_memory_errors(cfg, "actor", "update_sft"):  # SFT calls its actor directly
-            history = run_sft(
-                actor,
-                prompts,
-                responses,
-                steps,
-                cfg.data.train_batch_size,
-                pad,
-                cfg.trainer.seed,
-                on_step=tracker.log,
-                masks=masks,
-                images=images,
-            )
-        tracker.close()
-        save_hf_model(actor, tokenizer, base, staged)
-        if processor is not None:  # a VLM's image processor beside it: the directory loads as a whole VLM
-            processor.image_processor.save_pretrained(staged)
-        save_config(cfg, staged / "sft_config.yaml")
-    return history[-1]
+    run_dir = ensure_writable_dir(cfg.trainer.run_dir(), RUN_DIR)
+    with lock_run_dir(run_dir):  # before anything is written there; until the model is in out_dir
+        save_config(cfg, run_dir / "config.yaml")
+        components, data = build_sft_components(cfg, rows, model, tokenizer, processor, image_key)
+        try:
+            trainer = SFTTrainer(cfg, components, data)
+            # About ten console lines, each with the pace (the warm-up of the demos is hundreds of short steps).
+            every = nice_every(trainer.total_steps)
+            history = fit_tracked(trainer, run_dir, plot_every=0, console_every=every)
+            _save_sft_model(trainer, run_dir, out_dir)
+        finally:
+            components.close()
+    return history[-1] if history else dict(trainer.saved_metrics.get(trainer.global_step, {}))
 
 
-VLM_PROCESSOR_FIX = (
-    "pass the model's processor (sft_job(..., processor=...)), or save its image processor "
-    "(preprocessor_config.json) in model.path"
-)
+def _save_sft_model(trainer: SFTTrainer, run_dir: Path, out_dir: Path) -> None:
+    """The trained model into ``out_dir`` with the run's config, metrics and curves beside it, written into a
+    staging directory that rank 0 renames into place once whole (every rank gathers the weights).
+
+    A user error on any rank (a full disk) stops every rank together; a full disk names ``out_dir`` and where
+    the trained weights still are (the run's last checkpoint, if any)."""
+    cfg, group = trainer.cfg, trainer.c.groups[0]
+    driver = env_rank() == 0
+    staging = staged_dir(out_dir, SFT_MODEL) if driver else contextlib.nullcontext(staging_path(out_dir))
+    error: UserError | None = None
+    try:
+        with staging as staged:
+            group.run_all("save_hf_model", str(staged), False)  # into the staging directory as it is
+            if driver:
+                save_config(cfg, staged / "sft_config.yaml")
+                for name in (METRICS_FILE, PLOT_FILE):
+                    if (run_dir / name).is_file():
+                        shutil.copyfile(run_dir / name, staged / name)
+    except DiskFullError as exc:
+        where = _trained_weights(run_dir, trainer.global_step, cfg.trainer.save_freq)
+        error = DiskFullError(f"{disk_full_error(out_dir, None, SFT_MODEL)}; {where}")
+        error.__cause__ = exc
+    except UserError as exc:
+        error = exc
+    except OSError as exc:  # out_dir's place unwritable (its permissions, a read-only filesystem)
+        error = path_error(exc, SFT_MODEL)
+        error.__cause__ = exc
+    group.raise_together(error)  # none waits for a rank that stopped
 
 
-def _sft_processor(
-    cfg: Config, model: torch.nn.Module, tokenizer: Any, rows: list[dict], image_key: str
-) -> Any:
-    """A VLM's processor from ``model.path`` when some row has images (None otherwise: text rows need none)."""
-    if not is_vision_language(model.config) or not any(has_images(r, image_key=image_key) for r in rows):
-        return None
-    return load_vision_processor(cfg.model.path, tokenizer, model.config)
+SFT_MODEL = "the SFT model"
 
 
 def run_names(cfg: Config) -> dict[str, Any]:
@@ -169,6 +153,25 @@ def run_names(cfg: Config) -> dict[str, Any]:
     }
 
 
+def fit_tracked(trainer: TrainingLoop, run_dir: Path, **tracker_options: Any) -> list[dict[str, float]]:
+    """Resume per ``trainer.resume``, then train with a ``Tracker`` writing ``run_dir``'s metrics (a resumed
+    run's file kept up to its step); an out-of-memory error is one line naming the phase, on every rank."""
+    cfg = trainer.cfg
+    start = trainer.resume()
+    with Tracker(
+        run_dir,
+        trainer.total_steps,
+        loggers=cfg.trainer.logger,
+        resume_step=start if start > 0 else None,
+        saved_records=trainer.saved_metrics,
+        **run_names(cfg),
+        **tracker_options,
+    ) as tracker:
+        trainer.tracker = tracker
+        with out_of_memory_errors(cfg):
+            return trainer.fit()
+
+
 def run_loop(
     trainer: TrainingLoop, run_dir: Path, close: bool, log_summary: bool = True
 ) -> list[dict[str, float]]:
@@ -177,18 +180,7 @@ def run_loop(
     ``summary.md`` is written at the end; ``log_summary=False`` leaves its table out of the log (a demo logs it
     after its own results, ``summary.log_summary``)."""
     cfg, components = trainer.cfg, trainer.c
-    start = trainer.resume()
-    with Tracker(
-        run_dir,
-        components.total_steps,
-        loggers=cfg.trainer.logger,
-        resume_step=start if start > 0 else None,
-        saved_records=trainer.saved_metrics,
-        **run_names(cfg),
-    ) as tracker:
-        trainer.tracker = tracker
-        with out_of_memory_errors(cfg):  # one line naming the phase, on every rank
-            history = trainer.fit()
+    history = fit_tracked(trainer, run_dir)
     try:
         components.groups[0].run_all("save_hf_model", str(run_dir / "final_model"))
     except DiskFullError as exc:  # say where the trained weights still are, if anywhere
@@ -212,13 +204,16 @@ def _trained_weights(run_dir: Path, step: int, save_freq: int) -> str:
     return f"the trained weights are not kept elsewhere: no checkpoint holds step {step} (trainer.save_freq={save_freq})"
 
 
+RUN_DIR = "the run directory (trainer.default_local_dir)"
+
+
 def rl_job(
     cfg: Config, components: Components | None = None, reward_fn: Any = None, log_summary: bool = True
 ) -> list[dict[str, float]]:
     """PPO-family training as configured; writes config.yaml, metrics.jsonl, curves.png and summary.md to the
     run dir (``log_summary``: its table in the log too)."""
     start_job(cfg)
-    run_dir = ensure_writable_dir(cfg.trainer.run_dir(), "the run directory (trainer.default_local_dir)")
+    run_dir = ensure_writable_dir(cfg.trainer.run_dir(), RUN_DIR)
     with lock_run_dir(run_dir):  # before anything is written there; until the run's last file
         save_config(cfg, run_dir / "config.yaml")
         owned = components is None  # close only what this job built: a caller may go on using its components
@@ -272,7 +267,7 @@ def preference_job(
     """DPO/IPO (``kind="dpo"``) or KTO (``kind="kto"``) as configured, in the run directory like RL runs."""
     cfg = preference_config(cfg)
     start_job(cfg)
-    run_dir = ensure_writable_dir(cfg.trainer.run_dir(), "the run directory (trainer.default_local_dir)")
+    run_dir = ensure_writable_dir(cfg.trainer.run_dir(), RUN_DIR)
     with lock_run_dir(run_dir):  # one run per directory (``utils.dirlock``)
         save_config(cfg, run_dir / "config.yaml")
         owned = components is None

@@ -73,7 +73,7 @@ def out_of_memory_errors(cfg: Config, role: str = "driver", method: str = "step"
     """Stop an out-of-memory error in a phase with its one line (a ``UserError``) on every rank.
 
     An OOM that did not come through a rank's phase call is taken as ``role.method``: the driver's own
-    work by default, the actor's SFT update in the single-process SFT job (which calls its actor directly).
+    work by default.
     """
     try:
         yield

@@ -1,27 +1,47 @@
-"""Supervised fine-tuning on prompt/response pairs, on the same engine (the loss is on the response only)."""
+"""Supervised fine-tuning on prompt/response pairs, driven like RL: a dataflow of stages on the worker groups.
+
+The driver encodes the rows once (``encode_pairs``: chat prompts, responses ending with the chat end token,
+loss masks that leave out a conversation's tool turns, a VLM's images) and keeps them (``SFTData``). A step
+(``SFTTrainer``) samples a batch of rows and runs two stages: ``collate`` packs them (prompts left-padded,
+responses right-padded) and ``update_actor`` takes one optimizer step of the token-mean NLL of the responses on
+the actor's group, each model replica on its share of the rows (``workers.group``), so the same code trains on
+one rank, torchrun's ranks or Ray actors, in any training view of the actor. Checkpoints, resume and the
+metrics are the training loop's (``trainer.loop``), as for RL.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from hybridflow.config.schema import Config
 from hybridflow.data import PromptSampler
 from hybridflow.data.images import MULTI_MODAL_KEY
 from hybridflow.data.rl_dataset import encode_image_prompt, has_images
 from hybridflow.data.rows import RowOrigin
 from hybridflow.data.sft_turns import check_conversation, encode_conversation, is_conversation
 from hybridflow.engine import pack_prompt_response, pad_rows
+from hybridflow.protocol import Batch
+from hybridflow.trainer.dataflow import Dataflow, Stage
+from hybridflow.trainer.loop import TrainingLoop
+from hybridflow.trainer.metrics import step_peak_memory, throughput_metrics
+from hybridflow.trainer.tracking import Tracker
 from hybridflow.utils.errors import UserError
-from hybridflow.workers.actor import ActorWorker
 
 logger = logging.getLogger(__name__)
 
 TEXT_MODEL_FIX = (
     "SFT on images needs a vision-language model (Qwen2-VL / Qwen2.5-VL) with its processor; point model.path "
     "to one, or drop the rows' 'images' column"
+)
+VLM_PROCESSOR_FIX = (
+    "pass the model's processor (sft_job(..., processor=...)), or save its image processor "
+    "(preprocessor_config.json) in model.path"
 )
 
 
@@ -106,41 +126,95 @@ def _response_of(row: Any, i: int) -> str:
     return response
 
 
-def run_sft(
-    actor: ActorWorker,
-    prompts: list[list[int]],
-    responses: list[list[int]],
-    steps: int,
-    batch_size: int,
-    pad_token_id: int,
-    seed: int = 0,
-    on_step: Any = None,
-    masks: list[list[int]] | None = None,
-    images: list[dict | None] | None = None,
-) -> list[dict[str, float]]:
-    """``steps`` optimizer steps of NLL on the responses, ``batch_size`` pairs each, seeded order.
+SEQ_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 
-    ``masks`` (one per response, 1 where trained) leave out the tokens of a conversation's other turns.
-    ``images`` (one per row, None for a text row; ``encode_pairs``' fourth list) go into each step's batch as
-    the non-tensor ``multi_modal_inputs``, which the actor's forward feeds to a vision-language model.
-    """
-    sampler = PromptSampler(len(prompts), batch_size, seed, shuffle=True)
-    width = max(len(r) for r in responses)
-    history = []
-    for step in range(1, steps + 1):
-        idx = sampler.next_batch()
-        batch = pack_prompt_response(
-            [prompts[i] for i in idx], [responses[i] for i in idx], width, pad_token_id
+
+@dataclass
+class SFTData:
+    """The encoded rows (``encode_pairs``' four lists); every batch pads its responses to the longest of all."""
+
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    masks: list[list[int]]
+    images: list[dict | None]
+
+    def __post_init__(self) -> None:
+        self.width = max(len(r) for r in self.responses)
+
+    @classmethod
+    def encode(
+        cls,
+        tokenizer: Any,
+        rows: list[dict],
+        stop_tokens: list[int],
+        processor: Any,
+        vlm: bool,
+        image_key: str,
+    ) -> SFTData:
+        """``encode_pairs`` of ``rows``, each response ending with the policy's last stop token (a chat model's
+        end token); an image row without a ``processor`` is refused with the way out that fits the model
+        (``vlm``: a vision-language model without its image processor)."""
+        fix = VLM_PROCESSOR_FIX if vlm else TEXT_MODEL_FIX
+        return cls(*encode_pairs(tokenizer, rows, stop_tokens[-1], processor, fix, image_key))
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def collate(self, indices: list[int], pad_token_id: int) -> Batch:
+        """The rows ``indices`` packed (``pack_prompt_response``), the masks applied, a VLM's images attached."""
+        prompts, responses = [self.prompts[i] for i in indices], [self.responses[i] for i in indices]
+        batch = pack_prompt_response(prompts, responses, self.width, pad_token_id)
+        # tool results and turn headers inside a response are never trained on
+        trained, _ = pad_rows([self.masks[i] for i in indices], self.width, 0, torch.float32)  # (b, R)
+        batch["response_mask"] = batch["response_mask"] * trained
+        if any(self.images[i] is not None for i in indices):  # (b,) dicts or None, aligned with the rows
+            batch[MULTI_MODAL_KEY] = row_objects([self.images[i] for i in indices])
+        return batch
+
+
+def check_sft_config(cfg: Config) -> None:
+    """Refuse what SFT does not do: ``trainer.val_only`` (it never validates)."""
+    if cfg.trainer.val_only:
+        raise UserError(
+            "trainer.val_only=true: hybridflow sft trains and does not validate; set trainer.val_only=false, "
+            "or evaluate the model with hybridflow eval"
         )
-        if masks is not None:  # tool results and turn headers inside a response are never trained on
-            trained, _ = pad_rows([masks[i] for i in idx], width, 0, torch.float32)  # (b, R)
-            batch["response_mask"] = batch["response_mask"] * trained
-        if images is not None and any(images[i] is not None for i in idx):
-            batch[MULTI_MODAL_KEY] = row_objects(
-                [images[i] for i in idx]
-            )  # (b,) dicts or None, aligned with rows
-        metrics = actor.update_sft(batch)
-        history.append(metrics)
-        if on_step is not None:
-            on_step(step, metrics)
-    return history
+
+
+class SFTTrainer(TrainingLoop):
+    """Drives SFT on the actor's worker group: ``components.total_steps`` optimizer steps of
+    ``data.train_batch_size`` rows each, in a seeded order (epoch after epoch); checkpoints and resume as every
+    driver (``TrainingLoop``). A VLM's images ride along with their rows (``multi_modal_inputs``)."""
+
+    def __init__(self, cfg: Config, components: Any, data: SFTData, tracker: Tracker | None = None) -> None:
+        check_sft_config(cfg)
+        super().__init__(cfg, components, tracker)
+        self.data = data
+        self.sampler = PromptSampler(len(data), cfg.data.train_batch_size, cfg.trainer.seed, shuffle=True)
+        self.dataflow = Dataflow(
+            [
+                Stage("collate", ("index",), SEQ_KEYS, self._collate, replaces_batch=True),
+                Stage("update_actor", SEQ_KEYS, (), self._update),
+            ],
+            inputs=("index",),
+            keep=("attention_mask",),  # the step's throughput counts its tokens
+        )
+
+    def step(self) -> dict[str, float]:
+        """One optimizer step on the sampler's next batch of rows."""
+        start = time.perf_counter()
+        metrics: dict[str, float] = {"training/global_step": float(self.global_step)}
+        batch = Batch({"index": torch.tensor(self.sampler.next_batch())})
+        batch = self.dataflow.run(batch, metrics)
+        elapsed = time.perf_counter() - start
+        memory = self.c.actor.memory()
+        metrics.update(memory)
+        metrics.update(throughput_metrics(batch, elapsed, self.cfg.trainer.world_size))
+        metrics.update(step_peak_memory(memory))
+        return metrics
+
+    def _collate(self, batch: Batch, metrics: dict[str, float]) -> Batch:
+        return self.data.collate(batch["index"].tolist(), self.c.pad_token_id)
+
+    def _update(self, batch: Batch, metrics: dict[str, float]) -> None:
+        metrics.update(self.c.actor.update_sft(batch))

@@ -29,7 +29,7 @@ def ranks_on_host() -> int:
 
 
 def check_one_process(command: str) -> None:
-    """Refuse a job that runs in one process only (``command``: sft, eval) when launched on several ranks:
+    """Refuse a job that runs in one process only (``command``: eval) when launched on several ranks:
     every rank would repeat the whole job and write the same files."""
     from hybridflow.utils.errors import UserError
 
@@ -37,5 +37,5 @@ def check_one_process(command: str) -> None:
     if launched > 1:
         raise UserError(
             f"hybridflow {command} runs in one process, but this is one of {launched} ranks; launch it "
-            "without torchrun (train, dpo and kto run on several ranks)"
+            "without torchrun (train, sft, dpo and kto run on several ranks)"
         )

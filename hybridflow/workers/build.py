@@ -25,6 +25,7 @@ from hybridflow.workers.rollout_pool import RolloutWorker, rollout_skeleton
 logger = logging.getLogger(__name__)
 
 COLOCATED = ("actor", "ref", "critic")
+SUPERVISED = ("actor",)  # SFT: the actor alone, trained on given responses
 
 
 def eos_ids_of(model: torch.nn.Module, tokenizer: Any) -> list[int]:
@@ -73,17 +74,22 @@ def load_policy(cfg: Config) -> tuple[torch.nn.Module, Any]:
 
 
 def build_roles(
-    cfg: Config, model: torch.nn.Module, total_steps: int, pad_id: int, roles: tuple[str, ...] = COLOCATED
+    cfg: Config,
+    model: torch.nn.Module,
+    total_steps: int,
+    pad_id: int,
+    roles: tuple[str, ...] = COLOCATED,
+    supervised: bool = False,
 ) -> dict[str, Any]:
     """The workers of ``roles`` that the config asks for, built from the initial policy ``model``.
 
     Dropout is turned off in every model first (``families.disable_dropout``): the update must score the
-    distribution the rollout sampled from.
+    distribution the rollout sampled from. ``supervised`` (SFT: nothing is sampled) keeps the model's dropout.
     """
     install_moe(model)  # a model handed in (notebook, benchmarks) gets the shared MoE blocks as a loaded one
     check_vision_training(cfg, model.config)  # a VLM: what its training does not implement is refused
     check_router_replay(model.config, cfg.actor.router_replay, cfg.rollout.engine, role_sizes(cfg, "actor"))
-    turned_off = disable_dropout(model)
+    turned_off = [] if supervised else disable_dropout(model)
     if turned_off:
         logger.info(
             "dropout off for RL (the update must see what the rollout sampled): %s", ", ".join(turned_off)
@@ -115,11 +121,14 @@ def build_roles(
     return out
 
 
-def build_rank_worker(cfg: Config, total_steps: int, roles: tuple[str, ...], group: str) -> RankWorker:
+def build_rank_worker(
+    cfg: Config, total_steps: int, roles: tuple[str, ...], group: str, supervised: bool = False
+) -> RankWorker:
     """A rank of a worker group: loads the policy from ``model.path`` and builds its roles (Ray ranks).
 
     A rank is a process of its own, rebuilt from the config: it first imports the module
     ``reward.custom_function.path`` names, so that a policy loss registered there exists here too.
+    ``supervised``: an SFT rank (``build_roles``; its actor never generates, so no multi-turn environment).
     """
     if cfg.reward.custom_function.path:
         from hybridflow.rewards.loader import import_reward_module
@@ -129,7 +138,8 @@ def build_rank_worker(cfg: Config, total_steps: int, roles: tuple[str, ...], gro
     if roles == ("rollout",):  # a separate rollout pool: no training weights, a skeleton to stream into
         return build_rollout_rank(cfg, group)
     model, tokenizer = load_policy(cfg)
-    worker = RankWorker(build_roles(cfg, model, total_steps, pad_id_of(tokenizer), roles), tokenizer, group)
+    built = build_roles(cfg, model, total_steps, pad_id_of(tokenizer), roles, supervised)
+    worker = RankWorker(built, tokenizer, group, generates=not supervised)
     worker.eos_token_ids = eos_ids_of(model, tokenizer)
     worker.processor = load_policy_processor(cfg, tokenizer, model.config)
     return worker

@@ -45,10 +45,13 @@ def lora_record(engine: Any) -> dict[str, Any] | None:
 class RankWorker:
     """The roles of this rank (``actor``, ``ref``, ``critic``), by name."""
 
-    def __init__(self, roles: dict[str, Any], tokenizer: Any = None, group: str = "main") -> None:
+    def __init__(
+        self, roles: dict[str, Any], tokenizer: Any = None, group: str = "main", generates: bool = True
+    ) -> None:
+        """``generates=False``: the actor never samples (SFT), so it gets no multi-turn environment."""
         self.roles = {name: role for name, role in roles.items() if role is not None}
         self.tokenizer = tokenizer
-        if tokenizer is not None and "actor" in self.roles:
+        if generates and tokenizer is not None and "actor" in self.roles:
             self.roles["actor"].attach_tokenizer(tokenizer)  # multi-turn rollouts decode and render with it
         self.group = group
         self.eos_token_ids: list[int] = []  # set by the builder: the policy's stop tokens
@@ -181,13 +184,22 @@ class RankWorker:
         """Raise when the checkpoint's roles do not fit this rank's models (before anything is loaded)."""
         checkpoint.manager.check_roles(path, checkpoint.read_meta(path), self._role_states())
 
-    def save_hf_model(self, out_dir: str) -> str:
-        """Write the actor's current weights as a Hugging Face directory (rank 0 writes; all ranks call)."""
+    def save_hf_model(self, out_dir: str, staged: bool = True) -> str:
+        """Write the actor's current weights as a Hugging Face directory (rank 0 writes; all ranks call).
+
+        ``staged=False``: ``out_dir`` is the driver's own staging directory, written into directly (SFT puts
+        its records beside the model there before renaming it into place)."""
         actor = self.roles["actor"]
         state = self._actor_state()
         with user_errors_together("the trained model"):  # a full disk on rank 0 stops every rank
             if env_rank() == 0:
                 save_hf_model(
-                    state, actor.hf_model.config, self._files(), out_dir, "lm.", what="the trained model"
+                    state,
+                    actor.hf_model.config,
+                    self._files(),
+                    out_dir,
+                    "lm.",
+                    staged=staged,
+                    what="the trained model",
                 )
         return out_dir

@@ -76,9 +76,15 @@ class RankProcess:
         return ray.util.get_node_ip_address(), free_port()
 
     def setup(
-        self, cfg: Config, total_steps: int, roles: tuple[str, ...], master: tuple[str, int]
+        self,
+        cfg: Config,
+        total_steps: int,
+        roles: tuple[str, ...],
+        master: tuple[str, int],
+        supervised: bool = False,
     ) -> tuple[int, list[str]]:
-        """Join the group's process group and build the roles; returns the process id and the roles held."""
+        """Join the group's process group and build the roles (``supervised``: for SFT,
+        ``build_rank_worker``); returns the process id and the roles held."""
         os.environ.update(
             RANK=str(self.rank),
             WORLD_SIZE=str(self.world),
@@ -97,7 +103,7 @@ class RankProcess:
         configure_cpu_threads(cfg.trainer.cpu_threads, on_cpu=not cuda_in_use())
         cap_gpu_memory(cfg.trainer.gpu_memory_gb)
         init_distributed(timeout_s=cfg.trainer.nccl_timeout)
-        self.worker = build_rank_worker(cfg, total_steps, roles, self.group)
+        self.worker = build_rank_worker(cfg, total_steps, roles, self.group, supervised)
         return os.getpid(), list(self.worker.roles)
 
     def run(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -110,10 +116,18 @@ class RankProcess:
 
 
 class RayGroup(WorkerGroup):
-    """``world`` Ray actors with ``roles``, placed one per bundle of their own placement group."""
+    """``world`` Ray actors with ``roles``, placed one per bundle of their own placement group
+    (``supervised``: the ranks of an SFT run, ``build_rank_worker``)."""
 
     def __init__(
-        self, cfg: Config, total_steps: int, roles: tuple[str, ...], name: str, world: int, use_gpu: bool
+        self,
+        cfg: Config,
+        total_steps: int,
+        roles: tuple[str, ...],
+        name: str,
+        world: int,
+        use_gpu: bool,
+        supervised: bool = False,
     ) -> None:
         ray = ensure_ray(cfg.trainer.ray_address)
         from ray.util.placement_group import placement_group
@@ -135,7 +149,11 @@ class RayGroup(WorkerGroup):
         master = ray.get(self.actors[0].address.remote())
         self.held = roles  # until the ranks say which of the roles the config enables
         setup = self._wait(
-            {r: a.setup.remote(cfg, total_steps, roles, master) for r, a in enumerate(self.actors)}, "setup"
+            {
+                r: a.setup.remote(cfg, total_steps, roles, master, supervised)
+                for r, a in enumerate(self.actors)
+            },
+            "setup",
         )
         self.pids = [pid for pid, _ in setup]
         self.held = tuple(setup[0][1])

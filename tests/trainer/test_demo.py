@@ -73,6 +73,11 @@ def test_demo_path_runs_and_writes_the_run_directory(tmp_path: Path) -> None:
     ):
         assert (tmp_path / name).exists(), name
     assert json.loads((tmp_path / "base_model" / "config.json").read_text())["model_type"] == "llama"
+    # the warm-up keeps its records apart (its metrics lines never mix with the RL phase's) and no checkpoint
+    warm_up = tmp_path / "sft_run"
+    assert len((warm_up / "metrics.jsonl").read_text().splitlines()) == 3
+    assert not list(warm_up.glob("global_step_*"))
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3  # steps 0 (validation), 1, 2
     table = format_table(result)
     assert "after SFT" in table and "after GRPO" in table and "(16 problems)" in table
 

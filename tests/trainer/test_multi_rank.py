@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from dist_util import run_world_kept as run_world
 from realistic import (
     REWARD_SOURCE,
@@ -18,8 +19,11 @@ from realistic import (
     build_chatty_model,
     build_stopping_model,
     realistic_rows,
+    sft_rows,
     write_jsonl,
 )
+from safetensors.torch import load_file
+from sft_util import LORA, assert_same_sft, sft_argv, step_metrics, trained_weights
 
 pytestmark = pytest.mark.slow
 
@@ -393,3 +397,29 @@ def test_preference_training_on_two_ranks_equals_one_rank(
         for key, value in one[step].items():
             assert two[step][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, key)
     assert one[2]["loss"] != one[1]["loss"]  # the first step trained the policy
+
+
+# The actor's training views on two ranks: FSDP2 over both, Ulysses, tensor parallelism, LoRA on FSDP2.
+SFT_VIEWS = {
+    "fsdp": (),
+    "sp": ("actor.parallel.sp=2", "model.use_remove_padding=true"),
+    "tp": ("actor.parallel.tp=2",),
+    "lora": LORA,
+}
+
+
+def test_sft_on_two_ranks_equals_one_rank(tmp_path: Path, setup: dict[str, Path]) -> None:
+    """``hybridflow sft`` on two torchrun-style ranks, in each training view of the actor, gives one rank's
+    losses and trained weights (1e-5) on rows of very different lengths and masked tool conversations."""
+    data = write_jsonl(sft_rows(8), tmp_path / "sft.jsonl")
+    model = setup["model"]
+    one = [sft_argv(model, data, tmp_path / "one"), sft_argv(model, data, tmp_path / "one-lora", 1, *LORA)]
+    assert run_world(1, spmd_rank, *one, timeout=600) == [[0, 0]]
+    two = [sft_argv(model, data, tmp_path / name, 2, *extra) for name, extra in SFT_VIEWS.items()]
+    assert run_world(2, spmd_rank, *two, timeout=600) == [[0] * len(two)] * 2
+    for name in SFT_VIEWS:
+        assert_same_sft(tmp_path / ("one-lora" if name == "lora" else "one"), tmp_path / name)
+    base, trained = load_file(model / "model.safetensors"), trained_weights(tmp_path / "one")
+    assert any(not torch.equal(trained[k], base[k]) for k in base)  # the steps moved the weights
+    losses = [m["sft/loss"] for m in step_metrics(tmp_path / "one").values()]
+    assert losses[1] != losses[0]

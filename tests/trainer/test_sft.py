@@ -15,8 +15,9 @@ from hybridflow.data.tasks import make_task
 from hybridflow.engine import pack_prompt_response
 from hybridflow.models.vision import batch_mrope_positions, build_tiny_vl_model_and_processor
 from hybridflow.models.vision_tower import load_vision_processor
+from hybridflow.trainer.builder import build_sft_components
 from hybridflow.trainer.jobs import sft_job
-from hybridflow.trainer.sft import encode_pairs, row_objects, run_sft
+from hybridflow.trainer.sft import SFTTrainer, encode_pairs, row_objects
 from hybridflow.utils.errors import UserError
 from hybridflow.workers.actor import ActorWorker
 
@@ -92,21 +93,21 @@ def sft_config(tmp: Path, steps: int, batch: int, *extra: str):
             "actor.ppo_micro_batch_size_per_gpu=4",
             "actor.optim.weight_decay=0.0",
             "trainer.logger=[]",
+            "trainer.save_freq=0",
             *extra,
         ],
     )
 
 
 def one_step_loss(cfg, model, processor, rows, swap_images: bool = False) -> tuple[float, ActorWorker]:
-    tok = processor.tokenizer
-    prompts, responses, _, images = encode_pairs(
-        tok, rows, tok.convert_tokens_to_ids("<|im_end|>"), processor
-    )
+    """One step of the SFT driver on a local group of one rank; its loss and the rank's actor."""
+    components, data = build_sft_components(cfg, rows, model, processor.tokenizer, processor)
     if swap_images:  # the same grids, other pixels: only the images change
-        images = [m if m is None else {**m, "pixel_values": m["pixel_values"].flip(0)} for m in images]
-    actor = ActorWorker(model, cfg, 1, tok.pad_token_id)
-    history = run_sft(actor, prompts, responses, 1, len(rows), tok.pad_token_id, images=images)
-    return history[0]["sft/loss"], actor
+        data.images = [
+            m if m is None else {**m, "pixel_values": m["pixel_values"].flip(0)} for m in data.images
+        ]
+    history = SFTTrainer(cfg, components, data).fit()
+    return history[0]["sft/loss"], components.groups[0].worker.roles["actor"]
 
 
 def test_one_sft_step_is_the_hf_nll_on_the_images(tmp_path: Path) -> None:

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from dist_util import run_world
 from ray_util import clean_env, ray_cluster
-from realistic import REWARD_SOURCE, build_stopping_model, realistic_rows, write_jsonl
+from realistic import REWARD_SOURCE, build_stopping_model, realistic_rows, sft_rows, write_jsonl
+from sft_util import assert_same_sft, sft_argv
 
 from hybridflow.cli.main import main
 
@@ -122,6 +123,19 @@ def test_ray_backend_matches_the_torchrun_style_run(
         assert got[step]["rollout_corr/log_prob_abs_diff_max"] <= 1e-5  # rollout = trainer, float32
     assert "val-core/chat/vary/reward/mean@1" in got[3]
     assert f"worker group main: {world} rank(s)" in log.read_text()
+
+
+def test_ray_sft_equals_one_rank(tmp_path: Path, setup: dict[str, Path], cluster: str) -> None:
+    """``hybridflow sft`` on two Ray ranks (FSDP2 over both; the driver holds the rows and sends each rank its
+    share) takes one rank's steps: the losses and the trained weights (1e-5), on rows of different lengths."""
+    data = write_jsonl(sft_rows(8, seed=1), tmp_path / "sft.jsonl")
+    assert main(sft_argv(setup["model"], data, tmp_path / "one")) == 0
+    log = tmp_path / "ray.log"
+    ray = ("trainer.backend=ray", f"trainer.ray_address={cluster}")
+    proc = start_cli(sft_argv(setup["model"], data, tmp_path / "ray", 2, *ray), log)
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    assert_same_sft(tmp_path / "one", tmp_path / "ray")
+    assert "worker group main: 2 rank(s) holding actor (pids" in log.read_text()
 
 
 def test_split_placement_runs_ppo_with_the_critic_on_its_own_pool(
