@@ -34,13 +34,20 @@ class ActorWorker:
     at one rank, a generation shard refreshed from the training shards on several (``HybridActor``)."""
 
     def __init__(
-        self, model: nn.Module, cfg: Config, total_steps: int, pad_token_id: int, trainable: bool = True
+        self,
+        model: nn.Module,
+        cfg: Config,
+        total_steps: int,
+        pad_token_id: int,
+        trainable: bool = True,
+        generates: bool = True,
     ) -> None:
-        """``trainable=False``: generation and log-probs only (evaluation), without AdamW or float32 masters."""
+        """``trainable=False``: generation and log-probs only (evaluation), without AdamW or float32 masters;
+        ``generates=False``: training only (SFT), no generation weights or rollout engine at all."""
         self.cfg, self.pad_token_id = cfg, pad_token_id
         init_distributed()
         dims = ParallelDims.of(cfg, "actor", world_size(), dist_rank())
-        settings = hybrid_settings(cfg, dims, model.config, total_steps, trainable)
+        settings = hybrid_settings(cfg, dims, model.config, total_steps, trainable, generates)
         view = GenerateView.of(cfg, world_size())
         self.hybrid = HybridActor(model, dims, view, settings, dist_rank(), pad_token_id)
         self.engine = self.hybrid.train  # the training engine: log-probs and updates

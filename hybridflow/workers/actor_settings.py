@@ -95,7 +95,7 @@ def built_in_needs(cfg: Config) -> tuple[str, ...]:
 
 
 def hybrid_settings(
-    cfg: Config, dims: ParallelDims, config: Any, total_steps: int, trainable: bool
+    cfg: Config, dims: ParallelDims, config: Any, total_steps: int, trainable: bool, generates: bool = True
 ) -> HybridSettings:
     """The ``HybridSettings`` of the actor of ``cfg`` over the training view ``dims`` (``config``: the model's)."""
     r = cfg.rollout
@@ -106,6 +106,7 @@ def hybrid_settings(
         use_remove_padding=cfg.model.use_remove_padding,
         gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
         trainable=trainable,
+        generates=generates,
         lora=lora_spec(cfg, config, dims),
         freeze_vision_tower=cfg.model.freeze_vision_tower,
         offload_for_room=cfg.actor.fsdp.optimizer_offload == "auto",

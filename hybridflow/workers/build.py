@@ -109,7 +109,7 @@ def build_roles(
     del ref_model
     out: dict[str, Any] = {}
     if "actor" in roles:
-        out["actor"] = ActorWorker(model, cfg, total_steps, pad_id)
+        out["actor"] = ActorWorker(model, cfg, total_steps, pad_id, generates=not supervised)
         if adapted and cfg.use_reference and "ref" in roles:
             ref = AdapterReference(out["actor"], cfg)
     if ref is not None:

@@ -97,6 +97,7 @@ class HybridSettings:
     use_remove_padding: bool = False
     gradient_checkpointing: bool = False
     trainable: bool = True  # False: generation and log-probs only, no optimizer state
+    generates: bool = True  # False: training only (SFT): no generation weights, no rollout engine
     lora: LoraSpec | None = None
     freeze_vision_tower: bool = True
     offload_for_room: bool = (
@@ -130,9 +131,9 @@ class HybridActor:
     ) -> None:
         s = self.settings = settings
         self.view, self.rank = view, rank
-        native = self._pick_engine(model)
+        native = self._pick_engine(model) if s.generates else False
         dims.check_model(model.config)
-        if view.tp > 1:
+        if view.tp > 1 and s.generates:
             check_tp(model.config, view.tp, view.ep)
             if dims.fsdp_only:  # a tensor-parallel training view has its own row split
                 follow_rollout_shards(model, view.world, view.tp)  # row-parallel weights sharded on dim 1
@@ -142,14 +143,26 @@ class HybridActor:
             dims=dims, lora=s.lora, freeze_vision_tower=s.freeze_vision_tower,
         )  # fmt: skip
         self.dims = self.train.dims  # with its process groups
-        device = self.train.device
         # auto: generate in the training compute dtype (bf16 on GPU, float32 on CPU), so that the rollout's
         # log-probs match the trainer's recomputation
         self.dtype = self.train.compute_dtype if s.dtype == "auto" else to_dtype(s.dtype)
         self.group = RolloutGroup(view, rank)  # collective: every rank builds every group
+        self.weights: RolloutShard | BroadcastReplica | None = None
+        self.in_place: InPlaceMerge | None = None
+        self.rollout: Any = None
+        self.fp8 = False
+        self.room_donors: list[TrainEngine] = []
+        self._last_switch_line: str | None = None
+        self.switch_line = ""
+        if s.generates:
+            self._build_generation(model, native, pad_token_id)
+
+    def _build_generation(self, model: nn.Module, native: bool, pad_token_id: int) -> None:
+        """The generation side: the weights the rollout reads, the LoRA merge, the rollout engine."""
+        s, view, device = self.settings, self.view, self.train.device
         compiled = bool(s.rollout_options.get("compile_decode"))
         self.fp8 = s.fp8 and fp8_pays(
-            model.config, device, s.fp8_kernel, s.fp8_force, view.tp, compiled, rank
+            model.config, device, s.fp8_kernel, s.fp8_force, view.tp, compiled, self.rank
         )
         self.weights = self._generation_weights(native, device)
         in_place = self.train.lora is not None and s.lora_merge == "in_place" and self.weights is None
@@ -162,12 +175,10 @@ class HybridActor:
             **({"tp": tp} if tp is not None else {}),
         )  # fmt: skip
         self.switch_line = self._switch_line()
-        self._last_switch_line: str | None = None
         # Engines whose moments may leave the GPU for a rollout short of room; the worker adds a critic on
         # the same devices.
-        self.room_donors: list[TrainEngine] = (
-            [self.train.engine] if s.offload_for_room and s.trainable else []
-        )
+        if s.offload_for_room and s.trainable:
+            self.room_donors.append(self.train.engine)
         self.release()
 
     # --- the two views ------------------------------------------------------------------------------------
@@ -179,8 +190,8 @@ class HybridActor:
 
     @property
     def built_in(self) -> bool:
-        """Whether the built-in engine generates (else HF ``generate``)."""
-        return not isinstance(self.rollout, HFRollout)
+        """Whether the built-in engine generates (else HF ``generate``, or nothing: ``generates=False``)."""
+        return self.rollout is not None and not isinstance(self.rollout, HFRollout)
 
     def _pick_engine(self, model: nn.Module) -> bool:
         """Whether the built-in engine generates; a family it does not run falls back to HF generate on a
