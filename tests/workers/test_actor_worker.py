@@ -157,7 +157,7 @@ def rollout_short_of_room(rank: int) -> dict:
         return str(next(iter(engine.optimizer.state.values()))["exp_avg"].device)
 
     def run(auto: bool, short_of_room: bool) -> dict:
-        worker.room_donors = [engine] if auto else []  # as built with optimizer_offload=auto / false
+        worker.hybrid.room_donors = [engine] if auto else []  # as built with optimizer_offload=auto / false
         utilization = 0.5
         if short_of_room:  # a budget for half of the pool, set from the memory in use right now
             utilization = utilization_short_by(rollout, rows, params, pool_bytes(rollout, rows, params) / 2)
