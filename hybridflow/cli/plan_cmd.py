@@ -113,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
     from hybridflow.cli.config_cmd import split_file_and_overrides
     from hybridflow.config import ConfigError, load_config
     from hybridflow.config.loader import _read_yaml
-    from hybridflow.trainer.autoplan import plan_chooses, user_keys
+    from hybridflow.config.user_keys import user_keys
+    from hybridflow.trainer.autoplan import plan_chooses
     from hybridflow.trainer.layout import apply_layout, candidates_table, plan_layout
 
     gpus = None if args.gpus is None else gpu_count(args.gpus)

@@ -29,21 +29,15 @@ from typing import Any
 from hybridflow.config import Config
 from hybridflow.config.loader import _read_yaml, config_from_dict
 from hybridflow.config.nesting import check_nesting
+from hybridflow.config.user_keys import file_values, given_overrides, user_keys
 from hybridflow.data import RLDataset
 from hybridflow.data.user_rows import as_rows
 from hybridflow.rewards.shapes import RewardShape, recognise_reward
 from hybridflow.trainer import lengths
-from hybridflow.trainer.autoplan import log_plan, plan_run, user_keys
+from hybridflow.trainer.autoplan import log_plan, plan_run
 from hybridflow.trainer.builder import build_components, load_policy
 from hybridflow.trainer.jobs import rl_job
-from hybridflow.trainer.keywords import (
-    KEYWORDS,
-    check_keywords,
-    file_values,
-    given_overrides,
-    keyword_overrides,
-    keyword_paths,
-)
+from hybridflow.trainer.keywords import KEYWORDS, check_keywords, keyword_overrides, keyword_paths
 from hybridflow.trainer.layout import Layout
 from hybridflow.trainer.notebook_runs import Resume, run_dir_settings
 from hybridflow.utils.errors import UserError

@@ -17,12 +17,10 @@ or as it is where nothing is planned. A key the user set is validated as set, on
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any
 
-from hybridflow.config import Config, check_config, parse_overrides
+from hybridflow.config import Config, check_config
 from hybridflow.config.aliases import resolve_alias
-from hybridflow.trainer.keywords import file_values
 from hybridflow.trainer.layout import (
     LAYOUT_KEYS,
     Layout,
@@ -36,17 +34,6 @@ from hybridflow.trainer.layout import (
 logger = logging.getLogger(__name__)
 
 THIS_GPU = -1  # ``plan_run``'s ``gpu_bytes`` default: read this machine's GPU (none on a CPU run)
-
-
-def user_keys(file: Mapping[str, Any], overrides: list[str]) -> set[str]:
-    """The config paths a YAML file (or dict) and ``key=value`` overrides set (verl spellings resolved).
-
-    A mapping value (``actor.fsdp={param_offload: true}``) counts key by key, as it would in a file.
-    """
-    given = set(file_values(file))
-    for key, value in parse_overrides(overrides):
-        given |= set(file_values({key: value}))
-    return given
 
 
 def plan_chooses(given: set[str]) -> set[str]:

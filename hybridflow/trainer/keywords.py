@@ -26,9 +26,9 @@ import math
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from hybridflow.config import Config, parse_overrides
-from hybridflow.config.aliases import resolve_alias
+from hybridflow.config import Config
 from hybridflow.config.suggest import KEYWORD_KEYS
+from hybridflow.config.user_keys import given_overrides
 from hybridflow.config.validate import get_path
 from hybridflow.utils.errors import UserError
 
@@ -61,23 +61,6 @@ def _same(a: Any, b: Any) -> bool:
         return math.isclose(float(a), float(b), rel_tol=1e-12)
     except (TypeError, ValueError):
         return a == b
-
-
-def given_overrides(overrides: list[str]) -> dict[str, Any]:
-    """Our config path -> value of each ``key=value`` override (verl aliases resolved; the last one wins)."""
-    return {resolve_alias(key)[0]: value for key, value in parse_overrides(overrides)}
-
-
-def file_values(file: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Our config path -> value of every leaf a YAML config (or dict) sets, verl's spellings resolved."""
-    out: dict[str, Any] = {}
-    for key, value in file.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            out.update(file_values(value, path + "."))
-        else:
-            out[resolve_alias(path)[0]] = value
-    return out
 
 
 def _value(path: str, chosen: Mapping[str, Any], given: Mapping[str, Any], file: Mapping[str, Any]) -> Any:
@@ -120,7 +103,7 @@ def keyword_overrides(
 ) -> list[str]:
     """The ``key=value`` overrides the keywords stand for (to go before the user's own overrides).
 
-    ``file`` is the config file's (or dict's) values by our path (``file_values``). Raises UserError when a
+    ``file`` is the config file's (or dict's) values by our path (``config.user_keys.file_values``). Raises UserError when a
     keyword and an override, or a keyword and the file, set one key to different values. ``defaults``
     (``DEFAULTS`` when None) are added for the keys that neither the keywords nor the config set.
     """

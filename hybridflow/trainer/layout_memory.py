@@ -225,8 +225,8 @@ def estimate_phases(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout
 
 def _log_prob_passes(cfg: Config) -> int:
     """The step's forward-only passes: the reference's, and the old policy's unless the update is on-policy
-    and takes its own log-probs (``ppo.old_log_prob_source``; the 7B run on the H200 had no such pass)."""
-    from hybridflow.trainer.ppo import old_log_prob_source  # the trainer's own rule (a heavier module)
+    and takes its own log-probs (``config.off_policy.old_log_prob_source``; the 7B run on the H200 had no such pass)."""
+    from hybridflow.config.off_policy import old_log_prob_source
 
     return (old_log_prob_source(cfg) == "recompute") + bool(cfg.use_reference)
 

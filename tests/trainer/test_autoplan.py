@@ -15,10 +15,10 @@ import hybridflow
 from hybridflow.cli.main import main
 from hybridflow.cli.train_cmd import planned_config
 from hybridflow.config import load_config
+from hybridflow.config.user_keys import user_keys
 from hybridflow.config.validate import get_path
 from hybridflow.models import build_tiny_model_and_tokenizer
 from hybridflow.trainer import jobs
-from hybridflow.trainer.autoplan import user_keys
 from hybridflow.trainer.layout import LAYOUT_KEYS
 from hybridflow.trainer.model_shapes import MODEL_SHAPES
 

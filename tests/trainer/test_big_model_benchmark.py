@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridflow.trainer.keywords import file_values
+from hybridflow.config.user_keys import file_values
 from hybridflow.trainer.layout import LAYOUT_KEYS
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "big_model.py"

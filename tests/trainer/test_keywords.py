@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.config import load_config
-from hybridflow.trainer.keywords import file_values, keyword_overrides
+from hybridflow.config.user_keys import file_values
+from hybridflow.trainer.keywords import keyword_overrides
 from hybridflow.utils.errors import UserError
 
 SNIPPET = dict(
