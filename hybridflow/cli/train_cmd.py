@@ -59,7 +59,7 @@ def planned_config(path: str | None, overrides: list[str], gpu_bytes: int | None
     from hybridflow.config import load_config
     from hybridflow.config.loader import _read_yaml
     from hybridflow.config.user_keys import user_keys
-    from hybridflow.trainer.autoplan import log_plan, plan_chooses, plan_run
+    from hybridflow.plan.auto_layout import log_plan, plan_chooses, plan_run
 
     given = user_keys(_read_yaml(path) if path is not None else {}, overrides)
     cfg = load_config(path, overrides, defer=plan_chooses(given))  # checked by plan_run once chosen

@@ -10,7 +10,7 @@ The HybridFlow write-ups' call runs as written::
 Keywords map onto config keys (``trainer.keywords``), the reward function's shape is recognised at
 construction (``rewards.shapes``), datasets come in any of ``data.user_rows``' forms, and with
 ``use_3d_hybrid=True`` (the hybrid engine) the layout is planned from the model and the GPUs unless the config
-sets it (``trainer.autoplan``, as ``hybridflow train`` does; ``trainer.auto_layout=false`` turns it off).
+sets it (``plan.auto_layout``, as ``hybridflow train`` does; ``trainer.auto_layout=false`` turns it off).
 ``use_3d_hybrid=False`` runs the baseline (``actor.hybrid_engine=false``).
 Lengths come from the model and the data unless set (``trainer.lengths``); every ``train()`` gets a run
 directory of its own and resumes only when asked (``trainer.notebook_runs``).
@@ -32,13 +32,13 @@ from hybridflow.config.nesting import check_nesting
 from hybridflow.config.user_keys import file_values, given_overrides, user_keys
 from hybridflow.data import RLDataset
 from hybridflow.data.user_rows import as_rows
+from hybridflow.plan.auto_layout import log_plan, plan_run
+from hybridflow.plan.search import Layout
 from hybridflow.rewards.shapes import RewardShape, recognise_reward
 from hybridflow.trainer import lengths
-from hybridflow.trainer.autoplan import log_plan, plan_run
 from hybridflow.trainer.builder import build_components, load_policy
 from hybridflow.trainer.jobs import rl_job
 from hybridflow.trainer.keywords import KEYWORDS, check_keywords, keyword_overrides, keyword_paths
-from hybridflow.trainer.layout import Layout
 from hybridflow.trainer.notebook_runs import Resume, run_dir_settings
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.logging import setup_console_logging
@@ -110,7 +110,7 @@ class Setup:
 
 
 def plan(setup: Setup, cfg: Config, plan_it: bool = True) -> tuple[Config, Layout | None]:
-    """``cfg`` with the automatic layout applied (``trainer.autoplan``: keys the user set are kept)."""
+    """``cfg`` with the automatic layout applied (``plan.auto_layout``: keys the user set are kept)."""
     if not plan_it:
         return cfg, None
     return plan_run(cfg, setup.layout_keys())

@@ -7,8 +7,8 @@ import pytest
 
 from hybridflow.cli.main import main
 from hybridflow.config import load_config
-from hybridflow.trainer.layout import plan_layout
-from hybridflow.trainer.model_shapes import shape_config
+from hybridflow.plan.search import plan_layout
+from hybridflow.plan.shapes import shape_config
 
 GB = 10**9
 WORK = [

@@ -6,8 +6,8 @@ from __future__ import annotations
 from transformers import Qwen2Config
 
 from hybridflow.config import load_config
-from hybridflow.trainer.layout import estimate_phases, meta_model
-from hybridflow.trainer.layout_memory import _kv_bytes, kv_bytes_per_token
+from hybridflow.plan.memory import _kv_bytes, estimate_phases, kv_bytes_per_token
+from hybridflow.plan.search import meta_model
 from hybridflow.trainer.oom import run_layout
 
 # The Qwen2.5-0.5B shape: 24 layers, 2 KV heads of 64.

@@ -10,10 +10,11 @@ import pytest
 
 from hybridflow.cli.main import main
 from hybridflow.config import load_config
-from hybridflow.trainer.autoplan import plan_run
-from hybridflow.trainer.layout import GB, apply_layout, plan_layout
-from hybridflow.trainer.model_shapes import MODEL_SHAPES, shape_config
-from hybridflow.trainer.step_time import Levers, Work, stage_seconds, step_seconds
+from hybridflow.plan.auto_layout import plan_run
+from hybridflow.plan.report import GB
+from hybridflow.plan.search import apply_layout, plan_layout
+from hybridflow.plan.shapes import MODEL_SHAPES, shape_config
+from hybridflow.plan.step_time import Levers, Work, stage_seconds, step_seconds
 
 # The issue's workload: 16 prompts x 8 samples, 256 prompt + 512 response tokens
 ISSUE = [

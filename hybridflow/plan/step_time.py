@@ -1,6 +1,7 @@
 """An estimate of one PPO step's time under a layout, for ranking the planner's candidates (not a prediction).
 
-Pure arithmetic on the shape of the work (``Work``) and the layout's levers (``Levers``), with the rates of one
+``estimate_seconds(cfg, model_config, layout)`` reads the shape of the work (``Work``) and the layout's levers
+(``Levers``) off the config and the layout; the rest is pure arithmetic on them, with the rates of one
 H200 measured in benchmarks/RESULTS.md (named below, each with its source). What is not measured there (the
 host-device and NVLink bandwidths, the fixed cost of a micro-batch) is an order-of-magnitude estimate, said so
 where it is defined. The figures rank candidates sensibly (a slower lever costs time in proportion to what it
@@ -10,6 +11,15 @@ moves or recomputes); they are not meant to match a run to better than a factor 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from hybridflow.config import Config
+from hybridflow.config.off_policy import old_log_prob_source
+from hybridflow.models.vision import text_config
+from hybridflow.plan.memory import group_samples, kv_bytes_per_token, update_micro
+
+# ``layout`` arguments are ``plan.search.Layout`` (not imported: that module imports this one)
+Layout = Any
 
 # Measured (benchmarks/RESULTS.md, one H200, bf16):
 PEAK_FLOPS = 790e12  # dense bf16 FLOP/s that MFU is quoted against (an 8192^3 matmul ran at 800 TFLOP/s)
@@ -106,3 +116,32 @@ def transfer_seconds(w: Work, x: Levers) -> float:
 def step_seconds(w: Work, x: Levers) -> float:
     """One step's estimated seconds (the stages one after another, as the hybrid engine runs them)."""
     return sum(stage_seconds(w, x).values())
+
+
+def _log_prob_passes(cfg: Config) -> int:
+    """The step's forward-only passes: the reference's, and the old policy's unless the update is on-policy
+    and takes its own log-probs (``config.off_policy``; the 7B run on the H200 had no such pass)."""
+    return (old_log_prob_source(cfg) == "recompute") + bool(cfg.use_reference)
+
+
+def estimate_seconds(cfg: Config, mc: Any, layout: Layout) -> float:
+    """The layout's estimated step time (after ``plan.memory.estimate_phases``, which sizes it)."""
+    d, r, mc = cfg.data, cfg.rollout, text_config(mc)
+    context = d.max_prompt_length + d.max_response_length
+    samples = group_samples(cfg, layout)
+    slots = max(1, min(layout.value(cfg, "rollout.max_num_seqs"), samples))
+    micro_batches, micro_tokens = update_micro(cfg, layout)
+    work = Work(
+        params=layout.params, held=layout.views.held_elements - layout.frozen, layers=mc.num_hidden_layers,
+        hidden=mc.hidden_size, world=layout.world, gpus_per_node=cfg.trainer.n_gpus_per_node,
+        tokens=d.train_batch_size * r.n * context, response=d.max_response_length, waves=-(-samples // slots),
+        slots=slots, kv_bytes_per_token=kv_bytes_per_token(cfg, mc, layout),
+        context=context, log_prob_passes=_log_prob_passes(cfg),
+        micro_batches=micro_batches, micro_tokens=micro_tokens,
+    )  # fmt: skip
+    levers = Levers(
+        layout.tp_train, layout.tp_generate, layout.param_offload, layout.optimizer_offload,
+        bool(layout.value(cfg, "actor.fsdp.optimizer_step_on_cpu")),
+        bool(layout.value(cfg, "model.enable_gradient_checkpointing")),
+    )  # fmt: skip
+    return step_seconds(work, levers)

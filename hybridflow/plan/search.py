@@ -5,13 +5,13 @@ Ulysses sp (as validation accepts them), generation tp, no offload / optimizer o
 optimizer offload / the optimizer step on the CPU, gradient checkpointing off or on, and the update's
 micro-batch (or token budget) at the config's value and halves of it, and the rollout's sequences decoded at
 once where one wave does not fit (``rollout.max_num_seqs``). For each it estimates every phase's
-memory per GPU (``trainer.layout_memory``: the engine's own accounting plus activations and the KV cache) and
-the step time (``trainer.step_time``, from the rates measured in benchmarks/RESULTS.md), and keeps the fastest
+memory per GPU (``plan.memory``: the engine's own accounting plus activations and the KV cache) and
+the step time (``plan.step_time``, from the rates measured in benchmarks/RESULTS.md), and keeps the fastest
 that fits; where none fits, the one of the smallest peak and its shortfall. Keys set in the config are kept
 as they are (the plan only fills the others). A vision-language model (Qwen2-VL, Qwen2.5-VL) is planned from
 its text model's shapes and every parameter, its vision tower's too, on the views its training takes (FSDP2
 alone, whole rollout replicas). ``Layout.line()`` is the one-line log of the choice and why; ``Layout.table()``
-the memory per GPU of each phase and ``candidates_table`` (``trainer.layout_report``) the candidates scored and
+the memory per GPU of each phase and ``candidates_table`` (``plan.report``) the candidates scored and
 their verdicts (``hybridflow plan``).
 """
 
@@ -42,26 +42,9 @@ from hybridflow.engine import (
 )
 from hybridflow.models.vision import is_vision_language, text_config
 from hybridflow.models.vision_tower import check_vision_training
-from hybridflow.trainer.layout_memory import (  # noqa: F401 (the machine's memory: re-exported)
-    estimate_phases,
-    estimate_seconds,
-    generation_slots,
-    gpu_memory_bytes,
-    gpus_here,
-    host_bytes,
-    host_memory_bytes,
-)
-from hybridflow.trainer.layout_report import (  # noqa: F401 (candidates_table: re-exported)
-    GB,
-    candidates_table,
-    gb,
-    gigabytes,
-    host_line,
-    parameters_text,
-    seconds,
-    unchecked_host,
-    why,
-)
+from hybridflow.plan.memory import estimate_phases, generation_slots, host_bytes
+from hybridflow.plan.report import gb, gigabytes, host_line, parameters_text, seconds, unchecked_host, why
+from hybridflow.plan.step_time import estimate_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +93,7 @@ class Layout:
     token_budget: int | None = None  # actor.ppo_max_token_len_per_gpu (dynamic micro-batches)
     max_seqs: int | None = None  # rollout.max_num_seqs: set only where one generation wave does not fit
     dynamic: bool = False  # whether the run sizes micro-batches by tokens (which of the two levers applies)
-    seconds: float | None = None  # the estimated step time (``trainer.step_time``)
+    seconds: float | None = None  # the estimated step time (``plan.step_time``)
     considered: list[Layout] = field(default_factory=list)  # the chosen layout's: every candidate scored
     phases: dict[str, int] = field(default_factory=dict)
     usable: int | None = None
@@ -377,7 +360,7 @@ def plan_layout(
     given: set[str] | None = None,
     host_memory: int | None = None,
 ) -> Layout:
-    """The fastest layout (by ``trainer.step_time``'s estimate) whose every phase fits ``gpu_bytes`` per GPU
+    """The fastest layout (by ``plan.step_time``'s estimate) whose every phase fits ``gpu_bytes`` per GPU
     (None: no GPU, the plain layout) and whose offload fits ``host_memory`` bytes per node (None: not checked);
     where none fits, the one of the smallest peak, saying by how much.
 

@@ -1,6 +1,6 @@
 """The automatic layout of a PPO-family run, as every entry point applies it (CLI, notebook and step-wise APIs).
 
-``plan_run(cfg, given)`` plans the layout (``trainer.layout``) for the model at ``model.path`` and this
+``plan_run(cfg, given)`` plans the layout (``plan.search``) for the model at ``model.path`` and this
 machine's GPU, and returns the config with the planned values in the layout keys the user did not set
 (``given``: the keys of the config file and the overrides); a key the user set is never changed, even when
 the plan says that layout does not fit (it runs as asked, with a warning giving the plan's estimate).
@@ -21,15 +21,8 @@ from typing import Any
 
 from hybridflow.config import Config, check_config
 from hybridflow.config.aliases import resolve_alias
-from hybridflow.trainer.layout import (
-    LAYOUT_KEYS,
-    Layout,
-    apply_layout,
-    explicit_layout_keys,
-    gpu_memory_bytes,
-    host_memory_bytes,
-    plan_layout,
-)
+from hybridflow.plan.memory import gpu_memory_bytes, host_memory_bytes
+from hybridflow.plan.search import LAYOUT_KEYS, Layout, apply_layout, explicit_layout_keys, plan_layout
 
 logger = logging.getLogger(__name__)
 

@@ -8,9 +8,11 @@ from hybridflow.cli.main import main
 from hybridflow.config import load_config
 from hybridflow.engine.hybrid.memory import view_memory
 from hybridflow.engine.parallel.dims import ParallelDims
-from hybridflow.trainer import layout as layout_mod
-from hybridflow.trainer.layout import GB, plan_layout
-from hybridflow.trainer.model_shapes import shape_config
+from hybridflow.plan import search
+from hybridflow.plan.memory import gpu_memory_bytes
+from hybridflow.plan.report import GB
+from hybridflow.plan.search import plan_layout
+from hybridflow.plan.shapes import shape_config
 
 RUN = [
     "data.train_batch_size=64",
@@ -70,18 +72,18 @@ def test_explicit_keys_are_kept_and_pp_and_sp_wait_for_validation() -> None:
     assert (
         plan.tp_generate == 2 and "kept from the config: rollout.tensor_model_parallel_size=2" in plan.line()
     )
-    model = layout_mod.meta_model(shape_config("qwen2.5-0.5b"))
+    model = search.meta_model(shape_config("qwen2.5-0.5b"))
     cfg = load_config(None, ["trainer.n_gpus_per_node=4"])
-    candidates = layout_mod._candidates(cfg, model, 4, {})
-    if not layout_mod._accepted("actor.pipeline_parallel_size"):
+    candidates = search._candidates(cfg, model, 4, {})
+    if not search._accepted("actor.pipeline_parallel_size"):
         assert {c.pp for c in candidates} == {1}
-    if not layout_mod._accepted("actor.ulysses_sequence_parallel_size"):
+    if not search._accepted("actor.ulysses_sequence_parallel_size"):
         assert {c.sp for c in candidates} == {1}
     assert {c.tp_generate for c in candidates} == {1, 2}  # 14 heads: tp=4 does not split them
 
 
 def test_the_estimate_is_the_reshard_plans_accounting() -> None:
-    model = layout_mod.meta_model(shape_config("qwen2.5-0.5b"))
+    model = search.meta_model(shape_config("qwen2.5-0.5b"))
     full = view_memory(model, ParallelDims(4, 2), 2)  # with the plan's transfers
     quick = view_memory(model, ParallelDims(4, 2), 2, switch=False)
     assert (full.held_elements, full.generation_bytes) == (quick.held_elements, quick.generation_bytes)
@@ -118,7 +120,7 @@ def test_hybridflow_plan_shows_the_write_ups_moe_mapping(ep_generate: int, capsy
 
 
 def test_hybridflow_plan_without_a_gpu_asks_for_its_memory(capsys) -> None:
-    if layout_mod.gpu_memory_bytes() is not None:
+    if gpu_memory_bytes() is not None:
         pytest.skip("this machine has a GPU")
     assert main(["plan", "--model-shape", "qwen2.5-0.5b"]) == 2
     assert "pass --gpu-memory-gb" in capsys.readouterr().err

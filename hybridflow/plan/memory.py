@@ -1,8 +1,9 @@
-"""The memory per GPU and the step time the planner (``trainer.layout``) estimates for one layout.
+"""The memory per GPU the planner (``plan.search``) estimates for one layout, and this machine's memory.
 
 ``estimate_phases`` is each phase's bytes per GPU from the engine's own accounting (``engine.hybrid.memory``:
-held boxes, the reshard plan's generation shard) plus activations and the KV cache; ``estimate_seconds`` the
-step's estimated time (``trainer.step_time``). A layout's levers left at None take the config's values. A
+held boxes, the reshard plan's generation shard) plus activations and the KV cache; ``host_bytes`` the host
+memory of one node that offload or the CPU step holds; ``gpu_memory_bytes`` and ``host_memory_bytes`` what
+this machine has. A layout's levers left at None take the config's values. A
 vision-language model's text model sizes the activations and the KV cache (``mc``: its config or the VLM's, whose
 ``text_config`` is taken); a frozen vision tower holds its bf16 weights alone (no gradients or moments).
 """
@@ -28,9 +29,8 @@ from hybridflow.engine import (
 )
 from hybridflow.models.vision import text_config
 from hybridflow.models.vision_tower import vision_tower
-from hybridflow.trainer.step_time import Levers, Work, step_seconds
 
-# ``layout`` arguments are ``trainer.layout.Layout`` (not imported: that module imports this one)
+# ``layout`` arguments are ``plan.search.Layout`` (not imported: that module imports this one)
 Layout = Any
 
 
@@ -221,37 +221,6 @@ def estimate_phases(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout
         + _activation_bytes(cfg, mc, layout, backward=False),
         "update_actor": masters + moments + grads + ref + gathered + _activation_bytes(cfg, mc, layout, True),
     }  # fmt: skip
-
-
-def _log_prob_passes(cfg: Config) -> int:
-    """The step's forward-only passes: the reference's, and the old policy's unless the update is on-policy
-    and takes its own log-probs (``config.off_policy.old_log_prob_source``; the 7B run on the H200 had no such pass)."""
-    from hybridflow.config.off_policy import old_log_prob_source
-
-    return (old_log_prob_source(cfg) == "recompute") + bool(cfg.use_reference)
-
-
-def estimate_seconds(cfg: Config, mc: Any, layout: Layout) -> float:
-    """The layout's estimated step time (``trainer.step_time``; after ``estimate_phases``, which sizes it)."""
-    d, r, mc = cfg.data, cfg.rollout, text_config(mc)
-    context = d.max_prompt_length + d.max_response_length
-    samples = group_samples(cfg, layout)
-    slots = max(1, min(layout.value(cfg, "rollout.max_num_seqs"), samples))
-    micro_batches, micro_tokens = update_micro(cfg, layout)
-    work = Work(
-        params=layout.params, held=layout.views.held_elements - layout.frozen, layers=mc.num_hidden_layers,
-        hidden=mc.hidden_size, world=layout.world, gpus_per_node=cfg.trainer.n_gpus_per_node,
-        tokens=d.train_batch_size * r.n * context, response=d.max_response_length, waves=-(-samples // slots),
-        slots=slots, kv_bytes_per_token=kv_bytes_per_token(cfg, mc, layout),
-        context=context, log_prob_passes=_log_prob_passes(cfg),
-        micro_batches=micro_batches, micro_tokens=micro_tokens,
-    )  # fmt: skip
-    levers = Levers(
-        layout.tp_train, layout.tp_generate, layout.param_offload, layout.optimizer_offload,
-        bool(layout.value(cfg, "actor.fsdp.optimizer_step_on_cpu")),
-        bool(layout.value(cfg, "model.enable_gradient_checkpointing")),
-    )  # fmt: skip
-    return step_seconds(work, levers)
 
 
 # Host bytes per held parameter element: parameter offload keeps the float32 masters (4), optimizer offload

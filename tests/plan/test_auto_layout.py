@@ -1,4 +1,4 @@
-"""``hybridflow train`` plans the layout as the notebook API does (``trainer.autoplan``): the keys the user did
+"""``hybridflow train`` plans the layout as the notebook API does (``plan.auto_layout``): the keys the user did
 not set take the planned values, one log line names them, a key the user set wins (even when the plan says it
 does not fit), ``trainer.auto_layout=false`` plans nothing, and a CPU run is the same as without the plan."""
 
@@ -18,9 +18,9 @@ from hybridflow.config import load_config
 from hybridflow.config.user_keys import user_keys
 from hybridflow.config.validate import get_path
 from hybridflow.models import build_tiny_model_and_tokenizer
+from hybridflow.plan.search import LAYOUT_KEYS
+from hybridflow.plan.shapes import MODEL_SHAPES
 from hybridflow.trainer import jobs
-from hybridflow.trainer.layout import LAYOUT_KEYS
-from hybridflow.trainer.model_shapes import MODEL_SHAPES
 
 GB80 = 80 * 10**9
 # The 7B shape on 4 GPUs of 80 GB, 256 prompts x 8 samples: whole rollout replicas leave too little room for

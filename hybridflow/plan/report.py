@@ -1,4 +1,4 @@
-"""How the planner (``trainer.layout``) writes its figures and its candidates (``hybridflow plan``).
+"""How the planner (``plan.search``) writes its figures and its candidates (``hybridflow plan``).
 
 ``gigabytes`` writes byte counts in GB with as many decimals as they need: a figure that is not zero never
 reads 0, and two figures compared with each other ("needs A of B GB") never read the same when they differ.
@@ -17,7 +17,7 @@ import torch
 from hybridflow.config import Config
 from hybridflow.models.vision_tower import vision_tower
 
-# ``layout`` arguments are ``trainer.layout.Layout`` (not imported: that module imports this one)
+# ``layout`` arguments are ``plan.search.Layout`` (not imported: that module imports this one)
 Layout = Any
 
 GB = 1e9
