@@ -14,9 +14,9 @@ import pytest
 from chat_rows import trl_conversational_rows
 
 import hybridflow
+from hybridflow.api.stepwise import Rewards
 from hybridflow.engine.parallel.fsdp import local_bytes, optimizer_state_bytes
 from hybridflow.models import build_tiny_model_and_tokenizer
-from hybridflow.trainer.stepwise import Rewards
 
 ROWS = [
     {"prompt": [{"role": "user", "content": f"say {i}"}], "reward_model": {"ground_truth": str(i)}}

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 import hybridflow
+from hybridflow.api.lengths import default_response_length, prompt_cap
 from hybridflow.config import load_config
 from hybridflow.data import RLDataset
 from hybridflow.models import build_tiny_model_and_tokenizer, load_tokenizer
-from hybridflow.trainer.lengths import default_response_length, prompt_cap
 from hybridflow.trainer.metrics import ClipWatch
 from hybridflow.utils.errors import UserError
 

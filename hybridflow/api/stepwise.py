@@ -31,20 +31,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridflow.api import lengths
+from hybridflow.api.keywords import KEYWORDS, check_keywords
+from hybridflow.api.notebook import ConfigSource, Setup, build_dataset, log_layout, plan
+from hybridflow.api.run_dirs import Resume, run_dir_settings
 from hybridflow.config import Config, save_config
 from hybridflow.data import collate_prompts
 from hybridflow.protocol import Batch
 from hybridflow.rewards import place_on_last_token
 from hybridflow.rewards.shapes import recognise_reward
-from hybridflow.trainer import lengths
-from hybridflow.trainer.api import ConfigSource, Setup, build_dataset, log_layout, plan
 from hybridflow.trainer.builder import build_components, load_policy
 from hybridflow.trainer.checkpointing import save_checkpoint
 from hybridflow.trainer.dataflow import Dataflow
 from hybridflow.trainer.jobs import run_names, start_job
-from hybridflow.trainer.keywords import KEYWORDS, check_keywords
 from hybridflow.trainer.metrics import compute_data_metrics, step_peak_memory, throughput_metrics
-from hybridflow.trainer.notebook_runs import Resume, run_dir_settings
 from hybridflow.trainer.ppo import PPOTrainer, score_batch
 from hybridflow.trainer.scoring import Scorer, build_reward_manager, has_scorer, known_sources
 from hybridflow.trainer.tracking import Tracker
@@ -76,7 +76,7 @@ class Responses:
     """The samples of one ``generate`` call: the batch the stages share, and the response texts.
 
     ``prompt_index[i]`` is the position, among the prompts given to ``generate``, of the prompt of
-    ``texts[i]`` (prompts over the length limit are left out, see ``trainer.lengths``). ``sampled_at`` is the
+    ``texts[i]`` (prompts over the length limit are left out, see ``api.lengths``). ``sampled_at`` is the
     step the samples were drawn for: one more than the actor's updates at the time. ``busy_s`` is the time
     the trainer's calls on these samples took so far (generate, critic_score): the step's time
     (``perf/time_per_step``) is theirs plus the update's, and not the caller's own time between the calls.
@@ -106,7 +106,7 @@ class Trainer:
     policy) keeps a reference for KL terms. ``reward_fn`` takes any shape ``RLTrainer`` accepts; without one,
     ``critic_score`` or ``update_actor`` take a function or the scores. The other keywords are
     ``RLTrainer``'s (``max_steps``: the run's length, shown in the step line and sizing the schedule); the run
-    directory and ``resume_from_checkpoint`` follow ``trainer.notebook_runs``.
+    directory and ``resume_from_checkpoint`` follow ``api.run_dirs``.
     """
 
     def __init__(
@@ -377,7 +377,7 @@ class Trainer:
 
 
 def _configure(setup: Setup, resume: Resume) -> tuple[Config, Any, int]:
-    """The step-wise run's config and layout, and its prompt limit (``trainer.lengths``)."""
+    """The step-wise run's config and layout, and its prompt limit (``api.lengths``)."""
     base = setup.config()
     limit = lengths.position_limit(base)
     extra: dict[str, Any] = {}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from hybridflow.api.keywords import keyword_overrides
 from hybridflow.config import load_config
 from hybridflow.config.user_keys import file_values
-from hybridflow.trainer.keywords import keyword_overrides
 from hybridflow.utils.errors import UserError
 
 SNIPPET = dict(

@@ -7,13 +7,13 @@ The HybridFlow write-ups' call runs as written::
                         learning_rate=1e-6, use_3d_hybrid=True)
     trainer.train(small_dataset)
 
-Keywords map onto config keys (``trainer.keywords``), the reward function's shape is recognised at
+Keywords map onto config keys (``api.keywords``), the reward function's shape is recognised at
 construction (``rewards.shapes``), datasets come in any of ``data.user_rows``' forms, and with
 ``use_3d_hybrid=True`` (the hybrid engine) the layout is planned from the model and the GPUs unless the config
 sets it (``plan.auto_layout``, as ``hybridflow train`` does; ``trainer.auto_layout=false`` turns it off).
 ``use_3d_hybrid=False`` runs the baseline (``actor.hybrid_engine=false``).
-Lengths come from the model and the data unless set (``trainer.lengths``); every ``train()`` gets a run
-directory of its own and resumes only when asked (``trainer.notebook_runs``).
+Lengths come from the model and the data unless set (``api.lengths``); every ``train()`` gets a run
+directory of its own and resumes only when asked (``api.run_dirs``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridflow.api import lengths
+from hybridflow.api.keywords import KEYWORDS, check_keywords, keyword_overrides, keyword_paths
+from hybridflow.api.run_dirs import Resume, run_dir_settings
 from hybridflow.config import Config
 from hybridflow.config.loader import _read_yaml, config_from_dict
 from hybridflow.config.nesting import check_nesting
@@ -35,11 +38,8 @@ from hybridflow.data.user_rows import as_rows
 from hybridflow.plan.auto_layout import log_plan, plan_run
 from hybridflow.plan.search import Layout
 from hybridflow.rewards.shapes import RewardShape, recognise_reward
-from hybridflow.trainer import lengths
 from hybridflow.trainer.builder import build_components, load_policy
 from hybridflow.trainer.jobs import rl_job
-from hybridflow.trainer.keywords import KEYWORDS, check_keywords, keyword_overrides, keyword_paths
-from hybridflow.trainer.notebook_runs import Resume, run_dir_settings
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.logging import setup_console_logging
 from hybridflow.workers.build import load_policy_tokenizer
@@ -178,7 +178,7 @@ def build_dataset(
 
 
 class RLTrainer:
-    """PPO-family training in a few lines, with the write-ups' and TRL's keywords (``trainer.keywords``).
+    """PPO-family training in a few lines, with the write-ups' and TRL's keywords (``api.keywords``).
 
     ``reward_fn`` may take the response text, verl's ``(data_source, solution_str, ground_truth,
     extra_info)``, TRL's batched ``(completions, **kwargs)`` or ``(prompt_ids, response_ids, tokenizer)``;
