@@ -30,7 +30,8 @@ ALLOWED: dict[str, set[str]] = {
     "trainer": L3 | {"workers", "plan"},
     # the Python APIs (RLTrainer, the step-wise Trainer) and the built-in demos: above the trainer
     "api": L3 | {"workers", "plan", "trainer"},
-    "cli": L3 | {"workers", "plan", "trainer", "api"},
+    "demos": L3 | {"workers", "plan", "trainer"},
+    "cli": L3 | {"workers", "plan", "trainer", "api", "demos"},
 }
 # Third-party packages a low layer must not reach for (config is stdlib + yaml only).
 FORBIDDEN_THIRD_PARTY = {

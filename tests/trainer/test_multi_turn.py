@@ -3,7 +3,7 @@ episodes on one rank and on a tensor-parallel group of two gloo ranks, reports v
 the rollout's log-probs equal the trainer's recomputation on every sampled token. A random tiny policy calls
 no tool, so these runs check the wiring; the loop's tool turns are checked in tests/engine/rollout and
 tests/workers (the environment renders tool turns token for token), and GRPO whose episodes call the tool
-after a warm-up in tests/trainer/test_tool_task.py."""
+after a warm-up in tests/demos/test_tool_use_demo.py."""
 
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from hybridflow.cli.main import main
+from hybridflow.demos.text import demo_configs
+from hybridflow.demos.vision import VISION_DEMO_OVERRIDES, VISION_SFT_OVERRIDES, run_vision_demo
 from hybridflow.models.vision import is_vision_language
-from hybridflow.trainer.demo import demo_configs
-from hybridflow.trainer.vision_demo import VISION_DEMO_OVERRIDES, VISION_SFT_OVERRIDES, run_vision_demo
 
 SMALL = [
     "data.task_train_size=64",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from hybridflow.trainer.demo import grpo_from_warm_up, warm_up
+from hybridflow.demos.text import grpo_from_warm_up, warm_up
 
 logger = logging.getLogger(__name__)
 

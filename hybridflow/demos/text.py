@@ -220,18 +220,18 @@ def warm_up(
 def run_demo(overrides: list[str] | None = None, sft_overrides: list[str] | None = None) -> dict[str, Any]:
     """Run the built-in demo; returns accuracies before/after GRPO, the run directory and the history.
 
-    A task answered with a tool (``data.task=multiply``) has its own demo, ``tool_demo.run_tool_demo``
+    A task answered with a tool (``data.task=multiply``) has its own demo, ``demos.tool_use.run_tool_demo``
     (``hybridflow train data.task=multiply`` runs it).
     """
     task = demo_task(overrides or [])
     if task == "squares":
         raise UserError(
-            "data.task=squares is the vision demo: call hybridflow.trainer.vision_demo.run_vision_demo (or run "
+            "data.task=squares is the vision demo: call hybridflow.demos.vision.run_vision_demo (or run "
             "hybridflow train data.task=squares)"
         )
     if task in TOOL_TASKS:
         raise UserError(
-            f"data.task={task} is the tool demo: call hybridflow.trainer.tool_demo.run_tool_demo (or run "
+            f"data.task={task} is the tool demo: call hybridflow.demos.tool_use.run_tool_demo (or run "
             f"hybridflow train data.task={task})"
         )
     cfg, run_dir = warm_up(overrides or [], sft_overrides, [], GRPO_OVERRIDES)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.trainer.demo import format_table, run_demo
+from hybridflow.demos.text import format_table, run_demo
 
 REPO = Path(__file__).resolve().parents[2]
 # The acceptance runs go in a process of their own, as `hybridflow train` / `hybridflow dpo` would run: in the
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 # left behind in it.
 RUNNER = """
 import json, sys
-from hybridflow.trainer import demo
+from hybridflow.demos import text as demo
 result = getattr(demo, sys.argv[1])(sys.argv[2:])
 out = {k: result[k] for k in ("before", "after", "num_val")}
 out["rewards"] = [h.get("critic/score/mean") for h in result["history"]]
@@ -27,7 +27,7 @@ print("RESULT " + json.dumps(out))
 
 
 def run_fresh(kind: str, *overrides: str) -> dict:
-    """``trainer.demo.<kind>(overrides)`` in a fresh interpreter; its before/after accuracies."""
+    """``demos.text.<kind>(overrides)`` in a fresh interpreter; its before/after accuracies."""
     # Not this process's own process-group variables: its one-rank group holds MASTER_PORT.
     drop = ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")
     env = {k: v for k, v in os.environ.items() if k not in drop}

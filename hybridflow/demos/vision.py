@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.data import load_split_rows
+from hybridflow.demos.text import demo_configs, grpo_from_warm_up
 from hybridflow.models.vision import build_tiny_vl_model_and_processor
-from hybridflow.trainer.demo import demo_configs, grpo_from_warm_up
 from hybridflow.trainer.jobs import sft_job
 from hybridflow.utils.seed import set_seed
 

@@ -12,8 +12,8 @@ import pytest
 
 from hybridflow.config import ConfigError, load_config
 from hybridflow.data.tasks import TOOL_TASKS
-from hybridflow.trainer.demo import format_table
-from hybridflow.trainer.tool_demo import run_tool_demo
+from hybridflow.demos.text import format_table
+from hybridflow.demos.tool_use import run_tool_demo
 
 SMALL = [
     "data.task_train_size=256",
