@@ -1,4 +1,5 @@
-"""DPPO (TV, KL), SAPO, geo_mean, DRO, bypass mode and GSPO's aggregation, with values worked out by hand."""
+"""DPPO (TV, KL), SAPO, geo_mean, DRO and GSPO's aggregation (trust_region_losses), and bypass mode (policy_loss),
+with values worked out by hand."""
 
 import math
 
