@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 import pytest
-from chat_rows import trl_conversational_rows
+from support.chat_rows import trl_conversational_rows
 
 import hybridflow
 from hybridflow.api.stepwise import Rewards

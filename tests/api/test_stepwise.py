@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
-from chat_rows import trl_conversational_rows, verl_rows
+from support.chat_rows import trl_conversational_rows, verl_rows
 
 import hybridflow
 from hybridflow.models import build_tiny_model_and_tokenizer
@@ -131,7 +131,7 @@ def test_refusals_of_the_step_wise_loop(model_dir: Path, tmp_path: Path, caplog)
 
 
 def test_how_rows_become_prompts_is_said_once_per_trainer(model_dir: Path, tmp_path: Path, caplog) -> None:
-    from chat_rows import ultrachat_rows
+    from support.chat_rows import ultrachat_rows
 
     rows = ultrachat_rows(8)
     with (

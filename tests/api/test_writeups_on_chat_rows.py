@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 import pytest
-from chat_rows import as_dataset, ultrachat_rows
+from support.chat_rows import as_dataset, ultrachat_rows
 
 import hybridflow
 from hybridflow.models import build_tiny_model_and_tokenizer

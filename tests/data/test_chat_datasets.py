@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
-from chat_rows import (
+from support.chat_rows import (
     CHINESE_ANSWER,
     CHINESE_PROMPT,
     as_dataset,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_util import run_world
+from support.dist_util import run_world
 
 from hybridflow import algos as core_algos
 from hybridflow.algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_util import run_world_kept
-from realistic import realistic_rows, write_jsonl
+from support.dist_util import run_world_kept
+from support.realistic import realistic_rows, write_jsonl
 
 from hybridflow.config import load_config
 from hybridflow.models import build_char_tokenizer, build_tiny_model_and_tokenizer

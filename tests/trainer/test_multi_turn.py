@@ -26,7 +26,7 @@ def one_step(run_dir: Path) -> dict[str, float]:
 
 
 def test_multi_turn_rollouts_on_one_rank_and_on_a_tensor_parallel_group(setup, tmp_path: Path) -> None:  # noqa: F811
-    from dist_util import run_world_kept
+    from support.dist_util import run_world_kept
     from test_model_families import train_rank
 
     from hybridflow.cli.main import main

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from dist_util import run_world_kept as run_world
+from support.dist_util import run_world_kept as run_world
 
 from hybridflow.config import load_config
 from hybridflow.config.off_policy import old_log_prob_source

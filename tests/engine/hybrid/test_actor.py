@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from dist_util import run_world_kept
+from support.dist_util import run_world_kept
 
 from hybridflow.config.schema import ActorConfig
 from hybridflow.engine import (

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from batches import NORMAL, draw_fields, grouped_batch
 from PIL import Image
 
 from hybridflow.models.vision import IMAGE_SLOT
 from hybridflow.protocol import Batch
+from support.batches import NORMAL, draw_fields, grouped_batch
 
 R = 7  # response width
 # Per row: image sizes (width, height) in its prompt, the prompt's text, the response's text (<= R chars).

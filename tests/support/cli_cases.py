@@ -18,7 +18,7 @@ from typing import Any
 
 from hybridflow.models import build_tiny_model_and_tokenizer
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 TAG = "@cli_cases.sweep("
 Case = Callable[["Env"], tuple[list[str], str]]
 

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Starts a local instance, prints its address, and keeps it until its stdin closes.
 HOLDER = """
 import sys
