@@ -162,7 +162,8 @@ def the_plan(config: Path, overrides: list[str]):
     """The layout the run planned, computed again as ``hybridflow train`` (``train_cmd.planned_config``) did."""
     from hybridflow.config import load_config
     from hybridflow.config.loader import _read_yaml
-    from hybridflow.trainer.autoplan import plan_run, user_keys
+    from hybridflow.config.user_keys import user_keys
+    from hybridflow.plan.auto_layout import plan_run
 
     cfg = load_config(str(config), overrides)
     return plan_run(cfg, user_keys(_read_yaml(str(config)), overrides))[1]

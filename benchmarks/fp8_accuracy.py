@@ -18,8 +18,8 @@ import statistics
 import time
 from pathlib import Path
 
+from hybridflow.demos.text import run_demo
 from hybridflow.engine.ops.fp8 import FP8_KERNELS
-from hybridflow.trainer.demo import run_demo
 from hybridflow.trainer.plotting import read_metrics
 from hybridflow.trainer.tracking import METRICS_FILE
 

@@ -4,7 +4,7 @@
     python benchmarks/plan_check.py --workload W2 --model-size 1.5b --steps 2
 
 Runs ``--steps`` GRPO steps of a ``grpo_step.py`` workload through the trainer on one GPU (random weights of the
-Qwen2.5 shape) in the layout the planner picks (``trainer.layout.plan_layout``, printed first), and compares
+Qwen2.5 shape) in the layout the planner picks (``plan.search.plan_layout``, printed first), and compares
 each phase's ``torch.cuda.max_memory_allocated`` (the workers' ``memory/<role>.<method>_peak_gib``, the highest
 over the steps) with the plan's estimate of that phase: generate (``actor.generate``), log_prob
 (``actor.compute_log_prob`` and ``ref.compute_ref_log_prob``) and update_actor (``actor.update_actor``). A
@@ -30,8 +30,10 @@ from grpo_step import WORKLOADS, hash_reward, prompt_rows, trainer_config, word_
 from shapes import build_model
 
 from hybridflow.data import RLDataset
+from hybridflow.plan.memory import gpu_memory_bytes
+from hybridflow.plan.report import GB
+from hybridflow.plan.search import apply_layout, plan_layout
 from hybridflow.trainer.builder import build_components
-from hybridflow.trainer.layout import GB, apply_layout, gpu_memory_bytes, plan_layout
 from hybridflow.trainer.ppo import PPOTrainer
 
 GIB = 2**30

@@ -48,7 +48,7 @@ def moe_meta_model(size: str):
     """A mixture of experts of ``model_shapes.MODEL_SHAPES`` on the meta device (shapes only)."""
     from transformers import AutoModelForCausalLM
 
-    from hybridflow.trainer.model_shapes import shape_config
+    from hybridflow.plan.shapes import shape_config
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(shape_config(size))

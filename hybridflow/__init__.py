@@ -12,11 +12,11 @@ __all__ = ["RLTrainer", "Trainer", "__version__"]
 def __getattr__(name: str):
     # The trainers pull in torch and transformers: load them on first use so `import hybridflow` stays light.
     if name == "RLTrainer":
-        from hybridflow.trainer.api import RLTrainer
+        from hybridflow.api.notebook import RLTrainer
 
         return RLTrainer
     if name == "Trainer":  # the step-wise API (generate, critic_score, update_actor, save)
-        from hybridflow.trainer.stepwise import Trainer
+        from hybridflow.api.stepwise import Trainer
 
         return Trainer
     if name == "HybridDataFlow":  # the write-ups' class: an ImportError that says what to use instead

@@ -1,10 +1,10 @@
-"""The tests' batch builders (tests/batches.py): the engine's layout, groups of samples, EOS, seeded fields."""
+"""The tests' batch builders (tests/support/batches.py): the engine's layout, groups of samples, EOS, seeded fields."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from batches import NORMAL, Draw, draw_fields, prompt_batch, rollout_batch
+from support.batches import NORMAL, Draw, draw_fields, prompt_batch, rollout_batch
 
 EOS = 2
 PROMPT_LENGTHS = [5, 2, 3]

@@ -11,6 +11,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hybridflow"
 
 # Which hybridflow packages each package may import (itself always allowed). DESIGN.md section 2.
 L0 = {"protocol", "utils"}
+L2 = L0 | {"config", "algos", "rewards", "tools", "data", "models"}  # L0 to L2
+L3 = L2 | {"engine", "checkpoint"}  # L0 to L3
 ALLOWED: dict[str, set[str]] = {
     "protocol": {"utils"},
     "utils": set(),
@@ -20,13 +22,16 @@ ALLOWED: dict[str, set[str]] = {
     "tools": L0,
     "data": L0 | {"config"},
     "models": L0 | {"config"},
-    "engine": L0 | {"config", "algos", "rewards", "tools", "data", "models"},
-    "checkpoint": L0 | {"config", "algos", "rewards", "tools", "data", "models"},
-    "workers": L0 | {"config", "algos", "rewards", "tools", "data", "models", "engine", "checkpoint"},
-    "trainer": L0
-    | {"config", "algos", "rewards", "tools", "data", "models", "engine", "checkpoint", "workers"},
-    "cli": L0
-    | {"config", "trainer", "algos", "rewards", "tools", "data", "models", "engine", "checkpoint", "workers"},
+    "engine": L2,
+    "checkpoint": L2,
+    # the layout planner: beside the workers, below the trainer (it reads a config and the engine's accounting)
+    "plan": L3,
+    "workers": L3,
+    "trainer": L3 | {"workers", "plan"},
+    # the Python APIs (RLTrainer, the step-wise Trainer) and the built-in demos: above the trainer
+    "api": L3 | {"workers", "plan", "trainer"},
+    "demos": L3 | {"workers", "plan", "trainer"},
+    "cli": L3 | {"workers", "plan", "trainer", "api", "demos"},
 }
 # Third-party packages a low layer must not reach for (config is stdlib + yaml only).
 FORBIDDEN_THIRD_PARTY = {

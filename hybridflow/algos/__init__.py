@@ -15,8 +15,6 @@ rank process (a Ray rank, where the policy loss runs) before it builds its roles
 """
 
 from hybridflow.algos.advantage import (
-    ADV_ESTIMATOR_REGISTRY,
-    AdvantageEstimator,
     compute_gae_advantage_return,
     compute_gdpo_outcome_advantage,
     compute_gpg_outcome_advantage,
@@ -29,8 +27,6 @@ from hybridflow.algos.advantage import (
     compute_remax_outcome_advantage,
     compute_rloo_outcome_advantage,
     compute_rloo_vectorized_outcome_advantage,
-    get_adv_estimator_fn,
-    register_adv_est,
 )
 from hybridflow.algos.aggregation import (
     LOSS_AGG_MODES,
@@ -49,26 +45,21 @@ from hybridflow.algos.kl import (
     kl_penalty_forward,
 )
 from hybridflow.algos.policy_loss import (
-    POLICY_LOSS_REGISTRY,
     PolicyLossConfig,
     compute_entropy_loss,
-    compute_policy_loss_cispo,
-    compute_policy_loss_clip_cov,
+    compute_policy_loss_bypass_mode,
     compute_policy_loss_gpg,
-    compute_policy_loss_gspo,
-    compute_policy_loss_kl_cov,
     compute_policy_loss_reinforce,
     compute_policy_loss_vanilla,
-    get_policy_loss_fn,
-    register_policy_loss,
 )
-from hybridflow.algos.policy_loss_extra import (
-    compute_policy_loss_bypass_mode,
-    compute_policy_loss_dppo_kl,
-    compute_policy_loss_dppo_tv,
-    compute_policy_loss_dro,
-    compute_policy_loss_geo_mean,
-    compute_policy_loss_sapo,
+from hybridflow.algos.registry import (
+    ADV_ESTIMATOR_REGISTRY,
+    POLICY_LOSS_REGISTRY,
+    AdvantageEstimator,
+    get_adv_estimator_fn,
+    get_policy_loss_fn,
+    register_adv_est,
+    register_policy_loss,
 )
 from hybridflow.algos.rollout_correction import (
     ROLLOUT_IS_MODES,
@@ -89,6 +80,17 @@ from hybridflow.algos.rollout_metrics import (
 from hybridflow.algos.token_baseline import (
     compute_multi_turn_optimal_token_baseline_advantage,
     compute_optimal_token_baseline_advantage,
+)
+from hybridflow.algos.trust_region_losses import (
+    compute_policy_loss_cispo,
+    compute_policy_loss_clip_cov,
+    compute_policy_loss_dppo_kl,
+    compute_policy_loss_dppo_tv,
+    compute_policy_loss_dro,
+    compute_policy_loss_geo_mean,
+    compute_policy_loss_gspo,
+    compute_policy_loss_kl_cov,
+    compute_policy_loss_sapo,
 )
 from hybridflow.algos.value_loss import (
     compute_value_loss,

@@ -23,27 +23,56 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridflow.algos.advantage_base import (  # noqa: F401 (re-exported for verl-style imports)
+from hybridflow.algos.group_stats import (
+    _broadcast,
+    _check_shapes,
+    _group_ids,
+    _group_stats,
+    _masked,
+    _outcome_scores,
+    _work_dtype,
+)
+from hybridflow.algos.registry import (  # noqa: F401 (re-exported for verl-style imports)
     ADV_ESTIMATOR_REGISTRY,
     AdvantageEstimator,
     AdvantageFn,
-    _broadcast,
-    _check_shapes,
-    _config_value,
-    _estimator_name,
-    _group_ids,
-    _group_stats,
-    _grpo_scalar,
-    _masked,
-    _outcome_scores,
-    _resolve,
-    _work_dtype,
     get_adv_estimator_fn,
     register_adv_est,
 )
 from hybridflow.utils.torch_functional import masked_whiten
 
 logger = logging.getLogger(__name__)
+
+
+def _config_value(config: Any, key: str, default: Any) -> Any:
+    """Read ``key`` from an attribute object or a Mapping; ``default`` when absent or None."""
+    if config is None:
+        return default
+    value = config.get(key, default) if isinstance(config, Mapping) else getattr(config, key, default)
+    return default if value is None else value
+
+
+def _resolve(explicit: Any, config: Any, key: str, default: Any) -> Any:
+    return explicit if explicit is not None else _config_value(config, key, default)
+
+
+def _grpo_scalar(
+    scores: torch.Tensor,
+    valid: torch.Tensor,
+    group: torch.Tensor,
+    num_groups: int,
+    epsilon: float,
+    norm: bool,
+) -> torch.Tensor:
+    """GRPO per-row advantage ``(B,)``; a group of one has mean 0 and std 1 (verl), so a = s."""
+    count, mean, std = _group_stats(scores, valid, group, num_groups)
+    lone = count < 2
+    mean = torch.where(lone, 0.0, mean)
+    std = torch.where(lone, 1.0, std)
+    adv = scores - mean[group]
+    if norm:
+        adv = adv / (std[group] + epsilon)  # all-equal rewards: 0 / (0 + eps) = 0, never NaN
+    return adv
 
 
 @register_adv_est(AdvantageEstimator.GAE)

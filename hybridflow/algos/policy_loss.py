@@ -1,4 +1,7 @@
-"""Policy-gradient losses with verl's names, signatures and metrics, plus their registry.
+"""Policy-gradient losses with verl's names, signatures and metrics: PPO's clipped surrogate (``vanilla``), the
+plain policy gradients without a ratio (``gpg``, ``reinforce``), verl's bypass mode, and the entropy bonus; the
+knobs every policy loss reads (``PolicyLossConfig``) and the pieces they share. The losses that replace or
+refine PPO's clip are in ``trust_region_losses``; the registry they all join is ``registry``.
 
 Every loss has verl's signature ``(old_log_prob, log_prob, advantages, response_mask,
 loss_agg_mode="token-mean", config=None, rollout_is_weights=None)`` with ``(B, T)`` tensors and returns
@@ -15,17 +18,19 @@ knobs fall back to the ``PolicyLossConfig`` defaults, which are verl's.
 from __future__ import annotations
 
 import dataclasses
-import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from hybridflow.algos.advantage_base import same_definition
 from hybridflow.algos.aggregation import LOSS_AGG_MODES, agg_loss
-from hybridflow.utils.torch_functional import entropy_from_logits, masked_mean, masked_sum
-
-logger = logging.getLogger(__name__)
+from hybridflow.algos.registry import (  # noqa: F401 (POLICY_LOSS_REGISTRY, get_policy_loss_fn: re-exported)
+    POLICY_LOSS_REGISTRY,
+    get_policy_loss_fn,
+    register_policy_loss,
+)
+from hybridflow.algos.rollout_correction import compute_rollout_correction_and_rejection_mask
+from hybridflow.utils.torch_functional import entropy_from_logits, masked_mean
 
 # exp() of a log-ratio beyond +-20 overflows float16/bfloat16 ranges and is meaningless as a ratio anyway.
 LOG_RATIO_CLAMP = 20.0
@@ -143,33 +148,6 @@ def _clamped_log_ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor) -> to
     return torch.clamp(log_prob - old_log_prob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)  # (B, T)
 
 
-PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {}
-
-
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator registering a policy loss under ``name``, a valid loss_mode (a later one replaces it)."""
-
-    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
-        previous = POLICY_LOSS_REGISTRY.get(name)
-        if previous is not None and not same_definition(previous, fn):  # the same one run again: no news
-            logger.warning("policy loss %r re-registered: %s replaces %s", name, fn, previous)
-        POLICY_LOSS_REGISTRY[name] = fn
-        return fn
-
-    return decorator
-
-
-def get_policy_loss_fn(name: str) -> PolicyLossFn:
-    """Return the policy loss registered under ``name``."""
-    if name not in POLICY_LOSS_REGISTRY:
-        raise ValueError(
-            f"Unsupported policy loss mode {name!r}. Registered modes are {sorted(POLICY_LOSS_REGISTRY)}; "
-            "add your own with @register_policy_loss(name)."
-        )
-    return POLICY_LOSS_REGISTRY[name]
-
-
 @register_policy_loss("vanilla")
 def compute_policy_loss_vanilla(
     old_log_prob: torch.Tensor,
@@ -209,41 +187,6 @@ def compute_policy_loss_vanilla(
     return pg_loss, _metrics(pg_clipfrac, ppo_kl, pg_clipfrac_lower)
 
 
-@register_policy_loss("gspo")
-def compute_policy_loss_gspo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "seq-mean-token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO (arXiv 2507.18071): PPO clip on the per-sequence length-normalised ratio, aggregated by ``loss_agg_mode``.
-
-    ``loss_agg_mode`` is honoured, as issue 32 states for verl 0.9.1 (the trainer passes the actor's mode,
-    token-mean by default); verl up to 0.9.0 always used seq-mean-token-mean, the paper's sequence
-    average: pass ``loss_agg_mode="seq-mean-token-mean"`` for those numbers.
-    """
-    clip_low, clip_high = _clip_range(config)
-    neg_kl = log_prob - old_log_prob  # (B, T)
-    seq_lengths = response_mask.sum(dim=-1).clamp(min=1)  # (B,)
-    neg_kl_seq = masked_sum(neg_kl, response_mask, axis=-1) / seq_lengths  # (B,) log s_i
-
-    # s_i,t = sg[s_i] * pi_t / sg[pi_t]: the value of the sequence ratio, the gradient of each token's ratio.
-    log_seq_ratio = log_prob - log_prob.detach() + neg_kl_seq.detach().unsqueeze(-1)  # (B, T)
-    seq_ratio = torch.exp(torch.clamp(log_seq_ratio, max=10.0))
-
-    pg_losses1 = -advantages * seq_ratio
-    pg_losses2 = -advantages * torch.clamp(seq_ratio, 1 - clip_low, 1 + clip_high)
-    pg_losses = _apply_is_weights(torch.maximum(pg_losses1, pg_losses2), rollout_is_weights)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **_global_batch_info(config))
-
-    pg_clipfrac = masked_mean((pg_losses2 > pg_losses1).float(), response_mask)
-    ppo_kl = masked_mean(-neg_kl, response_mask)
-    return pg_loss, _metrics(pg_clipfrac, ppo_kl, None)
-
-
 @register_policy_loss("gpg")
 def compute_policy_loss_gpg(
     old_log_prob: torch.Tensor,
@@ -259,127 +202,6 @@ def compute_policy_loss_gpg(
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **_global_batch_info(config))
     ppo_kl = masked_mean(-_clamped_log_ratio(old_log_prob, log_prob), response_mask)
     return pg_loss, _metrics(None, ppo_kl, None)
-
-
-def _clip_cov_mask(
-    advantages: torch.Tensor,
-    log_prob: torch.Tensor,
-    response_mask: torch.Tensor,
-    clipped: torch.Tensor,
-    config: Any,
-) -> torch.Tensor:
-    """(B, T) float mask, 0 on the randomly chosen high-covariance tokens whose gradient Clip-Cov drops."""
-    clip_cov_ratio = get_config_value(config, "clip_cov_ratio")
-    if clip_cov_ratio <= 0:
-        raise ValueError(f"clip_cov_ratio must be > 0 (fraction of tokens to detach), got {clip_cov_ratio}")
-    lb, ub = get_config_value(config, "clip_cov_lb"), get_config_value(config, "clip_cov_ub")
-    with torch.no_grad():
-        valid = response_mask.bool()
-        lp = log_prob.detach()
-        cov = (advantages - masked_mean(advantages, response_mask)) * (lp - masked_mean(lp, response_mask))
-        candidates = valid & ~clipped & (cov > lb) & (cov < ub)  # (B, T)
-        idx = candidates.reshape(-1).nonzero(as_tuple=True)[0]
-        clip_num = max(int(clip_cov_ratio * int(valid.sum())), 1)
-        if idx.numel() > clip_num:  # pick at random among candidates (torch's global RNG, as in verl)
-            idx = idx[torch.randperm(idx.numel(), device=idx.device)[:clip_num]]
-        corr = torch.ones(advantages.numel(), dtype=log_prob.dtype, device=log_prob.device)
-        corr[idx] = 0.0
-    return corr.reshape(advantages.shape)
-
-
-@register_policy_loss("clip_cov")
-def compute_policy_loss_clip_cov(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clip-Cov (arXiv 2505.22617): PPO clip, plus zero gradient on a few tokens with cov(A, logp) in (lb, ub)."""
-    clip_low, clip_high = _clip_range(config)
-    neg_kl = _clamped_log_ratio(old_log_prob, log_prob)  # (B, T)
-    ratio = torch.exp(neg_kl)
-    ppo_kl = masked_mean(-neg_kl, response_mask)
-
-    pg_losses1 = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    clipped = (pg_losses2 > pg_losses1) & response_mask.bool()
-    corr = _clip_cov_mask(advantages, log_prob, response_mask, clipped, config)  # (B, T)
-    pg_clipfrac = masked_mean((corr == 0).float(), response_mask)
-
-    pg_losses = _apply_is_weights(torch.maximum(pg_losses1, pg_losses2) * corr, rollout_is_weights)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **_global_batch_info(config))
-    return pg_loss, _metrics(pg_clipfrac, ppo_kl, None)
-
-
-@register_policy_loss("kl_cov")
-def compute_policy_loss_kl_cov(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """KL-Cov (arXiv 2505.22617): unclipped ``-A * ratio``, plus ``ppo_kl_coef * |log ratio|`` on top-cov tokens.
-
-    As in verl, ``actor/ppo_kl`` here is the mean ABSOLUTE log-ratio.
-    """
-    kl_cov_ratio = get_config_value(config, "kl_cov_ratio")
-    if kl_cov_ratio <= 0:
-        raise ValueError(f"kl_cov_ratio must be > 0 (fraction of tokens to penalise), got {kl_cov_ratio}")
-    ppo_kl_coef = get_config_value(config, "ppo_kl_coef")
-
-    neg_kl = _clamped_log_ratio(old_log_prob, log_prob)  # (B, T)
-    abs_kl = neg_kl.abs()
-    ratio = torch.exp(neg_kl)
-    pg_losses1 = -advantages * ratio
-    pg_losses_kl = pg_losses1 + ppo_kl_coef * abs_kl
-
-    with torch.no_grad():
-        valid = response_mask.bool()
-        selected = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
-        valid_idx = valid.reshape(-1).nonzero(as_tuple=True)[0]
-        if valid_idx.numel() > 0:
-            adv_v = advantages.reshape(-1)[valid_idx].float()
-            lp_v = log_prob.detach().reshape(-1)[valid_idx].float()
-            cov = (adv_v - adv_v.mean()) * (lp_v - lp_v.mean())  # plain means over the valid tokens
-            k = max(1, int(valid_idx.numel() * kl_cov_ratio))
-            selected[valid_idx[torch.topk(cov, k).indices]] = True
-        selected = selected.reshape(valid.shape)
-
-    pg_losses = _apply_is_weights(torch.where(selected, pg_losses_kl, pg_losses1), rollout_is_weights)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **_global_batch_info(config))
-    return pg_loss, _metrics(None, masked_mean(abs_kl, response_mask), None)
-
-
-@register_policy_loss("cispo")
-def compute_policy_loss_cispo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """CISPO (arXiv 2506.13585): ``-sg(clip(ratio)) * A * log_prob``; clipped tokens keep their gradient."""
-    clip_low, clip_high = _clip_range(config)
-    neg_kl = _clamped_log_ratio(old_log_prob, log_prob)  # (B, T)
-    ratio = torch.exp(neg_kl)
-    ppo_kl = masked_mean(-neg_kl, response_mask)
-
-    clipped_ratio = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    # Stop-gradient on the weight: the gradient flows only through log_prob, scaled by the clipped ratio.
-    pg_losses = -clipped_ratio.detach() * advantages * log_prob
-    pg_clipfrac = masked_mean((ratio != clipped_ratio).float(), response_mask)
-
-    pg_losses = _apply_is_weights(pg_losses, rollout_is_weights)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **_global_batch_info(config))
-    return pg_loss, _metrics(pg_clipfrac, ppo_kl, None)
 
 
 @register_policy_loss("reinforce")
@@ -401,6 +223,63 @@ def compute_policy_loss_reinforce(
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **_global_batch_info(config))
     ppo_kl = masked_mean(-_clamped_log_ratio(old_log_prob, log_prob), response_mask)
     return pg_loss, _metrics(None, ppo_kl, None)
+
+
+def _setting(source: Any, name: str, default: Any) -> Any:
+    return source.get(name, default) if isinstance(source, Mapping) else getattr(source, name, default)
+
+
+@register_policy_loss("bypass_mode")
+def compute_policy_loss_bypass_mode(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """verl's bypass mode: ``old_log_prob`` IS the rollout's; IS weights and rejection computed here.
+
+    Reads ``config``'s ``rollout_correction`` (``loss_type`` "ppo_clip" or "reinforce", ``rollout_is``,
+    ``rollout_is_threshold``, ``rollout_is_batch_normalize``, ``rollout_rs``, ``rollout_rs_threshold``).
+    The weights and the rejection mask compare the current ``log_prob`` (detached) with the rollout's.
+    ``ppo_clip``: vanilla PPO on the rejection mask without IS weights (the ratio already is pi / pi_rollout);
+    ``reinforce``: ``-w * A * log_prob`` with the computed weights. The passed ``rollout_is_weights`` are
+    ignored; the ``rollout_corr/`` metrics join the loss metrics.
+    """
+    rc = get_config_value(config, "rollout_correction")
+    if rc is None:
+        raise ValueError(
+            "loss_mode 'bypass_mode' needs the rollout-correction settings: pass a config whose "
+            "rollout_correction (or policy_loss.rollout_correction) holds loss_type, rollout_is, rollout_rs, ..."
+        )
+    loss_type = _setting(rc, "loss_type", "ppo_clip") or "ppo_clip"
+    if loss_type not in ("ppo_clip", "reinforce"):
+        raise ValueError(
+            f"Invalid rollout_correction.loss_type {loss_type!r}; accepted: 'ppo_clip', 'reinforce'"
+        )
+    with torch.no_grad():
+        weights, effective_mask, rc_metrics = compute_rollout_correction_and_rejection_mask(
+            log_prob.detach(),
+            old_log_prob,
+            response_mask,
+            rollout_is=_setting(rc, "rollout_is", None),
+            rollout_is_threshold=_setting(rc, "rollout_is_threshold", 2.0),
+            rollout_is_batch_normalize=bool(_setting(rc, "rollout_is_batch_normalize", False)),
+            rollout_rs=_setting(rc, "rollout_rs", None),
+            rollout_rs_threshold=_setting(rc, "rollout_rs_threshold", None),
+        )
+    if loss_type == "reinforce":
+        pg_loss, metrics = compute_policy_loss_reinforce(
+            old_log_prob, log_prob, advantages, effective_mask, loss_agg_mode, config, weights
+        )
+    else:
+        pg_loss, metrics = compute_policy_loss_vanilla(
+            old_log_prob, log_prob, advantages, effective_mask, loss_agg_mode, config, None
+        )
+    metrics.update(rc_metrics)
+    return pg_loss, metrics
 
 
 def compute_entropy_loss(

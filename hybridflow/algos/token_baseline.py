@@ -19,14 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridflow.algos.advantage_base import (
-    AdvantageEstimator,
-    _check_shapes,
-    _group_ids,
-    _masked,
-    _work_dtype,
-    register_adv_est,
-)
+from hybridflow.algos.group_stats import _check_shapes, _group_ids, _masked, _work_dtype
+from hybridflow.algos.registry import AdvantageEstimator, register_adv_est
 
 
 def _path_weights(

@@ -29,7 +29,7 @@ def run_preference(args: argparse.Namespace, kind: str) -> int:
     path, overrides = split_file_and_overrides(args.args)
     own_run = path is not None or names_a_model(overrides)
     if not own_run and kind == "dpo":
-        from hybridflow.trainer.demo import format_table, run_dpo_demo
+        from hybridflow.demos.text import format_table, run_dpo_demo
         from hybridflow.trainer.summary import log_summary
 
         result = run_dpo_demo(overrides)

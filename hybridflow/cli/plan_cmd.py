@@ -110,11 +110,14 @@ def _with_flag(exc: ConfigError, gpus: int) -> ConfigError:
 
 def run(args: argparse.Namespace) -> int:
     """Plan and print: the one-line choice, the phases' memory per GPU, the keys, then the candidates scored."""
+    import hybridflow.trainer  # noqa: F401  (validates names registered by a reward module, as training does)
     from hybridflow.cli.config_cmd import split_file_and_overrides
     from hybridflow.config import ConfigError, load_config
     from hybridflow.config.loader import _read_yaml
-    from hybridflow.trainer.autoplan import plan_chooses, user_keys
-    from hybridflow.trainer.layout import apply_layout, candidates_table, plan_layout
+    from hybridflow.config.user_keys import user_keys
+    from hybridflow.plan.auto_layout import plan_chooses
+    from hybridflow.plan.report import candidates_table
+    from hybridflow.plan.search import apply_layout, plan_layout
 
     gpus = None if args.gpus is None else gpu_count(args.gpus)
     gpu = None if args.gpu_memory_gb is None else gpu_memory(args.gpu_memory_gb)
@@ -147,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _model_config(cfg: Config, shape: str | None) -> Any:
     """The HF config to plan for: ``--model-shape``'s, else ``model.path``'s config.json."""
-    from hybridflow.trainer.model_shapes import MODEL_SHAPES, shape_config
+    from hybridflow.plan.shapes import MODEL_SHAPES, shape_config
     from hybridflow.utils.errors import UserError
 
     if shape is not None:
@@ -169,14 +172,14 @@ def _machine(cfg: Config, gpu: int | None, host: int | None) -> tuple[int, int |
     without one the run's cap; the host is this machine's where the plan is for its own GPUs (no
     ``--gpu-memory-gb``, and no more GPUs per node than it has), else only ``--host-memory-gb``'s.
     """
-    from hybridflow.trainer import layout as planner
+    from hybridflow.plan import memory
     from hybridflow.utils.errors import UserError
 
     cap = cfg.trainer.gpu_memory_gb
-    if gpu is None and planner.gpu_memory_bytes() is not None:  # this machine's GPU (capped)
-        gpu = planner.gpu_memory_bytes(cap)
-        if host is None and cfg.trainer.n_gpus_per_node <= planner.gpus_here():  # its own GPUs: its host
-            host = planner.host_memory_bytes()
+    if gpu is None and memory.gpu_memory_bytes() is not None:  # this machine's GPU (capped)
+        gpu = memory.gpu_memory_bytes(cap)
+        if host is None and cfg.trainer.n_gpus_per_node <= memory.gpus_here():  # its own GPUs: its host
+            host = memory.host_memory_bytes()
     if gpu is None and cap is not None:  # no GPU here: the run's cap stands for its GPU's size
         gpu = int(cap * 1e9)
     if gpu is None:

@@ -29,10 +29,10 @@ def run(args: argparse.Namespace) -> int:
     path, overrides = split_file_and_overrides(args.args)
     if path is None and not names_a_model(overrides):
         from hybridflow.data.tasks import TOOL_TASKS
-        from hybridflow.trainer.demo import demo_task, format_table, run_demo
+        from hybridflow.demos.text import demo_task, format_table, run_demo
+        from hybridflow.demos.tool_use import run_tool_demo
+        from hybridflow.demos.vision import VISION_TASKS, run_vision_demo
         from hybridflow.trainer.summary import log_summary
-        from hybridflow.trainer.tool_demo import run_tool_demo
-        from hybridflow.trainer.vision_demo import VISION_TASKS, run_vision_demo
 
         # A task answered with a tool (data.task=multiply) has its own demo: multi-turn SFT, GRPO with the tool;
         # a visual task (data.task=squares) too: a tiny vision-language model, GRPO on image prompts.
@@ -58,7 +58,8 @@ def planned_config(path: str | None, overrides: list[str], gpu_bytes: int | None
     """
     from hybridflow.config import load_config
     from hybridflow.config.loader import _read_yaml
-    from hybridflow.trainer.autoplan import log_plan, plan_chooses, plan_run, user_keys
+    from hybridflow.config.user_keys import user_keys
+    from hybridflow.plan.auto_layout import log_plan, plan_chooses, plan_run
 
     given = user_keys(_read_yaml(path) if path is not None else {}, overrides)
     cfg = load_config(path, overrides, defer=plan_chooses(given))  # checked by plan_run once chosen

@@ -10,7 +10,7 @@ from hybridflow.config.errors import Problem
 from hybridflow.config.schema import schema_index
 
 # The notebook API's keywords (the HybridFlow write-ups' and TRL's) that set one config key each;
-# hybridflow.trainer.keywords takes them from here. gradient_accumulation_steps is not among them: it sets
+# hybridflow.api.keywords takes them from here. gradient_accumulation_steps is not among them: it sets
 # the mini-batch from three values.
 KEYWORD_KEYS: dict[str, str] = {
     "model_name": "model.path",

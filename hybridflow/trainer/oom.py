@@ -1,7 +1,7 @@
 """The driver's side of an out-of-memory error: the plan's estimate for the phase, and one line on every rank.
 
 A rank that runs out of device memory in a phase raises ``DeviceOutOfMemory`` (``workers.oom``). Here the
-driver adds what the layout planner (``trainer.layout``) estimates that phase needs per GPU under the run's
+driver adds what the layout planner (``plan.search``) estimates that phase needs per GPU under the run's
 own config and layout, so that the line compares the two. Under torchrun every rank runs the driver: the
 failing rank leaves its line for the others (``utils.peers.post_user_error``), and a rank whose collective
 that stop broke raises the same line instead of reporting a failed peer.
@@ -17,7 +17,9 @@ import torch
 
 from hybridflow.config import Config
 from hybridflow.config.validate import get_path
-from hybridflow.trainer.layout import GB, LAYOUT_KEYS, Layout, estimate_phases, meta_model
+from hybridflow.plan.memory import estimate_phases
+from hybridflow.plan.report import GB
+from hybridflow.plan.search import LAYOUT_KEYS, Layout, meta_model
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.peers import post_user_error, posted_user_error
 from hybridflow.workers.oom import DeviceOutOfMemory, Phase, fix_keys, out_of_memory

@@ -32,7 +32,7 @@ class Phase:
     fix: str
 
 
-# (role, RankWorker method) -> the phase. The planner (trainer/layout.py) estimates the actor's phases of an
+# (role, RankWorker method) -> the phase. The planner (plan/search.py) estimates the actor's phases of an
 # RL step; the reference's forward is estimated as the actor's log-prob pass (the same weights and micro-
 # batches), the critic and the SFT/preference updates not at all.
 PHASES: dict[tuple[str, str], Phase] = {

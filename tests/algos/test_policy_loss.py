@@ -8,19 +8,19 @@ import pytest
 import torch
 
 from hybridflow.algos.policy_loss import (
-    POLICY_LOSS_REGISTRY,
     PolicyLossConfig,
     compute_entropy_loss,
-    compute_policy_loss_cispo,
-    compute_policy_loss_clip_cov,
     compute_policy_loss_gpg,
-    compute_policy_loss_gspo,
-    compute_policy_loss_kl_cov,
     compute_policy_loss_reinforce,
     compute_policy_loss_vanilla,
     get_config_value,
-    get_policy_loss_fn,
-    register_policy_loss,
+)
+from hybridflow.algos.registry import POLICY_LOSS_REGISTRY, get_policy_loss_fn, register_policy_loss
+from hybridflow.algos.trust_region_losses import (
+    compute_policy_loss_cispo,
+    compute_policy_loss_clip_cov,
+    compute_policy_loss_gspo,
+    compute_policy_loss_kl_cov,
 )
 
 F64 = torch.float64

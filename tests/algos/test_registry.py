@@ -29,7 +29,9 @@ def _estimator(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, *
 def test_every_builtin_name_is_a_builtin_choice() -> None:
     """config's own lists (valid without the trainer) hold every estimator and loss algos ships."""
     builtin_losses = {
-        n for n, f in POLICY_LOSS_REGISTRY.items() if f.__module__ == "hybridflow.algos.policy_loss"
+        n
+        for n, f in POLICY_LOSS_REGISTRY.items()
+        if f.__module__ in {"hybridflow.algos.policy_loss", "hybridflow.algos.trust_region_losses"}
     }
     assert {e.value for e in AdvantageEstimator} <= set(CHOICES["algorithm.adv_estimator"])
     assert builtin_losses <= set(CHOICES["actor.policy_loss.loss_mode"])
@@ -78,16 +80,18 @@ def test_the_same_definition_run_again_replaces_its_registration() -> None:
 
 def test_the_registries_are_the_dicts_the_lookups_read() -> None:
     """As in verl: inspecting or patching hybridflow.algos.*_REGISTRY changes what the lookups return."""
-    from hybridflow.algos import advantage, advantage_base, policy_loss, policy_loss_extra, token_baseline
+    from hybridflow.algos import advantage, policy_loss, registry, token_baseline, trust_region_losses
 
-    assert core_algos.ADV_ESTIMATOR_REGISTRY is advantage_base.ADV_ESTIMATOR_REGISTRY
+    assert core_algos.ADV_ESTIMATOR_REGISTRY is registry.ADV_ESTIMATOR_REGISTRY
     assert advantage.ADV_ESTIMATOR_REGISTRY is core_algos.ADV_ESTIMATOR_REGISTRY
-    assert core_algos.POLICY_LOSS_REGISTRY is policy_loss.POLICY_LOSS_REGISTRY
+    assert (
+        core_algos.POLICY_LOSS_REGISTRY is registry.POLICY_LOSS_REGISTRY is policy_loss.POLICY_LOSS_REGISTRY
+    )
     assert (
         token_baseline.compute_optimal_token_baseline_advantage
         is ADV_ESTIMATOR_REGISTRY["optimal_token_baseline"]
     )
-    assert policy_loss_extra.compute_policy_loss_dro is POLICY_LOSS_REGISTRY["dro"]
+    assert trust_region_losses.compute_policy_loss_dro is POLICY_LOSS_REGISTRY["dro"]
     ADV_ESTIMATOR_REGISTRY["patched_estimator"] = _estimator
     POLICY_LOSS_REGISTRY["patched_loss"] = core_algos.compute_policy_loss_gpg
     assert core_algos.get_adv_estimator_fn("patched_estimator") is _estimator

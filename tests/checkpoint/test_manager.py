@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from batches import Draw, rollout_batch
-from dist_util import run_world_kept as run_world
+from support.batches import Draw, rollout_batch
+from support.dist_util import run_world_kept as run_world
 
 from hybridflow.checkpoint import CheckpointError, RoleState, load, read_meta, save
 from hybridflow.config.schema import ActorConfig

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.vision_batches import ROWS, hf_log_probs, image, vision_batch
 from transformers import AutoModelForImageTextToText
-from vision_batches import ROWS, hf_log_probs, image, vision_batch
 
 from hybridflow.checkpoint import RoleState, export_hf, load, save, write_hf_config
 from hybridflow.checkpoint.manager import HF_CONFIG

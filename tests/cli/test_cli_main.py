@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import cli_cases
 import pytest
 import yaml
+from support import cli_cases
 
 import hybridflow
 from hybridflow.cli.config_cmd import split_file_and_overrides

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import cli_cases
 import pytest
 import yaml
+from support import cli_cases
 
 from hybridflow.cli.main import main
 from hybridflow.config import aliases

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import cli_cases
 import pytest
+from support import cli_cases
 
 from hybridflow.cli.main import main
 from hybridflow.models import build_tiny_model_and_tokenizer

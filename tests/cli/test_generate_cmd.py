@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import cli_cases
 import pytest
 import torch
+from support import cli_cases
 
 from hybridflow.cli.main import main
 from hybridflow.models import build_tiny_model_and_tokenizer
@@ -124,7 +124,7 @@ def test_a_prompt_plus_max_new_tokens_past_the_position_limit_is_warned_at_start
 
 
 def test_a_conversation_prompts_as_in_training(tmp_path: Path) -> None:
-    from chat_rows import ultrachat_rows
+    from support.chat_rows import ultrachat_rows
 
     from hybridflow.cli.generate_cmd import read_prompts
     from hybridflow.data import RLDataset

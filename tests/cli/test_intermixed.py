@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import cli_cases
 import pytest
+from support import cli_cases
 
 from hybridflow.cli.main import build_parser, main, parse_args
 

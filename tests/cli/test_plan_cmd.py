@@ -11,9 +11,9 @@ import pytest
 
 from hybridflow.cli.main import main
 from hybridflow.config import load_config
-from hybridflow.trainer import layout as layout_mod
-from hybridflow.trainer.layout import plan_layout
-from hybridflow.trainer.model_shapes import shape_config
+from hybridflow.plan import memory
+from hybridflow.plan.search import plan_layout
+from hybridflow.plan.shapes import shape_config
 
 pytestmark = pytest.mark.usefixtures("restore_cli_logging")
 
@@ -134,9 +134,9 @@ def test_planning_for_this_machines_gpus_checks_its_host_memory(monkeypatch, cap
     """On a machine with one GPU of 141 GB and 64 GB of memory, `plan --gpus 1` plans for its GPU and checks the
     host against its memory (the 7B CPU step's 107 GB does not fit 80% of 64); --gpus 2 (more GPUs per node than
     it has) is not this machine, and the host is not checked."""
-    monkeypatch.setattr(layout_mod, "gpu_memory_bytes", lambda cap=None: 141 * 10**9)
-    monkeypatch.setattr(layout_mod, "gpus_here", lambda: 1)
-    monkeypatch.setattr(layout_mod, "host_memory_bytes", lambda: 64 * 10**9)
+    monkeypatch.setattr(memory, "gpu_memory_bytes", lambda cap=None: 141 * 10**9)
+    monkeypatch.setattr(memory, "gpus_here", lambda: 1)
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 64 * 10**9)
     argv = ["plan", "--model-shape", "qwen2.5-7b", *WORK, "--all"]
     assert main([*argv, "--gpus", "1"]) == 0
     out = capsys.readouterr().out

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import cli_cases
 import pytest
 from matplotlib.image import imread
+from support import cli_cases
 
 from hybridflow.cli.main import main
 

@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-import cli_cases
 import pytest
+from support import cli_cases
 
 from hybridflow.cli.main import main
 

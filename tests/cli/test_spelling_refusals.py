@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import cli_cases
 import pytest
 import yaml
-from spelling_cases import MAPPED, REFUSED, SNIPPETS, Refused, Snippet
+from support import cli_cases
+from support.spelling_cases import MAPPED, REFUSED, SNIPPETS, Refused, Snippet
 
 from hybridflow.cli.main import main
 from hybridflow.config import aliases

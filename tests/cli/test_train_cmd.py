@@ -11,8 +11,8 @@ import pytest
 from hybridflow.cli.config_cmd import names_a_model
 from hybridflow.cli.main import main
 from hybridflow.config import ConfigError
+from hybridflow.demos import text as demo
 from hybridflow.models import build_tiny_model_and_tokenizer
-from hybridflow.trainer import demo
 
 
 def test_only_a_model_path_turns_overrides_into_a_run() -> None:

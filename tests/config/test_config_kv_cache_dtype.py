@@ -1,5 +1,5 @@
 """``rollout.kv_cache_dtype``: auto (the default, the rollout's dtype) or fp8 (the paged engine's e4m3 cache);
-verl's key maps onto it (tests/spelling_cases.py), other values and HF generate are refused with the fix."""
+verl's key maps onto it (tests/support/spelling_cases.py), other values and HF generate are refused with the fix."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from dist_util import run_world_kept as run_world
+from support.dist_util import run_world_kept as run_world
 
 
 def rollout_dtypes(rank: int, overrides: list[str]) -> dict[str, str]:

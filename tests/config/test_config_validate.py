@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-import cli_cases
 import pytest
+from support import cli_cases
 
 from hybridflow.config import (
     CHOICES,

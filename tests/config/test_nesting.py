@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from hybridflow.api.notebook import Setup
 from hybridflow.cli.main import main
 from hybridflow.config import ConfigError, config_from_dict, load_config
 from hybridflow.config.nesting import MAX_DEPTH, nesting_problem
-from hybridflow.trainer.api import Setup
 
 DEEP = 10_000
 

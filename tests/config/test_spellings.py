@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from spelling_cases import (
+from support.spelling_cases import (
     MAPPED,
     NO_OPS,
     REFUSED,

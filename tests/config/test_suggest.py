@@ -30,8 +30,8 @@ def test_an_unknown_key_names_the_closest_key(written: str, fix: str) -> None:
 
 
 def test_the_keywords_are_the_notebook_apis_and_name_real_keys() -> None:
+    from hybridflow.api.keywords import DIRECT
     from hybridflow.config.schema import schema_index
-    from hybridflow.trainer.keywords import DIRECT
 
     assert DIRECT == KEYWORD_KEYS  # one table: the trainer's keywords are the ones suggested
     assert set(KEYWORD_KEYS.values()) <= set(schema_index()[0])

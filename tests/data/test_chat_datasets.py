@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
-from chat_rows import (
+from support.chat_rows import (
     CHINESE_ANSWER,
     CHINESE_PROMPT,
     as_dataset,
@@ -17,6 +17,7 @@ from chat_rows import (
     verl_rows,
 )
 
+from hybridflow.api.notebook import build_dataset
 from hybridflow.config import DataConfig, load_config
 from hybridflow.data import (
     DataError,
@@ -30,7 +31,6 @@ from hybridflow.data.user_rows import DEFAULT_SOURCE, as_rows
 from hybridflow.models.tiny import SPECIAL_TOKENS
 from hybridflow.rewards import RewardManager
 from hybridflow.rewards.shapes import recognise_reward
-from hybridflow.trainer.api import build_dataset
 from hybridflow.trainer.sft import encode_pairs
 
 FORMS = {"list": list, "dataset": as_dataset}

@@ -16,10 +16,10 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import cli_cases
 import pytest
-from cli_cases import Env
 from reliability_util import copy_of, flip_bytes, metrics_steps, shard_of, train_argv, truncate
+from support import cli_cases
+from support.cli_cases import Env
 
 from hybridflow.cli.main import main
 from hybridflow.models import build_tiny_model_and_tokenizer

@@ -26,7 +26,8 @@ from hybridflow.config import Config, load_config
 from hybridflow.config.validate import get_path
 from hybridflow.models import build_tiny_model_and_tokenizer
 from hybridflow.models.loader import load_config as load_model_config
-from hybridflow.trainer.layout import estimate_phases, meta_model
+from hybridflow.plan.memory import estimate_phases
+from hybridflow.plan.search import meta_model
 from hybridflow.trainer.oom import gigabytes, run_layout
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.workers.actor import ActorWorker

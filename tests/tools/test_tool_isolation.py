@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sandbox_util import isolated_only, listener, named
+from support.sandbox_util import isolated_only, listener, named
 
 from hybridflow.tools import SandboxLimits, code_interpreter_tool, run_python, sandbox
 from hybridflow.tools import isolation as iso

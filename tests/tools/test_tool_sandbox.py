@@ -13,7 +13,7 @@ import socket
 import time
 
 import pytest
-from sandbox_util import isolated_only, listener
+from support.sandbox_util import isolated_only, listener
 
 from hybridflow.tools import SandboxLimits, ToolCall, ToolSet, code_interpreter_tool, run_python
 

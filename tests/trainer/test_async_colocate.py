@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from realistic import realistic_rows, write_jsonl
+from support.realistic import realistic_rows, write_jsonl
 from test_checkpointing import VOLATILE, start_cli, wait_for
 
 from hybridflow.cli.main import main
@@ -194,7 +194,7 @@ def test_what_the_async_modes_do_not_take_is_refused_naming_the_key(extra: list[
 def test_colocate_on_two_ranks_splits_the_groups_and_the_quota_over_rollout_groups(
     setup: dict[str, Path], tmp_path: Path
 ) -> None:
-    from dist_util import run_world_kept
+    from support.dist_util import run_world_kept
     from test_model_families import train_rank
 
     runs = []

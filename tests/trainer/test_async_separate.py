@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from ray_util import clean_env, ray_cluster
-from realistic import STOP_CHARS, build_chatty_model, realistic_rows, write_jsonl
+from support.ray_util import clean_env, ray_cluster
+from support.realistic import STOP_CHARS, build_chatty_model, realistic_rows, write_jsonl
 from test_checkpointing import start_cli, wait_for
 
 from hybridflow.cli.main import main

@@ -6,7 +6,7 @@ import math
 import random
 
 import pytest
-from dist_util import run_world_kept as run_world
+from support.dist_util import run_world_kept as run_world
 
 from hybridflow.trainer.balance import balance_order, balance_parts, balanced_groups
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridflow.trainer.keywords import file_values
-from hybridflow.trainer.layout import LAYOUT_KEYS
+from hybridflow.config.user_keys import file_values
+from hybridflow.plan.search import LAYOUT_KEYS
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "big_model.py"
 

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_util import run_world
+from support.dist_util import run_world
 
 from hybridflow import algos as core_algos
 from hybridflow.algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY
+from hybridflow.api.notebook import RLTrainer
 from hybridflow.config import Config, ConfigError, load_config
 from hybridflow.models import build_tiny_model_and_tokenizer
 from hybridflow.rewards.loader import import_reward_module
-from hybridflow.trainer.api import RLTrainer
 from hybridflow.trainer.builder import build_components
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.trainer.scoring import build_reward_manager

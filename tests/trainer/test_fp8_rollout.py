@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from realistic import realistic_rows, write_jsonl
+from support.realistic import realistic_rows, write_jsonl
 
 from hybridflow.cli.main import main
 from hybridflow.models import build_tiny_model_and_tokenizer

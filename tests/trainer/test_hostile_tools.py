@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from realistic import write_jsonl
-from sandbox_util import listener, named
+from support.realistic import write_jsonl
+from support.sandbox_util import listener, named
 
 from hybridflow.cli.main import main
 from hybridflow.engine import AgentLoop

@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from dist_util import run_world_kept as run_world
-from ray_util import clean_env
-from realistic import sft_rows, write_jsonl
-from sft_util import assert_same_sft, sft_argv, step_metrics
+from support.dist_util import run_world_kept as run_world
+from support.ray_util import clean_env
+from support.realistic import sft_rows, write_jsonl
+from support.sft_util import assert_same_sft, sft_argv, step_metrics
 
 from hybridflow.cli.main import main
 from hybridflow.models import build_tiny_model_and_tokenizer

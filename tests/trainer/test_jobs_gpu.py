@@ -13,8 +13,8 @@ import math
 from pathlib import Path
 
 import pytest
-from dist_util import run_world
-from reward_model_util import save_reward_model
+from support.dist_util import run_world
+from support.reward_model_util import save_reward_model
 from test_preference_job import pairs, rows_of, run, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_util import run_world_kept
-from realistic import realistic_rows, write_jsonl
+from support.dist_util import run_world_kept
+from support.realistic import realistic_rows, write_jsonl
 
 from hybridflow.checkpoint.export import export_adapter, load_adapted, load_role_model
 from hybridflow.checkpoint.manager import read_meta

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_util import run_world_kept
-from realistic import realistic_rows, write_jsonl
+from support.dist_util import run_world_kept
+from support.realistic import realistic_rows, write_jsonl
 
 from hybridflow.config import load_config
 from hybridflow.models import build_char_tokenizer, build_tiny_model_and_tokenizer
@@ -225,7 +225,7 @@ def test_the_automatic_layout_never_gives_a_family_a_split_it_cannot_take(family
     from transformers import GPT2Config, MixtralConfig
 
     from hybridflow.engine.parallel.layout import check_tp
-    from hybridflow.trainer.layout import plan_layout
+    from hybridflow.plan.search import plan_layout
 
     if family == "gpt2":
         shape = GPT2Config(n_embd=1600, n_layer=48, n_head=25, vocab_size=50257)

@@ -17,8 +17,8 @@ import json
 from pathlib import Path
 
 import pytest
-from dist_util import run_world_kept
-from realistic import realistic_rows, write_jsonl
+from support.dist_util import run_world_kept
+from support.realistic import realistic_rows, write_jsonl
 from test_model_families import REWARD_SOURCE, check_step, overrides, train_rank
 
 from hybridflow.models import build_tiny_model_and_tokenizer

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_util import run_world
+from support.dist_util import run_world
 from test_checkpointing import argv, metrics
 from test_jobs_gpu import grpo_with_reward_model, scored_steps
 from test_preference_job import pairs, rows_of, run, write_jsonl

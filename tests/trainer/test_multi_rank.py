@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_util import run_world_kept as run_world
-from realistic import (
+from safetensors.torch import load_file
+from support.dist_util import run_world_kept as run_world
+from support.realistic import (
     REWARD_SOURCE,
     STOP_CHARS,
     TOKEN_REWARD_SOURCE,
@@ -22,8 +23,7 @@ from realistic import (
     sft_rows,
     write_jsonl,
 )
-from safetensors.torch import load_file
-from sft_util import LORA, assert_same_sft, sft_argv, step_metrics, trained_weights
+from support.sft_util import LORA, assert_same_sft, sft_argv, step_metrics, trained_weights
 
 pytestmark = pytest.mark.slow
 
@@ -284,7 +284,7 @@ def test_grpo_with_sequence_parallelism_on_two_ranks(tmp_path: Path, setup: dict
 
 def test_remax_with_a_reward_model_on_two_ranks(tmp_path: Path, setup: dict[str, Path]) -> None:
     """The greedy baseline generates again from the batch's prompts; a reward model scores both."""
-    from reward_model_util import save_reward_model
+    from support.reward_model_util import save_reward_model
 
     from hybridflow.models import load_tokenizer
 
@@ -378,7 +378,7 @@ PREFERENCE = [
 def test_preference_training_on_two_ranks_equals_one_rank(
     tmp_path: Path, setup: dict[str, Path], kind: str
 ) -> None:
-    from realistic import kto_rows, preference_rows
+    from support.realistic import kto_rows, preference_rows
 
     rows = preference_rows(8) if kind == "dpo" else kto_rows(8)
     data = write_jsonl(rows, tmp_path / f"{kind}.jsonl")

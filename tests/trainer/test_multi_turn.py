@@ -3,7 +3,7 @@ episodes on one rank and on a tensor-parallel group of two gloo ranks, reports v
 the rollout's log-probs equal the trainer's recomputation on every sampled token. A random tiny policy calls
 no tool, so these runs check the wiring; the loop's tool turns are checked in tests/engine/rollout and
 tests/workers (the environment renders tool turns token for token), and GRPO whose episodes call the tool
-after a warm-up in tests/trainer/test_tool_task.py."""
+after a warm-up in tests/demos/test_tool_use_demo.py."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def one_step(run_dir: Path) -> dict[str, float]:
 
 
 def test_multi_turn_rollouts_on_one_rank_and_on_a_tensor_parallel_group(setup, tmp_path: Path) -> None:  # noqa: F811
-    from dist_util import run_world_kept
+    from support.dist_util import run_world_kept
     from test_model_families import train_rank
 
     from hybridflow.cli.main import main

@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 
 import pytest
-from dist_util import run_world_kept as run_world
+from support.dist_util import run_world_kept as run_world
 
 from hybridflow.config import load_config
+from hybridflow.config.off_policy import old_log_prob_source
 from hybridflow.models import build_tiny_model_and_tokenizer
 from hybridflow.trainer import ppo
 from hybridflow.trainer.builder import build_components
-from hybridflow.trainer.ppo import PPOTrainer, old_log_prob_source
+from hybridflow.trainer.ppo import PPOTrainer
 
 BASE = [
     "data.train_batch_size=4",

@@ -13,8 +13,8 @@ import os
 
 import pytest
 import torch
-from batches import prompt_batch
-from dist_util import run_world_kept as run_world
+from support.batches import prompt_batch
+from support.dist_util import run_world_kept as run_world
 
 from hybridflow.protocol import Batch
 

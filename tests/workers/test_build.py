@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from dist_util import run_world_kept as run_world
+from support.dist_util import run_world_kept as run_world
 
 
 def donors(rank: int, actor: str, critic: str) -> list[str]:

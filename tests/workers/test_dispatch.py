@@ -180,7 +180,7 @@ def test_a_replicas_ranks_get_one_share_and_its_result_comes_back_once(
     """4 torchrun-style processes; train tp=2 (replicas {0, 2} and {1, 3}) with rollout groups of 2 (the same
     pairs), or train tp=2 x pp=2 (one replica) with a whole rollout replica per rank (every rank returns
     samples, each laid out at its own longest prompt). The merged results equal one process's."""
-    from dist_util import run_world_kept
+    from support.dist_util import run_world_kept
 
     results = run_world_kept(4, spmd_actor, tp, pp, rollout_tp)
     whole = sampled(PROMPTS, 2)

@@ -17,10 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dist_util import run_world
-from ray_util import clean_env, ray_cluster
-from realistic import REWARD_SOURCE, build_stopping_model, realistic_rows, sft_rows, write_jsonl
-from sft_util import assert_same_sft, sft_argv
+from support.dist_util import run_world
+from support.ray_util import clean_env, ray_cluster
+from support.realistic import REWARD_SOURCE, build_stopping_model, realistic_rows, sft_rows, write_jsonl
+from support.sft_util import assert_same_sft, sft_argv
 
 from hybridflow.cli.main import main
 

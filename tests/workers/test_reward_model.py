@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reward_model_util import save_reward_model
+from support.reward_model_util import save_reward_model
 
 from hybridflow.config import load_config
 from hybridflow.engine.ops.sequences import pack_prompt_response

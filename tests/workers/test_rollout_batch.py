@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from vlm_cases import lively_vl_model, prompts
+from support.vlm_cases import lively_vl_model, prompts
 
 from hybridflow.engine import SamplingParams
 from hybridflow.engine.parallel.rollout_group import RolloutGroup

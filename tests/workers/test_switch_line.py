@@ -7,8 +7,8 @@ import logging
 import os
 
 import pytest
-from batches import prompt_batch
-from dist_util import run_world_kept
+from support.batches import prompt_batch
+from support.dist_util import run_world_kept
 
 from hybridflow.protocol import Batch
 

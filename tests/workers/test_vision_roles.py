@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vision_batches import hf_log_probs, vision_batch
+from support.vision_batches import hf_log_probs, vision_batch
 
 from hybridflow.config.schema import Config
 from hybridflow.models import build_tiny_model_and_tokenizer, load_causal_lm

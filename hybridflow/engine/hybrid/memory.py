@@ -4,7 +4,7 @@ The same accounting the engine does: every rank's held box of every parameter (`
 the DTensors give), the reshard plan of the two views (``plan.ReshardPlan``) for the generation shard and the
 bytes a switch moves. No weights are needed: the model may live on the meta device, so a 70B shape costs
 nothing to plan. ``benchmarks/views.py`` prints these figures per view; the trainer's automatic layout
-(``trainer.layout``) adds the activations and the KV cache to them for each phase.
+(``plan.search``) adds the activations and the KV cache to them for each phase.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ from torch import nn
 
 from hybridflow.algos.aggregation import agg_loss, local_batch_info
 from hybridflow.algos.kl import kl_penalty
-from hybridflow.algos.policy_loss import PolicyLossConfig, get_policy_loss_fn
+from hybridflow.algos.policy_loss import PolicyLossConfig
+from hybridflow.algos.registry import get_policy_loss_fn
 from hybridflow.config.schema import ActorConfig, FSDPConfig, OptimConfig
 from hybridflow.engine.ops.packing import to_device
 from hybridflow.engine.parallel.dims import ParallelDims

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from dist_util import run_world
+from support.dist_util import run_world
 from test_pool_sync import _mismatches, full_weights
 
 from hybridflow.engine.hybrid.bridge import Bridge

@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 import torch
-from dist_util import run_world_kept as run_world
+from support.dist_util import run_world_kept as run_world
 
 from hybridflow.engine.hybrid.plan import ParamSpec, ReshardPlan, volume
 from hybridflow.engine.parallel.dims import ParallelDims, train_box

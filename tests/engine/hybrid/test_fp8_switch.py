@@ -14,8 +14,8 @@ import copy
 
 import pytest
 import torch
-from dist_util import run_world_kept
-from row_cache import RowCache
+from support.dist_util import run_world_kept
+from support.row_cache import RowCache
 
 from hybridflow.engine.ops.fp8 import quantise_rows
 from hybridflow.engine.parallel.layout import layouts

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_util import run_world_kept
-from paged_scoring import score
+from support.dist_util import run_world_kept
+from support.paged_scoring import score
 
 
 def _model() -> torch.nn.Module:

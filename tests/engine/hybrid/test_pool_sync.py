@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from dist_util import run_world_kept
+from support.dist_util import run_world_kept
 from test_plan import SHAPES
 
 from hybridflow.engine.hybrid.plan import ParamSpec, ReshardPlan, contains, intersect, volume

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_util import run_world_kept
+from support.dist_util import run_world_kept
 from test_plan import plan_for
 
 from hybridflow.engine.hybrid.plan import ReshardPlan

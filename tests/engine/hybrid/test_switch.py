@@ -6,8 +6,8 @@ from __future__ import annotations
 import copy
 
 import torch
-from dist_util import run_world_kept as run_world
-from row_cache import RowCache
+from support.dist_util import run_world_kept as run_world
+from support.row_cache import RowCache
 
 from hybridflow.models import build_tiny_model
 

@@ -9,12 +9,12 @@ import copy
 
 import pytest
 import torch
-from dist_util import run_world_kept as run_world
+from support.dist_util import run_world_kept as run_world
 
 
 def switch_twice(rank: int, freeze: bool) -> dict:
     import torch.distributed as dist
-    from vlm_cases import lively_vl_model, prompts
+    from support.vlm_cases import lively_vl_model, prompts
 
     from hybridflow.engine.hybrid.switch import RolloutShard
     from hybridflow.engine.parallel.fsdp import shard_model
@@ -63,7 +63,7 @@ def switch_twice(rank: int, freeze: bool) -> dict:
 
 def refuse_tp(rank: int) -> str:
     import torch.distributed as dist
-    from vlm_cases import lively_vl_model
+    from support.vlm_cases import lively_vl_model
 
     from hybridflow.engine.hybrid.switch import RolloutShard
     from hybridflow.engine.parallel.view import GenerateView

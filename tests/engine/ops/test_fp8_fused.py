@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_util import needs_kernels
+from support.triton_util import needs_kernels
 
 from hybridflow.engine.ops import fp8_fused
 from hybridflow.engine.ops.fp8 import (

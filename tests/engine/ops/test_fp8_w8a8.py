@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_util import needs_kernels
+from support.triton_util import needs_kernels
 
 from hybridflow.engine.ops import fp8_w8a8
 from hybridflow.engine.ops.fp8 import (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from batches import rollout_batch
+from support.batches import rollout_batch
 from torch import nn
 
 from hybridflow.engine.ops.lm_head import checkpointed_log_probs, linear_log_probs, score_hidden_states

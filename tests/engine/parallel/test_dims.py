@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_util import run_world_kept as run_world
+from support.dist_util import run_world_kept as run_world
 
 from hybridflow.config import load_config
 from hybridflow.config.schema import FSDPConfig

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from batches import NORMAL, rollout_batch
-from dist_util import run_world, run_world_kept
+from support.batches import NORMAL, rollout_batch
+from support.dist_util import run_world, run_world_kept
 
 from hybridflow.config.schema import ActorConfig
 from hybridflow.models import build_tiny_model

@@ -17,8 +17,8 @@ import copy
 
 import pytest
 import torch
-from chat_rows import ANSWERS, trl_conversational_rows
-from dist_util import run_world_kept as run_world
+from support.chat_rows import ANSWERS, trl_conversational_rows
+from support.dist_util import run_world_kept as run_world
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from batches import NORMAL, Draw, rollout_batch
-from dist_util import run_world
+from support.batches import NORMAL, Draw, rollout_batch
+from support.dist_util import run_world
 
 from hybridflow.config.schema import ActorConfig
 from hybridflow.models import build_tiny_model

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from batches import NORMAL, draw_fields
-from dist_util import run_world_kept as run_world
+from support.batches import NORMAL, draw_fields
+from support.dist_util import run_world_kept as run_world
 from test_actor import B, R, make_batch
 
 from hybridflow.config.schema import CriticConfig

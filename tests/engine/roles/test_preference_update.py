@@ -7,8 +7,8 @@ import os
 
 import pytest
 import torch
-from batches import Draw, rollout_batch
-from dist_util import run_world_kept as run_world
+from support.batches import Draw, rollout_batch
+from support.dist_util import run_world_kept as run_world
 
 from hybridflow.algos.preference import dpo_loss, kto_kl_estimate, kto_loss
 from hybridflow.config.preference import PreferenceConfig

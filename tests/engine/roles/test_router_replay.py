@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-from batches import NORMAL, rollout_batch
-from dist_util import run_world_kept as run_world
+from support.batches import NORMAL, rollout_batch
+from support.dist_util import run_world_kept as run_world
 
 from hybridflow.config.schema import ActorConfig
 from hybridflow.models import build_tiny_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_util import run_world_kept as run_world
+from support.dist_util import run_world_kept as run_world
 from test_actor import B, R, actor_config, make_batch, reference_log_probs
 
 from hybridflow.models import build_tiny_model

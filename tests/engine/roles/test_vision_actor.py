@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_util import run_world_kept
-from vision_batches import ROWS, hf_log_probs, vision_batch
+from support.dist_util import run_world_kept
+from support.vision_batches import ROWS, hf_log_probs, vision_batch
 
 from hybridflow.config.schema import ActorConfig
 from hybridflow.engine.roles.actor import ActorEngine

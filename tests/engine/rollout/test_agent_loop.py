@@ -161,7 +161,7 @@ def agent_loop_on_ranks(rank: int, world: int) -> dict:
 
 
 def test_a_tensor_parallel_group_runs_the_same_episodes_as_one_process() -> None:
-    from dist_util import run_world_kept
+    from support.dist_util import run_world_kept
 
     results = run_world_kept(2, agent_loop_on_ranks, 2)
     for rank, r in enumerate(results):

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from row_cache import RowCache
+from support.row_cache import RowCache
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridflow.engine.rollout.blocks import KSplits, split_linear

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from row_cache import RowCache
-from triton_util import needs_kernels
+from support.row_cache import RowCache
+from support.triton_util import needs_kernels
 
 from hybridflow.engine.rollout import decode_attention as da
 from hybridflow.engine.rollout.model import LlamaRunner

@@ -9,8 +9,8 @@ import os
 
 import pytest
 import torch
-from batches import grouped_batch
-from dist_util import run_world_kept as run_world
+from support.batches import grouped_batch
+from support.dist_util import run_world_kept as run_world
 
 from hybridflow.engine.rollout.blocks import KSplits
 from hybridflow.engine.rollout.engine import PagedEngine

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from paged_scoring import PROMPTS, score
+from support.paged_scoring import PROMPTS, score
 
 from hybridflow.engine.ops.fp8 import (
     ACT_SCALE_MARGIN,

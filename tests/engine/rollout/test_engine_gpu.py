@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import test_engine as cpu
 import torch
-from row_cache import RowCache
+from support.row_cache import RowCache
 
 from hybridflow.engine.rollout.blocks import KSplits
 from hybridflow.engine.rollout.decode_loop import DECODE_K_SPLITS

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_util import needs_kernels
+from support.triton_util import needs_kernels
 
 from hybridflow.engine.rollout import decode_attention
 from hybridflow.engine.rollout.block_pool import BlockPool

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_util import needs_kernels
+from support.triton_util import needs_kernels
 
 from hybridflow.engine.ops.fp8 import FP8, FP8_MAX
 from hybridflow.engine.rollout import decode_attention as da

@@ -7,8 +7,8 @@ import functools
 
 import pytest
 import torch
-from dist_util import run_world_kept as run_world
-from row_cache import RowCache
+from support.dist_util import run_world_kept as run_world
+from support.row_cache import RowCache
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,

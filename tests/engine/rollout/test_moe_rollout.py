@@ -317,7 +317,7 @@ def moe_tp_on_ranks(rank: int, world: int, ep: int = 1) -> dict:
 
 def test_tensor_parallel_experts_generate_what_one_process_does() -> None:
     """tp = 2 on gloo processes, experts sliced on their intermediate dim, a pool small enough to preempt."""
-    from dist_util import run_world_kept
+    from support.dist_util import run_world_kept
 
     for rank, by_arch in enumerate(run_world_kept(2, moe_tp_on_ranks, 2)):
         for arch, r in by_arch.items():
@@ -328,7 +328,7 @@ def test_tensor_parallel_experts_generate_what_one_process_does() -> None:
 def test_experts_split_whole_over_the_group_generate_what_one_process_does() -> None:
     """Expert parallelism in the rollout (``rollout.expert_parallel_size`` = tp = 2): each rank holds two of
     the four experts whole, adds only their share of each token, and the all-reduce completes the sum."""
-    from dist_util import run_world_kept
+    from support.dist_util import run_world_kept
 
     for rank, by_arch in enumerate(run_world_kept(2, moe_tp_on_ranks, 2, 2)):
         for arch, r in by_arch.items():

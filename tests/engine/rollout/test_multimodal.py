@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vlm_cases import (
+from support.vlm_cases import (
     chat_prompt,
     hf_greedy,
     hf_logits,

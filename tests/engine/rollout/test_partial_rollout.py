@@ -80,7 +80,7 @@ def test_a_phase_waits_for_the_groups_it_must_finish() -> None:
 
 
 def test_partial_rollouts_refuse_a_vision_language_model() -> None:
-    from vlm_cases import lively_vl_model, prompts
+    from support.vlm_cases import lively_vl_model, prompts
 
     from hybridflow.utils.errors import UserError
 

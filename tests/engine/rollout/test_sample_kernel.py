@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from triton_util import needs_kernels
+from support.triton_util import needs_kernels
 
 from hybridflow.engine.rollout import sample_kernel as sk
 from hybridflow.engine.rollout.engine import PagedEngine

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from dist_util import run_world
+from support.dist_util import run_world
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_util import run_world
+from support.dist_util import run_world
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from dist_util import run_world_kept as run_world
+from support.dist_util import run_world_kept as run_world
 
 from hybridflow.engine.train.host_store import HostStore
 

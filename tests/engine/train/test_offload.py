@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from dist_util import run_world_kept as run_world
+from support.dist_util import run_world_kept as run_world
 
 from hybridflow.engine.train.offload import pinned_pool_fits
 

@@ -2,7 +2,7 @@ import math
 
 import pytest
 import torch
-from dist_util import run_world_kept as run_world
+from support.dist_util import run_world_kept as run_world
 
 from hybridflow.engine.train.optim import allocate_state, build_lr_scheduler, build_optimizer, lr_multiplier
 
