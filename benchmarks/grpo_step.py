@@ -57,7 +57,7 @@ from hybridflow.data import RLDataset
 from hybridflow.trainer.builder import build_components
 from hybridflow.trainer.ppo import PPOTrainer
 
-HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy bandwidth of the H200 (DESIGN.md section 7)
+HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy bandwidth of the H200 (RESULTS.md, measured anchors)
 
 WORKLOADS = {
     "W1": dict(prompts=8, n=8, prompt_len=128, new_tokens=512, mini_batch=8, overrides=[]),

@@ -10,7 +10,7 @@ Qwen2.5-0.5B shape unless ``--model`` names one of ``shapes.MOE_SHAPES`` (Qwen3-
 its dense twin of the same active size, tiny ones for a CPU smoke run with ``--device cpu``), random weights,
 bf16, fixed lengths (``ignore_eos``). Each configuration runs once to
 warm up (kernels, CUDA graphs, compilation) and is then timed ``--repeats`` times; the median is reported.
-The HBM roofline of a decode step is (weight bytes + KV bytes in context) / 4.3 TB/s (DESIGN.md section 7);
+The HBM roofline of a decode step is (weight bytes + KV bytes in context) / 4.3 TB/s (RESULTS.md, measured anchors);
 for a mixture of experts the weight bytes count the experts a batch is expected to touch (uniform routing).
 HF ``generate`` is timed with ``--hf-tokens`` new tokens (its speed per token barely depends on the count);
 0 skips it.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-PEAK_FLOPS = 790e12  # bf16 dense GEMM, measured on one H200 (DESIGN.md section 8)
+PEAK_FLOPS = 790e12  # bf16 dense GEMM, measured on one H200 (RESULTS.md, measured anchors)
 
 # Qwen2.5-0.5B / 1.5B shapes (tied embeddings, q/k/v biases) and Qwen2-7B's (the HybridFlow write-ups' model:
 # untied embeddings, 152064-word vocabulary); "tiny" is for a CPU smoke run. Embeddings are tied unless the

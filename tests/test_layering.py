@@ -1,4 +1,4 @@
-"""The import layering of DESIGN.md section 2: no module imports from a higher layer."""
+"""The import layering of docs/architecture.md: no module imports from a higher layer."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hybridflow"
 
-# Which hybridflow packages each package may import (itself always allowed). DESIGN.md section 2.
+# Which hybridflow packages each package may import (itself always allowed). docs/architecture.md, Layers.
 L0 = {"protocol", "utils"}
 L2 = L0 | {"config", "algos", "rewards", "tools", "data", "models"}  # L0 to L2
 L3 = L2 | {"engine", "checkpoint"}  # L0 to L3

@@ -1,7 +1,7 @@
 """CUDA graphs for the decode step: one graph per batch-size bucket, replayed with no launch overhead.
 
 Without graphs a decode step of a 0.5B-7B model costs 9-16 ms whatever the batch: the CPU cannot launch the
-kernels fast enough (DESIGN.md section 8). A graph records the whole step (model, sampling and the
+kernels fast enough (benchmarks/RESULTS.md, measured anchors). A graph records the whole step (model, sampling and the
 bookkeeping in ``DecodeState``) once and replays it. The step reads and writes persistent tensors only,
 so replays need no input copies. Batches are padded up to a bucket; the padding rows are free seats whose
 state says "done", so they write only scratch columns and stale cache positions.

@@ -7,7 +7,7 @@ scores (after temperature and top-k/top-p/min-p), i.e. the distribution actually
 
 RNG: HF ``generate`` samples from torch's global RNG and takes no generator. A seeded call therefore forks
 the global state of the CPU and of the model's device, seeds the fork and restores the state afterwards, so
-the training RNG is exactly as it was (DESIGN.md section 4). Forking, rather than re-implementing HF's
+the training RNG is exactly as it was (docs/architecture.md). Forking, rather than re-implementing HF's
 sampling with a private generator, keeps this path HF's own sampler, which is what it is compared for. An
 unseeded call draws from the global RNG, as the built-in engine does with ``seed=None``. The fork swaps
 process-wide state: another thread drawing from the global RNG during a seeded rollout would draw from the

@@ -5,7 +5,7 @@ Sampling uses the exponential race: for probabilities ``p`` and independent ``E_
 ``-log E`` being Gumbel). Unlike ``torch.multinomial`` it needs no host sync and has static shapes, so it can
 sit inside a captured CUDA graph.
 
-Cost model (DESIGN.md section 8, batch 256 x 151,936 vocab on an H200): temperature + exponential race
+Cost model (benchmarks/RESULTS.md, measured anchors, batch 256 x 151,936 vocab on an H200): temperature + exponential race
 0.43 ms, a sort-based top-p 4.1 ms. So the default (no filter) path never sorts or runs top-k over the
 vocabulary; top-k runs first and top-p / min-p work only on its k survivors when asked. Top-p without top-k
 has to sort the whole vocabulary.
