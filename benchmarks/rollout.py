@@ -184,9 +184,10 @@ def main() -> None:
     )
     print(f"{'batch':>6} {'engine':>44} {'tok/s':>10} {'roofline':>9} {'of roofline':>12}")
     # (name, engine kwargs, runner settings)
-    variants = [("graphs", dict(compile_decode=False), {})]
+    paged = "graphs" if args.device == "cuda" else "eager"  # CUDA graphs capture on a GPU only
+    variants = [(paged, dict(compile_decode=False), {})]
     if args.compile:
-        variants.append(("graphs+compile", dict(compile_decode=True), {}))
+        variants.append((f"{paged}+compile", dict(compile_decode=True), {}))
     base = list(variants)
     if args.sdpa:
         variants += [(f"{name}, sdpa", kw, dict(decode_attention="sdpa")) for name, kw, _ in base]

@@ -8,6 +8,7 @@ shards in one process (whatever world size saved them) and writes safetensors wi
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import shutil
@@ -52,6 +53,7 @@ def save_hf_model(
     base: nn.Module | None = None,
     staged: bool = True,
     what: str = "the model",
+    generation_config: Any | None = None,
 ) -> Path:
     """Write a full state dict (keys under ``prefix``) as a causal-LM Hugging Face directory with its tokenizer.
 
@@ -61,6 +63,8 @@ def save_hf_model(
     ``staged=False``: ``out_dir`` is the caller's own staging directory (SFT's, beside its metrics), written
     into directly; otherwise the model is written beside ``out_dir`` and replaces it whole when complete (a
     full disk is a ``DiskFullError`` naming ``what``, and an earlier ``out_dir`` stays as it was).
+    ``generation_config``: the trained model's own (its stop tokens: a chat model's end-of-turn); None keeps the
+    one ``base`` carries, or for the meta model the one derived from ``config`` (the config's eos alone).
     """
     needed = _bytes(state.values())
     state = {k.removeprefix(prefix): v for k, v in state.items()}
@@ -70,6 +74,8 @@ def save_hf_model(
     else:
         base = _meta_model(config)
         state = _checked_state(base, state)
+    if generation_config is not None:
+        base.generation_config = copy.deepcopy(generation_config)
     out = Path(out_dir)
     # written beside and renamed: a kill never leaves a half model
     with staged_dir(out, what, needed) if staged else contextlib.nullcontext(out) as into:

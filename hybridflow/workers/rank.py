@@ -160,7 +160,14 @@ class RankWorker:
             if hf_state is not None and env_rank() == 0:
                 actor = self.roles["actor"]
                 hf_dir = tmp_dir / "actor" / HF_DIR
-                save_hf_model(hf_state, actor.hf_model.config, self._files(), hf_dir, "lm.")
+                save_hf_model(
+                    hf_state,
+                    actor.hf_model.config,
+                    self._files(),
+                    hf_dir,
+                    "lm.",
+                    generation_config=getattr(actor.hf_model, "generation_config", None),
+                )
         return {"roles": role_meta, "engines": engines, "world_size": world_size()}
 
     def load_checkpoint(self, path: str, engines: dict[str, Any]) -> None:
@@ -201,5 +208,6 @@ class RankWorker:
                     "lm.",
                     staged=staged,
                     what="the trained model",
+                    generation_config=getattr(actor.hf_model, "generation_config", None),
                 )
         return out_dir

@@ -41,6 +41,10 @@ def test_sft_writes_a_model_directory(tmp_path: Path, capsys) -> None:
     changed = [n for n, p in tuned.named_parameters() if not p.equal(dict(base.named_parameters())[n])]
     assert changed  # the weights moved
     assert (out / "metrics.jsonl").read_text().count("\n") == 3
+    # the stop tokens stay the base's (a chat model's end of turn beside the eos): without it, a model sampled
+    # from the saved directory never stops at the end of its turn
+    assert len(base.generation_config.eos_token_id) == 2
+    assert tuned.generation_config.eos_token_id == base.generation_config.eos_token_id
 
 
 def test_sft_rows_without_a_response_are_refused(tmp_path: Path, capsys) -> None:

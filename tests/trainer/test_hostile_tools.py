@@ -173,7 +173,10 @@ class _Finished:
 
 def test_a_grpo_run_survives_hostile_tool_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model_dir = tmp_path / "model"
-    _, tok = build_tiny_model_and_tokenizer(out_dir=model_dir, hidden_size=32, num_hidden_layers=1)
+    # positions for the longest scripted episode (prompt 64 + response 4480): the rollout stops at the limit
+    _, tok = build_tiny_model_and_tokenizer(
+        out_dir=model_dir, hidden_size=32, num_hidden_layers=1, max_position_embeddings=4544
+    )
     run = tmp_path / "run"
     marker = f"hfhostile{os.getpid() % 100000}"
     end = tok.convert_tokens_to_ids("<|im_end|>")

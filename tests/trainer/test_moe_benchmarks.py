@@ -37,7 +37,7 @@ def test_the_kernel_benchmark_writes_a_row_per_batch_and_implementation(tmp_path
 
 def test_the_rollout_benchmark_builds_a_mixture_of_experts_shape() -> None:
     args = ["--device", "cpu", "--batches", "2", "--prompt-len", "6", "--new-tokens", "4", "--repeats", "1"]
-    stdout = run("rollout.py", "--model", "qwen3moe-tiny", *args, "--engines", "paged", "--hf-tokens", "2")
+    stdout = run("rollout.py", "--model", "qwen3moe-tiny", *args, "--hf-tokens", "2")
     assert "model qwen3moe-tiny" in stdout
     rows = [line.split() for line in stdout.splitlines() if line.strip().startswith("2 ")]
-    assert [r[1] for r in rows] == ["paged:", "HF"] and all(float(r[-3].replace(",", "")) > 0 for r in rows)
+    assert [r[1] for r in rows] == ["eager", "HF"] and all(float(r[-3].replace(",", "")) > 0 for r in rows)
