@@ -108,7 +108,7 @@ DPO_OVERRIDES = [
     "preference.beta=0.1",
     # DPO alone lowers this model's greedy accuracy: chosen and rejected differ in one or two digit tokens,
     # and the contrastive loss pushes probability off both (likelihood displacement). An NLL term on the
-    # chosen side (RPO-style) keeps it; README has the ablation.
+    # chosen side (RPO-style) keeps it; benchmarks/RESULTS.md has the ablation.
     "preference.sft_coef=1.0",
     "actor.optim.lr=5e-5",
     "actor.ppo_micro_batch_size_per_gpu=64",
