@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.fresh_run import run_fresh
 
 from hybridflow.demos.text import format_table, run_demo
 
-REPO = Path(__file__).resolve().parents[2]
 # The acceptance runs go in a process of their own, as `hybridflow train` / `hybridflow dpo` would run: in the
 # suite's long-lived process they ran 2.4x slower than alone (296 s against 121 s), whatever earlier tests
 # left behind in it.
@@ -31,22 +29,9 @@ print("RESULT " + json.dumps(out))
 THREADS = f"trainer.cpu_threads={min(2, len(os.sched_getaffinity(0)))}"
 
 
-def run_fresh(kind: str, *overrides: str) -> dict:
+def run_text_demo(kind: str, *overrides: str) -> dict:
     """``demos.text.<kind>(overrides)`` in a fresh interpreter; its before/after accuracies."""
-    # Not this process's own process-group variables: its one-rank group holds MASTER_PORT.
-    drop = ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", RUNNER, kind, THREADS, *overrides],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+    return run_fresh(RUNNER, kind, THREADS, *overrides)
 
 
 def test_demo_path_runs_and_writes_the_run_directory(tmp_path: Path) -> None:
@@ -95,7 +80,9 @@ def test_demo_path_runs_and_writes_the_run_directory(tmp_path: Path) -> None:
 def test_the_default_demo_gains_at_least_15_points_from_grpo(tmp_path: Path) -> None:
     """The acceptance run of `hybridflow train`, its first 20 GRPO steps of 40 (about 1.5 minutes on two
     cores): held-out accuracy gains 15 points or more and the sampled training reward rises."""
-    result = run_fresh("run_demo", f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=20")
+    result = run_text_demo(
+        "run_demo", f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=20"
+    )
     assert result["num_val"] >= 100
     assert result["after"] - result["before"] >= 0.15, result
     rewards = result["rewards"]
@@ -105,7 +92,7 @@ def test_the_default_demo_gains_at_least_15_points_from_grpo(tmp_path: Path) -> 
 @pytest.mark.slow
 def test_the_default_dpo_demo_raises_held_out_accuracy(tmp_path: Path) -> None:
     """The acceptance run of `hybridflow dpo` with no config (about two minutes on two cores)."""
-    result = run_fresh("run_dpo_demo", f"trainer.default_local_dir={tmp_path}")
+    result = run_text_demo("run_dpo_demo", f"trainer.default_local_dir={tmp_path}")
     assert result["num_val"] >= 100
     assert result["after"] > result["before"] + 0.05, result
     assert (tmp_path / "global_step_40" / "meta.json").is_file()

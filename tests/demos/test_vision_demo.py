@@ -5,12 +5,10 @@ with the rollout's log-probs equal to the trainer's recomputation on the image p
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.fresh_run import run_fresh
 
 from hybridflow.cli.main import main
 from hybridflow.demos.text import demo_configs
@@ -39,27 +37,6 @@ out = {k: result[k] for k in ("before", "after", "num_val", "last_step")}
 out["history"] = [{k: h[k] for k in keys} for h in result["history"]]
 print("RESULT " + json.dumps(out))
 """
-REPO = Path(__file__).resolve().parents[2]
-
-
-def run_fresh(*overrides: str) -> dict:
-    """``run_vision_demo(overrides)`` in a fresh interpreter on one thread; what the acceptance test reads."""
-    drop = ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")  # this process's group
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    threads = "trainer.cpu_threads=1"
-    done = subprocess.run(
-        [sys.executable, "-c", RUNNER, threads, *overrides],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
-
-
 SFT = ["trainer.total_training_steps=3", "data.train_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=8"]
 
 
@@ -105,7 +82,7 @@ def test_the_cli_runs_the_vision_demo_for_the_squares_task(tmp_path: Path, capsy
 def test_grpo_raises_the_held_out_accuracy_on_the_red_questions(tmp_path: Path) -> None:
     # The demo as `hybridflow train data.task=squares` runs it (about 40 s on 2 cores): the warm-up never asked
     # about red, so what the red accuracy gains is GRPO's.
-    result = run_fresh(f"trainer.default_local_dir={tmp_path}")
+    result = run_fresh(RUNNER, "trainer.cpu_threads=1", f"trainer.default_local_dir={tmp_path}")
     assert result["before"] <= 0.35  # about chance (0.25) or below after the green/blue warm-up
     assert result["after"] >= result["before"] + 0.3, result
     assert result["num_val"] == 100 and result["last_step"] == 200
