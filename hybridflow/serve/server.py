@@ -171,7 +171,7 @@ class Endpoint:
         if req.stream:
             return await self._stream(request, req, job, prompt, traj)
         choices = await self._run(job)
-        answers = [self._answer(req, c, prompt, traj) for c in choices]
+        answers = [self._answer(req, c, prompt, traj, i) for i, c in enumerate(choices)]
         usage = _usage(prompt, choices)
         kind = "chat" if req.kind == "chat" else "text"
         return web.json_response(envelope(kind, self._model(req), answers, usage))
