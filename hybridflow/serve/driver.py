@@ -24,8 +24,7 @@ from typing import Any
 
 import torch
 
-from hybridflow.engine.rollout.engine import PagedEngine
-from hybridflow.engine.rollout.sampling import SamplingParams
+from hybridflow.engine import PagedEngine, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from hybridflow.engine.rollout.sampling import SamplingParams
+from hybridflow.engine import SamplingParams
 from hybridflow.serve.driver import Choice, EngineDriver, Job
 from hybridflow.serve.openai_format import (
     Request,
