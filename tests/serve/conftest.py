@@ -113,3 +113,15 @@ def caller() -> Iterator[Served]:
     s.thread.start()
     yield s
     s.close()
+
+
+def run_episodes(s: Served, runner: Any, rows: list[dict]) -> list[Any]:
+    """``runner``'s episodes with the engine driven on this thread (as the trainer's rollout drives it)."""
+    s.stop.set()
+    s.thread.join(timeout=30)
+    try:
+        return runner.run(s.endpoint, rows)
+    finally:
+        s.stop.clear()
+        s.thread = threading.Thread(target=s.endpoint.driver.run_until, args=(s.stop.is_set,), daemon=True)
+        s.thread.start()
