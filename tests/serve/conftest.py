@@ -50,7 +50,7 @@ class Served:
         self.endpoint.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def served() -> Iterator[Served]:
     s = Served(ServerSettings(tool_format="plain", max_body_bytes=64 << 10))
     yield s
@@ -95,7 +95,7 @@ def teach(model: Any, tokenizer: Any, steps: int = 150) -> None:
     model.eval()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def caller() -> Iterator[Served]:
     """A served model that has learnt to answer ``LESSON``'s question by calling calc twice."""
     s = Served.__new__(Served)
