@@ -54,6 +54,9 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the model and serve until interrupted."""
+    from hybridflow.serve import require_packages
+
+    require_packages("hybridflow serve")
     import torch
 
     from hybridflow.engine import PagedEngine

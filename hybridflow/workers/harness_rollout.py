@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from hybridflow.engine import pack_prompt_response, pad_rows
 from hybridflow.protocol import Batch
-from hybridflow.serve.driver import EngineDriver
-from hybridflow.serve.harness import HarnessRunner, harness_metrics, load_harness
-from hybridflow.serve.server import Endpoint, ServerSettings
+from hybridflow.serve import require_packages
 from hybridflow.utils.errors import UserError
+
+if TYPE_CHECKING:  # the endpoint's modules import aiohttp: only a run with rollout.harness loads them
+    from hybridflow.serve.server import Endpoint
 
 ROW_KEYS = ("data_source", "ground_truth", "extra_info", "raw_prompt", "index")
 
@@ -32,6 +33,10 @@ class HarnessRollout:
 
     def __init__(self, cfg: Any, tokenizer: Any) -> None:
         h = cfg.rollout.harness
+        require_packages("rollout.harness")
+        from hybridflow.serve.harness import HarnessRunner, load_harness
+        from hybridflow.serve.server import ServerSettings
+
         self.runner = HarnessRunner(
             load_harness(h.module, h.function), h.max_concurrency, h.timeout_s, h.on_error
         )
@@ -44,6 +49,9 @@ class HarnessRollout:
 
     def _endpoint(self, engine: Any) -> Endpoint:
         """The endpoint on ``engine`` (started at the first rollout; the same port for the whole run)."""
+        from hybridflow.serve.driver import EngineDriver
+        from hybridflow.serve.server import Endpoint
+
         if self.endpoint is None or self.endpoint.driver.engine is not engine:
             if self.endpoint is not None:
                 self.endpoint.close()
@@ -115,6 +123,8 @@ class HarnessRollout:
         batch["harness_reward"] = np.array(rewards, dtype=object)
         batch["finish_reason"] = np.array(["stop"] * len(responses), dtype=object)
         batch.meta["rows_per_prompt"] = counts
+        from hybridflow.serve.harness import harness_metrics
+
         batch.meta["multi_turn"] = harness_metrics(results)
         return batch
 
