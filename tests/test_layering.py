@@ -26,12 +26,14 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": L2,
     # the layout planner: beside the workers, below the trainer (it reads a config and the engine's accounting)
     "plan": L3,
-    "workers": L3,
-    "trainer": L3 | {"workers", "plan"},
+    # the OpenAI-compatible endpoint on the rollout engine, its trajectories and the harness runner
+    "serve": L3,
+    "workers": L3 | {"serve"},
+    "trainer": L3 | {"workers", "plan", "serve"},
     # the Python APIs (RLTrainer, the step-wise Trainer) and the built-in demos: above the trainer
-    "api": L3 | {"workers", "plan", "trainer"},
-    "demos": L3 | {"workers", "plan", "trainer"},
-    "cli": L3 | {"workers", "plan", "trainer", "api", "demos"},
+    "api": L3 | {"workers", "plan", "trainer", "serve"},
+    "demos": L3 | {"workers", "plan", "trainer", "serve"},
+    "cli": L3 | {"workers", "plan", "trainer", "api", "demos", "serve"},
 }
 # Third-party packages a low layer must not reach for (config is stdlib + yaml only).
 FORBIDDEN_THIRD_PARTY = {

@@ -39,6 +39,7 @@ COMMANDS: tuple[str, ...] = (
     "hybridflow.cli.dpo_cmd",
     "hybridflow.cli.kto_cmd",
     "hybridflow.cli.generate_cmd",
+    "hybridflow.cli.serve_cmd",
     "hybridflow.cli.eval_cmd",
     "hybridflow.cli.export_cmd",
     "hybridflow.cli.plot_cmd",

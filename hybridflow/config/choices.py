@@ -117,6 +117,8 @@ CHOICES: dict[str, list[str]] = {
     "trainer.placement": ["colocated", "split"],
     "trainer.async_mode": ["sync", "colocate", "separate"],
     "rollout.multi_turn.format": ["hermes", "plain"],
+    "rollout.harness.on_error": ["zero", "drop"],
+    "rollout.harness.tool_format": ["hermes", "plain"],
     "trainer.staleness_policy": ["wait", "drop"],
     "preference.loss_type": ["sigmoid", "ipo"],
     "preference.truncation": ["error", "left", "right", "filter"],

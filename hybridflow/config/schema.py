@@ -168,6 +168,28 @@ class MultiTurnConfig:
 
 
 @dataclass
+class HarnessConfig:
+    """Your own agent harness over an OpenAI-compatible endpoint on the rollout engine (docs/agents.md)."""
+
+    module: str | None = option(
+        None, "Python file or importable module with the harness; null: no harness (the built-in rollout)."
+    )
+    function: str = option(
+        "episode", "The harness: async def episode(client, row) -> reward or (reward, metrics)."
+    )
+    max_concurrency: int = option(64, "Episodes running at once.")
+    timeout_s: float = option(300.0, "Seconds an episode may take; past them it is that episode's failure.")
+    on_error: str = option(
+        "zero", "A failed episode (exception, timeout, no reward): zero (reward 0, its tokens kept) or drop."
+    )
+    tool_format: str = option(
+        "hermes", "How tool calls are read out of answers when a request offers tools: hermes or plain."
+    )
+    host: str = option("127.0.0.1", "Address the endpoint listens on (loopback unless you open it).")
+    port: int = option(0, "Port of the endpoint; 0 picks a free one.")
+
+
+@dataclass
 class RolloutConfig:
     """The built-in rollout engine and its sampling settings."""
 
@@ -242,6 +264,9 @@ class RolloutConfig:
     )
     val_kwargs: SamplingConfig = section(SamplingConfig, "Sampling settings used for validation.")
     multi_turn: MultiTurnConfig = section(MultiTurnConfig, "Multi-turn rollouts with tools.")
+    harness: HarnessConfig = section(
+        HarnessConfig, "Your own agent harness over an OpenAI-compatible endpoint."
+    )
 
 
 @dataclass

@@ -24,6 +24,7 @@ from hybridflow.config.validate_algos import (
 )
 from hybridflow.config.validate_async import (
     check_async,
+    check_harness,
     check_kv_cache_dtype,
     check_multi_turn,
     check_quantization,
@@ -57,7 +58,7 @@ _RANGES: dict[str, list[str]] = {
         "rollout.multi_turn.max_assistant_turns", "rollout.multi_turn.max_tool_response_length",
         "rollout.multi_turn.max_user_turns", "rollout.multi_turn.max_parallel_calls",
         "rollout.multi_turn.sandbox.processes", "rollout.multi_turn.sandbox.scratch_mb",
-        "rollout.multi_turn.sandbox.file_mb",
+        "rollout.multi_turn.sandbox.file_mb", "rollout.harness.max_concurrency",
         "rollout.log_prob_micro_batch_size_per_gpu", "rollout.log_prob_max_token_len_per_gpu",
         "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_max_token_len_per_gpu",
         "actor.ppo_epochs",
@@ -89,6 +90,7 @@ _RANGES: dict[str, list[str]] = {
         "actor.policy_loss.dro_beta", "actor.policy_loss.tau_pos", "actor.policy_loss.tau_neg",
         "algorithm.rollout_correction.rollout_token_veto_threshold",
         "preference.beta", "trainer.gpu_memory_gb", "model.lora_alpha", "rollout.multi_turn.tool_timeout_s",
+        "rollout.harness.timeout_s",
     ],
     ">1": ["actor.clip_ratio_c"],
     ">=-1": ["rollout.top_k", "rollout.val_kwargs.top_k"],
@@ -181,6 +183,7 @@ def _check_consistency(cfg: Config, out: list[Problem]) -> None:
     check_quantization(cfg, out)
     check_kv_cache_dtype(cfg, out)
     check_multi_turn(cfg, out)
+    check_harness(cfg, out)
     check_tool_task(cfg, out)
     check_lora(cfg, out)
 

@@ -229,8 +229,8 @@ def check_tool_task(cfg: Config, out: list[Problem]) -> None:
     """A built-in task answered with a tool (``data.task=multiply``) needs multi-turn rollouts with that tool,
     in the call format of its demonstrations (``data.task_kwargs.call_format``, default plain)."""
     task = cfg.data.task
-    if task not in TOOL_TASKS or cfg.data.train_files:
-        return  # the built-in task is used only without data.train_files
+    if task not in TOOL_TASKS or cfg.data.train_files or cfg.rollout.harness.module:
+        return  # the built-in task is used only without data.train_files; a harness runs its own tools
     mt, tool = cfg.rollout.multi_turn, TOOL_TASKS[task]
     call_format = cfg.data.task_kwargs.get("call_format", "plain")
     keys = f"rollout.multi_turn.enable=true rollout.multi_turn.tools=[{tool}] rollout.multi_turn.format={call_format}"
@@ -255,3 +255,50 @@ def check_tool_task(cfg: Config, out: list[Problem]) -> None:
                 f"set rollout.multi_turn.format={call_format}, or data.task_kwargs.call_format={mt.format}",
             )
         )
+
+
+def check_harness(cfg: Config, out: list[Problem]) -> None:
+    """``rollout.harness`` runs your episodes over an endpoint on the built-in engine: one rollout group of one
+    rank per replica, a synchronous step, and the harness's reward alone."""
+    h = cfg.rollout.harness
+    if h.module is None:
+        return
+    key = "rollout.harness.module"
+    if not isinstance(h.module, str) or not h.module.strip():
+        out.append(
+            Problem(key, f"is {h.module!r}", "name a .py file or an importable module, or leave it null")
+        )
+    if not isinstance(h.function, str) or not h.function.isidentifier():
+        out.append(
+            Problem("rollout.harness.function", f"is {h.function!r}", "name an async function, e.g. episode")
+        )
+    if not 0 <= h.port <= 65535:
+        out.append(
+            Problem("rollout.harness.port", f"is {h.port}", "use 0 (a free port) or a port up to 65535")
+        )
+    refusals = [
+        (cfg.rollout.engine != "native", "rollout.engine", "serves on the built-in engine", "native"),
+        (cfg.trainer.async_mode != "sync", MODE, "episodes are not carried across steps yet", "sync"),
+        (cfg.rollout.multi_turn.enable, "rollout.multi_turn.enable", "the harness runs the turns", "false"),
+        (
+            cfg.rollout.tensor_model_parallel_size != 1,
+            "rollout.tensor_model_parallel_size",
+            "serves from a whole replica per rank",
+            "1",
+        ),
+        (cfg.algorithm.adv_estimator == "remax", "algorithm.adv_estimator", "has no greedy baseline", "grpo"),
+        (bool(cfg.reward.custom_function.path), "reward.custom_function.path", "gives the reward", "null"),
+        (cfg.reward.model.enable, "reward.model.enable", "gives the reward", "false"),
+        (
+            cfg.algorithm.filter_groups.enable,
+            "algorithm.filter_groups.enable",
+            "has no group filter yet",
+            "false",
+        ),
+        (cfg.actor.router_replay == "r3", "actor.router_replay", "does not record experts", "r2 or off"),
+    ]
+    for bad, path, why, fix in refusals:
+        if bad:
+            out.append(
+                Problem(path, f"with {key} set: the harness {why}", f"set {path}={fix}, or {key}=null")
+            )

@@ -130,13 +130,15 @@ class PPOTrainer(TrainingLoop):
             Stage(
                 "gen",
                 PROMPT_KEYS,
-                ("responses", "response_mask", "rollout_log_probs", "uid", *by_rollout),
+                ("responses", "response_mask", "rollout_log_probs", "uid", *by_rollout)
+                + (("harness_reward",) if cfg.rollout.harness.module else ()),
                 self._rollout,
                 replaces_batch=True,
             ),
             Stage(
                 "reward",
-                ("responses", "response_mask", "data_source", "ground_truth"),
+                ("responses", "response_mask", "data_source", "ground_truth")
+                + (("harness_reward",) if cfg.rollout.harness.module else ()),
                 scores,
                 self._reward,
                 # beside the log-prob passes, joined before "adv"; ReMax's baseline scores in between
@@ -220,12 +222,13 @@ class PPOTrainer(TrainingLoop):
         """Sample rollout.n responses per prompt; the prompts' non-tensor fields repeat alongside."""
         r = self.cfg.rollout
         params = self._sampling_params()
-        out = self.c.actor.generate(prompt_fields(prompts), params)
+        out = self.c.actor.generate(prompt_fields(prompts, rows=bool(r.harness.module)), params)
         add_rollout_stats(metrics, out.meta.pop("rollout_stats", None))
         metrics.update({k: float(v) for k, v in out.meta.pop("multi_turn", {}).items()})  # rollout.multi_turn
         add_reshard_stats(metrics, out.meta.pop("reshard", None))
+        rows = out.meta.pop("rows_per_prompt", r.n)  # a harness's episodes may leave several rows, or none
         for key, values in prompts.non_tensors.items():
-            out[key] = np.repeat(values, r.n)
+            out[key] = np.repeat(values, rows)
         return out
 
     def _rollout(self, batch: Batch, metrics: dict[str, float]) -> Batch:

@@ -77,6 +77,9 @@ class Scorer:
         mask = batch["response_mask"].bool()  # (B, R)
         if "data_source" in batch:
             self.sources.update(str(s) for s in batch["data_source"])
+        if "harness_reward" in batch:  # rollout.harness: each episode's harness gave its reward
+            out = torch.tensor([float(r) for r in batch["harness_reward"]], dtype=torch.float32)  # (B,)
+            return self._with_penalty(out, {"acc": (out > 0).float().tolist()}, mask)
         if self.reward_model is not None:
             out = self.reward_model.compute_scores(batch)  # (B,)
             return self._with_penalty(out, {"acc": (out > 0).float().tolist()}, mask)

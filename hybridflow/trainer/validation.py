@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
+
 from hybridflow.config.schema import Config
 from hybridflow.data import collate_prompts
 from hybridflow.trainer.dumps import decode_responses, generation_records
@@ -38,12 +40,13 @@ def validate(
             [c.val[i] for i in range(start, min(start + size, len(c.val)))], c.pad_token_id
         )
         batch = c.actor.generate(
-            prompt_fields(prompts),
+            prompt_fields(prompts, rows=bool(cfg.rollout.harness.module)),
             params,
             desc="validation",
         )
+        rows = batch.meta.pop("rows_per_prompt", v.n)  # a harness's episodes may leave several rows, or none
         for key in ("data_source", "ground_truth", "extra_info"):
-            batch[key] = prompts[key].repeat(v.n)
+            batch[key] = np.repeat(prompts[key], rows)
         if "multi_turn" in batch.meta:
             turns.append((len(batch), batch.meta["multi_turn"]))
         scores, extras = c.scorer.score(batch)

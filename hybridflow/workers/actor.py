@@ -18,6 +18,7 @@ from hybridflow.utils.progress import Progress
 from hybridflow.workers.actor_settings import hybrid_settings, make_sampling_params
 from hybridflow.workers.agent_env import MultiTurn
 from hybridflow.workers.dispatch import DataCoord, generate_coord, train_coord
+from hybridflow.workers.harness_rollout import HarnessRollout
 from hybridflow.workers.rollout_batch import sample_batch
 from hybridflow.workers.rollout_pool import connect_pools
 
@@ -53,6 +54,7 @@ class ActorWorker:
         self.engine = self.hybrid.train  # the training engine: log-probs and updates
         self.dims = self.hybrid.dims  # with its process groups
         self.multi_turn: MultiTurn | None = None  # attach_tokenizer builds it when rollout.multi_turn is on
+        self.harness: HarnessRollout | None = None  # and this one with rollout.harness
         self.pool_sync: Any = None  # trainer.async_mode=separate: the stream into the rollout pool
 
     @property
@@ -78,6 +80,8 @@ class ActorWorker:
         """The policy's tokenizer: multi-turn rollouts decode each turn and render tool turns with it."""
         if self.cfg.rollout.multi_turn.enable:
             self.multi_turn = MultiTurn(self.cfg, tokenizer)
+        if self.cfg.rollout.harness.module:
+            self.harness = HarnessRollout(self.cfg, tokenizer)
 
     def sampling_params(self, *args: Any, **kwargs: Any) -> SamplingParams:
         """``make_sampling_params`` with this worker's config."""
@@ -96,7 +100,7 @@ class ActorWorker:
         with h.merged():
             batch = sample_batch(
                 h.rollout, h.group, prompts, params, self.cfg.data.max_response_length, self.pad_token_id, desc,
-                self.multi_turn, h.make_room if h.room_donors else None,
+                self.multi_turn, h.make_room if h.room_donors else None, self.harness,
             )  # fmt: skip
         h.after_generation()
         if reshard is not None:

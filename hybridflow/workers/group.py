@@ -130,11 +130,14 @@ PREFERENCE_KEYS = (*SEQ_KEYS, "ref_seq_logps", "labels")
 # The non-tensor fields that travel with the rows: a vision-language policy's images (one dict per row, None
 # for a text-only row; each pass feeds its micro-batches' rows' images to the model).
 ROW_NON_TENSORS = ("multi_modal_inputs",)
+HARNESS_ROW_KEYS = ("data_source", "ground_truth", "extra_info", "raw_prompt", "index")
 
 
-def prompt_fields(prompts: Batch) -> Batch:
-    """What a rollout reads of a prompt batch: its tensors and, for a VLM, each row's images."""
-    rows = [k for k in ROW_NON_TENSORS if k in prompts.non_tensors]
+def prompt_fields(prompts: Batch, rows: bool = False) -> Batch:
+    """What a rollout reads of a prompt batch: its tensors and, for a VLM, each row's images; ``rows``: the
+    dataset rows' fields too (a harness reads them, ``rollout.harness``)."""
+    keys = ROW_NON_TENSORS + (HARNESS_ROW_KEYS if rows else ())
+    rows = [k for k in keys if k in prompts.non_tensors]
     return prompts.select(["input_ids", "attention_mask", "position_ids"], rows)
 
 

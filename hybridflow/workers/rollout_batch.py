@@ -21,6 +21,7 @@ from hybridflow.protocol import Batch
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.progress import Progress
 from hybridflow.workers.agent_env import MultiTurn
+from hybridflow.workers.harness_rollout import HarnessRollout
 
 
 def sample_batch(
@@ -33,6 +34,7 @@ def sample_batch(
     desc: str = "rollout",
     multi_turn: MultiTurn | None = None,
     before: Callable[[list[list[int]], SamplingParams], None] | None = None,
+    harness: HarnessRollout | None = None,
 ) -> Batch:
     """Sample ``params.n`` responses per prompt with ``rollout``; samples interleaved, responses padded to
     ``max_response_length``.
@@ -41,6 +43,7 @@ def sample_batch(
     ``rollout_log_probs`` (B*n, R), the prompts' non-tensor fields repeated, ``uid`` (the prompt's group),
     ``finish_reason`` and ``meta["rollout_stats"]`` (the built-in engine's ``GenerationStats``). ``before``
     sees the prompts' ids and the group's params first (the actor makes room for the KV cache there).
+    ``harness`` (``rollout.harness``): the episodes of a user harness instead, as ``HarnessRollout`` packs them.
     """
     params = dataclasses.replace(params, seed=group.seed(params.seed))
     mask = prompts["attention_mask"].bool()
@@ -49,6 +52,10 @@ def sample_batch(
     if before is not None:
         before(ids, params)
     masks, turn_metrics = None, None
+    if harness is not None:
+        with Progress(desc, total=len(ids) * params.n, unit="episode") as bar:
+            batch = harness.generate(rollout, prompts, params, pad_token_id, bar.update)
+        return _with_prompt_fields(batch, prompts, rollout)
     with Progress(desc, total=len(ids) * params.n, unit="sample") as bar:
         if multi_turn is not None:  # episodes of turns and tool outputs (rollout.multi_turn)
             if images is not None:
@@ -82,6 +89,18 @@ def sample_batch(
     batch["uid"] = np.repeat(np.array([f"{i}" for i in range(len(ids))], dtype=object), params.n)
     batch["finish_reason"] = np.array([s.finish_reason for s in flat], dtype=object)
     stats = getattr(rollout, "last_stats", None)  # the built-in engine's; HF generate keeps none
+    if stats is not None:
+        batch.meta["rollout_stats"] = dataclasses.asdict(stats)
+    return batch
+
+
+def _with_prompt_fields(batch: Batch, prompts: Batch, rollout: Any) -> Batch:
+    """A harness batch with its prompts' non-tensor fields repeated by each prompt's rows, and the engine's
+    figures."""
+    counts = batch.meta["rows_per_prompt"]
+    for key, values in prompts.non_tensors.items():
+        batch[key] = np.repeat(values, counts)
+    stats = getattr(rollout, "last_stats", None)
     if stats is not None:
         batch.meta["rollout_stats"] = dataclasses.asdict(stats)
     return batch
