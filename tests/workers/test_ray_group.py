@@ -95,16 +95,16 @@ def start_cli(args: list[str], log: Path) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-c", code, *args], env=clean_env(), stdout=out, stderr=out)
 
 
-@pytest.mark.parametrize(("world", "tp"), [(2, 1), (4, 2)])
 def test_ray_backend_matches_the_torchrun_style_run(
-    tmp_path: Path, setup: dict[str, Path], cluster: str, world: int, tp: int
+    tmp_path: Path, setup: dict[str, Path], cluster: str
 ) -> None:
-    """GRPO on prompts of very different lengths: Ray and torchrun give the same metrics at 2 and 4 ranks
-    (at 4, rollout groups of 2 tensor-parallel ranks)."""
+    """GRPO on prompts of very different lengths: Ray and torchrun give the same metrics at 4 ranks, two
+    data-parallel rollout groups of 2 tensor-parallel ranks (one layout covers both dimensions)."""
+    world = 4
     extra = (
-        "trainer.total_training_steps=3",
-        "trainer.test_freq=3",
-        f"rollout.tensor_model_parallel_size={tp}",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=2",
+        "rollout.tensor_model_parallel_size=2",
     )
     assert (
         run_world(world, spmd_rank, argv(setup, tmp_path / "spmd", *extra, world=world), timeout=600)
@@ -115,13 +115,13 @@ def test_ray_backend_matches_the_torchrun_style_run(
     proc = start_cli(argv(setup, tmp_path / "ray", *extra, *ray, world=world), log)
     assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
     want, got = metrics(tmp_path / "spmd"), metrics(tmp_path / "ray")
-    assert sorted(got) == sorted(want) == [1, 2, 3]
-    for step in (1, 2, 3):
+    assert sorted(got) == sorted(want) == [1, 2]
+    for step in (1, 2):
         assert got[step].keys() == want[step].keys()
         for key, value in want[step].items():
             assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (step, key)
         assert got[step]["rollout_corr/log_prob_abs_diff_max"] <= 1e-5  # rollout = trainer, float32
-    assert "val-core/chat/vary/reward/mean@1" in got[3]
+    assert "val-core/chat/vary/reward/mean@1" in got[2]
     assert f"worker group main: {world} rank(s)" in log.read_text()
 
 
