@@ -2,6 +2,7 @@
 
     python benchmarks/agent_loop.py [--prompts 32] [--n 8] [--turns 4] [--turn-tokens 128] [--tool-tokens 32]
         [--max-response 1024] [--sleep-ms 10 100] [--workers 64] [--compile] [--out results.jsonl]
+    python benchmarks/agent_loop.py --endpoint [...] (also the same episodes through the OpenAI endpoint)
     python benchmarks/agent_loop.py --tiny          (a CPU smoke run: tiny model, a few episodes)
 
 The Qwen2.5-0.5B shape (random weights, bf16) on the paged engine (``rollout.multi_turn``'s ``AgentLoop``).
@@ -14,6 +15,15 @@ Both are timed after a warm-up run; the line printed (and appended to ``--out``)
 sampled tokens/s of each, their ratio, the turns and calls per episode, the tool's sleep, the prefix-cache hits
 and how many engine sessions the loop went through (the engine frees its KV pool, cached prefixes included,
 whenever no sequence is left: in the loop, whenever every live episode waits for its tool).
+
+``--endpoint`` (issue 64) also plays the same episodes as a user's harness would: ``rollout.harness``'s runner
+on the OpenAI-compatible endpoint over the same engine, each episode an async function on a real
+``openai.AsyncOpenAI`` client sending ``/v1/completions`` with the whole text so far, sleeping 10-100 ms
+(``asyncio.sleep``) for the tool and appending the tool's words. The model's words are "w0" ... "w<V-1>" (a
+word-level tokenizer, so any sampled ids decode to text that encodes back to them, as the endpoint's
+token-exact trajectories need), the prompts the same ids in both runs. It prints the endpoint's sampled
+tokens/s beside the built-in loop's and their ratio (``endpoint_over_loop``), and the episodes' splits (0: every
+turn continued its row token for token).
 """
 
 from __future__ import annotations
@@ -91,6 +101,87 @@ class SessionTally:
     def hit_rate(self) -> float:
         """Prefix-cache hits over lookups, over every session."""
         return self.hits / max(self.queried, 1)
+
+
+def word_tokenizer(vocab: int) -> Any:
+    """A word-level tokenizer of ``vocab`` words "w0" ... (whitespace-split): whatever ids random weights sample
+    decode to text that encodes back to the same ids, and texts joined by a space encode to the joined ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def endpoint_harness(args: argparse.Namespace, vocab: int) -> Any:
+    """The workload's episode as a harness: completions of the text so far, the tool's sleep and words."""
+    import asyncio
+
+    async def episode(client: Any, row: dict[str, Any]) -> tuple[float, dict[str, float]]:
+        rng, text, used, slept, turns = random.Random(row["seed"]), row["text"], 0, 0.0, 0
+        while turns < args.turns and used < args.max_response:
+            out = await client.completions.create(
+                model="policy", prompt=text, max_tokens=args.max_response - used
+            )
+            turns, used = turns + 1, used + out.usage.completion_tokens
+            text += " " + out.choices[0].text
+            if turns == args.turns or out.choices[0].finish_reason == "length":
+                break
+            pause = rng.uniform(*args.sleep_ms) / 1000
+            slept += pause
+            await asyncio.sleep(pause)
+            words = min(args.tool_tokens, args.max_response - used)
+            text += " " + " ".join(f"w{rng.randrange(100, vocab - 1)}" for _ in range(words))
+            used += words
+        return 0.0, {"turns": float(turns), "slept_s": slept}
+
+    return episode
+
+
+def run_endpoint(
+    engine: PagedEngine,
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    vocab: int,
+) -> dict[str, float]:
+    """The episodes through the endpoint: sampled tokens, wall seconds, turns, splits, the tool's sleep."""
+    import dataclasses
+
+    from hybridflow.serve.driver import EngineDriver
+    from hybridflow.serve.harness import HarnessRunner
+    from hybridflow.serve.server import Endpoint, ServerSettings
+
+    tokenizer = word_tokenizer(vocab)
+    endpoint = Endpoint(EngineDriver(engine, tokenizer), tokenizer, [], ServerSettings()).start()
+    endpoint.fixed = dataclasses.replace(params, n=1)  # as the trainer sets the run's sampling settings
+    endpoint.response_budget = args.max_response
+    runner = HarnessRunner(endpoint_harness(args, vocab), len(prompts) * args.n, 600.0, "zero")
+    rows = [
+        {"text": tokenizer.decode(p), "seed": i * args.n + j}
+        for i, p in enumerate(prompts)
+        for j in range(args.n)
+    ]
+    try:
+        sync(args.device)
+        start = time.perf_counter()
+        results = runner.run(endpoint, rows)
+        sync(args.device)
+        wall = time.perf_counter() - start
+    finally:
+        endpoint.close()
+    failed = [r.failure for r in results if r.failure is not None]
+    if failed:
+        raise RuntimeError(f"{len(failed)} endpoint episodes failed ({failed[0]}): see the log")
+    return {
+        "sampled": sum(sum(q.mask) for r in results for q in r.sequences),
+        "wall_s": wall,
+        "turns": sum(r.metrics["turns"] for r in results) / len(results),
+        "splits": sum(r.splits for r in results),
+        "requests": sum(r.requests for r in results) / len(results),
+        "slept_s": sum(r.metrics["slept_s"] for r in results) / len(results),
+    }
 
 
 def build_model(shape: str, device: str, dtype: torch.dtype) -> Qwen2ForCausalLM:
@@ -179,7 +270,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.warmup):
         run_single_turn(engine, args, prompts, lengths)
     single_tokens, single_s = run_single_turn(engine, args, prompts, lengths)
-    return {
+    record = {
         "benchmark": "agent_loop",
         "shape": args.shape,
         "compile_decode": args.compile,
@@ -200,6 +291,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "single_turn/tokens_per_s": single_tokens / single_s,
         "multi_over_single": (sampled / multi_s) / (single_tokens / single_s),
     }
+    if args.endpoint:
+        for _ in range(args.warmup):
+            run_endpoint(engine, args, prompts, params, vocab)
+        via = run_endpoint(engine, args, prompts, params, vocab)
+        record.update({f"endpoint/{k}": v for k, v in via.items()})
+        record["endpoint/sampled_tokens_per_s"] = via["sampled"] / via["wall_s"]
+        record["endpoint_over_loop"] = record["endpoint/sampled_tokens_per_s"] / (sampled / multi_s)
+    return record
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -221,6 +320,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--compile", action="store_true", help="compile the decode step (rollout.compile_decode)")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--endpoint", action="store_true", help="also through the OpenAI endpoint (a harness)")
     p.add_argument("--out", type=Path, default=None, help="append the JSON line here")
     args = p.parse_args(argv)
     args.shape, args.device = ("tiny", "cpu") if args.tiny else ("0.5b", "cuda")
@@ -248,6 +348,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"tool sleep/episode {record['tool/sleep_s_per_episode']:.2f} s, prefix hits "
         f"{record['multi_turn/prefix_cache_hit_rate']:.2f} over {record['multi_turn/engine_sessions']} engine sessions"
     )
+    if args.endpoint:
+        print(
+            f"endpoint: {record['endpoint/sampled_tokens_per_s']:,.0f} sampled tokens/s in "
+            f"{record['endpoint/wall_s']:.2f} s ({record['endpoint_over_loop']:.2f}x the built-in loop), "
+            f"turns/episode {record['endpoint/turns']:.2f}, requests/episode {record['endpoint/requests']:.2f}, "
+            f"tool sleep/episode {record['endpoint/slept_s']:.2f} s, splits {record['endpoint/splits']}"
+        )
     if args.out is not None:
         with args.out.open("a") as f:
             f.write(json.dumps(record) + "\n")

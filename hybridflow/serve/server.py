@@ -263,8 +263,11 @@ class Endpoint:
             if choice.finish_reason == "stop" and shown and shown.endswith(stop):
                 shown = shown[: -len(stop)]
         if traj is not None and choice.finish_reason != "abort":
+            ended = len(tokens) < len(
+                choice.tokens
+            )  # the end-of-turn token is in the trajectory, not the text
             traj.record(
-                prompt, choice.tokens, choice.logprobs, choice.versions, message_key(shown, calls), raw
+                prompt, choice.tokens, choice.logprobs, choice.versions, message_key(shown, calls), raw, ended
             )
         reason = "tool_calls" if calls else ("length" if choice.finish_reason == "length" else "stop")
         out: dict[str, Any] = {"index": i, "finish_reason": reason}

@@ -40,6 +40,10 @@ class Sequence:
     mask: list[int] = field(default_factory=list)  # per response token: 1 sampled, 0 appended
     versions: list[int] = field(default_factory=list)  # per response token: the weights' version, -1 appended
     continued: bool = False  # a later request of the episode continued it: not a leaf
+    # What a completions client holds after the last answer: the prompt it sent and the answer's text, which
+    # leaves out the end-of-turn token that ended it (OpenAI's): re-sent, it continues this row with the
+    # sampled end token kept in place. None when the answer's decode does not extend the prompt's.
+    shown: str | None = None
 
     @property
     def response(self) -> list[int]:
@@ -54,6 +58,7 @@ class Prompt:
     ids: list[int]
     base: Sequence | None
     response_so_far: int  # tokens after the base's prompt before this request's answer (0 for a new one)
+    text: str = ""  # the prompt as the request rendered it
 
 
 def message_key(content: Any, tool_calls: Any) -> str:
@@ -95,20 +100,21 @@ class Trajectory:
         """The token ids of a rendered prompt: a held sequence's tokens plus the new text's, or a new start."""
         with self.lock:
             self.requests += 1
-            best = None
+            best, held = None, ""  # the longest held text the prompt starts with: a row's decode or shown
             for s in self.sequences:
-                if text.startswith(s.text) and (best is None or len(s.text) > len(best.text)):
-                    best = s
+                for known in (s.text, s.shown):
+                    if (
+                        known is not None
+                        and text.startswith(known)
+                        and (best is None or len(known) > len(held))
+                    ):
+                        best, held = s, known
             if best is None:
                 if self.sequences:
                     self.splits += 1
-                return Prompt(self.tokenizer.encode(text, add_special_tokens=False), None, 0)
-        rest = (
-            self.tokenizer.encode(text[len(best.text) :], add_special_tokens=False)
-            if text != best.text
-            else []
-        )
-        return Prompt(best.tokens + rest, best, len(best.tokens) + len(rest) - best.prompt_len)
+                return Prompt(self.tokenizer.encode(text, add_special_tokens=False), None, 0, text)
+        rest = self.tokenizer.encode(text[len(held) :], add_special_tokens=False) if text != held else []
+        return Prompt(best.tokens + rest, best, len(best.tokens) + len(rest) - best.prompt_len, text)
 
     def record(
         self,
@@ -118,8 +124,10 @@ class Trajectory:
         versions: list[int],
         key: str,
         raw: str,
+        ended: bool = False,
     ) -> None:
-        """Keep one answer: its sampled tokens after ``prompt`` (a new leaf) and the message it came back as."""
+        """Keep one answer: its sampled tokens after ``prompt`` (a new leaf) and the message it came back as;
+        ``ended``: its last sampled token is the end-of-turn token its text leaves out."""
         with self.lock:
             base = prompt.base
             if base is None:
@@ -140,8 +148,16 @@ class Trajectory:
             seq.mask += [1] * len(sampled)
             seq.versions += versions
             seq.text = self.tokenizer.decode(seq.tokens, skip_special_tokens=False)
+            seq.shown = self._shown(prompt, sampled[:-1] if ended else sampled)
             self.sequences.append(seq)
             self.answers[key] = raw
+
+    def _shown(self, prompt: Prompt, answer: list[int]) -> str | None:
+        """The prompt's text and what ``answer`` adds to its decode (a join's space included), or None when
+        the answer's decode does not extend the prompt's (a character split across the edge)."""
+        before = self.tokenizer.decode(prompt.ids, skip_special_tokens=False)
+        after = self.tokenizer.decode(prompt.ids + answer, skip_special_tokens=False)
+        return prompt.text + after[len(before) :] if after.startswith(before) else None
 
     def leaves(self) -> list[Sequence]:
         """The episode's training rows: the sequences no later request continued, in the order they began."""
