@@ -16,7 +16,9 @@ echo "gpu: $($py -c 'import torch; print(torch.cuda.get_device_name(0), "torch",
 # Only the modules that hold GPU tests are collected: the others may import packages a GPU box lacks.
 mapfile -t files < <(grep -rlE "mark\.gpu" tests --include='test_*.py' | sort)
 start=$(date +%s)
-timeout 420 "$py" -m pytest -q -p no:cacheprovider -m gpu -rfE "${files[@]}" >"$logs/pytest.log" 2>&1
+# -v names each test as it starts (a hang shows which); a test past 150 s dumps every thread's stack
+timeout 420 "$py" -m pytest -v -p no:cacheprovider -m gpu -rfE -o faulthandler_timeout=150 "${files[@]}" \
+    >"$logs/pytest.log" 2>&1
 rc=$?
 summary=$(grep -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error).* =+$" "$logs/pytest.log" | tail -n 1)
 echo "gpu tests: ${summary:-no summary (rc=$rc)} in $(( $(date +%s) - start )) s (${#files[@]} modules)"
