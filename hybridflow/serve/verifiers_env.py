@@ -69,7 +69,7 @@ def _env_config(vf: Any, env_id: str, config: dict[str, Any]) -> Any:
         for name, field in cls.model_fields.items():
             if isinstance(field.default, vf.AgentConfig) and "runtime" not in (raw.get(name) or {}):
                 raw[name] = {**(raw.get(name) or {}), "runtime": {"type": "subprocess"}}
-        return vf.resolve_env_config(raw)
+        resolved = vf.resolve_env_config(raw)
     except (ModuleNotFoundError, TypeError, AttributeError) as exc:
         raise UserError(
             f"{KEY}={env_id!r} is not a verifiers environment ({exc}); install its package or name a .py "
@@ -77,6 +77,18 @@ def _env_config(vf: Any, env_id: str, config: dict[str, Any]) -> Any:
         ) from exc
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
         raise UserError(f"{CONFIG_KEY}: the environment refused it: {exc}") from exc
+    # a retried attempt would talk to the same endpoint episode: its abandoned tokens would train too
+    retries = {"retries": resolved.retries}
+    retries |= {
+        f"{name}.retries": seat.retries for name, seat in resolved if isinstance(seat, vf.AgentConfig)
+    }
+    for path, retry in retries.items():
+        if retry.max_retries:
+            raise UserError(
+                f"{CONFIG_KEY}.{path}.max_retries={retry.max_retries}: a retried attempt would train on the "
+                f"tokens of the one it replaces; set it to 0 (rollout.harness.on_error decides a failure)"
+            )
+    return resolved
 
 
 def _messages(prompt: Any) -> Any:

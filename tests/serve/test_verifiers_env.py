@@ -100,6 +100,10 @@ def test_the_environments_config_errors_name_the_key() -> None:
         VerifiersEnv(str(EXAMPLE), {"agent": {"max_turns": "many"}})
     with pytest.raises(UserError, match=r"verifiers_config\.taskset\.id='other' differs"):
         VerifiersEnv(str(EXAMPLE), {"taskset": {"id": "other"}})
+    with pytest.raises(
+        UserError, match=r"verifiers_config\.agent\.retries\.max_retries=2: a retried attempt"
+    ):
+        VerifiersEnv(str(EXAMPLE), {"agent": {"retries": {"max_retries": 2}}})
     with pytest.raises(UserError, match=r"no such file"):
         VerifiersEnv("missing_env.py", {})
 
