@@ -187,6 +187,19 @@ class HarnessConfig:
     )
     host: str = option("127.0.0.1", "Address the endpoint listens on (loopback unless you open it).")
     port: int = option(0, "Port of the endpoint; 0 picks a free one.")
+    verifiers_env: str | None = option(
+        None,
+        "A verifiers environment instead of module: an installed one (its taskset id) or a .py file "
+        "defining one; its harness plays each episode, its rubric gives the reward.",
+    )
+    verifiers_config: dict[str, Any] = option(
+        {}, "The verifiers environment's config (taskset.*, agent.*, ...: what verifiers' --env.* sets)."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether episodes are played by a harness (``module``) or a verifiers environment."""
+        return self.module is not None or self.verifiers_env is not None
 
 
 @dataclass

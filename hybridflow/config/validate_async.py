@@ -229,7 +229,7 @@ def check_tool_task(cfg: Config, out: list[Problem]) -> None:
     """A built-in task answered with a tool (``data.task=multiply``) needs multi-turn rollouts with that tool,
     in the call format of its demonstrations (``data.task_kwargs.call_format``, default plain)."""
     task = cfg.data.task
-    if task not in TOOL_TASKS or cfg.data.train_files or cfg.rollout.harness.module:
+    if task not in TOOL_TASKS or cfg.data.train_files or cfg.rollout.harness.enabled:
         return  # the built-in task is used only without data.train_files; a harness runs its own tools
     mt, tool = cfg.rollout.multi_turn, TOOL_TASKS[task]
     call_format = cfg.data.task_kwargs.get("call_format", "plain")
@@ -261,12 +261,46 @@ def check_harness(cfg: Config, out: list[Problem]) -> None:
     """``rollout.harness`` runs your episodes over an endpoint on the built-in engine: one rollout group of one
     rank per replica, a synchronous step, and the harness's reward alone."""
     h = cfg.rollout.harness
-    if h.module is None:
-        return
-    key = "rollout.harness.module"
-    if not isinstance(h.module, str) or not h.module.strip():
+    if h.verifiers_config and h.verifiers_env is None:
         out.append(
-            Problem(key, f"is {h.module!r}", "name a .py file or an importable module, or leave it null")
+            Problem(
+                "rollout.harness.verifiers_config",
+                "is set without rollout.harness.verifiers_env",
+                "name the environment in rollout.harness.verifiers_env, or drop the config",
+            )
+        )
+    if not h.enabled:
+        return
+    key = "rollout.harness.module" if h.verifiers_env is None else "rollout.harness.verifiers_env"
+    if h.module is not None and h.verifiers_env is not None:
+        out.append(
+            Problem(
+                "rollout.harness.verifiers_env",
+                "is set with rollout.harness.module: episodes are played by one or the other",
+                "set rollout.harness.module=null (the environment's harness plays), or verifiers_env=null",
+            )
+        )
+    value = h.module if h.verifiers_env is None else h.verifiers_env
+    if not isinstance(value, str) or not value.strip():
+        what = "a .py file or an importable module"
+        if h.verifiers_env is not None:
+            what = "an installed verifiers environment or a .py file"
+        out.append(Problem(key, f"is {value!r}", f"name {what}, or leave it null"))
+    if h.verifiers_env is not None and h.module is None and h.function != "episode":
+        out.append(
+            Problem(
+                "rollout.harness.function",
+                f"is {h.function!r} with rollout.harness.verifiers_env set: the environment's harness plays",
+                "leave rollout.harness.function at its default (episode)",
+            )
+        )
+    if not isinstance(h.verifiers_config, dict):
+        out.append(
+            Problem(
+                "rollout.harness.verifiers_config",
+                f"is {h.verifiers_config!r}",
+                "give a mapping, e.g. {taskset: {...}, agent: {runtime: {type: subprocess}}}",
+            )
         )
     if not isinstance(h.function, str) or not h.function.isidentifier():
         out.append(

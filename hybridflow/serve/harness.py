@@ -12,10 +12,12 @@ either scores 0 with what it sampled (``on_error=zero``) or is dropped (``on_err
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import math
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,7 +84,15 @@ def _reward(value: Any) -> tuple[float, dict[str, float]] | None:
 class HarnessRunner:
     """Runs a harness's episodes on an endpoint (see the module doc)."""
 
-    def __init__(self, fn: Callable, max_concurrency: int, timeout_s: float, on_error: str) -> None:
+    def __init__(
+        self,
+        fn: Callable,
+        max_concurrency: int,
+        timeout_s: float,
+        on_error: str,
+        serving: Callable[[], AbstractAsyncContextManager] | None = None,
+    ) -> None:
+        """``serving``: resources the episodes share, held on the endpoint's loop for each rollout."""
         if on_error not in ON_ERROR:
             raise UserError(f"rollout.harness.on_error={on_error!r}; use one of {', '.join(ON_ERROR)}")
         self.fn, self.max_concurrency, self.timeout_s, self.on_error = (
@@ -91,6 +101,7 @@ class HarnessRunner:
             timeout_s,
             on_error,
         )
+        self.serving = serving
 
     def run(
         self, endpoint: Endpoint, rows: list[dict[str, Any]], progress: Callable[[int], None] | None = None
@@ -148,7 +159,8 @@ class HarnessRunner:
                         out.sequences = []
                 return out
 
-        return list(await asyncio.gather(*(one(r) for r in rows)))
+        async with self.serving() if self.serving is not None else contextlib.nullcontext():
+            return list(await asyncio.gather(*(one(r) for r in rows)))
 
 
 def harness_metrics(results: list[EpisodeResult]) -> dict[str, float]:

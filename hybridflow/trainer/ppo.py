@@ -131,14 +131,14 @@ class PPOTrainer(TrainingLoop):
                 "gen",
                 PROMPT_KEYS,
                 ("responses", "response_mask", "rollout_log_probs", "uid", *by_rollout)
-                + (("harness_reward",) if cfg.rollout.harness.module else ()),
+                + (("harness_reward",) if cfg.rollout.harness.enabled else ()),
                 self._rollout,
                 replaces_batch=True,
             ),
             Stage(
                 "reward",
                 ("responses", "response_mask", "data_source", "ground_truth")
-                + (("harness_reward",) if cfg.rollout.harness.module else ()),
+                + (("harness_reward",) if cfg.rollout.harness.enabled else ()),
                 scores,
                 self._reward,
                 # beside the log-prob passes, joined before "adv"; ReMax's baseline scores in between
@@ -222,7 +222,7 @@ class PPOTrainer(TrainingLoop):
         """Sample rollout.n responses per prompt; the prompts' non-tensor fields repeat alongside."""
         r = self.cfg.rollout
         params = self._sampling_params()
-        out = self.c.actor.generate(prompt_fields(prompts, rows=bool(r.harness.module)), params)
+        out = self.c.actor.generate(prompt_fields(prompts, rows=r.harness.enabled), params)
         add_rollout_stats(metrics, out.meta.pop("rollout_stats", None))
         metrics.update({k: float(v) for k, v in out.meta.pop("multi_turn", {}).items()})  # rollout.multi_turn
         add_reshard_stats(metrics, out.meta.pop("reshard", None))

@@ -40,7 +40,7 @@ def validate(
             [c.val[i] for i in range(start, min(start + size, len(c.val)))], c.pad_token_id
         )
         batch = c.actor.generate(
-            prompt_fields(prompts, rows=bool(cfg.rollout.harness.module)),
+            prompt_fields(prompts, rows=cfg.rollout.harness.enabled),
             params,
             desc="validation",
         )

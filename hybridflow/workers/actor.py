@@ -80,7 +80,7 @@ class ActorWorker:
         """The policy's tokenizer: multi-turn rollouts decode each turn and render tool turns with it."""
         if self.cfg.rollout.multi_turn.enable:
             self.multi_turn = MultiTurn(self.cfg, tokenizer)
-        if self.cfg.rollout.harness.module:
+        if self.cfg.rollout.harness.enabled:
             self.harness = HarnessRollout(self.cfg, tokenizer)
 
     def sampling_params(self, *args: Any, **kwargs: Any) -> SamplingParams:

@@ -37,9 +37,15 @@ class HarnessRollout:
         from hybridflow.serve.harness import HarnessRunner, load_harness
         from hybridflow.serve.server import ServerSettings
 
-        self.runner = HarnessRunner(
-            load_harness(h.module, h.function), h.max_concurrency, h.timeout_s, h.on_error
-        )
+        if h.verifiers_env is not None:
+            from hybridflow.serve.verifiers_env import VerifiersEnv
+
+            env = VerifiersEnv(h.verifiers_env, h.verifiers_config)
+            self.runner = HarnessRunner(env.episode, h.max_concurrency, h.timeout_s, h.on_error, env.serving)
+        else:
+            self.runner = HarnessRunner(
+                load_harness(h.module, h.function), h.max_concurrency, h.timeout_s, h.on_error
+            )
         self.tokenizer = tokenizer
         self.settings = ServerSettings(
             host=h.host, port=h.port, model_name=cfg.model.path or "hybridflow", tool_format=h.tool_format
