@@ -1,0 +1,177 @@
+"""The generation view's weights per GPU and the bytes a switch moves, with experts split whole over ep_g ranks.
+
+A generation view is (tp_g, dp_g) over W ranks with an expert-parallel size ep_g: 1 (each expert sliced over
+its rollout group), tp_g (whole experts over the group's ranks) or tp_g x k for k dividing dp_g (whole experts
+over k rollout groups together, the write-ups' "expert dimension kept independent" of tp). ``GenerateSplit``
+is that view in numbers; ``expert_sizes`` the ep_g values a world and tp_g take. Rank r is tensor-parallel rank
+``r // dp_g`` of rollout group ``r % dp_g`` (``engine.parallel.view.GenerateView``'s ordering), and holds the
+experts of expert rank ``(r % dp_g) % k + k * (r // dp_g)``: at k = 1 the tensor-parallel rank, as the engine
+splits them today; at k > 1 the engine's expert-parallel view being built for issue 66 orders them the same.
+
+``switch_figures`` counts what the engine's reshard plan (``engine.hybrid.plan.ReshardPlan``) does, without
+building it: each rank receives the part of its generation shard it does not hold in the training view (its
+own part is a local copy), in the rollout dtype, every element once. Whole experts go from a training holder to
+their generation holder. Parameters of the same layout (every sparse layer alike) are counted once and
+multiplied, so 671B on 128 ranks takes well under a second where the plan itself takes minutes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from dataclasses import dataclass
+
+from torch import nn
+
+from hybridflow.engine.hybrid.plan import intersect, volume
+from hybridflow.engine.parallel.dims import ParallelDims, train_box
+from hybridflow.engine.parallel.ep import is_expert
+from hybridflow.engine.parallel.layout import Box, ShardLayout, generation_kind
+from hybridflow.engine.parallel.pipeline import stage_of_param
+from hybridflow.models.families import has_shard_rules, is_moe
+from hybridflow.models.family import family_of
+from hybridflow.models.moe import num_experts
+from hybridflow.models.vision import text_config
+
+
+@dataclass(frozen=True)
+class GenerateSplit:
+    """``world`` ranks generating in groups of ``tp`` with experts split whole over ``ep`` ranks (ep = 1: each
+    expert sliced over its group)."""
+
+    world: int
+    tp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world % self.tp or (self.ep > 1 and (self.ep % self.tp or self.dp % (self.ep // self.tp))):
+            raise ValueError(f"ep={self.ep} with tp={self.tp} over {self.world} ranks: ep is 1 or tp x k, k | dp")
+
+    @property
+    def dp(self) -> int:
+        """Rollout groups."""
+        return self.world // self.tp
+
+    @property
+    def span(self) -> int:
+        """Rollout groups an expert group spans (k = ep / tp; 1 when the experts stay inside a group)."""
+        return max(self.ep // self.tp, 1)
+
+    def tp_rank(self, rank: int) -> int:
+        """``rank``'s tensor-parallel rank inside its rollout group."""
+        return rank // self.dp
+
+    def ep_rank(self, rank: int) -> int:
+        """``rank``'s expert rank: it holds experts ``ep_rank * E / ep`` to ``(ep_rank + 1) * E / ep - 1``."""
+        return (rank % self.dp) % self.span + self.span * self.tp_rank(rank)
+
+    def __str__(self) -> str:
+        ep = f", ep={self.ep}" if self.ep > 1 else ""
+        return f"(tp={self.tp}{ep}, dp={self.dp})"
+
+
+def expert_sizes(world: int, tp: int, experts: int) -> list[int]:
+    """The ep_g values a generation view of ``world`` ranks at ``tp`` takes for a model of ``experts`` routed
+    experts (whole experts, as many on every rank): 1, then tp x k for each k dividing dp_g (none for a dense
+    model)."""
+    if not experts or world % tp:
+        return [1]
+    dp = world // tp
+    return [1, *(tp * k for k in range(1, dp + 1) if dp % k == 0 and tp * k > 1 and experts % (tp * k) == 0)]
+
+
+@dataclass(frozen=True)
+class SwitchFigures:
+    """One generation view's figures per rank: its weights (bytes, the same on every rank) and the most any
+    rank receives at a switch (bytes)."""
+
+    generation_bytes: int
+    received_bytes: int
+    received: tuple[int, ...]  # bytes each rank receives
+
+
+def _trained_kind(config, name: str, kind: str) -> str:
+    """How the training view lays a parameter out (``engine.hybrid.memory``'s rule): a mixture of experts'
+    blocks whole on every tp rank, its fused experts split over the training ep (whole at ep = 1)."""
+    if not is_moe(config) or ".mlp." not in name:
+        return kind
+    return "experts" if is_expert(name) else "replicated"
+
+
+def _layout(name: str, shape: tuple[int, ...], split: GenerateSplit, family, head_dim: int) -> ShardLayout:
+    """The rollout layout of one parameter: whole experts (kind ``experts_split``, split by ``_needed``) or the
+    family's tensor-parallel kind (whole at tp = 1)."""
+    if split.ep > 1 and is_expert(name):
+        return ShardLayout("experts_split", shape, split.tp)
+    kind = generation_kind(name, 1, family) if family is not None and split.tp > 1 else "replicated"
+    return ShardLayout(kind, shape, split.tp, head_dim)
+
+
+def _needed(lay: ShardLayout, split: GenerateSplit, rank: int) -> Box | None:
+    """The box of the full parameter ``rank`` holds in the generation view (the plan's coordinates)."""
+    if lay.kind == "experts_split":
+        part = lay.shape[0] // split.ep
+        start = split.ep_rank(rank) * part
+        return ((start, start + part), *((0, n) for n in lay.shape[1:]))
+    return lay.box(split.tp_rank(rank))
+
+
+def _local_elements(lay: ShardLayout, split: GenerateSplit) -> int:
+    """Elements of one rank's generation buffer of the parameter."""
+    if lay.kind == "experts_split":
+        return volume(tuple((0, n) for n in lay.shape)) // split.ep
+    return volume(tuple((0, n) for n in lay.local_shape()))
+
+
+def switch_figures(
+    model: nn.Module, view: ParallelDims, tp_generate: int, ep_generate: int = 1, rollout_bytes: int = 2
+) -> SwitchFigures:
+    """The generation weights per rank and the bytes each rank receives switching from training ``view`` into
+    (tp_generate, ep_generate), counted as the reshard plan moves them (see the module doc)."""
+    split = GenerateSplit(view.world, tp_generate, ep_generate)
+    config = text_config(model.config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    family = family_of(model.config) if has_shard_rules(model.config) else None
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    signatures: Counter[tuple] = Counter()
+    for name, p in model.named_parameters():
+        shape = tuple(p.shape)
+        lay = _layout(name, shape, split, family, head_dim)
+        kind = "replicated" if family is None else generation_kind(name, 1, family)
+        trained = _trained_kind(config, name, kind)
+        # FSDP2 alone shards a row-parallel weight on dim 1 under a tensor-parallel rollout (view_memory's rule)
+        fsdp_dim = int(view.fsdp_only and tp_generate > 1 and kind == "row" and shape[1] % view.world == 0)
+        stages = stage_of_param(name, config.num_hidden_layers, view.pp, tied)
+        signatures[(lay, trained, fsdp_dim, stages)] += 1
+    received = [0] * view.world
+    weights = 0
+    for (lay, trained, fsdp_dim, stages), count in signatures.items():
+        weights += count * _local_elements(lay, split)
+        for rank, elements in enumerate(_received_elements(lay, trained, fsdp_dim, stages, view, split)):
+            received[rank] += count * elements
+    out = tuple(r * rollout_bytes for r in received)
+    return SwitchFigures(weights * rollout_bytes, max(out), out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _received_elements(
+    lay: ShardLayout,
+    trained: str,
+    fsdp_dim: int,
+    stages: tuple[int, ...] | None,
+    view: ParallelDims,
+    split: GenerateSplit,
+) -> tuple[int, ...]:
+    """Elements of one parameter each rank receives: its generation box less what it holds itself."""
+    out = []
+    for rank in range(view.world):
+        need = _needed(lay, split, rank)
+        held = lay.to_plan(train_box(trained, lay.shape, view, rank, fsdp_dim, stages))
+        own = None if need is None or held is None else intersect(need, held)
+        out.append(volume(need) - volume(own))
+    return tuple(out)
+
+
+def moe_experts(model: nn.Module) -> int:
+    """The model's routed experts per sparse layer (0: dense)."""
+    return num_experts(text_config(model.config))
