@@ -29,7 +29,7 @@ from hybridflow.engine.parallel.ep import is_expert
 from hybridflow.engine.parallel.layout import Box, ShardLayout, generation_kind
 from hybridflow.engine.parallel.pipeline import stage_of_param
 from hybridflow.models.families import has_shard_rules, is_moe
-from hybridflow.models.family import family_of
+from hybridflow.models.family import FamilySpec, family_of
 from hybridflow.models.moe import num_experts
 from hybridflow.models.vision import text_config
 
@@ -45,7 +45,9 @@ class GenerateSplit:
 
     def __post_init__(self) -> None:
         if self.world % self.tp or (self.ep > 1 and (self.ep % self.tp or self.dp % (self.ep // self.tp))):
-            raise ValueError(f"ep={self.ep} with tp={self.tp} over {self.world} ranks: ep is 1 or tp x k, k | dp")
+            raise ValueError(
+                f"ep={self.ep} with tp={self.tp} over {self.world} ranks: ep is 1 or tp x k, k | dp"
+            )
 
     @property
     def dp(self) -> int:
@@ -90,7 +92,7 @@ class SwitchFigures:
     received: tuple[int, ...]  # bytes each rank receives
 
 
-def _trained_kind(config, name: str, kind: str) -> str:
+def trained_kind(config, name: str, kind: str) -> str:
     """How the training view lays a parameter out (``engine.hybrid.memory``'s rule): a mixture of experts'
     blocks whole on every tp rank, its fused experts split over the training ep (whole at ep = 1)."""
     if not is_moe(config) or ".mlp." not in name:
@@ -103,8 +105,7 @@ def _layout(name: str, shape: tuple[int, ...], split: GenerateSplit, family, hea
     family's tensor-parallel kind (whole at tp = 1)."""
     if split.ep > 1 and is_expert(name):
         return ShardLayout("experts_split", shape, split.tp)
-    kind = generation_kind(name, 1, family) if family is not None and split.tp > 1 else "replicated"
-    return ShardLayout(kind, shape, split.tp, head_dim)
+    return ShardLayout(sliced_kind(name, family) if split.tp > 1 else "replicated", shape, split.tp, head_dim)
 
 
 def _needed(lay: ShardLayout, split: GenerateSplit, rank: int) -> Box | None:
@@ -130,27 +131,51 @@ def switch_figures(
     (tp_generate, ep_generate), counted as the reshard plan moves them (see the module doc)."""
     split = GenerateSplit(view.world, tp_generate, ep_generate)
     config = text_config(model.config)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     family = family_of(model.config) if has_shard_rules(model.config) else None
     tied = bool(getattr(config, "tie_word_embeddings", False))
     signatures: Counter[tuple] = Counter()
-    for name, p in model.named_parameters():
-        shape = tuple(p.shape)
-        lay = _layout(name, shape, split, family, head_dim)
-        kind = "replicated" if family is None else generation_kind(name, 1, family)
-        trained = _trained_kind(config, name, kind)
+    for name, shape, lay in _layouts(model, split):
+        sliced = sliced_kind(name, family)
+        trained = trained_kind(config, name, sliced)
         # FSDP2 alone shards a row-parallel weight on dim 1 under a tensor-parallel rollout (view_memory's rule)
-        fsdp_dim = int(view.fsdp_only and tp_generate > 1 and kind == "row" and shape[1] % view.world == 0)
+        fsdp_dim = int(view.fsdp_only and tp_generate > 1 and sliced == "row" and shape[1] % view.world == 0)
         stages = stage_of_param(name, config.num_hidden_layers, view.pp, tied)
         signatures[(lay, trained, fsdp_dim, stages)] += 1
     received = [0] * view.world
-    weights = 0
     for (lay, trained, fsdp_dim, stages), count in signatures.items():
-        weights += count * _local_elements(lay, split)
         for rank, elements in enumerate(_received_elements(lay, trained, fsdp_dim, stages, view, split)):
             received[rank] += count * elements
     out = tuple(r * rollout_bytes for r in received)
-    return SwitchFigures(weights * rollout_bytes, max(out), out)
+    weights = generation_bytes(model, view.world, tp_generate, ep_generate, rollout_bytes)
+    return SwitchFigures(weights, max(out), out)
+
+
+def generation_bytes(
+    model: nn.Module, world: int, tp_generate: int, ep_generate: int = 1, rollout_bytes: int = 2
+) -> int:
+    """One rank's generation weights (bytes; the same on every rank): its tensor-parallel slices, and its
+    E / ep_generate whole experts (or its slice of every expert at ep_generate = 1)."""
+    split = GenerateSplit(world, tp_generate, ep_generate)
+    return sum(_local_elements(lay, split) for _, _, lay in _layouts(model, split)) * rollout_bytes
+
+
+@functools.lru_cache(maxsize=64)
+def _layouts(model: nn.Module, split: GenerateSplit) -> list[tuple[str, tuple[int, ...], ShardLayout]]:
+    """(name, shape, rollout layout) of every parameter of ``model`` in the generation view ``split``."""
+    config = text_config(model.config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    family = family_of(model.config) if has_shard_rules(model.config) else None
+    return [
+        (name, tuple(p.shape), _layout(name, tuple(p.shape), split, family, head_dim))
+        for name, p in model.named_parameters()
+    ]
+
+
+@functools.lru_cache(maxsize=65536)
+def sliced_kind(name: str, family: FamilySpec | None) -> str:
+    """A parameter's tensor-parallel kind with its experts sliced (``generation_kind`` at ep 1), remembered:
+    the family's rules are rebuilt at every call, and a plan asks for each name hundreds of times."""
+    return "replicated" if family is None else generation_kind(name, 1, family)
 
 
 @functools.lru_cache(maxsize=4096)
