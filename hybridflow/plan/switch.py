@@ -10,8 +10,9 @@ splits them today; at k > 1 the engine's expert-parallel view being built for is
 
 ``switch_figures`` counts what the engine's reshard plan (``engine.hybrid.plan.ReshardPlan``) does, without
 building it: each rank receives the part of its generation shard it does not hold in the training view (its
-own part is a local copy), in the rollout dtype, every element once. Whole experts go from a training holder to
-their generation holder. Parameters of the same layout (every sparse layer alike) are counted once and
+own part is a local copy), in the rollout dtype, every element once, from the boxes each rank holds in either
+view (``plan.holdings``, the engine's layout). Whole experts go from a training holder to their generation
+holder. Parameters of the same layout (every sparse layer alike) are counted once and
 multiplied, so 671B on 128 ranks takes well under a second where the plan itself takes minutes.
 """
 
@@ -23,15 +24,22 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from hybridflow.engine.hybrid.plan import intersect, volume
-from hybridflow.engine.parallel.dims import ParallelDims, train_box
-from hybridflow.engine.parallel.ep import is_expert
-from hybridflow.engine.parallel.layout import Box, ShardLayout, generation_kind
-from hybridflow.engine.parallel.pipeline import stage_of_param
-from hybridflow.models.families import has_shard_rules, is_moe
-from hybridflow.models.family import FamilySpec, family_of
+from hybridflow.engine import ParallelDims
+from hybridflow.models.families import has_shard_rules
+from hybridflow.models.family import family_of
 from hybridflow.models.moe import num_experts
 from hybridflow.models.vision import text_config
+from hybridflow.plan.holdings import (
+    generate_boxes,
+    intersect,
+    is_expert,
+    local_shape,
+    sliced_kind,
+    stages_of,
+    train_box,
+    trained_kind,
+    volume,
+)
 
 
 @dataclass(frozen=True)
@@ -92,36 +100,37 @@ class SwitchFigures:
     received: tuple[int, ...]  # bytes each rank receives
 
 
-def trained_kind(config, name: str, kind: str) -> str:
-    """How the training view lays a parameter out (``engine.hybrid.memory``'s rule): a mixture of experts'
-    blocks whole on every tp rank, its fused experts split over the training ep (whole at ep = 1)."""
-    if not is_moe(config) or ".mlp." not in name:
-        return kind
-    return "experts" if is_expert(name) else "replicated"
+@dataclass(frozen=True)
+class Part:
+    """One parameter as the generation view holds it: its kind there (``whole_experts``: E / ep experts of
+    ``split``'s expert rank), its shape and the rows of one KV head."""
+
+    kind: str
+    shape: tuple[int, ...]
+    head_rows: int
 
 
-def _layout(name: str, shape: tuple[int, ...], split: GenerateSplit, family, head_dim: int) -> ShardLayout:
-    """The rollout layout of one parameter: whole experts (kind ``experts_split``, split by ``_needed``) or the
-    family's tensor-parallel kind (whole at tp = 1)."""
+def _part(name: str, shape: tuple[int, ...], split: GenerateSplit, family, head_rows: int) -> Part:
+    """The generation layout of one parameter: whole experts, or the family's tensor-parallel kind."""
     if split.ep > 1 and is_expert(name):
-        return ShardLayout("experts_split", shape, split.tp)
-    return ShardLayout(sliced_kind(name, family) if split.tp > 1 else "replicated", shape, split.tp, head_dim)
+        return Part("whole_experts", shape, head_rows)
+    return Part(sliced_kind(name, family) if split.tp > 1 else "replicated", shape, head_rows)
 
 
-def _needed(lay: ShardLayout, split: GenerateSplit, rank: int) -> Box | None:
-    """The box of the full parameter ``rank`` holds in the generation view (the plan's coordinates)."""
-    if lay.kind == "experts_split":
-        part = lay.shape[0] // split.ep
-        start = split.ep_rank(rank) * part
-        return ((start, start + part), *((0, n) for n in lay.shape[1:]))
-    return lay.box(split.tp_rank(rank))
+def _needed(part: Part, split: GenerateSplit, rank: int) -> list[tuple[tuple[int, int], ...]]:
+    """The boxes of the full parameter ``rank`` holds in the generation view."""
+    if part.kind == "whole_experts":
+        size = part.shape[0] // split.ep
+        start = split.ep_rank(rank) * size
+        return [((start, start + size), *((0, n) for n in part.shape[1:]))]
+    return generate_boxes(part.kind, part.shape, split.tp, split.tp_rank(rank), part.head_rows)
 
 
-def _local_elements(lay: ShardLayout, split: GenerateSplit) -> int:
+def _local_elements(part: Part, split: GenerateSplit) -> int:
     """Elements of one rank's generation buffer of the parameter."""
-    if lay.kind == "experts_split":
-        return volume(tuple((0, n) for n in lay.shape)) // split.ep
-    return volume(tuple((0, n) for n in lay.local_shape()))
+    if part.kind == "whole_experts":
+        return volume(tuple((0, n) for n in part.shape)) // split.ep
+    return volume(tuple((0, n) for n in local_shape(part.kind, part.shape, split.tp, part.head_rows)))
 
 
 def switch_figures(
@@ -134,16 +143,16 @@ def switch_figures(
     family = family_of(model.config) if has_shard_rules(model.config) else None
     tied = bool(getattr(config, "tie_word_embeddings", False))
     signatures: Counter[tuple] = Counter()
-    for name, shape, lay in _layouts(model, split):
+    for name, shape, part in _parts(model, split):
         sliced = sliced_kind(name, family)
         trained = trained_kind(config, name, sliced)
         # FSDP2 alone shards a row-parallel weight on dim 1 under a tensor-parallel rollout (view_memory's rule)
         fsdp_dim = int(view.fsdp_only and tp_generate > 1 and sliced == "row" and shape[1] % view.world == 0)
-        stages = stage_of_param(name, config.num_hidden_layers, view.pp, tied)
-        signatures[(lay, trained, fsdp_dim, stages)] += 1
+        stages = stages_of(name, config.num_hidden_layers, view.pp, tied)
+        signatures[(part, trained, fsdp_dim, stages)] += 1
     received = [0] * view.world
-    for (lay, trained, fsdp_dim, stages), count in signatures.items():
-        for rank, elements in enumerate(_received_elements(lay, trained, fsdp_dim, stages, view, split)):
+    for (part, trained, fsdp_dim, stages), count in signatures.items():
+        for rank, elements in enumerate(_received_elements(part, trained, fsdp_dim, stages, view, split)):
             received[rank] += count * elements
     out = tuple(r * rollout_bytes for r in received)
     weights = generation_bytes(model, view.world, tp_generate, ep_generate, rollout_bytes)
@@ -156,44 +165,37 @@ def generation_bytes(
     """One rank's generation weights (bytes; the same on every rank): its tensor-parallel slices, and its
     E / ep_generate whole experts (or its slice of every expert at ep_generate = 1)."""
     split = GenerateSplit(world, tp_generate, ep_generate)
-    return sum(_local_elements(lay, split) for _, _, lay in _layouts(model, split)) * rollout_bytes
+    return sum(_local_elements(part, split) for _, _, part in _parts(model, split)) * rollout_bytes
 
 
 @functools.lru_cache(maxsize=64)
-def _layouts(model: nn.Module, split: GenerateSplit) -> list[tuple[str, tuple[int, ...], ShardLayout]]:
-    """(name, shape, rollout layout) of every parameter of ``model`` in the generation view ``split``."""
+def _parts(model: nn.Module, split: GenerateSplit) -> list[tuple[str, tuple[int, ...], Part]]:
+    """(name, shape, generation layout) of every parameter of ``model`` in the generation view ``split``."""
     config = text_config(model.config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     family = family_of(model.config) if has_shard_rules(model.config) else None
     return [
-        (name, tuple(p.shape), _layout(name, tuple(p.shape), split, family, head_dim))
+        (name, tuple(p.shape), _part(name, tuple(p.shape), split, family, head_dim))
         for name, p in model.named_parameters()
     ]
 
 
-@functools.lru_cache(maxsize=65536)
-def sliced_kind(name: str, family: FamilySpec | None) -> str:
-    """A parameter's tensor-parallel kind with its experts sliced (``generation_kind`` at ep 1), remembered:
-    the family's rules are rebuilt at every call, and a plan asks for each name hundreds of times."""
-    return "replicated" if family is None else generation_kind(name, 1, family)
-
-
 @functools.lru_cache(maxsize=4096)
 def _received_elements(
-    lay: ShardLayout,
+    part: Part,
     trained: str,
     fsdp_dim: int,
-    stages: tuple[int, ...] | None,
+    stages: tuple[int, ...],
     view: ParallelDims,
     split: GenerateSplit,
 ) -> tuple[int, ...]:
-    """Elements of one parameter each rank receives: its generation box less what it holds itself."""
+    """Elements of one parameter each rank receives: its generation boxes less what it holds itself."""
     out = []
     for rank in range(view.world):
-        need = _needed(lay, split, rank)
-        held = lay.to_plan(train_box(trained, lay.shape, view, rank, fsdp_dim, stages))
-        own = None if need is None or held is None else intersect(need, held)
-        out.append(volume(need) - volume(own))
+        held = train_box(trained, part.shape, view, rank, fsdp_dim, stages)
+        needed = _needed(part, split, rank)
+        own = 0 if held is None else sum(volume(intersect(box, held)) for box in needed)
+        out.append(sum(volume(box) for box in needed) - own)
     return tuple(out)
 
 

@@ -61,6 +61,21 @@ def test_the_count_is_the_reshard_plans_where_the_engine_builds_the_view(family:
         )
 
 
+def test_the_count_is_the_reshard_plans_for_a_dense_model_too() -> None:
+    """KV heads shared by rollout ranks (2 KV heads over 4 and 8), a padded last vocabulary slice (999 rows),
+    pipeline stages and row-parallel weights FSDP2 shards on dim 1."""
+    model = _tiny(
+        "llama", num_key_value_heads=2, intermediate_size=96, vocab_size=999, tie_word_embeddings=True
+    )
+    for world, tp, pp, tp_g in [(4, 1, 1, 4), (8, 2, 1, 8), (8, 1, 2, 4), (8, 4, 2, 2)]:
+        dims = ParallelDims(world, tp, pp)
+        engine, mine = view_memory(model, dims, tp_g), switch_figures(model, dims, tp_g)
+        assert (mine.generation_bytes, mine.received_bytes) == (
+            engine.generation_bytes,
+            engine.received_bytes,
+        )
+
+
 def test_experts_across_rollout_groups_are_each_held_once_per_expert_group() -> None:
     split = GenerateSplit(8, 2, 4)  # tp 2, 4 groups, experts over 2 groups' ranks: 2 expert groups of 4
     assert str(split) == "(tp=2, ep=4, dp=4)" and split.span == 2
