@@ -33,8 +33,7 @@ from hybridflow.models.families import has_shard_rules, is_moe
 from hybridflow.models.family import family_of
 from hybridflow.models.vision import text_config
 from hybridflow.models.vision_tower import vision_tower
-from hybridflow.plan.holdings import sliced_kind, trained_kind
-from hybridflow.plan.switch import GenerateSplit, generation_bytes
+from hybridflow.plan.switch import GenerateSplit, generation_bytes, sliced_kind, trained_kind
 
 # ``layout`` arguments are ``plan.search.Layout`` (not imported: that module imports this one)
 Layout = Any

@@ -11,7 +11,7 @@ splits them today; at k > 1 the engine's expert-parallel view being built for is
 ``switch_figures`` counts what the engine's reshard plan (``engine.hybrid.plan.ReshardPlan``) does, without
 building it: each rank receives the part of its generation shard it does not hold in the training view (its
 own part is a local copy), in the rollout dtype, every element once, from the boxes each rank holds in either
-view (``plan.holdings``, the engine's layout). Whole experts go from a training holder to their generation
+view (the engine's ``train_box`` and ``ShardLayout``). Whole experts go from a training holder to their generation
 holder. Parameters of the same layout (every sparse layer alike) are counted once and
 multiplied, so 671B on 128 ranks takes well under a second where the plan itself takes minutes.
 """
@@ -21,25 +21,53 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
-from hybridflow.engine import ParallelDims
-from hybridflow.models.families import has_shard_rules
-from hybridflow.models.family import family_of
+from hybridflow.engine import ParallelDims, ShardLayout, kind_of, stage_of_param, train_box
+from hybridflow.models.families import has_shard_rules, is_moe
+from hybridflow.models.family import FAMILIES, FamilySpec, family_of
 from hybridflow.models.moe import num_experts
 from hybridflow.models.vision import text_config
-from hybridflow.plan.holdings import (
-    generate_boxes,
-    intersect,
-    is_expert,
-    local_shape,
-    sliced_kind,
-    stages_of,
-    train_box,
-    trained_kind,
-    volume,
-)
+
+Box = tuple[tuple[int, int], ...]
+
+# every family's fused experts (``Experts.fused``): what expert parallelism splits whole
+_EXPERTS = tuple(dict.fromkeys(n for s in FAMILIES.values() if s.experts for n in s.experts.fused))
+
+
+def is_expert(name: str) -> bool:
+    """Whether parameter ``name`` is a MoE block's fused experts (the router is not)."""
+    return name.endswith(_EXPERTS)
+
+
+def sliced_kind(name: str, family: FamilySpec | None) -> str:
+    """A parameter's tensor-parallel kind in a rollout that slices each expert (the engine's ``kind_of``;
+    ``replicated`` for a family without shard rules)."""
+    return "replicated" if family is None else kind_of(name, family)
+
+
+def trained_kind(config: Any, name: str, kind: str) -> str:
+    """How the training view lays a parameter out: a mixture of experts' blocks whole on every tp rank, its
+    fused experts split over the training ep (``experts``)."""
+    if not is_moe(config) or ".mlp." not in name:
+        return kind
+    return "experts" if is_expert(name) else "replicated"
+
+
+def volume(box: Box | None) -> int:
+    """Elements in a box (0 for None)."""
+    n = 0 if box is None else 1
+    for lo, hi in box or ():
+        n *= hi - lo
+    return n
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common part of two boxes of one parameter (None: nothing)."""
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return None if any(lo >= hi for lo, hi in out) else out
 
 
 @dataclass(frozen=True)
@@ -123,14 +151,17 @@ def _needed(part: Part, split: GenerateSplit, rank: int) -> list[tuple[tuple[int
         size = part.shape[0] // split.ep
         start = split.ep_rank(rank) * size
         return [((start, start + size), *((0, n) for n in part.shape[1:]))]
-    return generate_boxes(part.kind, part.shape, split.tp, split.tp_rank(rank), part.head_rows)
+    box = ShardLayout(part.kind, part.shape, split.tp, part.head_rows).box(split.tp_rank(rank))
+    return [] if box is None else [box]  # in the plan's coordinates: fused experts (E, 2, I, H)
 
 
 def _local_elements(part: Part, split: GenerateSplit) -> int:
     """Elements of one rank's generation buffer of the parameter."""
     if part.kind == "whole_experts":
         return volume(tuple((0, n) for n in part.shape)) // split.ep
-    return volume(tuple((0, n) for n in local_shape(part.kind, part.shape, split.tp, part.head_rows)))
+    return volume(
+        tuple((0, n) for n in ShardLayout(part.kind, part.shape, split.tp, part.head_rows).local_shape())
+    )
 
 
 def switch_figures(
@@ -148,7 +179,7 @@ def switch_figures(
         trained = trained_kind(config, name, sliced)
         # FSDP2 alone shards a row-parallel weight on dim 1 under a tensor-parallel rollout (view_memory's rule)
         fsdp_dim = int(view.fsdp_only and tp_generate > 1 and sliced == "row" and shape[1] % view.world == 0)
-        stages = stages_of(name, config.num_hidden_layers, view.pp, tied)
+        stages = stage_of_param(name, config.num_hidden_layers, view.pp, tied)
         signatures[(part, trained, fsdp_dim, stages)] += 1
     received = [0] * view.world
     for (part, trained, fsdp_dim, stages), count in signatures.items():
@@ -193,6 +224,8 @@ def _received_elements(
     out = []
     for rank in range(view.world):
         held = train_box(trained, part.shape, view, rank, fsdp_dim, stages)
+        if held is not None and part.kind == "experts_column":  # the generation boxes' coordinates
+            held = ShardLayout(part.kind, part.shape, split.tp, part.head_rows).to_plan(held)
         needed = _needed(part, split, rank)
         own = 0 if held is None else sum(volume(intersect(box, held)) for box in needed)
         out.append(sum(volume(box) for box in needed) - own)
