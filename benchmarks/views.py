@@ -14,8 +14,11 @@ view (tp_g; for pp > 1 the tp_g of tp_t and of tp_t x pp), per rank:
          of the training state; param/optimizer offload would take ``train`` off the device).
 Mixtures of experts (``--moe-size``, on ``--moe-world`` ranks): training views with expert parallelism (ep
 whole experts per group of ep data-parallel ranks, FSDP2 over the rest; the MoE blocks whole on every tp rank)
-into generation views whose experts are sliced over tp_g or split whole over it (ep_g = tp_g), among them the
-write-ups' mapping train (tp=8, ep=2) -> generate tp=4 at 16 ranks.
+into generation views whose experts are sliced over tp_g (ep_g = 1), split whole over it (ep_g = tp_g) or over
+tp_g x k ranks of k rollout groups (the largest such ep_g the experts divide, ``plan.switch``: the expert
+dimension independent of tp), among them the write-ups' mapping train (tp=8, ep=2) -> generate tp=4 at 16
+ranks. Both views print their ep; the mixture-of-experts ``layer`` is its largest layer as FSDP2 gathers it
+(E / ep whole experts).
 Timing on several GPUs belongs to the multi-GPU issue.
 """
 
@@ -37,11 +40,17 @@ from switch import PLAN_SHAPES, meta_model
 
 from hybridflow.engine.hybrid.memory import unsplit_reason, view_memory
 from hybridflow.engine.parallel.dims import ParallelDims
-from hybridflow.engine.parallel.view import GenerateView
+from hybridflow.models.family import family_of
+from hybridflow.plan.memory import gathered_layer_bytes
+from hybridflow.plan.switch import GenerateSplit, expert_sizes, moe_experts, switch_figures
 from hybridflow.utils.errors import UserError
 
 GB = 1e9
-MOE_SIZES = ("mixtral-8x7b", "qwen3-30b-a3b")  # ``hybridflow plan --model-shape``'s mixtures of experts
+MOE_SIZES = (
+    "mixtral-8x7b",
+    "qwen3-30b-a3b",
+    "deepseek-v3-671b",
+)  # ``hybridflow plan --model-shape``'s mixtures of experts
 
 
 def moe_meta_model(size: str):
@@ -54,12 +63,15 @@ def moe_meta_model(size: str):
         return AutoModelForCausalLM.from_config(shape_config(size))
 
 
-def moe_views(world: int) -> list[tuple[int, int, int, int]]:
+def moe_views(world: int, experts: int) -> list[tuple[int, int, int, int]]:
     """(tp_t, ep, tp_g, ep_g) rows: FSDP2 alone, ep = 2 into a sliced and an expert-parallel rollout, and
-    train (tp = W/2, ep = 2) -> generate tp = W/4 both ways (the write-ups' mapping at W = 16)."""
+    train (tp = W/2, ep = 2) -> generate tp = W/4 sliced, whole over the group and whole over the most rollout
+    groups the experts divide (the write-ups' mapping at W = 16), and the same from FSDP2 with ep = 2."""
     rows = [(1, 1, 1, 1), (1, 2, 2, 1), (1, 2, 2, 2), (1, world, world, world)]
     if world >= 4:
-        rows += [(world // 2, 2, world // 4, 1), (world // 2, 2, world // 4, world // 4)]
+        wide = expert_sizes(world, world // 4, experts)[-1]  # experts over the most groups they divide
+        for tp_t in (world // 2, 1):
+            rows += [(tp_t, 2, world // 4, ep_g) for ep_g in (1, world // 4, wide)]
     return list(dict.fromkeys(rows))
 
 
@@ -68,19 +80,23 @@ def moe_row(size: str, model, world: int, tp_t: int, ep: int, tp_g: int, ep_g: i
     generate = f"(tp={tp_g}, ep={ep_g})" if ep_g > 1 else f"(tp={tp_g})"
     try:
         train = ParallelDims(world, tp_t, ep=ep)
-        GenerateView(world, tp_g, ep_g)
-        bad = unsplit_reason(model, tp_t, tp_g, ep_g)
+        GenerateSplit(world, tp_g, ep_g)
+        bad = unsplit_reason(model, tp_t, tp_g, min(ep_g, tp_g))  # whole experts across groups as inside one
+        if ep_g > 1 and moe_experts(model) % ep_g:
+            field = family_of(model.config).experts.count
+            bad = f"experts: {field}={moe_experts(model)} does not split whole {ep_g} ways"
     except (UserError, ValueError) as e:
         train, bad = f"(tp={tp_t}, ep={ep})", str(e)
     if bad:
         return (
             f"| {size} | {train} | {generate} | - | - | - | - | - | {bad.split(': ', 1)[-1].split(';')[0]} |"
         )
-    m = view_memory(model, train, tp_g, ep_generate=ep_g)
-    state, gen = m.state_bytes(), m.generation_bytes
+    state = view_memory(model, train, tp_g, switch=False).state_bytes()
+    layer, switch = gathered_layer_bytes(model, train), switch_figures(model, train, tp_g, ep_g)
+    gen = switch.generation_bytes
     return (
-        f"| {size} | {train} | {generate} | {state / GB:.2f} | {m.layer_bytes / GB:.3f} | {gen / GB:.2f} | "
-        f"{m.received_bytes / GB:.3f} | {(state + gen) / GB:.2f} | |"
+        f"| {size} | {train} | {generate} | {state / GB:.2f} | {layer / GB:.3f} | {gen / GB:.2f} | "
+        f"{switch.received_bytes / GB:.3f} | {(state + gen) / GB:.2f} | |"
     )
 
 
@@ -124,7 +140,7 @@ def main() -> None:
                     print(view_row(size, model, args.world, tp_t, tp_g, pp))
     for size in args.moe_size:
         model = moe_meta_model(size)
-        for tp_t, ep, tp_g, ep_g in moe_views(args.moe_world):
+        for tp_t, ep, tp_g, ep_g in moe_views(args.moe_world, moe_experts(model)):
             print(moe_row(size, model, args.moe_world, tp_t, ep, tp_g, ep_g))
 
 

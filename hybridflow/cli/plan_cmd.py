@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model-shape",
-        help="A known model shape instead of model.path (qwen2.5-0.5b, qwen2.5-7b, llama-3-70b, ...).",
+        help="A known model shape instead of model.path (qwen2.5-7b, llama-3-70b, qwen3-30b-a3b, deepseek-v3-671b, ...).",
     )
     parser.add_argument(
         "--all",

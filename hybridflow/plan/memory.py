@@ -10,7 +10,9 @@ vision-language model's text model sizes the activations and the KV cache (``mc`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import re
 from typing import Any
 
 import torch
@@ -27,8 +29,11 @@ from hybridflow.engine import (
     lora_elements,
     view_memory,
 )
+from hybridflow.models.families import has_shard_rules, is_moe
+from hybridflow.models.family import family_of
 from hybridflow.models.vision import text_config
 from hybridflow.models.vision_tower import vision_tower
+from hybridflow.plan.switch import GenerateSplit, generation_bytes, sliced_kind, trained_kind
 
 # ``layout`` arguments are ``plan.search.Layout`` (not imported: that module imports this one)
 Layout = Any
@@ -133,8 +138,51 @@ def _activation_bytes(cfg: Config, mc: Any, layout: Layout, backward: bool) -> i
 
 @functools.lru_cache(maxsize=64)
 def _views(model: torch.nn.Module, dims: ParallelDims, tp_generate: int, ep_generate: int = 1) -> ViewMemory:
-    """The views' figures without the switch's transfers (offload does not change them)."""
-    return view_memory(model, dims, tp_generate, switch=False, ep_generate=ep_generate)
+    """The views' figures without the switch's transfers (offload does not change them): the training side
+    from the engine's accounting, the generation weights from ``plan.switch`` (experts split whole over
+    ep_generate ranks, across rollout groups too), and a mixture of experts' gathered layer its largest."""
+    v = _training_views(model, dims, tp_generate > 1 and dims.fsdp_only)
+    return dataclasses.replace(
+        v,
+        generate_view=str(GenerateSplit(dims.world, tp_generate, ep_generate)),
+        generation_bytes=generation_bytes(model, dims.world, tp_generate, ep_generate),
+        layer_bytes=gathered_layer_bytes(model, dims) if is_moe(model.config) else v.layer_bytes,
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _training_views(model: torch.nn.Module, dims: ParallelDims, by_columns: bool) -> ViewMemory:
+    """The engine's training figures of ``dims``. They depend on the generation view only where FSDP2 alone
+    shards row-parallel weights on dim 1 for a tensor-parallel rollout (``by_columns``: any tp > 1 alike), so
+    one call serves every generation view (the engine's accounting is the plan's slowest part)."""
+    return view_memory(model, dims, 2 if by_columns else 1, switch=False)
+
+
+_LAYER = re.compile(r"\.(?:layers|h)\.(\d+)\.")
+
+
+@functools.lru_cache(maxsize=64)
+def gathered_layer_bytes(model: torch.nn.Module, dims: ParallelDims, compute_bytes: int = 2) -> int:
+    """The largest decoder layer as FSDP2 gathers it for a forward or backward, in the compute dtype: the
+    rank's tensor-parallel piece of the attention (and of a dense MLP), a sparse block's router and shared
+    expert whole (MoE blocks train whole on every tp rank) and its ep rank's E / ep whole experts. A mixture
+    of experts' first layer may be dense (DeepSeek-V3) and a sparse one far larger: the largest counts."""
+    config = text_config(model.config)
+    family = family_of(model.config) if has_shard_rules(model.config) else None
+    layers: dict[int, int] = {}
+    for name, p in model.named_parameters():
+        found = _LAYER.search(name)
+        if found is None:
+            continue
+        kind = trained_kind(config, name, sliced_kind(name, family))
+        if kind == "experts" and dims.ep > 1:
+            elements = -(-p.shape[0] // dims.ep) * (p.numel() // p.shape[0])
+        elif kind in ("column", "kv", "row") and dims.tp > 1:
+            elements = p.numel() // dims.tp
+        else:
+            elements = p.numel()
+        layers[int(found.group(1))] = layers.get(int(found.group(1)), 0) + elements
+    return max(layers.values(), default=0) * compute_bytes
 
 
 @functools.lru_cache(maxsize=16)
@@ -184,7 +232,9 @@ def _tower_elements(model: torch.nn.Module, world: int) -> int:
 def estimate_phases(cfg: Config, mc: Any, model: torch.nn.Module, layout: Layout) -> dict[str, int]:
     """Bytes per GPU of each phase of a step under ``layout`` (the actor; a colocated reference added)."""
     mc = text_config(mc)
-    v = _views(model, layout.dims(with_sp=False), layout.tp_generate, layout.ep_generate)  # sp: no change
+    v = _views(
+        model, layout.dims(with_sp=False), layout.tp_generate, layout.ep_generate or 1
+    )  # sp: no change
     layout.views, layout.params = v, v.full_elements
     if cfg.model.lora_rank > 0:
         return lora_phases(cfg, mc, model, layout, v)

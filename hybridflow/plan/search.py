@@ -18,7 +18,9 @@ their verdicts (``hybridflow plan``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,24 +29,22 @@ import torch
 
 from hybridflow.config import Config, ConfigError, validate_config
 from hybridflow.config.aliases import resolve_alias
-from hybridflow.config.parallel import role_sizes
 from hybridflow.config.validate import get_path
 from hybridflow.config.views import divisors
 from hybridflow.engine import (
     GRAD_BYTES,
     MASTER_BYTES,
     MOMENT_BYTES,
-    GenerateView,
     ParallelDims,
     ViewMemory,
     unsplit_reason,
-    view_memory,
 )
 from hybridflow.models.vision import is_vision_language, text_config
 from hybridflow.models.vision_tower import check_vision_training
 from hybridflow.plan.memory import estimate_phases, generation_slots, host_bytes
 from hybridflow.plan.report import gb, gigabytes, host_line, parameters_text, seconds, unchecked_host, why
 from hybridflow.plan.step_time import estimate_seconds
+from hybridflow.plan.switch import GenerateSplit, expert_sizes, moe_experts, switch_figures
 
 logger = logging.getLogger(__name__)
 
@@ -63,13 +63,15 @@ LAYOUT_KEYS = (
     "actor.ppo_micro_batch_size_per_gpu",
     "actor.ppo_max_token_len_per_gpu",
     "rollout.max_num_seqs",
+    "rollout.expert_parallel_size",
+    "actor.parallel.ep",
 )
 # (param_offload, optimizer_offload, optimizer_step_on_cpu), simplest first; the CPU step moves the optimizer
 # itself to the host, so it takes no optimizer offload (validation refuses the two together)
 _FIELDS = dict(
     zip(LAYOUT_KEYS, (
         "tp_train", "pp", "sp", "tp_generate", "param_offload", "optimizer_offload", "cpu_step",
-        "checkpointing", "micro", "token_budget", "max_seqs",
+        "checkpointing", "micro", "token_budget", "max_seqs", "ep_generate", "ep",
     ))
 )  # fmt: skip
 OFFLOADS = ((False, False, False), (False, True, False), (True, True, False), (False, False, True))
@@ -105,15 +107,15 @@ class Layout:
     reason: str = ""
     params: int = 0
     kept: dict[str, Any] = field(default_factory=dict)  # the layout keys the config set (not planned)
-    ep: int = 1  # actor.parallel.ep, as the config sets it (not searched)
-    ep_generate: int = (
-        1  # rollout.expert_parallel_size, as the config sets it: the rollout's tp must equal it
-    )
+    # actor.parallel.ep: 1 or the most data-parallel ranks the experts split over; None for a dense model
+    ep: int | None = None
+    # rollout.expert_parallel_size (``plan.switch``): 1, tp_generate or tp_generate x k; None for a dense model
+    ep_generate: int | None = None
 
     def dims(self, with_sp: bool = True) -> ParallelDims:
         """The actor's training view of this layout (the one place the planner builds it); without sp for the
         memory views, which Ulysses does not change."""
-        return ParallelDims(self.world, self.tp_train, self.pp, self.sp if with_sp else 1, self.ep)
+        return ParallelDims(self.world, self.tp_train, self.pp, self.sp if with_sp else 1, self.ep or 1)
 
     @property
     def peak(self) -> int:
@@ -154,9 +156,13 @@ class Layout:
             if value is not None
         )
         return (
-            f"train_view={train}, generate_view={GenerateView(self.world, self.tp_generate, self.ep_generate)}, "
+            f"train_view={train}, generate_view={self.generate_split()}, "
             f"sp={self.sp}, offload={offload}{levers}"
         )
+
+    def generate_split(self) -> GenerateSplit:
+        """The generation view of this layout: tp_generate ranks a group, experts over ep_generate ranks."""
+        return GenerateSplit(self.world, self.tp_generate, self.ep_generate or 1)
 
     def line(self) -> str:
         """The one-line log of the choice and why."""
@@ -252,11 +258,12 @@ def _candidates(cfg: Config, model: torch.nn.Module, world: int, fixed: dict[str
     pps = divisors(world) if _accepted("actor.pipeline_parallel_size") else [1]
     sps = divisors(world) if _accepted("actor.ulysses_sequence_parallel_size") else [1]
     checkpointing = _unique([cfg.model.enable_gradient_checkpointing, True])
-    ep, ep_g = role_sizes(cfg, "actor")["ep"], cfg.rollout.expert_parallel_size  # kept, not searched
     out = []
     for tp_t in divisors(world):
         for pp in pps:  # sizes that do not fit the world are refused by their ParallelDims (``_splits``)
-            for tp_g in [t for t in divisors(world) if ep_g == 1 or t == ep_g]:
+            for (tp_g, ep_g), ep in itertools.product(
+                _generate_views(cfg, model, world, fixed), _train_eps(model, world // (tp_t * pp), fixed)
+            ):
                 for sp in sps:
                     if not _splits(model, Layout(world, tp_t, pp, sp, tp_g, ep=ep, ep_generate=ep_g)):
                         continue
@@ -267,11 +274,36 @@ def _candidates(cfg: Config, model: torch.nn.Module, world: int, fixed: dict[str
                                 layout.ep, layout.ep_generate = ep, ep_g
                                 layout.dynamic = cfg.actor.use_dynamic_bsz
                                 layout.max_seqs = fixed.get("rollout.max_num_seqs")
-                                if all(layout.overrides()[k] == v for k, v in fixed.items()):
+                                if all(layout.overrides().get(k) == v for k, v in fixed.items()):
                                     out.append(layout)
     scratch = copy.deepcopy(cfg)  # every candidate sets every layout key: one copy serves them all
     out = [x for x in out if _valid(cfg, x, scratch)]
     return sorted(out, key=lambda x: _simplicity(cfg, x))
+
+
+def _train_eps(model: torch.nn.Module, dp: int, fixed: dict[str, Any]) -> list[int | None]:
+    """actor.parallel.ep values to try: the config's, or for a mixture of experts 1 and the most data-parallel
+    ranks its experts split over (each rank then gathers E / ep experts a layer instead of all E: the same
+    state per rank, a smaller gathered layer); None for a dense model."""
+    experts = moe_experts(model)
+    if "actor.parallel.ep" in fixed or not experts:
+        return [fixed.get("actor.parallel.ep")]
+    return _unique([1, max(e for e in divisors(max(dp, 1)) if experts % e == 0)])
+
+
+def _generate_views(
+    cfg: Config, model: torch.nn.Module, world: int, fixed: dict[str, Any]
+) -> list[tuple[int, int | None]]:
+    """(tp_generate, ep_generate) pairs to try: every tp dividing the world, and for a mixture of experts every
+    expert-parallel size of it (``plan.switch.expert_sizes``: sliced, whole over the group, whole over k
+    groups) that validation takes (``_valid``), or the config's; a dense model has no ep_generate (None)."""
+    experts = moe_experts(model)
+    kept = fixed.get("rollout.expert_parallel_size")
+    out = []
+    for tp_g in divisors(world):
+        sizes = [kept] if kept is not None or not experts else expert_sizes(world, tp_g, experts)
+        out += [(tp_g, ep_g) for ep_g in sizes if ep_g is None or ep_g == 1 or ep_g % tp_g == 0]
+    return out
 
 
 def _unique(values: list[Any]) -> list[Any]:
@@ -312,7 +344,10 @@ def _simplicity(cfg: Config, x: Layout) -> tuple:
         (x.micro, x.token_budget)
         != (cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.ppo_max_token_len_per_gpu)
     )
-    return (x.tp_train * x.pp, offload, own, -(x.micro or 0), -(x.token_budget or 0), x.tp_generate, x.sp)
+    return (
+        x.tp_train * x.pp, offload, own, -(x.micro or 0), -(x.token_budget or 0), x.tp_generate, x.sp,
+        x.ep or 1, x.ep_generate or 1,
+    )  # fmt: skip
 
 
 def _splits(model: torch.nn.Module, layout: Layout) -> bool:
@@ -321,8 +356,12 @@ def _splits(model: torch.nn.Module, layout: Layout) -> bool:
     A vision-language model trains on FSDP2 alone and generates on whole replicas (``check_vision_training``,
     the switch's ``check_vision_tp``): any other view is refused."""
     if is_vision_language(model.config):
-        return max(layout.tp_train, layout.pp, layout.sp, layout.ep, layout.tp_generate) == 1
-    if unsplit_reason(model, layout.tp_train, layout.tp_generate, layout.ep_generate) is not None:
+        return max(layout.tp_train, layout.pp, layout.sp, layout.ep or 1, layout.tp_generate) == 1
+    ep_g = layout.ep_generate or 1
+    if ep_g > 1 and (moe_experts(model) % ep_g or layout.world % ep_g):
+        return False
+    # experts split across rollout groups (ep_g > tp_g) are whole on each rank as at ep_g = tp_g
+    if unsplit_reason(model, layout.tp_train, layout.tp_generate, min(ep_g, layout.tp_generate)) is not None:
         return False
     try:  # the view the actor would build (sizes that do not fit the world are refused here too)
         layout.dims().check_model(model.config)
@@ -424,11 +463,10 @@ def _fit_generation_waves(cfg: Config, mc: Any, model: torch.nn.Module, layout: 
 
 
 def _with_switch(model: torch.nn.Module, layout: Layout) -> Layout:
-    """The chosen layout with the bytes its switch moves (from the reshard plan; up to 64 ranks)."""
-    if layout.world <= 64:
-        layout.views = view_memory(
-            model, layout.dims(with_sp=False), layout.tp_generate, ep_generate=layout.ep_generate
-        )
+    """The chosen layout with the bytes its switch moves (``plan.switch``: the reshard plan's count)."""
+    dims, tp_g, ep_g = layout.dims(with_sp=False), layout.tp_generate, layout.ep_generate or 1
+    received = switch_figures(model, dims, tp_g, ep_g).received_bytes
+    layout.views = dataclasses.replace(layout.views, received_bytes=received)
     return layout
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from hybridflow.config import Config
 from hybridflow.config.off_policy import old_log_prob_source
+from hybridflow.models.families import is_moe
 from hybridflow.models.vision import text_config
 from hybridflow.plan.memory import group_samples, kv_bytes_per_token, update_micro
 
@@ -59,6 +60,10 @@ class Work:
     log_prob_passes: int  # old-log-prob and reference passes
     micro_batches: int  # the update's micro-batches per GPU per step
     micro_tokens: int  # tokens of one of them
+    generation_bytes: int = (
+        0  # one generation rank's weights, streamed every decode step (0: 2 x params / tp)
+    )
+    exchanges: int = 0  # token exchanges between rollout groups per decode step (MoE layers when ep_g > tp_g)
 
 
 @dataclass(frozen=True)
@@ -88,10 +93,15 @@ def stage_seconds(w: Work, x: Levers) -> dict[str, float]:
         update += w.micro_batches * per_pass * (3 if x.checkpointing else 2)
         log_prob += w.log_prob_passes * per_pass * max(1, w.micro_batches // 2)
     # every decode step streams the group's weights and the sequences' KV cache (half the context on average)
-    streamed = 2 * w.params / x.tp_generate + w.slots * w.context // 2 * w.kv_bytes_per_token
+    # (a mixture of experts' rank streams its own experts: whole ones over ep_g ranks, or its slice of all)
+    weights = w.generation_bytes or 2 * w.params / x.tp_generate
+    streamed = weights + w.slots * w.context // 2 * w.kv_bytes_per_token
     generate = w.waves * w.response * streamed / (HBM_BYTES_PER_S * DECODE_ROOFLINE)
     if x.tp_generate > 1:
         generate += w.waves * w.response * w.layers * 2 * ALLREDUCE_LATENCY_S
+    # experts across rollout groups: each MoE layer sends the tokens to their experts' ranks and back, two
+    # decode-sized (latency-bound) collectives, as an all-reduce
+    generate += w.waves * w.response * w.exchanges * 2 * ALLREDUCE_LATENCY_S
     return {
         "generate": generate,
         "log_prob": log_prob,
@@ -124,6 +134,15 @@ def _log_prob_passes(cfg: Config) -> int:
     return (old_log_prob_source(cfg) == "recompute") + bool(cfg.use_reference)
 
 
+def _exchanges(mc: Any, layout: Layout) -> int:
+    """Token exchanges between rollout groups in one decode step: one per sparse layer when the experts are
+    split across groups (ep_generate > tp_generate), else none."""
+    if (layout.ep_generate or 1) <= layout.tp_generate:
+        return 0
+    dense = set(getattr(mc, "mlp_only_layers", None) or ())  # Qwen-MoE's dense layers
+    return sum(1 for i in range(mc.num_hidden_layers) if i not in dense)
+
+
 def estimate_seconds(cfg: Config, mc: Any, layout: Layout) -> float:
     """The layout's estimated step time (after ``plan.memory.estimate_phases``, which sizes it)."""
     d, r, mc = cfg.data, cfg.rollout, text_config(mc)
@@ -138,6 +157,7 @@ def estimate_seconds(cfg: Config, mc: Any, layout: Layout) -> float:
         slots=slots, kv_bytes_per_token=kv_bytes_per_token(cfg, mc, layout),
         context=context, log_prob_passes=_log_prob_passes(cfg),
         micro_batches=micro_batches, micro_tokens=micro_tokens,
+        generation_bytes=layout.views.generation_bytes if is_moe(mc) else 0, exchanges=_exchanges(mc, layout),
     )  # fmt: skip
     levers = Levers(
         layout.tp_train, layout.tp_generate, layout.param_offload, layout.optimizer_offload,

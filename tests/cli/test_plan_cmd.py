@@ -206,3 +206,59 @@ def test_a_vision_language_model_is_planned_with_its_vision_tower(tiny_vl, capsy
     assert _rows(out) and all(
         r.startswith("| train_view=(fsdp=2), generate_view=(tp=1, dp=2), sp=1,") for r in _rows(out)
     )
+
+
+# Qwen3-30B-A3B by hand: hidden 2048, 48 layers, 32 heads and 4 KV heads of 128 dims (q 4096 rows, k and v
+# 512), q/k norms of 128, two layer norms; a router (128 x 2048) and 128 experts of 3 x 768 x 2048 a layer;
+# vocabulary 151936 in the embedding and the head; float32 masters, gradients, moments (16 bytes an element),
+# bf16 generation weights (2).
+A3B = dict(h=2048, layers=48, q=4096, kv=512, experts=128, expert=3 * 768 * 2048, vocab=151936)
+
+
+def test_plan_prints_the_30b_a3b_expert_parallel_views_as_counted_by_hand(capsys) -> None:
+    """The write-ups' TP=8, EP=2 -> TP=4 at the half scale the engine takes on 8 GPUs: training TP=8 does not
+    split the 4 KV heads, and training ep divides the data-parallel ranks (1 at tp = 8), so train (tp=4, dp=2,
+    ep=2) -> generate tp=2 with the experts split whole (ep=2), independent of the training ep."""
+    views = ["actor.parallel.tp=4", "actor.parallel.ep=2", "rollout.tensor_model_parallel_size=2"]
+    views += ["rollout.expert_parallel_size=2", "actor.fsdp.param_offload=false"]
+    views += ["actor.fsdp.optimizer_offload=false", "actor.fsdp.optimizer_step_on_cpu=false"]
+    argv = ["plan", "--model-shape", "qwen3-30b-a3b", "--gpus", "8", "--gpu-memory-gb", "80", *views]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(
+        "auto layout: train_view=(tp=4, pp=1, dp=2, ep=2), generate_view=(tp=2, ep=2, dp=4)"
+    )
+    m = A3B
+    h, layers, router, experts = m["h"], m["layers"], m["experts"] * m["h"], m["experts"] * m["expert"]
+    attention = 2 * m["q"] * h + 2 * m["kv"] * h  # q, o; k, v
+    # training rank: the attention over tp 4 then FSDP2 over dp 2; norms, router (MoE blocks are whole on the tp
+    # ranks) over dp 2; half of the experts (ep 2), not split further (dp / ep = 1); embedding and head over dp
+    held = (
+        layers * (attention // 8 + (2 * 128 + 2 * h) // 2 + router // 2 + experts // 2)
+        + (2 * m["vocab"] + 1) * h // 2
+    )
+    # generation rank: the attention (2 of 4 KV heads) over tp 2, norms and router whole, 64 experts whole
+    weights = layers * (attention // 2 + 2 * 128 + 2 * h + router + experts // 2) + (m["vocab"] + 1) * h
+    # rank 1: tp rank 0 of the rollout (experts 0-63), training tp rank 0, dp rank 1, ep rank 1 (experts 64-127):
+    # of q it holds rows 512-1023 of the 2048 it needs, of k/v rows 64-127 of 256, of o rows 1024-2047 of
+    # columns 0-1023 (of 2048 x 2048), half of each norm and of the router, none of its experts, the other
+    # half of the vocabulary (of the embedding and of the head), half of the final norm; the other ranks receive
+    # as much or less
+    per_layer = (2048 - 512) * h + 2 * (256 - 64) * h + (h * h - 1024 * 1024) + (2 * 128 + 2 * h) // 2
+    received = layers * (per_layer + router // 2 + experts // 2) + m["vocab"] * h + h // 2
+    gb = 1e9
+    line = next(x for x in out.splitlines() if x.startswith("per GPU:"))
+    assert (
+        f"training state {held * 16 / gb:.2f} GB" in line
+        and f"generation weights {weights * 2 / gb:.2f}" in line
+    )
+    assert f"{received * 2 / gb:.3f} GB received per switch" in line
+    # the rollout phase: float32 masters and moments kept, the generation weights, and the KV cache of the 32
+    # sequences a rollout group decodes (16 prompts x 8 / 4 groups) of 192 tokens (K and V of 2 KV heads a rank in
+    # 48 layers, bf16) with a float32 logits row (half the vocabulary)
+    cfg = load_config(None, [])
+    seqs = cfg.data.train_batch_size * cfg.rollout.n // 4
+    context = cfg.data.max_prompt_length + cfg.data.max_response_length
+    kv = seqs * (context * layers * 2 * 2 * 128 * 2 + m["vocab"] * 4 // 2)
+    generate = held * 12 + weights * 2 + kv
+    assert not cfg.use_reference and f"| generate | {generate / gb:.2f} |" in out

@@ -73,8 +73,9 @@ def test_the_unset_keys_take_the_planned_values_and_one_line_names_them(
     record = _planned_line(caplog)
     planned = record.getMessage().split("; planned keys: ")[1].split()
     assert record.levelno == logging.INFO and f"{ROLLOUT_TP}={tp}" in planned
-    # every key but model.enable_gradient_checkpointing (set) and rollout.max_num_seqs (one wave fits)
-    assert len(planned) == len(LAYOUT_KEYS) - 2
+    # every key but model.enable_gradient_checkpointing (set), rollout.max_num_seqs (one wave fits),
+    # rollout.expert_parallel_size and actor.parallel.ep (a dense model has no experts)
+    assert len(planned) == len(LAYOUT_KEYS) - 4
     assert any(key.startswith("actor.fsdp.optimizer_offload=") for key in planned)
 
 

@@ -78,3 +78,7 @@ def test_the_views_table_shows_expert_parallel_training_into_sliced_or_split_exp
     # expert's slice from them, the split one whole experts (each rank's two, of which it holds none or all)
     assert 0 < float(sliced[6]) < float(split[6])
     assert "num_local_experts=8" in rows[("(fsdp=16, ep=16)", "(tp=16, ep=16)")][-1]
+    # the experts over two rollout groups (ep 8 = tp 4 x 2): one expert a rank, half the generation weights of
+    # the group-wide split, and no more bytes received than the sliced rollout's
+    wide = rows[("(tp=8, pp=1, dp=2, ep=2)", "(tp=4, ep=8)")]
+    assert float(wide[5]) < float(split[5]) and float(wide[6]) <= float(sliced[6])
