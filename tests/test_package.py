@@ -36,3 +36,13 @@ def test_import_hybridflow_stays_light() -> None:
     probe = "import sys, hybridflow; print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_no_two_test_modules_share_a_name() -> None:
+    """pytest's default (prepend) import mode imports test modules by their base name: two files of one name in
+    different directories stop the whole run at collection (it happened twice)."""
+    root = Path(__file__).resolve().parent
+    names: dict[str, list[str]] = {}
+    for path in root.rglob("test_*.py"):
+        names.setdefault(path.name, []).append(str(path.relative_to(root)))
+    assert {n: p for n, p in names.items() if len(p) > 1} == {}
