@@ -57,6 +57,8 @@ class Scorer:
         self.overlong = cfg.reward.overlong_buffer
         self.max_response_length = cfg.data.max_response_length
         self.model_path = cfg.reward.model.path
+        h = cfg.rollout.harness
+        self.harness = h.verifiers_env or h.module if h.enabled else None  # the episodes' own rewards
         self.sources: set[str] = set()  # the data sources scored so far (a warning names them)
 
     def describe(self) -> str:
@@ -66,6 +68,8 @@ class Scorer:
             ", ..." if len(self.sources) > 5 else ""
         )
         of = f"data_source {sources}" if sources else "no data scored yet"
+        if self.harness is not None:
+            return f"the harness {self.harness} ({of})"
         if self.reward_model is not None:
             return f"the reward model {self.model_path} ({of})"
         if self.manager.fn_name == "default_compute_score":

@@ -61,3 +61,16 @@ def test_a_token_id_reward_gets_each_samples_own_prompt_and_response_ids() -> No
     assert seen == list(zip(prompts, responses))
     assert scores.tolist() == [5.0, 1.0, 2.0]
     scorer.close()
+
+
+def test_a_warning_about_the_rewards_names_the_harness_that_gave_them(tmp_path) -> None:
+    harness = tmp_path / "play.py"
+    harness.write_text("async def episode(client, row):\n    return 1.0\n")
+    cfg = load_config(None, [f"rollout.harness.module={harness}"])
+    scorer = Scorer(build_reward_manager(cfg, None), build_char_tokenizer(), cfg)
+    assert scorer.describe() == f"the harness {harness} (no data scored yet)"
+    plain = load_config(None, [])
+    assert (
+        "built-in scorer"
+        in Scorer(build_reward_manager(plain, None), build_char_tokenizer(), plain).describe()
+    )
