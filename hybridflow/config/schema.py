@@ -189,8 +189,7 @@ class HarnessConfig:
     port: int = option(0, "Port of the endpoint; 0 picks a free one.")
     verifiers_env: str | None = option(
         None,
-        "A verifiers environment instead of module: an installed one (its taskset id) or a .py file "
-        "defining one; its harness plays each episode, its rubric gives the reward.",
+        "A verifiers environment (installed id or .py file) instead of module; its rubric gives the reward.",
     )
     verifiers_config: dict[str, Any] = option(
         {}, "The verifiers environment's config (taskset.*, agent.*, ...: what verifiers' --env.* sets)."
