@@ -92,7 +92,7 @@ def test_on_error_raise_stops_at_the_first_timeout(reward_file):
     # Two workers, eight slow samples: waiting out each would take four rounds of the timeout.
     with (
         RewardManager((reward_file, "compute_score"), num_workers=2, timeout_s=1.0) as manager,
-        pytest.raises(RewardError, match=r"sample 0 .*timed out") as info,
+        pytest.raises(RewardError, match=r"sample [01] .*timed out") as info,  # the first round: either one
     ):
         start = time.monotonic()
         manager.score(["a"] * 8, ["slow"] * 8, ["x"] * 8)
