@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.dist_util import run_world_kept
+from support.dist_util import run_world
 
 # per rollout group: its prompts (at most 4 rollout groups); group 1 has fewer and longer ones
 GROUP_PROMPTS = [
@@ -120,7 +120,7 @@ VIEWS = [("qwen3_moe", 1, 4), ("mixtral", 1, 4), ("qwen3_moe", 2, 4), ("mixtral"
 
 @pytest.fixture(scope="module")
 def results() -> list[list[dict]]:
-    return run_world_kept(4, generate_on_ranks, 4, VIEWS, timeout=600)
+    return run_world(4, generate_on_ranks, 4, VIEWS, timeout=600)
 
 
 @pytest.mark.parametrize("which", range(len(VIEWS)))
