@@ -32,8 +32,10 @@ from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-# The functional all-gather into one tensor (as ``rollout.tp``: all_gather_single where torch has it).
+# The functional all-gather and reduce-scatter of one tensor (as ``rollout.tp``: the *_single names where torch
+# has them; 2.13 deprecates the *_tensor ones with a warning per call).
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 IDLE = -1  # a settling rank's count: it has no forward of its own, only its peers' rows to serve
 Experts = Callable[..., torch.Tensor]
 
@@ -97,7 +99,7 @@ class ExpertExchange:
         # float32 on the wire (idle ranks cannot know a family's weights' dtype); back exactly after
         w_all = self._gather(torch.nn.functional.pad(weights.float(), (0, 0, 0, pad))).to(weights.dtype)
         y = local(x_all, ids_all, w_all, gate_up, down)  # (k * rows, H): this rank's experts' share
-        out = funcol.wait_tensor(funcol.reduce_scatter_tensor(y.contiguous(), "sum", 0, self.group))
+        out = funcol.wait_tensor(_reduce_scatter(y.contiguous(), "sum", 0, self.group))
         return out[:n]  # (N, H)
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
