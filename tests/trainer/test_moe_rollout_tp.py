@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 import pytest
-from support.dist_util import run_world, run_world_kept
+from support.dist_util import run_world_kept
 from support.realistic import realistic_rows, write_jsonl
 from test_model_families import REWARD_SOURCE, check_step, overrides, train_rank
 
@@ -88,8 +88,7 @@ def test_grpo_with_experts_split_across_rollout_groups(setup: dict[str, Path], t
         ]
         for name, tp in views.items()
     ]
-    # fresh processes: a kept world that ran these views failed a later call's training mesh lookup
-    ranks = run_world(4, train_rank, runs, timeout=600)
+    ranks = run_world_kept(4, train_rank, runs, timeout=600)
     for i, (name, tp) in enumerate(views.items()):
         assert [r[i]["code"] for r in ranks] == [0, 0, 0, 0], (name, [r[i]["messages"][-3:] for r in ranks])
         steps = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").open()]

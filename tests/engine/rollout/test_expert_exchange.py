@@ -1,16 +1,19 @@
 """Expert parallelism across rollout groups on four gloo ranks (``rollout.expert_parallel_size`` > tp): the
 training view is ep=2 x dp=2 (FSDP2 over the rest), the generation view tp=1, ep=4 (every rank its own replica
-of attention and the dense layers, a quarter of the experts) or tp=2, ep=4 (two groups of two, each rank a
-quarter). Each rollout group generates its own prompts (different lengths, different counts, so the groups
-finish at different steps and the early ones settle), and every group's greedy tokens, log-probs and
-routing records equal one process's on the whole model; the reshard moved whole experts, each from one
-holder, and every rank ends with exactly its experts."""
+of attention and the dense layers, a quarter of the experts: Mixtral) or tp=2, ep=4 (two groups of two, each
+rank a quarter: Qwen3-MoE; the trainer's test runs the other pairing). Each rollout group generates its own
+prompts (different lengths, different counts, so the groups finish at different steps and the early ones
+settle), and every group's greedy tokens, log-probs and routing records equal one process's on the whole
+model; the reshard moved whole experts, each from one holder, and every rank ends with exactly its experts.
+The kept processes that ran it then train an expert-parallel step (the exchange's extra process groups leave
+nothing behind that a later call's meshes trip over)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from support.dist_util import run_world
+from support.batches import NORMAL, rollout_batch
+from support.dist_util import run_world_kept
 
 # per rollout group: its prompts (at most 4 rollout groups); group 1 has fewer and longer ones
 GROUP_PROMPTS = [
@@ -115,12 +118,22 @@ def generate_on_ranks(rank: int, world: int, views: list[tuple[str, int, int]]) 
     return out
 
 
-VIEWS = [("qwen3_moe", 1, 4), ("mixtral", 1, 4), ("qwen3_moe", 2, 4), ("mixtral", 2, 4)]
+VIEWS = [("mixtral", 1, 4), ("qwen3_moe", 2, 4)]  # (family, tp, ep): one family per view, the code is shared
+
+
+def generate_then_train(rank: int, world: int) -> tuple[list[dict], float]:
+    """``generate_on_ranks`` for every view, then a training step (``train_step``), as the hybrid engine does."""
+    return generate_on_ranks(rank, world, VIEWS), train_step(rank, world, "qwen3_moe")
 
 
 @pytest.fixture(scope="module")
-def results() -> list[list[dict]]:
-    return run_world(4, generate_on_ranks, 4, VIEWS, timeout=600)
+def ran() -> list[tuple[list[dict], float]]:
+    return run_world_kept(4, generate_then_train, 4, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def results(ran: list[tuple[list[dict], float]]) -> list[list[dict]]:
+    return [views for views, _ in ran]
 
 
 @pytest.mark.parametrize("which", range(len(VIEWS)))
@@ -157,3 +170,31 @@ def test_the_reshard_moves_each_expert_once_into_exactly_its_holder(
             assert all(b[1:] == moved[0][1:] and all(a == 0 for a, _ in b[1:]) for b in moved)
     assert f"generate_view=(tp={tp}, ep={ep}, dp={4 // tp})" in first["plan"]
     assert "train_view=(fsdp=4, ep=2)" in first["plan"]
+
+
+def train_step(rank: int, world: int, arch: str) -> float:
+    """One expert-parallel update (ep=2 x dp=2, gradients clipped by their global norm): this rank's norm."""
+    from hybridflow.config.schema import ActorConfig
+    from hybridflow.engine.parallel.dims import ParallelDims
+    from hybridflow.engine.roles.actor import ActorEngine
+    from hybridflow.models.moe import install_moe
+
+    cfg = ActorConfig()
+    cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size_per_gpu, cfg.grad_clip = 8, 1, 0.5  # 2 rows a rank
+    model = lively(arch).train()
+    install_moe(model)  # the shared MoE blocks a loaded model trains with (their experts DTensors over ep)
+    engine = ActorEngine(model, cfg, dims=ParallelDims(world, ep=2))
+    batch = rollout_batch([5, 2], [4, 1], 4, rank, advantages=NORMAL)  # each rank its own rows
+    batch["old_log_probs"] = engine.compute_log_prob(batch, micro_batch_size=2)["log_probs"] - 0.05
+    return engine.update_policy(batch)["actor/grad_norm"]
+
+
+def test_the_same_processes_train_the_same_step_again(ran: list[tuple[list[dict], float]]) -> None:
+    # The kept processes that generated and trained above train the same step in a new call: its process
+    # groups get the names the first call's had, in another order (the exchange's and generation views' came
+    # before its mesh there); no DTensor spec torch cached then may still name them (it did: "Could not
+    # resolve the process group registered under the name 12" from the grad-norm's mesh lookup).
+    before = [norm for _, norm in ran]
+    norms = run_world_kept(4, train_step, 4, "qwen3_moe")
+    assert before[0] > 0 and all(n == pytest.approx(before[0], rel=1e-6) for n in before), before
+    assert norms == pytest.approx(before, rel=1e-6)  # the same numbers: no collective over another group
