@@ -193,7 +193,7 @@ def test_the_same_processes_train_the_same_step_again(ran: list[tuple[list[dict]
     # The kept processes that generated and trained above train the same step in a new call: its process
     # groups get the names the first call's had, in another order (the exchange's and generation views' came
     # before its mesh there); no DTensor spec torch cached then may still name them (it did: "Could not
-    # resolve the process group registered under the name 12" from the grad-norm's mesh lookup).
+    # resolve the process group registered under the name 14" from the grad-norm's mesh lookup).
     before = [norm for _, norm in ran]
     norms = run_world_kept(4, train_step, 4, "qwen3_moe")
     assert before[0] > 0 and all(n == pytest.approx(before[0], rel=1e-6) for n in before), before
