@@ -31,7 +31,7 @@ from hybridflow.config.validate_async import (
     check_tool_task,
 )
 from hybridflow.config.validate_lora import check_lora
-from hybridflow.config.views import check_train_views, not_dividing
+from hybridflow.config.views import check_train_views, expert_sizes, not_dividing, ranks_text
 
 logger = logging.getLogger(__name__)
 
@@ -223,23 +223,13 @@ def _check_unimplemented(cfg: Config, out: list[Problem]) -> None:
 
 def _check_rollout_tp(cfg: Config, out: list[Problem]) -> None:
     """A tensor-parallel rollout: groups of tp ranks of the world, the built-in engine, the hybrid engine;
-    experts split over a group (``rollout.expert_parallel_size``) only whole over the group."""
+    experts split whole (``rollout.expert_parallel_size``) over tp x k ranks, k dividing the groups."""
     tp, world, path = (
         cfg.rollout.tensor_model_parallel_size,
         cfg.trainer.world_size,
         "rollout.tensor_model_parallel_size",
     )
-    ep = cfg.rollout.expert_parallel_size
-    if ep > 1 and ep != tp:  # below 1: the range check's
-        out.append(
-            Problem(
-                "rollout.expert_parallel_size",
-                f"is {ep} with {path}={tp}: experts are split over the ranks of one rollout group only "
-                "(groups decode independently, so experts are not split across them)",
-                "set rollout.expert_parallel_size=1 (each expert sliced over the group) or "
-                + (f"={tp} (whole experts per rank)" if tp > 1 else f"{path}={ep} with it (groups of {ep})"),
-            )
-        )
+    _check_rollout_ep(cfg, out)
     if tp == 1:
         return
     if world % tp:
@@ -256,6 +246,48 @@ def _check_rollout_tp(cfg: Config, out: list[Problem]) -> None:
                 f"set actor.hybrid_engine=true, or {path}=1",
             )
         )
+
+
+def _check_rollout_ep(cfg: Config, out: list[Problem]) -> None:
+    """``rollout.expert_parallel_size``: 1, or tp x k with k dividing the rollout groups; above tp (experts
+    across groups, whose tokens meet at every MoE layer) only where the exchange is built."""
+    tp, world, key = (
+        cfg.rollout.tensor_model_parallel_size,
+        cfg.trainer.world_size,
+        "rollout.expert_parallel_size",
+    )
+    ep = cfg.rollout.expert_parallel_size
+    if ep <= 1 or tp < 1 or world % tp:  # below 1: the range check's; tp's own checks name a bad tp
+        return
+    if ep % tp or (world // tp) % (ep // tp):
+        sizes = ", ".join(map(str, expert_sizes(world, tp)))
+        out.append(
+            Problem(
+                key,
+                f"is {ep} with rollout.tensor_model_parallel_size={tp} on {ranks_text(world)}: experts split "
+                f"whole over tp x k ranks, k dividing the {world // tp} rollout groups",
+                f"use one of {sizes} (1: each expert sliced over its rollout group)",
+            )
+        )
+        return
+    if ep == tp:
+        return
+    fix = f"set {key}={tp if tp > 1 else 1}"
+    refused = {
+        "trainer.device": cfg.trainer.device == "cuda",
+        "trainer.async_mode": cfg.trainer.async_mode != "sync",
+        "rollout.multi_turn.enable": cfg.rollout.multi_turn.enable,
+        "rollout.harness.module": bool(cfg.rollout.harness.module),
+        "actor.hybrid_engine": not cfg.actor.hybrid_engine,
+        "rollout.engine": cfg.rollout.engine != "native",
+    }
+    for setting in (k for k, on in refused.items() if on):
+        what = (
+            "runs on CPU/gloo only so far"
+            if setting == "trainer.device"
+            else f"runs with whole generate calls of the built-in hybrid engine only, not {setting}={get_path(cfg, setting)}"
+        )
+        out.append(Problem(key, f"is {ep} > tp={tp} (experts across rollout groups), which {what}", fix))
 
 
 def _check_offload(cfg: Config, out: list[Problem]) -> None:

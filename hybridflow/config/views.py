@@ -158,3 +158,9 @@ def check_train_views(cfg: Any, out: list[Problem]) -> None:
             if not packed:
                 message = f"is {sizes['sp']}, but {packing} is false: Ulysses splits packed sequences"
                 out.append(Problem(size_key(role, "sp"), message, f"set {packing}=true"))
+
+
+def expert_sizes(world: int, tp: int) -> list[int]:
+    """The rollout.expert_parallel_size values a view of ``world`` ranks at ``tp`` takes."""
+    dp = world // tp if tp and world % tp == 0 else 1
+    return [1, *(tp * k for k in range(1, dp + 1) if dp % k == 0 and tp * k > 1)]

@@ -46,10 +46,34 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
         torch.cuda.set_device(
             int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % torch.cuda.device_count()
         )
+    forget_meshes()  # a default group made again in this process: no cached spec may hold the last one's
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     record_peers()  # so that a rank whose peer dies can name it
     logger.info("process group: backend=%s rank=%d world=%d", backend, dist.get_rank(), dist.get_world_size())
     return dist.get_rank(), dist.get_world_size()
+
+
+def forget_meshes() -> None:
+    """Drop torch's DTensor sharding-propagation caches, whose results hold the device meshes they were made on.
+
+    A cached op's output spec keeps the mesh of the first call that computed it, and meshes compare by their
+    ranks and dimensions, not by their process groups. Within one default process group that is harmless (the
+    same ranks, groups that still exist). But ``destroy_process_group`` ends every group, and a default group
+    made again in the same process hands out the same group names anew, in the order of creation: a spec
+    cached before then names a group that no longer exists, or another one (a grad-norm all-reduce over the
+    wrong ranks). Call it whenever the default group is made again (``init_distributed`` does).
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without the public DTensor module: nothing of ours caches through it
+        return
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    clear = getattr(propagator.propagate_op_sharding, "cache_clear", None)
+    if clear is not None:
+        clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
+    if native is not None:
+        native()
 
 
 def world_size() -> int:

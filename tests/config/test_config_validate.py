@@ -429,6 +429,23 @@ def test_a_tensor_parallel_rollout_must_split_the_world_into_groups() -> None:
     assert cfg.rollout.tensor_model_parallel_size == 2  # verl's key
 
 
+def test_experts_split_over_tp_times_a_divisor_of_the_rollout_groups() -> None:
+    four = ["trainer.n_gpus_per_node=4", "trainer.device=cpu"]
+    message = str(_error([*four, "rollout.tensor_model_parallel_size=2", "rollout.expert_parallel_size=3"]))
+    assert message.startswith(
+        "rollout.expert_parallel_size: is 3 with rollout.tensor_model_parallel_size=2 on the 4"
+    )
+    assert "use one of 1, 2, 4" in message
+    message = str(_error([*four, "rollout.expert_parallel_size=4", "rollout.multi_turn.enable=true"]))
+    assert "rollout.expert_parallel_size: is 4 > tp=1 (experts across rollout groups)" in message
+    assert "set rollout.expert_parallel_size=1" in message
+    gpu = str(_error(["trainer.n_gpus_per_node=4", "trainer.device=cuda", "rollout.expert_parallel_size=4"]))
+    assert "runs on CPU/gloo only so far" in gpu
+    for key in ("rollout.expert_parallel_size", "rollout.ep_size", "actor_rollout_ref.rollout.ep_size"):
+        cfg = load_config(overrides=[*four, "rollout.tensor_model_parallel_size=2", f"{key}=4"])
+        assert cfg.rollout.expert_parallel_size == 4, key  # tp=2, ep=4: both groups share the experts
+
+
 def test_other_consistency_rules() -> None:
     assert str(_error(["rollout.max_model_len=100"])).startswith("rollout.max_model_len: 100 is shorter than")
     assert str(_error(["data.gen_batch_size=8", "algorithm.filter_groups.enable=true"])).startswith(

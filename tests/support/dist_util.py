@@ -3,9 +3,10 @@
 ``run_world`` spawns fresh processes for each call. ``run_world_kept`` runs the call on ``world`` processes
 kept for the whole test session (one set per world size): a process start (an interpreter importing torch,
 transformers and hybridflow) costs seconds, more than most tiny runs. Each call still gets its own process
-group (on a fresh port, destroyed afterwards), the environment the processes started with, one torch
-thread, and the test process's ``sys.path``; a call that fails on any rank ends the set (the next call
-starts a new one), so a rank left in a collective never serves another test.
+group (on a fresh port, destroyed afterwards, and torch's DTensor caches of its meshes with it:
+``forget_meshes``), the environment the processes started with, one torch thread, and the test process's
+``sys.path``; a call that fails on any rank ends the set (the next call starts a new one), so a rank left in
+a collective never serves another test.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from hybridflow.utils.dist import free_port
+from hybridflow.utils.dist import forget_meshes, free_port
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
@@ -101,6 +102,7 @@ def _serve(rank: int, world: int, tasks: Any, results: Any) -> None:
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+            forget_meshes()  # the next call's groups reuse these names: no cached spec may keep our meshes
 
 
 class _KeptWorld:

@@ -38,6 +38,7 @@ from hybridflow.engine.parallel.lora import InPlaceMerge, LoraSpec, lora_modules
 from hybridflow.engine.parallel.rollout_group import RolloutGroup
 from hybridflow.engine.parallel.view import GenerateView
 from hybridflow.engine.roles.actor import ActorEngine
+from hybridflow.engine.rollout.expert_exchange import ExpertExchange
 from hybridflow.engine.rollout.factory import make_rollout
 from hybridflow.engine.rollout.hf_fallback import HFRollout
 from hybridflow.engine.rollout.partial import GroupState, roll_partial
@@ -47,6 +48,7 @@ from hybridflow.engine.rollout.tp import RolloutTP
 from hybridflow.engine.train.train_engine import TrainEngine
 from hybridflow.models.adapters import is_adapter_name, merge_adapter_state
 from hybridflow.models.families import check_tensor_parallel, fallback_notice
+from hybridflow.models.moe import num_experts
 from hybridflow.utils.errors import UserError, format_bytes
 
 logger = logging.getLogger(__name__)
@@ -133,7 +135,9 @@ class HybridActor:
         self.view, self.rank = view, rank
         native = self._pick_engine(model) if s.generates else False
         dims.check_model(model.config)
-        if view.tp > 1 and s.generates:
+        if view.exchanges and s.generates:
+            self._check_exchange(model)
+        if (view.tp > 1 or view.ep > 1) and s.generates:
             check_tp(model.config, view.tp, view.ep)
             if dims.fsdp_only:  # a tensor-parallel training view has its own row split
                 follow_rollout_shards(model, view.world, view.tp)  # row-parallel weights sharded on dim 1
@@ -169,10 +173,15 @@ class HybridActor:
         self.in_place = InPlaceMerge(self.hf_model, device.type == "cuda") if in_place else None
         target = self.weights.module if self.weights is not None else self.hf_model
         tp = RolloutTP(self.group.group, model.config.vocab_size) if view.tp > 1 else None
+        parallel: dict[str, Any] = {"tp": tp} if tp is not None else {}
+        if view.exchanges:  # experts split across rollout groups: their tokens meet at every MoE layer
+            parallel["ep"] = ExpertExchange(
+                self.group.exchange_group, num_experts(model.config), self.group.ep_rank
+            )
         self.rollout = make_rollout(
             target, "native" if native else "hf", pad_token_id=pad_token_id, dtype=self.dtype, device=device,
             max_model_len=s.max_model_len, **(s.rollout_options if native else _hf_options(s.rollout_options)),
-            **({"tp": tp} if tp is not None else {}),
+            **parallel,
         )  # fmt: skip
         self.switch_line = self._switch_line()
         # Engines whose moments may leave the GPU for a rollout short of room; the worker adds a critic on
@@ -193,6 +202,24 @@ class HybridActor:
         """Whether the built-in engine generates (else HF ``generate``, or nothing: ``generates=False``)."""
         return self.rollout is not None and not isinstance(self.rollout, HFRollout)
 
+    def _check_exchange(self, model: nn.Module) -> None:
+        """Expert parallelism across rollout groups (ep > tp) needs the hybrid engine's shards, the built-in
+        engine's ``generate`` (the groups settle together at its end): refused otherwise, naming the setting
+        and the fix (the runner refuses a GPU, ``expert_exchange.check_device``)."""
+        s, tp = self.settings, self.view.tp
+        fix = f"set rollout.expert_parallel_size={tp if tp > 1 else 1}"
+        if not s.hybrid_engine:
+            raise UserError(
+                f"rollout.expert_parallel_size={self.view.ep} needs actor.hybrid_engine=true; {fix}"
+            )
+        for need in ("multi_turn", "partial"):
+            if need in s.needs:
+                setting = BUILT_IN_NEEDS[need][0]
+                raise UserError(
+                    f"rollout.expert_parallel_size={self.view.ep} (experts across rollout groups) runs with whole "
+                    f"generate calls only, not with {setting}; {fix}"
+                )
+
     def _pick_engine(self, model: nn.Module) -> bool:
         """Whether the built-in engine generates; a family it does not run falls back to HF generate on a
         whole replica per rank, with one warning (rank 0), unless the run needs the built-in engine
@@ -202,7 +229,8 @@ class HybridActor:
         if view.tp > 1:
             check_tensor_parallel(model.config, "rollout.tensor_model_parallel_size", view.tp)
         if reason is not None:
-            for need in (n for n in BUILT_IN_NEEDS if n in s.needs or (n == "tp" and view.tp > 1)):
+            split = view.tp > 1 or view.ep > 1
+            for need in (n for n in BUILT_IN_NEEDS if n in s.needs or (n == "tp" and split)):
                 setting, what, fix = BUILT_IN_NEEDS[need]
                 raise UserError(f"{setting} {what}, which does not run this model ({reason}); {fix}")
             if self.rank == 0:  # one warning per run, not one per rank

@@ -129,7 +129,7 @@ class ReshardPlan:
         not one of the view's: a trainer rank of a cross-pool plan)."""
         if not self.view.generates(rank):
             return None
-        return self.params[param].layout.box(self.view.tp_rank(rank))
+        return self.params[param].layout.box(self.view.tp_rank(rank), self.view.ep_rank(rank))
 
     @property
     def cross_pool(self) -> bool:

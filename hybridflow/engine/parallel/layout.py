@@ -23,6 +23,8 @@ full tensor. The plan sees it as (E, 2, I, H) (``plan_shape``, ``to_plan``, ``pl
 one box again. With expert parallelism in the rollout (``rollout.expert_parallel_size`` = tp) the experts are
 instead split whole (kind ``experts_split``): rank t holds experts t * E / tp .. (t + 1) * E / tp - 1 of both
 fused tensors, a box on dim 0, and adds only their share of each token's output before the same all-reduce.
+With ep > tp (experts split across rollout groups, ``GenerateView.ep_rank``) the box is the expert rank's,
+E / ep experts, also at tp = 1, where everything else is whole.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridflow.engine.parallel.ep import is_expert
 from hybridflow.engine.parallel.fsdp import FSDP_SHARD_DIM
 from hybridflow.models.families import check_tensor_parallel
 from hybridflow.models.family import FAMILIES, FamilySpec, family_of
@@ -62,6 +65,12 @@ class ShardLayout:
     shape: tuple[int, ...]
     tp: int
     head_rows: int = 1  # rows of one KV head (kind "kv")
+    ep: int = 0  # kind "experts_split": the expert ranks the experts split over (0: tp of them)
+
+    @property
+    def expert_parts(self) -> int:
+        """How many ways ``experts_split`` splits the experts (ep, or tp when unset)."""
+        return self.ep or self.tp
 
     @property
     def plan_shape(self) -> tuple[int, ...]:
@@ -93,10 +102,10 @@ class ShardLayout:
 
     def local_shape(self) -> tuple[int, ...]:
         """The shape of a rank's buffer (the same on every rank; the last vocabulary slice is padded)."""
+        if self.kind == "experts_split":  # whole experts over the expert ranks
+            return (self.shape[0] // self.expert_parts, *self.shape[1:])
         if self.tp == 1 or self.kind in ("replicated", "first"):
             return self.shape
-        if self.kind == "experts_split":  # whole experts over tp
-            return (self.shape[0] // self.tp, *self.shape[1:])
         if self.kind.startswith("experts"):  # the intermediate dim (of each half) over tp
             dim = 1 if self.kind == "experts_column" else 2
             return tuple(n // self.tp if d == dim else n for d, n in enumerate(self.shape))
@@ -110,9 +119,13 @@ class ShardLayout:
             part = rows // self.tp
         return tuple(part if d == dim else n for d, n in enumerate(self.shape))
 
-    def box(self, t: int) -> Box | None:
-        """The box of the full tensor tensor-parallel rank ``t`` holds, in the plan's coordinates; None: none
-        (its buffer is zeros)."""
+    def box(self, t: int, e: int | None = None) -> Box | None:
+        """The box of the full tensor tensor-parallel rank ``t`` (expert rank ``e``: ``t`` when None) holds, in
+        the plan's coordinates; None: none (its buffer is zeros)."""
+        if self.kind == "experts_split":
+            part = self.shape[0] // self.expert_parts
+            start = (t if e is None else e) * part
+            return ((start, start + part), *((0, n) for n in self.shape[1:]))
         if self.tp == 1 or self.kind == "replicated":
             return _whole(self.plan_shape)
         if self.kind.startswith("experts"):
@@ -156,13 +169,20 @@ def _family(model: nn.Module) -> FamilySpec | None:
 
 def layouts(model: nn.Module, tp: int, ep: int = 1) -> dict[str, ShardLayout]:
     """The ``ShardLayout`` of every parameter of ``model`` (names as ``named_parameters`` gives them); ``ep``
-    = tp splits a mixture of experts' experts whole over the group instead of slicing each one."""
-    if tp == 1:  # a whole replica: every parameter whole, whatever the family (no shard rule needed)
-        return {name: ShardLayout("replicated", tuple(p.shape), 1) for name, p in model.named_parameters()}
+    > 1 splits a mixture of experts' experts whole over ep expert ranks instead of slicing each one."""
     config, family = model.config, _family(model)
+    if tp == 1:  # a whole replica: every parameter whole, whatever the family (no shard rule needed) ...
+        whole = {name: ShardLayout("replicated", tuple(p.shape), 1) for name, p in model.named_parameters()}
+        if ep > 1:  # ... but the experts, split whole across the replicas of an expert group
+            for name, p in model.named_parameters():
+                if is_expert(name):
+                    whole[name] = ShardLayout("experts_split", tuple(p.shape), 1, ep=ep)
+        return whole
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return {
-        name: ShardLayout(generation_kind(name, ep, family), tuple(p.shape), tp, head_dim)
+        name: ShardLayout(
+            generation_kind(name, ep, family), tuple(p.shape), tp, head_dim, ep if ep > 1 else 0
+        )
         for name, p in model.named_parameters()
     }
 
@@ -200,7 +220,7 @@ def moe_problems(config: Any, tp: int, ep: int = 1) -> list[str]:
     if experts is None or not num_experts(config):
         return []
     if ep > 1:  # whole experts: their number, not their size
-        problems = [f"{experts.count}={num_experts(config)}"] if num_experts(config) % tp else []
+        problems = [f"{experts.count}={num_experts(config)}"] if num_experts(config) % max(ep, tp) else []
         fields = [experts.shared_size]
     else:
         problems, fields = [], [experts.size, experts.shared_size]
@@ -219,6 +239,12 @@ def check_tp(config: Any, tp: int, ep: int = 1) -> None:
         raise UserError(
             f"rollout.expert_parallel_size={ep} splits a mixture of experts' experts, but this model is dense "
             f"({getattr(config, 'model_type', '?')}): set rollout.expert_parallel_size=1"
+        )
+    if ep > 1 and num_experts(config) % ep:
+        field = family_of(config).experts.count
+        raise UserError(
+            f"rollout.expert_parallel_size={ep} does not split this model's {field}={num_experts(config)} "
+            "experts whole: use an expert-parallel size that divides them, or set rollout.expert_parallel_size=1"
         )
     if tp == 1:  # nothing to split (and a family without shard rules may lack the fields below)
         return

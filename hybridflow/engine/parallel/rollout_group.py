@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridflow.engine.parallel.view import GenerateView, rollout_group
+from hybridflow.engine.parallel.view import GenerateView, exchange_group, rollout_group
 
 # Rollout groups sample with distinct seeds: seed + stride * group (the stride keeps streams far apart).
 GROUP_SEED_STRIDE = 1_000_003
@@ -44,6 +44,8 @@ class RolloutGroup:
         self.view, self.rank = view, rank
         self.tp_rank, self.dp_rank = view.tp_rank(rank), view.dp_rank(rank)
         self.group = rollout_group(view, rank)
+        self.exchange_group = exchange_group(view, rank)  # ep > tp: the ranks pooling tokens per MoE layer
+        self.ep_rank = view.ep_rank(rank) if view.generates(rank) else 0
 
     def seed(self, seed: int | None) -> int | None:
         """The group's sampling seed (the run's at one group, so a single rank samples as before)."""

@@ -23,6 +23,7 @@ from hybridflow.engine.ops.fp8 import FP8, Fp8Weight
 from hybridflow.engine.ops.tensors import Storages
 from hybridflow.engine.parallel.fsdp import reshard_fsdp
 from hybridflow.engine.rollout.blocks import LayerDims, LayerWeights, MoEWeights
+from hybridflow.engine.rollout.expert_exchange import ExpertExchange
 from hybridflow.engine.rollout.support import text_base
 from hybridflow.engine.rollout.weights import join_in_place, local_tensor
 from hybridflow.models.moe import grouped_experts, grouped_mm_fits, is_sparse_block, loop_experts, router_spec
@@ -71,12 +72,14 @@ class WeightBinding:
         device: torch.device,
         dims: LayerDims,
         expert_rank: int = 0,
+        exchange: ExpertExchange | None = None,
     ) -> None:
-        """``expert_rank``: this rank's place in an expert-parallel rollout group, whose sparse blocks hold
-        E / size whole experts each (``tp.split_experts``): it holds experts expert_rank * E / size onward."""
+        """``expert_rank``: this rank's place in an expert-parallel rollout, whose sparse blocks hold
+        E / size whole experts each (``tp.split_experts``): it holds experts expert_rank * E / size onward.
+        ``exchange``: those experts serve the tokens of several rollout groups (ep > tp), pooled at each layer."""
         self._model = hf_model
         self.dtype, self.device, self.dims = dtype, device, dims
-        self.expert_rank = expert_rank
+        self.expert_rank, self.exchange = expert_rank, exchange
         self.bind()
 
     def _bind(self, parts: list[tuple[nn.Module, str]], fuse: bool | None = None) -> list[torch.Tensor]:
@@ -157,6 +160,8 @@ class WeightBinding:
         moe.experts = grouped_experts if fits else loop_experts  # run_experts' choice, made once
         if e < spec.num_experts:  # an expert-parallel rollout rank: its whole experts, one block of them
             moe.experts = functools.partial(moe.experts, offset=self.expert_rank * e)
+        if self.exchange is not None:  # ep > tp: this rank's experts run on the exchange's pooled rows
+            moe.experts = self.exchange.wrap(moe.experts)
         self._sparse += 1
         shared = getattr(mlp, "shared_expert", None)
         if shared is not None:

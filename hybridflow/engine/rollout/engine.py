@@ -34,6 +34,7 @@ from hybridflow.engine.rollout.decode_loop import (
     compiled_per_bucket,
     fused_sampler_available,
 )
+from hybridflow.engine.rollout.expert_exchange import ExpertExchange
 from hybridflow.engine.rollout.graphs import buckets
 from hybridflow.engine.rollout.kv_cache import PagedKVCache
 from hybridflow.engine.rollout.model import LlamaRunner
@@ -69,12 +70,14 @@ class PagedEngine:
         max_num_seqs: int = 256,
         dtype: torch.dtype | None = None,
         tp: RolloutTP | None = None,
+        ep: ExpertExchange | None = None,
         **kwargs,
     ) -> None:
         """``tp``: ``model`` is this rank's tensor-parallel shard; every rank of the group makes the same calls
-        (its cache holds its own KV heads; the ranks sample the same tokens from the same logits)."""
+        (its cache holds its own KV heads; the ranks sample the same tokens from the same logits). ``ep``: its
+        experts serve several rollout groups (ep > tp): ``generate`` settles with them before returning."""
         cfg = SessionConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs, **kwargs)
-        self.runner = LlamaRunner(model, dtype, cfg.max_model_len, kwargs.get("device"), tp)
+        self.runner = LlamaRunner(model, dtype, cfg.max_model_len, kwargs.get("device"), tp, ep)
         self.tp = tp
         self.device = self.runner.device
         self.cfg = cfg
@@ -317,6 +320,7 @@ class PagedEngine:
             done.update((s.id, s) for s in finished)
             if progress is not None and finished:
                 progress(len(finished))
+        self.runner.settle()  # ep > tp: serve the other rollout groups' MoE layers until they are done too
         return [[to_output(done[i]) for i in group] for group in ids]
 
     def memory_shortfall(self, prompts: list[list[int]], params: SamplingParams) -> int:

@@ -32,6 +32,7 @@ from torch import nn
 from hybridflow.engine.rollout import blocks
 from hybridflow.engine.rollout.binding import WeightBinding
 from hybridflow.engine.rollout.blocks import ActQuant, KSplits, LayerDims, LayerWeights
+from hybridflow.engine.rollout.expert_exchange import ExpertExchange, check_device, serve_layers
 from hybridflow.engine.rollout.forward import PagedForward, Sink
 from hybridflow.engine.rollout.support import check_structure, check_supported, text_base
 from hybridflow.engine.rollout.tp import RolloutTP
@@ -74,15 +75,17 @@ class LlamaRunner(PagedForward):
         max_len: int | None = None,
         device: torch.device | None = None,
         tp: RolloutTP | None = None,
+        ep: ExpertExchange | None = None,
     ) -> None:
         """``tp``: ``hf_model`` is this rank's tensor-parallel shard (``engine.rollout.tp``), and
         the runner adds the group's collectives: vocabulary-parallel embedding and logits, and an all-reduce
-        after the o and down projections."""
+        after the o and down projections. ``ep``: its experts are split across rollout groups (ep > tp), whose
+        tokens meet at every MoE layer (``expert_exchange``); ``settle()`` after the work."""
         check_supported(hf_model.config, max_len)
         check_structure(hf_model)
         # A vision-language model: the language model's config and layers; the vision tower runs at prefill.
         config = text_config(hf_model.config)
-        self.tp = tp
+        self.tp, self.ep = tp, ep
         self.visual = hf_model.model.visual if is_vision_language(hf_model.config) else None
         self.image_token_id = None if self.visual is None else int(hf_model.config.image_token_id)
         self.merge_size = None if self.visual is None else int(self.visual.spatial_merge_size)
@@ -120,9 +123,10 @@ class LlamaRunner(PagedForward):
             ),
             mlp_splits=(config.intermediate_size,) * 2,
         )
-        self.weights = WeightBinding(
-            hf_model, self.dtype, self.device, self.dims, 0 if tp is None else tp.rank
-        )
+        expert_rank = ep.expert_rank if ep is not None else 0 if tp is None else tp.rank
+        if ep is not None:
+            check_device(self.device, 1 if tp is None else tp.size)
+        self.weights = WeightBinding(hf_model, self.dtype, self.device, self.dims, expert_rank, ep)
         self.act_pending = False  # the next paged prefill calibrates the static activation scales
         self.router = router_spec(config)  # None: dense
         # Decode's projections as batched GEMMs over slices of K whose float32 partials the next fused kernel
@@ -162,6 +166,15 @@ class LlamaRunner(PagedForward):
         grouped GEMMs here (``moe.grouped_mm_fits``: CPU, or CUDA bf16 on SM90+; else the loop over experts)."""
         fns = (getattr(w.moe.experts, "func", w.moe.experts) for w in self.layers if w.moe is not None)
         return all(fn is grouped_experts for fn in fns)  # a partial: an expert-parallel rank's experts
+
+    def settle(self) -> int:
+        """After this rank's work: serve the other rollout groups' MoE layers with no tokens until every group
+        of the expert group is done (``ExpertExchange.settle``; nothing without an exchange). Rounds served."""
+        if self.ep is None:
+            return 0
+        layers = [w.moe for w in self.layers if w.moe is not None]
+        serve = serve_layers(self.ep, layers, self.config.hidden_size, self.dtype, self.device)
+        return self.ep.settle(serve, len(layers))
 
     def refresh(self) -> bool:
         """Copy the module's current weights into the cast buffers (``WeightBinding.refresh``); True when the

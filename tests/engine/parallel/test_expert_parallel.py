@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.batches import NORMAL, rollout_batch
-from support.dist_util import run_world, run_world_kept
+from support.dist_util import run_world_kept
 
 from hybridflow.config.schema import ActorConfig
 from hybridflow.models import build_tiny_model
@@ -121,7 +121,7 @@ def generation_weights(sharded: torch.nn.Module, world: int, rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def one_rank() -> list[dict]:
-    return run_world(1, train_with_ep, 1, [(1, 1, arch) for arch in ARCHS])[0]
+    return run_world_kept(1, train_with_ep, 1, [(1, 1, arch) for arch in ARCHS])[0]
 
 
 def assert_same(got: dict, want: dict, dp: int) -> None:
@@ -133,9 +133,8 @@ def assert_same(got: dict, want: dict, dp: int) -> None:
         torch.testing.assert_close(got["state"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
-# (tp, ep, family) of each view, those of one world size in one set of fresh processes: a kept process's
-# later call would meet DTensor specs holding the earlier call's meshes, whose group names torch hands out
-# again once the default group is re-created (a run keeps its one default group, so it never meets this).
+# (tp, ep, family) of each view, those of one world size in one call of the kept processes (a later call's
+# meshes are safe there too: ``forget_meshes`` drops the DTensor specs that held an earlier call's).
 VIEWS_BY_WORLD = {
     2: [(1, 2, "qwen3_moe"), (1, 2, "mixtral"), (1, 2, "qwen2_moe"), (2, 1, "qwen2_moe")],
     4: [(2, 2, "qwen3_moe"), (1, 2, "mixtral"), (1, 4, "qwen2_moe")],
@@ -148,7 +147,7 @@ def test_expert_parallel_training_equals_one_rank(one_rank: list[dict], world: i
     ranks, ep=2 on 4): the same numbers as one rank, each rank 4 / ep experts; the switch to whole generation
     replicas moves each expert from its holders, bit-exact."""
     views = VIEWS_BY_WORLD[world]
-    results = run_world(world, train_with_ep, world, views, str(tmp_path), timeout=600)
+    results = run_world_kept(world, train_with_ep, world, views, str(tmp_path), timeout=600)
     for (tp, _, arch), got in zip(views, results[0]):
         assert_same(got, one_rank[ARCHS.index(arch)], world // tp)
     for rank, per_view in enumerate(results):
@@ -206,7 +205,7 @@ def dispatch_against_whole(rank: int, skewed: bool) -> dict:
 
 @pytest.mark.parametrize("skewed", [False, True])
 def test_the_dispatch_equals_the_experts_on_one_rank(skewed: bool) -> None:
-    for out in run_world_kept(2, dispatch_against_whole, skewed):  # plain tensors: no mesh to outlive a call
+    for out in run_world_kept(2, dispatch_against_whole, skewed):
         torch.testing.assert_close(*out["out"], rtol=1e-5, atol=1e-5)
         for got, want in out["input_grads"] + out["expert_grads"]:
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # sums in another order
