@@ -89,6 +89,7 @@ def built_in_needs(cfg: Config) -> tuple[str, ...]:
         "kv_fp8": r.kv_cache_dtype == "fp8",
         "r3": cfg.actor.router_replay == "r3",
         "multi_turn": r.multi_turn.enable,
+        "harness": r.harness.enabled,
         "partial": cfg.trainer.async_mode == "colocate",
     }
     return tuple(k for k, on in asked.items() if on)

@@ -81,6 +81,12 @@ BUILT_IN_NEEDS: dict[str, tuple[str, str, str]] = {
         "runs episodes on the built-in engine's step API",
         "set rollout.multi_turn.enable=false",
     ),
+    "harness": (
+        "rollout.harness",
+        "serves its endpoint on the built-in engine's step API",
+        "train this family without rollout.harness (the built-in loop or rollout.multi_turn), or pick a family "
+        "the engine runs",
+    ),
     "partial": (
         "trainer.async_mode=colocate",
         "continues partial samples on the built-in engine",
