@@ -18,12 +18,13 @@ import importlib
 import importlib.util
 import inspect
 import os
-import sys
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 from hybridflow.utils.errors import UserError
+from hybridflow.utils.pyfile import exec_file
 
 # function -> (absolute file path, function name), for the functions load_reward_function read from a file.
 _FILE_SOURCES: weakref.WeakKeyDictionary[Callable, tuple[str, str]] = weakref.WeakKeyDictionary()
@@ -51,22 +52,7 @@ def _load_file(path: str) -> ModuleType:
             "or 'package.module:function' for an importable module"
         )
     module_name = "_hybridflow_reward_" + hashlib.sha1(abs_path.encode()).hexdigest()[:12]
-    loaded = sys.modules.get(module_name)
-    if loaded is not None:
-        return loaded  # executed once per process: its registrations and state stay as they are
-    spec = importlib.util.spec_from_file_location(module_name, abs_path)
-    if spec is None or spec.loader is None:
-        raise UserError(f"cannot load {abs_path} as Python code; the reward file must be a .py file")
-    module = importlib.util.module_from_spec(spec)
-    # Registered before running so that code in the file that looks itself up (dataclasses, pickle of
-    # classes defined there) finds the module.
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[module_name]
-        raise UserError(f"importing reward file {abs_path} failed: {type(exc).__name__}: {exc}") from exc
-    return module
+    return exec_file(Path(abs_path), module_name, f"reward file {path!r}")
 
 
 def _import_module(target: str) -> ModuleType:

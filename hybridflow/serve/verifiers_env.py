@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.utils.errors import UserError
+from hybridflow.utils.pyfile import exec_file
 
 KEY = "rollout.harness.verifiers_env"
 CONFIG_KEY = "rollout.harness.verifiers_config"
@@ -41,15 +42,7 @@ def _import_env_file(path: str) -> str:
                 f"{KEY}={path!r}: a module named {name!r} is already loaded from elsewhere; rename the file"
             )
         return name
-    spec = importlib.util.spec_from_file_location(name, file)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # verifiers finds the environment by importing its name
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
-        raise UserError(f"{KEY}={path!r} failed to import ({type(exc).__name__}: {exc})") from exc
+    exec_file(file, name, f"{KEY}={path!r}")  # verifiers finds the environment by importing its name
     return name
 
 
