@@ -401,6 +401,10 @@ class TrainerConfig:
         "Use at most this many GB of each GPU and plan for it (a smaller GPU on a bigger one); null = all.",
     )
     seed: int = option(42, "Seed of data order, sampling and initialisation.")
+    deterministic: bool = option(
+        False,
+        "Same seed, same GPU: identical metrics and weights (deterministic kernels; slower, docs/algorithms.md).",
+    )
 
     @property
     def world_size(self) -> int:

@@ -206,7 +206,7 @@ def warm_up(
     """Build the tiny model and SFT it on the task's reference answers; returns (config, run directory)."""
     cfg, sft_cfg = demo_configs(overrides, sft_overrides, extra, rl_extra, base)
     run_dir = Path(cfg.trainer.run_dir())
-    set_seed(cfg.trainer.seed)
+    set_seed(cfg.trainer.seed, cfg.trainer.deterministic)
     model, tokenizer = build_tiny_model_and_tokenizer(
         run_dir / "base_model", arch=cfg.model.tiny_arch, seed=cfg.trainer.seed, **TINY_MODEL
     )

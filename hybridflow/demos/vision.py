@@ -77,7 +77,7 @@ def warm_up_vision(overrides: list[str], sft_overrides: list[str] | None) -> tup
     sft = VISION_SFT_OVERRIDES + list(sft_overrides or [])
     cfg, sft_cfg = demo_configs(overrides, sft, [], VISION_GRPO_OVERRIDES, base=VISION_DEMO_OVERRIDES)
     run_dir = Path(cfg.trainer.run_dir())
-    set_seed(cfg.trainer.seed)
+    set_seed(cfg.trainer.seed, cfg.trainer.deterministic)
     model, processor = build_tiny_vl_model_and_processor(run_dir / "base_model", seed=cfg.trainer.seed)
     logger.info(
         "vision demo: SFT warm-up on the green and blue questions (with their images), %d steps",

@@ -66,7 +66,9 @@ def start_job(cfg: Config, single_process: str | None = None) -> None:
     configure_cpu_threads(cfg.trainer.cpu_threads, on_cpu=not cuda_in_use())
     cap_gpu_memory(cfg.trainer.gpu_memory_gb)  # before anything is allocated on the GPU
     check_start(cfg, os.environ, cuda_in_use())  # the rollout dtype on this device; VERL_* variables
-    set_seed(cfg.trainer.seed)
+    set_seed(cfg.trainer.seed, cfg.trainer.deterministic)
+    if cfg.trainer.deterministic:
+        logger.info("trainer.deterministic: deterministic kernels (same seed, same GPU: the same metrics and weights)")
 
 
 def sft_job(

@@ -381,11 +381,3 @@ class PPOTrainer(TrainingLoop):
                 own["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]
             )
             metrics.update({f"rollout_corr/{k}": float(v) for k, v in mismatch.items()})
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch for a reproducible run."""
-    from hybridflow.utils.seed import set_seed
-
-    set_seed(seed)
-    torch.use_deterministic_algorithms(False)

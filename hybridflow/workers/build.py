@@ -134,7 +134,7 @@ def build_rank_worker(
         from hybridflow.rewards.loader import import_reward_module
 
         import_reward_module(cfg.reward.custom_function.path)
-    set_seed(cfg.trainer.seed)
+    set_seed(cfg.trainer.seed, cfg.trainer.deterministic)
     if roles == ("rollout",):  # a separate rollout pool: no training weights, a skeleton to stream into
         return build_rollout_rank(cfg, group)
     model, tokenizer = load_policy(cfg)
