@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hybridflow.engine.ops.head_kernels import fused_head_available, head_grad_logits_, head_stats
+from hybridflow.engine.ops.invariant import exact_on, token_log_probs
 
 HEAD_CHUNK_ROWS = 2048
 
@@ -210,6 +211,24 @@ def _score_chunk(
     return logp, entropy
 
 
+def _exact_chunk(
+    hidden: torch.Tensor,
+    head: nn.Module,
+    labels: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rollout.exact``: the rollout's formula (``invariant.token_log_probs``) on the same kernels."""
+    logits = head(hidden)  # (r, V) in the compute dtype, as the rollout's runner returns them
+    logp = token_log_probs(logits, labels, temperature)  # (r,)
+    if not with_entropy:
+        return logp, torch.zeros_like(logp)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        all_logp = F.log_softmax(logits.float() / temperature, dim=-1)  # (r, V)
+        return logp, -(all_logp.exp() * all_logp).sum(-1)
+
+
 def checkpointed_log_probs(
     hidden: torch.Tensor,  # (M, H)
     head: nn.Module,
@@ -221,6 +240,7 @@ def checkpointed_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The reference path: any ``head`` module, autograd through fp32 math, each chunk checkpointed."""
     logps, ents = [], []
+    score = _exact_chunk if exact_on() else _score_chunk
     for s in range(0, hidden.shape[0], chunk_rows):
         args = (
             hidden[s : s + chunk_rows],
@@ -231,9 +251,9 @@ def checkpointed_log_probs(
             entropy_grad,
         )
         if torch.is_grad_enabled() and hidden.requires_grad:
-            lp, ent = checkpoint(_score_chunk, *args, use_reentrant=False)
+            lp, ent = checkpoint(score, *args, use_reentrant=False)
         else:
-            lp, ent = _score_chunk(*args)
+            lp, ent = score(*args)
         logps.append(lp)
         ents.append(ent)
     if not logps:
@@ -263,7 +283,7 @@ def score_hidden_states(
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    if fused and isinstance(head, nn.Linear):
+    if fused and isinstance(head, nn.Linear) and not exact_on():
         args = (labels, temperature, with_entropy, entropy_grad, chunk_rows)
         return linear_log_probs(hidden, head.weight, head.bias, *args)
     return checkpointed_log_probs(hidden, head, labels, temperature, with_entropy, entropy_grad, chunk_rows)

@@ -26,6 +26,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from hybridflow.engine.ops.exact_attention import packed_exact_attention
+from hybridflow.engine.ops.invariant import exact_on
 from hybridflow.engine.ops.varlen_attention import flash_supported, varlen_attention
 
 PACKED_ATTENTION = "hybridflow_packed"
@@ -71,6 +73,10 @@ def packed_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
+    if exact_on():  # rollout.exact: the rollout's order for every row (dropout is off in RL training)
+        if isinstance(bounds, torch.Tensor):
+            bounds = bounds.tolist()
+        return packed_exact_attention(query, key, value, bounds, scaling), None
     dropout_p = dropout if module.training else 0.0
     if cu_seqlens is not None and dropout_p == 0.0 and flash_supported(query):
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (S, H|KVH, D), views

@@ -13,6 +13,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from hybridflow.engine.ops.exact_attention import attend_rows
+from hybridflow.engine.ops.invariant import exact_on
 from hybridflow.engine.ops.packing import to_device
 from hybridflow.engine.rollout.kv_cache import (
     PagedKVCache,
@@ -130,6 +132,15 @@ class PagedForward:
 
         def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_valid, v_valid = k[rows, :, cols], v[rows, :, cols]  # (n, KVH, D)
+            if exact_on():  # each token over the cache, in the trainer's order (``exact_attention``)
+                write_kv_paged(k_valid, v_valid, kv_storage, idx, blocks, offsets)
+                keys, values = read_kv_paged(kv_storage, None, idx, tables, q.dtype)  # (b, L, KVH, D) each
+                out = attend_rows(
+                    q[rows, :, cols], keys[rows], values[rows], positions[rows, cols], self.scaling
+                )  # (n, H, D)
+                full = q.new_zeros(q.shape).transpose(1, 2)  # (b, t, H, D) view
+                full[rows, cols] = out
+                return full.transpose(1, 2)  # (b, H, t, D)
             if kv_scales is None:
                 write_kv_paged(k_valid, v_valid, kv_storage, idx, blocks, offsets)
             else:
@@ -175,7 +186,7 @@ class PagedForward:
         model's position + rope delta; the cache still writes at ``positions``)."""
         rope = positions if rope_positions is None else rope_positions
         sink = None if cache.routing is None else self._decode_sink(positions, cache, tables, live)
-        if self._decode_attention == "triton":
+        if self._decode_attention == "triton" and not exact_on():
             kernel = torch.ops.hybridflow.decode_attention_rope_paged.default
             cos, sin = (t[:, 0, 0] for t in self._rope_tables(rope[:, None]))  # (B, D) each
 
@@ -192,6 +203,9 @@ class PagedForward:
 
         def attend(idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.write(idx, k[:, :, 0], v[:, :, 0], write_at)  # (B, KVH, D) each
+            if exact_on():  # the trainer's order over the same keys (``exact_attention``)
+                keys, values = cache.gather(idx, tables)  # (B, L, KVH, D) each
+                return attend_rows(q[:, :, 0], keys, values, positions, self.scaling)[:, :, None]
             out = paged_decode_attention(q[:, :, 0], cache, idx, tables, positions + 1, self.scaling)
             return out[:, :, None]  # (B, H, 1, D)
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridflow.engine.ops.invariant import exact_on, rope_table
 from hybridflow.engine.rollout import blocks
 from hybridflow.engine.rollout.binding import WeightBinding
 from hybridflow.engine.rollout.blocks import ActQuant, KSplits, LayerDims, LayerWeights
@@ -250,6 +251,9 @@ class LlamaRunner(PagedForward):
 
         (3, b, t) positions are M-RoPE's: rotary pair j takes its angle from the row of its section (time,
         height, width), as HF's Qwen2.5-VL rotary embedding recomposes them."""
+        if exact_on():  # one table for the trainer and the rollout (``invariant.rope_table``)
+            cos, sin = rope_table(self.weights.inv_freq, self.weights.attention_scaling, self.max_position_embeddings)
+            return cos[positions].to(self.dtype)[:, None], sin[positions].to(self.dtype)[:, None]
         freqs = positions[..., None].float() * self.weights.inv_freq  # (b, t, D/2) or (3, b, t, D/2)
         if positions.dim() == 3:
             parts = freqs.split(self.mrope_section, dim=-1)

@@ -23,12 +23,14 @@ numbers; this module keeps filtered sampling, CPU runs, and the reference the ke
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
+from hybridflow.engine.ops.invariant import exact_on, token_log_probs
 from hybridflow.utils.errors import UserError
 
 # Smallest normal float32. Exp(1) draws can be exactly 0 on CPU; clamping them to this keeps p / E finite:
@@ -232,6 +234,9 @@ def sample(
     """
     if logits.dim() != 2:
         raise ValueError(f"sample expects logits of shape (B, V), got {tuple(logits.shape)}")
+    if exact_on() and params.logprobs:  # rollout.exact: the trainer's formula on the same kernels
+        tokens, _ = sample(logits, dataclasses.replace(params, logprobs=False), generator)
+        return tokens, token_log_probs(logits, tokens, params.logprob_temperature)
     if params.greedy:
         tokens = logits.argmax(dim=-1)  # (B,) on the raw logits: T > 0 does not change the order
         if not params.logprobs:

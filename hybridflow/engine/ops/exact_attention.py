@@ -1,0 +1,84 @@
+"""Attention whose every query row reduces in one fixed order, for the trainer and the rollout alike
+(``rollout.exact``).
+
+A query at position ``p`` of its sequence reads the keys ``0 .. p`` in chunks of ``CHUNK`` positions counted
+from the sequence's start, whatever else the call holds and wherever the keys live (the trainer's packed
+tensors, the rollout's paged cache). Softmax in two passes, all in float32: first the row's maximum over its
+scores (a maximum is exact in any order), then, chunk by chunk in position order, the exponentials' sum and
+their weighted sum of values. With no running rescale there is no ``exp`` of a row-sized tensor (whose CPU
+kernel may take a scalar path for some rows and a vector path for others), and a chunk past the row's last
+key adds exact zeros, so padding the keys to more chunks changes nothing.
+
+The per-chunk products are batched matmuls whose items all have the shape (1, D) x (D, CHUNK) or
+(1, CHUNK) x (CHUNK, D), one item per (row, head): the library computes each item alike, whatever the batch.
+This torch version is the CPU path and the reference; ``exact_attention_kernel`` is the CUDA one.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+CHUNK = 64  # key positions per chunk, counted from the sequence's first token
+
+
+def attend_rows(
+    q: torch.Tensor,  # (R, H, D) one query row per item
+    keys: torch.Tensor,  # (R, L, KVH, D) each row's sequence keys from position 0
+    values: torch.Tensor,  # (R, L, KVH, D)
+    positions: torch.Tensor,  # (R,) each row's position: it reads keys 0 .. position
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each row over its own keys; (R, H, D) in q's dtype."""
+    r, h, d = q.shape
+    keys, values = pad_keys(keys, keys.shape[1]), pad_keys(values, values.shape[1])
+    group = h // keys.shape[2]
+    qf = q.float().reshape(r * h, 1, d)  # (RH, 1, D)
+    chunks = range(0, keys.shape[1], CHUNK)
+
+    def scores(c0: int) -> torch.Tensor:
+        k = keys[:, c0 : c0 + CHUNK].float().repeat_interleave(group, dim=2)  # (R, C, H, D)
+        s = torch.bmm(qf, k.permute(0, 2, 3, 1).reshape(r * h, d, CHUNK)) * scale  # (RH, 1, C)
+        at = torch.arange(c0, c0 + CHUNK, device=q.device)  # (C,)
+        hidden = (at[None, :] > positions[:, None]).repeat_interleave(h, dim=0)  # (RH, C)
+        return s.masked_fill(hidden[:, None, :], float("-inf"))
+
+    top = torch.full((r * h, 1, 1), float("-inf"), device=q.device)
+    for c0 in chunks:
+        top = torch.maximum(top, scores(c0).amax(-1, keepdim=True))
+    total = torch.zeros((r * h, 1, 1), device=q.device)
+    acc = torch.zeros((r * h, 1, d), device=q.device)
+    for c0 in chunks:
+        p = (scores(c0) - top).exp()  # (RH, 1, C): exact zeros past the row's position
+        total = total + p.sum(-1, keepdim=True)
+        v = values[:, c0 : c0 + CHUNK].float().repeat_interleave(group, dim=2)  # (R, C, H, D)
+        acc = acc + torch.bmm(p, v.permute(0, 2, 1, 3).reshape(r * h, CHUNK, d))  # (RH, 1, D)
+    return (acc / total).view(r, h, d).to(q.dtype)
+
+
+def pad_keys(x: torch.Tensor, length: int) -> torch.Tensor:
+    """x (B, L, ...) zero-padded along dim 1 to a multiple of CHUNK that is at least ``length``."""
+    want = max(-(-length // CHUNK) * CHUNK, CHUNK)
+    if x.shape[1] >= want:
+        return x[:, :want]
+    return torch.cat([x, x.new_zeros((x.shape[0], want - x.shape[1], *x.shape[2:]))], dim=1)
+
+
+def packed_exact_attention(
+    query: torch.Tensor,  # (1, H, S, D)
+    key: torch.Tensor,  # (1, KVH, S, D)
+    value: torch.Tensor,  # (1, KVH, S, D)
+    bounds: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """The trainer's packed batch: each sequence's rows over its own keys; (1, S, H, D)."""
+    parts = []
+    for start, end in itertools.pairwise(bounds):
+        n = end - start
+        q = query[0, :, start:end].transpose(0, 1)  # (n, H, D)
+        k = pad_keys(key[0, :, start:end].transpose(0, 1)[None], n)  # (1, L, KVH, D)
+        v = pad_keys(value[0, :, start:end].transpose(0, 1)[None], n)
+        rows = torch.arange(n, device=query.device)  # (n,) positions in the sequence
+        parts.append(attend_rows(q, k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), rows, scale))
+    return torch.cat(parts)[None]  # (1, S, H, D)
