@@ -235,6 +235,10 @@ class RolloutConfig:
         "auto",
         "KV cache: auto (rollout.dtype) or fp8 (e4m3, per-head scales set at each switch: twice the blocks).",
     )
+    exact: bool = option(
+        False,
+        "Rollout log-probs bitwise equal to the trainer's (batch-invariant kernels; docs/algorithms.md).",
+    )
     allow_dtype_mismatch: bool = option(
         False,
         "Run a rollout.dtype other than the training compute dtype (refused unless true: log-probs drift).",

@@ -30,6 +30,7 @@ from hybridflow.config.validate_async import (
     check_quantization,
     check_tool_task,
 )
+from hybridflow.config.validate_exact import check_exact
 from hybridflow.config.validate_lora import check_lora
 from hybridflow.config.views import check_train_views, expert_sizes, not_dividing, ranks_text
 
@@ -186,6 +187,7 @@ def _check_consistency(cfg: Config, out: list[Problem]) -> None:
     check_harness(cfg, out)
     check_tool_task(cfg, out)
     check_lora(cfg, out)
+    check_exact(cfg, out)
 
 
 def _check_unimplemented(cfg: Config, out: list[Problem]) -> None:

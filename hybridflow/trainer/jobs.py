@@ -18,6 +18,7 @@ from hybridflow.checkpoint.manager import HF_CONFIG
 from hybridflow.checkpoint.rundir import is_complete, step_dir
 from hybridflow.config import Config, check_start, save_config
 from hybridflow.data import load_split_rows
+from hybridflow.engine.ops.invariant import enable_exact_kernels
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.trainer.async_ppo import ColocatePPOTrainer
 from hybridflow.trainer.async_separate import SeparatePPOTrainer
@@ -67,6 +68,9 @@ def start_job(cfg: Config, single_process: str | None = None) -> None:
     cap_gpu_memory(cfg.trainer.gpu_memory_gb)  # before anything is allocated on the GPU
     check_start(cfg, os.environ, cuda_in_use())  # the rollout dtype on this device; VERL_* variables
     set_seed(cfg.trainer.seed, cfg.trainer.deterministic)
+    if cfg.rollout.exact:
+        enable_exact_kernels()
+        logger.info("rollout.exact: batch-invariant kernels (rollout log-probs bitwise equal to the trainer's)")
     if cfg.trainer.deterministic:
         logger.info("trainer.deterministic: deterministic kernels (same seed, same GPU: the same metrics and weights)")
 

@@ -90,6 +90,7 @@ def built_in_needs(cfg: Config) -> tuple[str, ...]:
         "r3": cfg.actor.router_replay == "r3",
         "multi_turn": r.multi_turn.enable,
         "harness": r.harness.enabled,
+        "exact": r.exact,
         "partial": cfg.trainer.async_mode == "colocate",
     }
     return tuple(k for k, on in asked.items() if on)
@@ -123,4 +124,5 @@ def hybrid_settings(
         max_model_len=max_model_len(cfg),
         rollout_options=rollout_options(cfg),
         needs=built_in_needs(cfg),
+        exact=r.exact,
     )

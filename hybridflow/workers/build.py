@@ -10,6 +10,7 @@ import torch
 
 from hybridflow.config.parallel import role_sizes
 from hybridflow.config.schema import Config
+from hybridflow.engine.ops.invariant import enable_exact_kernels
 from hybridflow.models import build_value_model, load_causal_lm, load_tokenizer, load_value_model
 from hybridflow.models.families import check_router_replay, disable_dropout
 from hybridflow.models.moe import install_moe
@@ -135,6 +136,8 @@ def build_rank_worker(
 
         import_reward_module(cfg.reward.custom_function.path)
     set_seed(cfg.trainer.seed, cfg.trainer.deterministic)
+    if cfg.rollout.exact:  # a Ray rank is a process of its own: the kernels are routed in per process
+        enable_exact_kernels()
     if roles == ("rollout",):  # a separate rollout pool: no training weights, a skeleton to stream into
         return build_rollout_rank(cfg, group)
     model, tokenizer = load_policy(cfg)

@@ -31,6 +31,7 @@ from torch import nn
 from hybridflow.engine.hybrid.fp8_choice import fp8_pays
 from hybridflow.engine.hybrid.switch import BroadcastReplica, RolloutShard
 from hybridflow.engine.ops.dtypes import to_dtype
+from hybridflow.engine.ops.invariant import prepare_exact
 from hybridflow.engine.parallel.dims import ParallelDims
 from hybridflow.engine.parallel.fsdp import full_state_dict
 from hybridflow.engine.parallel.layout import check_tp, follow_rollout_shards
@@ -87,6 +88,11 @@ BUILT_IN_NEEDS: dict[str, tuple[str, str, str]] = {
         "train this family without rollout.harness (the built-in loop or rollout.multi_turn), or pick a family "
         "the engine runs",
     ),
+    "exact": (
+        "rollout.exact=true",
+        "matches the trainer's numbers in the built-in engine",
+        "set rollout.exact=false",
+    ),
     "partial": (
         "trainer.async_mode=colocate",
         "continues partial samples on the built-in engine",
@@ -123,6 +129,7 @@ class HybridSettings:
     max_model_len: int = 2048
     rollout_options: dict[str, Any] = field(default_factory=dict)  # make_rollout's limits
     needs: tuple[str, ...] = ()  # keys of BUILT_IN_NEEDS this run asks for
+    exact: bool = False  # rollout.exact: the trainer computes as the rollout (``invariant.prepare_exact``)
 
 
 class HybridActor:
@@ -147,6 +154,8 @@ class HybridActor:
             check_tp(model.config, view.tp, view.ep)
             if dims.fsdp_only:  # a tensor-parallel training view has its own row split
                 follow_rollout_shards(model, view.world, view.tp)  # row-parallel weights sharded on dim 1
+        if s.exact:  # before FSDP2 wraps it: the trainer's forward computes as the rollout's
+            prepare_exact(model)
         self.train = ActorEngine(
             model, s.update_section, rollout_n=s.rollout_n, use_remove_padding=s.use_remove_padding,
             gradient_checkpointing=s.gradient_checkpointing, total_steps=s.total_steps, trainable=s.trainable,

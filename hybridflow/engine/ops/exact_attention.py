@@ -10,7 +10,8 @@ kernel may take a scalar path for some rows and a vector path for others), and a
 key adds exact zeros, so padding the keys to more chunks changes nothing.
 
 The per-chunk products are batched matmuls whose items all have the shape (1, D) x (D, CHUNK) or
-(1, CHUNK) x (CHUNK, D), one item per (row, head): the library computes each item alike, whatever the batch.
+(1, CHUNK) x (CHUNK, D), one item per (row, head), on contiguous operands (the library picks its kernel by the
+strides too): it computes each item alike, whatever the batch.
 This torch version is the CPU path and the reference; ``exact_attention_kernel`` is the CUDA one.
 """
 
@@ -34,12 +35,13 @@ def attend_rows(
     r, h, d = q.shape
     keys, values = pad_keys(keys, keys.shape[1]), pad_keys(values, values.shape[1])
     group = h // keys.shape[2]
-    qf = q.float().reshape(r * h, 1, d)  # (RH, 1, D)
+    qf = q.float().reshape(r * h, 1, d).contiguous()  # (RH, 1, D)
     chunks = range(0, keys.shape[1], CHUNK)
 
     def scores(c0: int) -> torch.Tensor:
         k = keys[:, c0 : c0 + CHUNK].float().repeat_interleave(group, dim=2)  # (R, C, H, D)
-        s = torch.bmm(qf, k.permute(0, 2, 3, 1).reshape(r * h, d, CHUNK)) * scale  # (RH, 1, C)
+        k = k.permute(0, 2, 3, 1).reshape(r * h, d, CHUNK).contiguous()  # (RH, D, C): one layout always
+        s = torch.bmm(qf, k) * scale  # (RH, 1, C)
         at = torch.arange(c0, c0 + CHUNK, device=q.device)  # (C,)
         hidden = (at[None, :] > positions[:, None]).repeat_interleave(h, dim=0)  # (RH, C)
         return s.masked_fill(hidden[:, None, :], float("-inf"))
@@ -53,7 +55,8 @@ def attend_rows(
         p = (scores(c0) - top).exp()  # (RH, 1, C): exact zeros past the row's position
         total = total + p.sum(-1, keepdim=True)
         v = values[:, c0 : c0 + CHUNK].float().repeat_interleave(group, dim=2)  # (R, C, H, D)
-        acc = acc + torch.bmm(p, v.permute(0, 2, 1, 3).reshape(r * h, CHUNK, d))  # (RH, 1, D)
+        v = v.permute(0, 2, 1, 3).reshape(r * h, CHUNK, d).contiguous()  # (RH, C, D)
+        acc = acc + torch.bmm(p.contiguous(), v)  # (RH, 1, D)
     return (acc / total).view(r, h, d).to(q.dtype)
 
 

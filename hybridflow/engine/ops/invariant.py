@@ -14,8 +14,8 @@ Here every row is reduced by the same instructions whatever else is in the call:
 - On CUDA, Triton kernels with one fixed tiling (``invariant_kernels``): a row's reduction runs in one program,
   in the same order, for any M; there is no split of K.
 
-``exact_kernels()`` routes torch's ``mm``, ``addmm``, ``mean.dim`` and ``_log_softmax`` through these for the
-process (``torch.library``), so the Hugging Face modules the trainer runs and the rollout's runner (whose ops
+``exact_kernels()`` routes torch's ``mm``, ``addmm``, ``mean.dim``, ``_log_softmax`` and ``_softmax`` through
+these for the process (``torch.library``), so the Hugging Face modules the trainer runs and the rollout's runner (whose ops
 follow them one for one) compute the same bits for the same token. Backward passes go through the same ops:
 correct, not faster. ``token_log_probs`` is the one function both sides use for a sampled token's log-prob.
 """
@@ -44,6 +44,7 @@ def exact_on() -> bool:
 def _chunks(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """x (M, ...) as (C, ROWS, ...) with zero rows appended to fill the last chunk; returns it and M."""
     m = x.shape[0]
+    x = x.contiguous()  # one memory layout: the library picks its kernel by the operands' strides too
     pad = -m % ROWS
     if pad:
         x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
@@ -53,7 +54,7 @@ def _chunks(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 def _mm_cpu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a (M, K) @ b (K, N), chunk by chunk: each chunk one bmm of shape (1, ROWS, K) @ (1, K, N)."""
     chunks, m = _chunks(a)
-    w = b[None]  # (1, K, N)
+    w = b.contiguous()[None]  # (1, K, N), row-major whatever the caller passed (a weight's transpose)
     out = [torch.bmm(c[None], w)[0] for c in chunks]  # (ROWS, N) each
     return torch.cat(out)[:m] if out else a.new_zeros((0, b.shape[1]))
 
@@ -125,13 +126,45 @@ def _log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor
     return out.view(moved.shape).movedim(-1, dim)
 
 
+def _softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+    """``aten::_softmax`` (a router's): the exponential of the exact log-softmax, row by row."""
+    out = _log_softmax(x, dim, half_to_float).exp()
+    return out if half_to_float else out.to(x.dtype)
+
+
+def _padded_flat(x: torch.Tensor) -> torch.Tensor:
+    """x flattened and zero-padded to a multiple of 64 elements (every CPU vector width divides it)."""
+    flat = x.reshape(-1)
+    pad = -flat.numel() % 64
+    return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+
+
+def _sigmoid_cpu(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)) with every element in the vector body of the CPU kernels.
+
+    A CPU elementwise kernel runs the last few elements of a tensor through a scalar loop whose ``exp`` may
+    round differently from the vector one, so an element's result would depend on the tensor's size and the
+    element's place (a Qwen2-MoE shared-expert gate of one row per token)."""
+    flat = _padded_flat(x).float()  # float32 math, one rounding to x's dtype (as torch's kernel)
+    return (1.0 / (1.0 + (-flat).exp()))[: x.numel()].view(x.shape).to(x.dtype)
+
+
+def _silu_cpu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x), as ``_sigmoid_cpu``."""
+    flat = _padded_flat(x).float()
+    return (flat / (1.0 + (-flat).exp()))[: x.numel()].view(x.shape).to(x.dtype)
+
+
 def _register() -> torch.library.Library:
     lib = torch.library.Library("aten", "IMPL")
+    lib.impl("sigmoid", _sigmoid_cpu, "CPU")  # on CUDA an element's result never depends on its place
+    lib.impl("silu", _silu_cpu, "CPU")
     for key in ("CPU", "CUDA"):
         lib.impl("mm", mm, key)
         lib.impl("addmm", _addmm, key)
         lib.impl("mean.dim", _mean_dim, key)
         lib.impl("_log_softmax", _log_softmax, key)
+        lib.impl("_softmax", _softmax, key)
     return lib
 
 
@@ -156,7 +189,11 @@ def exact_kernels() -> Iterator[None]:
 
 def enable_exact_kernels() -> None:
     """Route the exact kernels in for the rest of the process (``rollout.exact=true`` runs)."""
-    exact_kernels().__enter__()
+    global _library, _depth
+    with _lock:
+        if _depth == 0:
+            _library = _register()
+        _depth += 1  # never released: an ``exact_kernels()`` block inside keeps them on when it ends
 
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -166,7 +203,7 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
     return F.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)  # (M,)
 
 
-_rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+ROPE_ATTR = "_hybridflow_rope_tables"  # on the inv_freq tensor: its tables live and die with it
 
 
 def rope_table(inv_freq: torch.Tensor, scaling: float, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,15 +213,18 @@ def rope_table(inv_freq: torch.Tensor, scaling: float, length: int) -> tuple[tor
     and looked up by position: the trainer and the rollout then hold the same bits for a position, where
     computing ``cos`` on tensors of different shapes can round a value differently (a CPU kernel's scalar
     tail against its vector body). Build it before any CUDA graph capture (it allocates)."""
-    key = (inv_freq.data_ptr(), inv_freq.device, float(scaling))
-    table = _rope.get(key)
+    tables = getattr(inv_freq, ROPE_ATTR, None)
+    if tables is None:
+        tables = {}
+        setattr(inv_freq, ROPE_ATTR, tables)
+    table = tables.get(float(scaling))
     if table is None or table[0].shape[0] < length:
         size = -(-length // 1024) * 1024  # a multiple of the vector widths: no element takes a scalar tail
         at = torch.arange(size, device=inv_freq.device, dtype=torch.float32)
         freqs = at[:, None] * inv_freq.float()[None, :]  # (L, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (L, D)
         table = (emb.cos() * scaling, emb.sin() * scaling)
-        _rope[key] = table
+        tables[float(scaling)] = table
     return table
 
 
@@ -196,7 +236,9 @@ def use_rope_table(model: torch.nn.Module) -> int:
         if not hasattr(module, "inv_freq") or not hasattr(module, "attention_scaling"):
             continue
 
-        def forward(x: torch.Tensor, position_ids: torch.Tensor, _m=module) -> tuple[torch.Tensor, torch.Tensor]:
+        def forward(
+            x: torch.Tensor, position_ids: torch.Tensor, _m=module
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             cos, sin = rope_table(_m.inv_freq, _m.attention_scaling, length)  # (L, D) each
             return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)  # (b, t, D) each
 
@@ -209,3 +251,16 @@ def text_length(config) -> int:
     """The positions a rope table covers: the text model's ``max_position_embeddings``."""
     text = getattr(config, "text_config", None) or config
     return int(text.max_position_embeddings)
+
+
+def prepare_exact(model: torch.nn.Module) -> None:
+    """Make an HF causal LM compute as the exact rollout does: the packed attention (whose exact branch reads
+    each sequence in the rollout's order), the shared RoPE table, and each MoE block's experts through the
+    loop over experts (each expert's rows through the exact matmul, summed per token in expert order)."""
+    from hybridflow.engine.ops.packed_attention import use_packed_attention
+    from hybridflow.models.moe import loop_experts, moe_blocks
+
+    use_packed_attention(model)
+    use_rope_table(model)
+    for block in moe_blocks(model):
+        block.experts_fn = loop_experts

@@ -44,7 +44,9 @@ def _matmul_kernel(
         else:
             acc = tl.dot(a, b, acc)
     c = acc.to(c_ptr.dtype.element_ty)
-    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, c, (rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(
+        c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, c, (rm[:, None] < M) & (rn[None, :] < N)
+    )
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -101,7 +103,9 @@ def _log_softmax_kernel(x_ptr, out_ptr, V, stride, B: tl.constexpr):
     lse = m + tl.log(tl.sum(total, axis=0))
     for v0 in range(0, V, B):
         x = tl.load(base + v0 + cols, mask=v0 + cols < V, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride + v0 + cols, (x - lse).to(out_ptr.dtype.element_ty), mask=v0 + cols < V)
+        tl.store(
+            out_ptr + row * stride + v0 + cols, (x - lse).to(out_ptr.dtype.element_ty), mask=v0 + cols < V
+        )
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:

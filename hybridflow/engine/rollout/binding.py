@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from hybridflow.engine.ops.fp8 import FP8, Fp8Weight
+from hybridflow.engine.ops.invariant import exact_on
 from hybridflow.engine.ops.tensors import Storages
 from hybridflow.engine.parallel.fsdp import reshard_fsdp
 from hybridflow.engine.rollout.blocks import LayerDims, LayerWeights, MoEWeights
@@ -157,7 +158,8 @@ class WeightBinding:
         moe = MoEWeights(spec, self._sparse, router, gate_up, down)
         x = torch.empty(0, hidden, dtype=self.dtype, device=self.device)  # what the forward will feed
         fits = grouped_mm_fits(x, gate_up, down) and gate_up.dtype == self.dtype
-        moe.experts = grouped_experts if fits else loop_experts  # run_experts' choice, made once
+        # run_experts' choice, made once; exact mode's loop runs each expert's rows through the exact matmul
+        moe.experts = grouped_experts if fits and not exact_on() else loop_experts
         if e < spec.num_experts:  # an expert-parallel rollout rank: its whole experts, one block of them
             moe.experts = functools.partial(moe.experts, offset=self.expert_rank * e)
         if self.exchange is not None:  # ep > tp: this rank's experts run on the exchange's pooled rows

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from hybridflow.engine.ops.invariant import exact_on
 from hybridflow.engine.rollout.block_pool import BlockPool, PoolExhausted
 from hybridflow.engine.rollout.decode_loop import (
     DECODE_K_SPLITS,
@@ -96,7 +97,8 @@ class PagedEngine:
         self.last_stats = GenerationStats()  # of the last session
         # The fused Triton sampler on CUDA (reads the compute-dtype logits), CUDA graphs of the decode step
         # unless enforce_eager, and with compile_decode the step compiled per batch bucket.
-        self.fused_sampler = fused_sampler_available(self.device)
+        # rollout.exact samples through the trainer's log-prob formula (``invariant.token_log_probs``).
+        self.fused_sampler = fused_sampler_available(self.device) and not exact_on()
         self.runner.float_logits = not self.fused_sampler
         self.use_graphs = not cfg.enforce_eager and self.device.type == "cuda" and graphs_fit(self.runner)
         if cfg.record_routing:
