@@ -60,6 +60,26 @@ def attend_rows(
     return (acc / total).view(r, h, d).to(q.dtype)
 
 
+def attend(
+    q: torch.Tensor,  # (R, H, D)
+    keys: torch.Tensor,  # (N, KVH, D) sequences laid end to end
+    values: torch.Tensor,  # (N, KVH, D)
+    starts: torch.Tensor,  # (R,) where each row's sequence begins in keys
+    positions: torch.Tensor,  # (R,) each row reads keys[starts + 0 .. starts + position]
+    scale: float,
+) -> torch.Tensor:
+    """Each row over its own sequence's keys in the fixed order: the Triton kernel on CUDA, ``attend_rows``
+    elsewhere; (R, H, D) in q's dtype."""
+    if q.is_cuda:
+        from hybridflow.engine.ops import invariant_kernels
+
+        return invariant_kernels.attend(q, keys, values, starts, positions, scale, CHUNK)
+    length = max(-(-(int(positions.max()) + 1) // CHUNK) * CHUNK, CHUNK) if len(positions) else CHUNK
+    at = starts[:, None] + torch.arange(length, device=q.device)[None, :]  # (R, L)
+    at = at.clamp(max=keys.shape[0] - 1)  # past a row's position: masked, whatever it reads
+    return attend_rows(q, keys[at], values[at], positions, scale)
+
+
 def pad_keys(x: torch.Tensor, length: int) -> torch.Tensor:
     """x (B, L, ...) zero-padded along dim 1 to a multiple of CHUNK that is at least ``length``."""
     want = max(-(-length // CHUNK) * CHUNK, CHUNK)
@@ -76,12 +96,10 @@ def packed_exact_attention(
     scale: float,
 ) -> torch.Tensor:
     """The trainer's packed batch: each sequence's rows over its own keys; (1, S, H, D)."""
-    parts = []
-    for start, end in itertools.pairwise(bounds):
-        n = end - start
-        q = query[0, :, start:end].transpose(0, 1)  # (n, H, D)
-        k = pad_keys(key[0, :, start:end].transpose(0, 1)[None], n)  # (1, L, KVH, D)
-        v = pad_keys(value[0, :, start:end].transpose(0, 1)[None], n)
-        rows = torch.arange(n, device=query.device)  # (n,) positions in the sequence
-        parts.append(attend_rows(q, k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), rows, scale))
-    return torch.cat(parts)[None]  # (1, S, H, D)
+    lengths = torch.tensor([e - s for s, e in itertools.pairwise(bounds)])  # (n,)
+    starts = torch.repeat_interleave(torch.tensor(bounds[:-1]), lengths)  # (S,) each token's sequence start
+    positions = torch.arange(bounds[-1]) - starts  # (S,)
+    device = query.device
+    q = query[0].transpose(0, 1)  # (S, H, D)
+    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (S, KVH, D)
+    return attend(q, k, v, starts.to(device), positions.to(device), scale)[None]  # (1, S, H, D)

@@ -115,3 +115,63 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     if x.shape[0]:
         _log_softmax_kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0), B=BLOCK)
     return out
+
+
+@triton.jit
+def _attend_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, pos_ptr, scale,
+    sq_r, sq_h, sk_n, sk_h, so_r, so_h,
+    GROUP: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
+):  # fmt: skip
+    r, h = tl.program_id(0), tl.program_id(1)
+    kvh = h // GROUP
+    d = tl.arange(0, D)
+    j = tl.arange(0, C)
+    q = tl.load(q_ptr + r * sq_r + h * sq_h + d).to(tl.float32)  # (D,)
+    start = tl.load(starts_ptr + r)
+    pos = tl.load(pos_ptr + r)
+    chunks = pos // C + 1
+    tops = tl.full((C,), float("-inf"), tl.float32)
+    for c in range(0, chunks):  # pass 1: the row's largest score (exact in any order)
+        at = c * C + j  # (C,) positions in the sequence
+        k = tl.load(k_ptr + (start + at)[:, None] * sk_n + kvh * sk_h + d[None, :], mask=(at <= pos)[:, None])
+        s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale  # (C,)
+        tops = tl.maximum(tops, tl.where(at <= pos, s, float("-inf")))
+    top = tl.max(tops, axis=0)
+    totals = tl.zeros((C,), dtype=tl.float32)
+    acc = tl.zeros((D,), dtype=tl.float32)
+    for c in range(0, chunks):  # pass 2: in position order, the exponentials and their values
+        at = c * C + j
+        valid = at <= pos
+        k = tl.load(k_ptr + (start + at)[:, None] * sk_n + kvh * sk_h + d[None, :], mask=valid[:, None])
+        s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale
+        p = tl.where(valid, tl.exp(s - top), 0.0)  # (C,)
+        totals += p
+        v = tl.load(v_ptr + (start + at)[:, None] * sk_n + kvh * sk_h + d[None, :], mask=valid[:, None])
+        acc += tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+    out = acc / tl.sum(totals, axis=0)
+    tl.store(out_ptr + r * so_r + h * so_h + d, out.to(out_ptr.dtype.element_ty))
+
+
+def attend(
+    q: torch.Tensor,  # (R, H, D)
+    keys: torch.Tensor,  # (N, KVH, D)
+    values: torch.Tensor,  # (N, KVH, D)
+    starts: torch.Tensor,  # (R,) int: where each row's sequence begins in keys
+    positions: torch.Tensor,  # (R,) int: each row reads keys starts .. starts + position
+    scale: float,
+    chunk: int,
+) -> torch.Tensor:
+    """``exact_attention.attend`` on CUDA: one program per (row, head), the chunks in position order."""
+    r, h, d = q.shape
+    q, keys, values = q.contiguous(), keys.contiguous(), values.contiguous()
+    out = torch.empty_like(q)
+    if r == 0:
+        return out
+    assert keys.stride() == values.stride() and d & (d - 1) == 0, "contiguous K and V, a power-of-2 head dim"
+    _attend_kernel[(r, h)](
+        q, keys, values, out, starts.to(torch.int64), positions.to(torch.int64), float(scale),
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), out.stride(0), out.stride(1),
+        GROUP=h // keys.shape[1], D=d, C=chunk,
+    )  # fmt: skip
+    return out

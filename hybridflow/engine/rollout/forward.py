@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from hybridflow.engine.ops.exact_attention import attend_rows
+from hybridflow.engine.ops.exact_attention import attend as exact_attend
 from hybridflow.engine.ops.invariant import exact_on
 from hybridflow.engine.ops.packing import to_device
 from hybridflow.engine.rollout.kv_cache import (
@@ -135,8 +135,10 @@ class PagedForward:
             if exact_on():  # each token over the cache, in the trainer's order (``exact_attention``)
                 write_kv_paged(k_valid, v_valid, kv_storage, idx, blocks, offsets)
                 keys, values = read_kv_paged(kv_storage, None, idx, tables, q.dtype)  # (b, L, KVH, D) each
-                out = attend_rows(
-                    q[rows, :, cols], keys[rows], values[rows], positions[rows, cols], self.scaling
+                starts = rows * keys.shape[1]  # (n,) each token's sequence in the flattened keys
+                flat = keys.flatten(0, 1), values.flatten(0, 1)  # (b * L, KVH, D) each
+                out = exact_attend(
+                    q[rows, :, cols], *flat, starts, positions[rows, cols], self.scaling
                 )  # (n, H, D)
                 full = q.new_zeros(q.shape).transpose(1, 2)  # (b, t, H, D) view
                 full[rows, cols] = out
@@ -205,7 +207,9 @@ class PagedForward:
             cache.write(idx, k[:, :, 0], v[:, :, 0], write_at)  # (B, KVH, D) each
             if exact_on():  # the trainer's order over the same keys (``exact_attention``)
                 keys, values = cache.gather(idx, tables)  # (B, L, KVH, D) each
-                return attend_rows(q[:, :, 0], keys, values, positions, self.scaling)[:, :, None]
+                starts = torch.arange(keys.shape[0], device=keys.device) * keys.shape[1]  # (B,)
+                flat = keys.flatten(0, 1), values.flatten(0, 1)  # (B * L, KVH, D) each
+                return exact_attend(q[:, :, 0], *flat, starts, positions, self.scaling)[:, :, None]
             out = paged_decode_attention(q[:, :, 0], cache, idx, tables, positions + 1, self.scaling)
             return out[:, :, None]  # (B, H, 1, D)
 
