@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -156,6 +157,12 @@ def _silu_cpu(x: torch.Tensor) -> torch.Tensor:
 
 
 def _register() -> torch.library.Library:
+    with warnings.catch_warnings():  # torch warns that it overrides a kernel: that is the point
+        warnings.simplefilter("ignore", UserWarning)
+        return _overrides()
+
+
+def _overrides() -> torch.library.Library:
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("sigmoid", _sigmoid_cpu, "CPU")  # on CUDA an element's result never depends on its place
     lib.impl("silu", _silu_cpu, "CPU")
