@@ -423,3 +423,15 @@ def test_sft_on_two_ranks_equals_one_rank(tmp_path: Path, setup: dict[str, Path]
     assert any(not torch.equal(trained[k], base[k]) for k in base)  # the steps moved the weights
     losses = [m["sft/loss"] for m in step_metrics(tmp_path / "one").values()]
     assert losses[1] != losses[0]
+
+
+def test_exact_mode_on_two_ranks_logs_no_mismatch(tmp_path: Path, setup: dict[str, Path]) -> None:
+    """``rollout.exact`` at dp=2: each rank generates on a replica resharded from the FSDP2 shards, and its
+    log-probs are still bitwise the trainer's (``tests/trainer/test_exact_mode.py`` runs one rank)."""
+    metrics = run(
+        setup, tmp_path / "run", 2, "algorithm.adv_estimator=grpo", "rollout.exact=true",
+        "trainer.total_training_steps=2", "trainer.test_freq=-1",
+    )  # fmt: skip
+    for step in (1, 2):
+        assert metrics[step]["rollout_corr/log_prob_abs_diff_max"] == 0.0
+        assert metrics[step]["actor/ppo_kl"] == 0.0
