@@ -134,7 +134,11 @@ def _attend_kernel(
     tops = tl.full((C,), float("-inf"), tl.float32)
     for c in range(0, chunks):  # pass 1: the row's largest score (exact in any order)
         at = c * C + j  # (C,) positions in the sequence
-        k = tl.load(k_ptr + (start + at)[:, None] * sk_n + kvh * sk_h + d[None, :], mask=(at <= pos)[:, None])
+        k = tl.load(
+            k_ptr + (start + at)[:, None] * sk_n + kvh * sk_h + d[None, :],
+            mask=(at <= pos)[:, None],
+            other=0.0,
+        )
         s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale  # (C,)
         tops = tl.maximum(tops, tl.where(at <= pos, s, float("-inf")))
     top = tl.max(tops, axis=0)
@@ -143,11 +147,15 @@ def _attend_kernel(
     for c in range(0, chunks):  # pass 2: in position order, the exponentials and their values
         at = c * C + j
         valid = at <= pos
-        k = tl.load(k_ptr + (start + at)[:, None] * sk_n + kvh * sk_h + d[None, :], mask=valid[:, None])
+        k = tl.load(
+            k_ptr + (start + at)[:, None] * sk_n + kvh * sk_h + d[None, :], mask=valid[:, None], other=0.0
+        )
         s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale
         p = tl.where(valid, tl.exp(s - top), 0.0)  # (C,)
         totals += p
-        v = tl.load(v_ptr + (start + at)[:, None] * sk_n + kvh * sk_h + d[None, :], mask=valid[:, None])
+        v = tl.load(
+            v_ptr + (start + at)[:, None] * sk_n + kvh * sk_h + d[None, :], mask=valid[:, None], other=0.0
+        )
         acc += tl.sum(p[:, None] * v.to(tl.float32), axis=0)
     out = acc / tl.sum(totals, axis=0)
     tl.store(out_ptr + r * so_r + h * so_h + d, out.to(out_ptr.dtype.element_ty))
