@@ -35,6 +35,12 @@ def check_exact(cfg: Config, out: list[Problem]) -> None:
         ),
     ]
     refusals += [
+        (
+            cfg.model.lora_rank > 0,
+            "model.lora_rank",
+            "the rollout merges the adapters into the weights, the trainer adds their product apart",
+            "0",
+        ),
         (r.compile_decode, "rollout.compile_decode", "Inductor fuses and reorders the ops", "false"),
         (
             a.use_torch_compile is True,

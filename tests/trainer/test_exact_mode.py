@@ -50,6 +50,7 @@ def test_an_exact_run_logs_no_mismatch_and_a_default_run_does(model_dir: Path, t
         ("rollout.compile_decode=true", "rollout.compile_decode"),
         ("actor.use_torch_compile=true", "actor.use_torch_compile"),
         ("actor.ulysses_sequence_parallel_size=2", "actor.parallel.sp"),
+        ("model.lora_rank=8", "model.lora_rank"),
     ],
 )
 def test_what_exact_mode_refuses_is_named_with_its_fix(setting: str, named: str) -> None:
