@@ -69,6 +69,7 @@ SURFACE: dict[str, str] = {
     "ActorEngine": "roles.actor",
     "CriticEngine": "roles.critic",
     "update_preference": "roles.preference",
+    "enable_exact_kernels": "ops.invariant",
     "HFRollout": "rollout.hf_fallback",
     "PagedEngine": "rollout.engine",
     "GroupState": "rollout.partial",

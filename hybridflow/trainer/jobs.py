@@ -18,7 +18,7 @@ from hybridflow.checkpoint.manager import HF_CONFIG
 from hybridflow.checkpoint.rundir import is_complete, step_dir
 from hybridflow.config import Config, check_start, save_config
 from hybridflow.data import load_split_rows
-from hybridflow.engine.ops.invariant import enable_exact_kernels
+from hybridflow.engine import enable_exact_kernels
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.trainer.async_ppo import ColocatePPOTrainer
 from hybridflow.trainer.async_separate import SeparatePPOTrainer

@@ -10,7 +10,7 @@ import torch
 
 from hybridflow.config.parallel import role_sizes
 from hybridflow.config.schema import Config
-from hybridflow.engine.ops.invariant import enable_exact_kernels
+from hybridflow.engine import enable_exact_kernels
 from hybridflow.models import build_value_model, load_causal_lm, load_tokenizer, load_value_model
 from hybridflow.models.families import check_router_replay, disable_dropout
 from hybridflow.models.moe import install_moe

@@ -31,7 +31,7 @@ from torch import nn
 from hybridflow.engine.hybrid.fp8_choice import fp8_pays
 from hybridflow.engine.hybrid.switch import BroadcastReplica, RolloutShard
 from hybridflow.engine.ops.dtypes import to_dtype
-from hybridflow.engine.ops.invariant import prepare_exact
+from hybridflow.engine.ops.exact_model import prepare_exact
 from hybridflow.engine.parallel.dims import ParallelDims
 from hybridflow.engine.parallel.fsdp import full_state_dict
 from hybridflow.engine.parallel.layout import check_tp, follow_rollout_shards
@@ -129,7 +129,7 @@ class HybridSettings:
     max_model_len: int = 2048
     rollout_options: dict[str, Any] = field(default_factory=dict)  # make_rollout's limits
     needs: tuple[str, ...] = ()  # keys of BUILT_IN_NEEDS this run asks for
-    exact: bool = False  # rollout.exact: the trainer computes as the rollout (``invariant.prepare_exact``)
+    exact: bool = False  # rollout.exact: the trainer computes as the rollout (``exact_model.prepare_exact``)
 
 
 class HybridActor:

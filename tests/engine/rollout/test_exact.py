@@ -10,7 +10,8 @@ import pytest
 import torch
 from test_agent_loop import END, EchoTools
 
-from hybridflow.engine.ops.invariant import exact_kernels, prepare_exact, token_log_probs
+from hybridflow.engine.ops.exact_model import prepare_exact
+from hybridflow.engine.ops.invariant import exact_kernels, token_log_probs
 from hybridflow.engine.ops.packed_attention import BOUNDS_KWARG, packed_mask_placeholder
 from hybridflow.engine.rollout.agent_loop import AgentLoop, LoopLimits
 from hybridflow.engine.rollout.engine import PagedEngine
